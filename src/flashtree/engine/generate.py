@@ -1,0 +1,143 @@
+"""The one `generate` entry point used by the CLI, the server and the benchmarks."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from flashtree.engine.output import OutputTracker
+from flashtree.errors import FlashtreeError
+
+MODES = ("ar", "chain", "ddtree")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 256
+    mode: str = "ar"
+    budget: int = 22  # DDTree node budget (root not counted)
+    topk: int = 8  # candidates per draft position for the tree
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    prefill_chunk: int = 512
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise FlashtreeError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.max_new_tokens < 0:
+            raise FlashtreeError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.budget < 1 or self.topk < 1:
+            raise FlashtreeError(f"budget and topk must be >= 1, got budget={self.budget} topk={self.topk}")
+        if self.prefill_chunk < 1:
+            raise FlashtreeError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    steps: int = 0  # target forwards after prefill (decode steps or verify steps)
+    accepted: Counter = field(default_factory=Counter)  # committed tokens per verify step -> count
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        """Committed tokens per target step (1.0 for autoregressive decoding)."""
+        committed = sum(k * v for k, v in self.accepted.items())
+        return committed / self.steps if self.steps else 0.0
+
+    @property
+    def decode_s(self) -> float:
+        return self.total_s - self.prefill_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens, "steps": self.steps,
+            "acceptance_length": round(self.acceptance_length, 4),
+            "acceptance_histogram": {str(k): v for k, v in sorted(self.accepted.items())},
+            "prefill_s": round(self.prefill_s, 6), "draft_s": round(self.draft_s, 6),
+            "verify_s": round(self.verify_s, 6), "overhead_s": round(max(self.decode_s - self.draft_s - self.verify_s, 0.0), 6),
+            "total_s": round(self.total_s, 6), "tokens_per_s": round(self.tokens_per_s, 3),
+        }
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" | "length"
+    stats: GenerationStats
+
+
+class Engine:
+    """A loaded target (and optionally a draft) plus the decoding loops."""
+
+    def __init__(self, target, draft=None):
+        self.target = target
+        self.draft = draft
+
+    @property
+    def tokenizer(self):
+        return self.target.tokenizer
+
+    def generate(self, prompt_ids: Sequence[int], config: GenerationConfig,
+                 on_text: Callable[[str], None] | None = None) -> GenerationResult:
+        if not prompt_ids:
+            raise FlashtreeError("the prompt is empty: give at least one token")
+        if config.mode != "ar" and self.draft is None:
+            raise FlashtreeError(f"mode {config.mode!r} needs a draft model: pass --draft DIR or use --spec ar")
+        eos = () if config.ignore_eos else self.tokenizer.eos_ids
+        out = OutputTracker(self.tokenizer, eos, config.stop, config.max_new_tokens, on_text)
+        stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        started = time.perf_counter()
+        if not out.done:
+            if config.mode == "ar":
+                self._autoregressive(list(prompt_ids), config, out, stats, started)
+            else:
+                from flashtree.spec.decode import speculative
+
+                speculative(self, list(prompt_ids), config, out, stats, started)
+        stats.total_s = time.perf_counter() - started
+        stats.new_tokens = len(out.token_ids)
+        return GenerationResult(out.token_ids, out.text, out.finish_reason, stats)
+
+    def context_size(self, prompt_len: int, config: GenerationConfig) -> int:
+        """Cache rows needed: prompt, new tokens, and tree scratch rows past the committed end."""
+        return prompt_len + config.max_new_tokens + config.budget + 2
+
+    def prefill(self, cache, prompt_ids: list[int], chunk: int, capture: Sequence[int] = ()):
+        """Returns (last-position logits, captured features of every prompt token or None)."""
+        model = self.target.model
+        features = []
+        for start in range(0, len(prompt_ids), chunk):
+            piece = torch.tensor(prompt_ids[start : start + chunk], dtype=torch.long)
+            result = model.forward(piece, cache, capture=capture, last_only=not capture)
+            if capture:
+                features.append(result.features)
+        logits = result.logits[-1]
+        return logits, (torch.cat(features) if capture else None)
+
+    def _autoregressive(self, prompt_ids, config, out: OutputTracker, stats: GenerationStats, started: float) -> None:
+        model = self.target.model
+        cache = model.new_cache(self.context_size(len(prompt_ids), config))
+        logits, _ = self.prefill(cache, prompt_ids, config.prefill_chunk)
+        stats.prefill_s = time.perf_counter() - started
+        token = int(logits.argmax())
+        while not out.push(token):
+            step_start = time.perf_counter()
+            logits = model.forward(torch.tensor([token]), cache).logits[-1]
+            token = int(logits.argmax())
+            stats.verify_s += time.perf_counter() - step_start
+            stats.steps += 1
+            stats.accepted[1] += 1

@@ -1,0 +1,92 @@
+"""From a GGUF path to a ready target: validated config, tokenizer, chat template, weights on a device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from flashtree.errors import FlashtreeError
+from flashtree.formats.chat_template import ChatTemplate
+from flashtree.formats.gguf_file import GGUFFile
+from flashtree.formats.quants import SUPPORTED_TYPES, type_name
+from flashtree.formats.tokenizer import Tokenizer, TokenizerSpec
+from flashtree.models.qwen35 import Qwen35Model
+from flashtree.models.qwen35_config import Qwen35Config
+
+
+@dataclass
+class Target:
+    path: Path
+    gguf: GGUFFile
+    config: Qwen35Config
+    model: Qwen35Model
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate | None
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise FlashtreeError(f"device {device!r} requested but this torch has no CUDA device; use --device cpu")
+    return dev
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def read_config(gguf: GGUFFile) -> tuple[Qwen35Config, TokenizerSpec | None]:
+    spec = TokenizerSpec.from_metadata(gguf.metadata) if "tokenizer.ggml.tokens" in gguf.metadata else None
+    embed = gguf.tensor("token_embd.weight")
+    vocab = embed.shape[0]
+    config = Qwen35Config.from_metadata(gguf.metadata, vocab_size=vocab)
+    if spec is not None and len(spec.tokens) > vocab:
+        raise FlashtreeError(f"{gguf.path}: tokenizer has {len(spec.tokens)} tokens but the embedding only {vocab} rows")
+    return config, spec
+
+
+def check_tensor_types(gguf: GGUFFile, config: Qwen35Config) -> None:
+    trunk = tuple(f"blk.{i}." for i in range(config.num_layers))
+    for info in gguf.tensors.values():
+        used = not info.name.startswith("blk.") or info.name.startswith(trunk)
+        if used and info.qtype not in SUPPORTED_TYPES:
+            supported = ", ".join(sorted(type_name(t) for t in SUPPORTED_TYPES))
+            raise FlashtreeError(
+                f"{gguf.path}: tensor {info.name} uses quant type {type_name(info.qtype)}, which flashtree does not "
+                f"support yet (supported: {supported})"
+            )
+
+
+def load_target(path: str | Path, device: str | None = None, dtype: torch.dtype | None = None,
+                progress: bool = False) -> Target:
+    gguf = GGUFFile(path)
+    config, spec = read_config(gguf)
+    check_tensor_types(gguf, config)
+    if spec is None:
+        raise FlashtreeError(f"{gguf.path}: no tokenizer in the file (tokenizer.ggml.tokens missing)")
+    tokenizer = Tokenizer(spec)
+    dev = resolve_device(device)
+    model = Qwen35Model.load(gguf, config, dev, dtype or default_dtype(dev), progress=_progress_bar(config) if progress else None)
+    template = ChatTemplate(spec.chat_template, eos_token=_token_text(spec, spec.eos_token_id)) if spec.chat_template else None
+    return Target(Path(path), gguf, config, model, tokenizer, template)
+
+
+def _token_text(spec: TokenizerSpec, token_id: int | None) -> str:
+    return spec.tokens[token_id] if token_id is not None and 0 <= token_id < len(spec.tokens) else ""
+
+
+def _progress_bar(config: Qwen35Config):
+    from tqdm import tqdm
+
+    bar = tqdm(total=config.num_layers, desc="loading layers", unit="layer", leave=False)
+
+    def update(done: int, total: int) -> None:
+        bar.update(done - bar.n)
+        if done == total:
+            bar.close()
+
+    return update

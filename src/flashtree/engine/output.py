@@ -1,0 +1,78 @@
+"""Collects generated tokens and decides when generation ends: end-of-generation ids, stop strings,
+max tokens. Streams text without splitting UTF-8 characters and without ever emitting text that a
+stop string later turns out to cover."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from flashtree.formats.tokenizer import Tokenizer
+
+
+class OutputTracker:
+    def __init__(self, tokenizer: Tokenizer, eos_ids: Iterable[int], stop: Iterable[str], max_new_tokens: int,
+                 on_text: Callable[[str], None] | None = None):
+        self.eos_ids = frozenset(eos_ids)
+        self.stop = tuple(s for s in stop if s)
+        self.max_new_tokens = max_new_tokens
+        self.on_text = on_text
+        self.decoder = tokenizer.stream_decoder()
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self._emitted = 0
+        self._holdback = max((len(s) for s in self.stop), default=1) - 1
+        if max_new_tokens <= 0:
+            self._finish("length", flush=False)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def push(self, token: int) -> bool:
+        """Add one generated token; True once generation is over (later tokens must not be pushed)."""
+        if self.done:
+            return True
+        if token in self.eos_ids:
+            self._finish("stop", flush=True)
+            return True
+        self.token_ids.append(token)
+        self.text += self.decoder.push(token)
+        if self._cut_at_stop_string():
+            self._finish("stop", flush=False)
+        elif len(self.token_ids) >= self.max_new_tokens:
+            self._finish("length", flush=True)
+        else:
+            self._emit(len(self.text) - self._holdback)
+        return self.done
+
+    def push_many(self, tokens: Iterable[int]) -> int:
+        """Push tokens until done; returns how many were consumed."""
+        used = 0
+        for token in tokens:
+            used += 1
+            if self.push(token):
+                break
+        return used
+
+    def _cut_at_stop_string(self) -> bool:
+        hits = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
+        if not hits:
+            return False
+        self.text = self.text[: min(hits)]
+        return True
+
+    def _finish(self, reason: str, flush: bool) -> None:
+        """`flush` adds bytes still held by the decoder (an incomplete character at the very end)."""
+        if flush:
+            self.text += self.decoder.flush()
+            if self._cut_at_stop_string():
+                reason = "stop"
+        self.finish_reason = reason
+        self._emit(len(self.text))
+
+    def _emit(self, upto: int) -> None:
+        if upto > self._emitted:
+            if self.on_text is not None:
+                self.on_text(self.text[self._emitted : upto])
+            self._emitted = upto

@@ -1,0 +1,84 @@
+"""Building blocks shared by the target and the draft: weights from GGUF, norms, linears, RoPE."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+
+from flashtree.errors import FlashtreeError
+from flashtree.formats.gguf_file import GGUFFile
+from flashtree.formats.quants import dequantize
+
+
+def load_weight(gguf: GGUFFile, name: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """Dequantize one tensor onto `device`, refusing a shape that differs from what the config implies."""
+    info = gguf.tensor(name)
+    if tuple(info.shape) != tuple(shape):
+        raise FlashtreeError(f"{gguf.path}: tensor {name} has shape {tuple(info.shape)}, expected {tuple(shape)}")
+    raw = gguf.raw(name).to(device)
+    return dequantize(raw, info.qtype, info.shape, dtype=dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """GGUF norms already hold the final multiplier (the converter folded HF's 1 + w into them)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+class Linear:
+    """y = x W^T with W dequantized at load (quantized GPU kernels replace this later)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+
+    @classmethod
+    def load(cls, gguf: GGUFFile, name: str, out_features: int, in_features: int, dtype, device) -> "Linear":
+        return cls(load_weight(gguf, name, (out_features, in_features), dtype, device))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class QuantizedEmbedding:
+    """Token embedding kept in its file encoding; only the looked-up rows are dequantized.
+
+    A 27B embedding is ~0.7 GB in Q4_K and 2.5 GB in bf16, so keeping it quantized matters.
+    """
+
+    def __init__(self, raw_rows: torch.Tensor, qtype: GGMLQuantizationType, dim: int, dtype: torch.dtype):
+        self.raw_rows = raw_rows  # uint8 [vocab, bytes_per_row]
+        self.qtype = qtype
+        self.dim = dim
+        self.dtype = dtype
+
+    @classmethod
+    def load(cls, gguf: GGUFFile, name: str, vocab: int, dim: int, dtype, device) -> "QuantizedEmbedding":
+        info = gguf.tensor(name)
+        if tuple(info.shape) != (vocab, dim):
+            raise FlashtreeError(f"{gguf.path}: tensor {name} has shape {tuple(info.shape)}, expected {(vocab, dim)}")
+        raw = gguf.raw(name).to(device).view(vocab, -1)
+        return cls(raw, info.qtype, dim, dtype)
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        rows = self.raw_rows[tokens.reshape(-1)]
+        out = dequantize(rows.reshape(-1), self.qtype, (rows.shape[0], self.dim), dtype=self.dtype)
+        return out.reshape(*tokens.shape, self.dim)
+
+
+def rope_tables(positions: torch.Tensor, rot_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [T, rot_dim] for NeoX (rotate-half) pairing, computed in float32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, device=positions.device, dtype=torch.float32) / rot_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    angles = torch.cat([freqs, freqs], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first cos.shape[-1] dims of each head of x [T, H, D]; the rest pass through."""
+    rot = cos.shape[-1]
+    xr, rest = x[..., :rot].float(), x[..., rot:]
+    half = rot // 2
+    rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
+    out = xr * cos[:, None, :] + rotated * sin[:, None, :]
+    return torch.cat([out.to(x.dtype), rest], dim=-1)

@@ -1,0 +1,158 @@
+"""The qwen35 target (Qwen3.5 / Qwen3.6): hybrid Gated DeltaNet + gated attention, loaded from GGUF.
+
+    h = x + Mixer(norm(x)) ; h = h + MLP(norm(h))  for every layer, then output_norm and the LM head.
+
+`forward` processes either a run of new tokens after the cache (prefill, decode) or a draft tree
+(verify); `commit` then folds the accepted root-to-leaf path of a verified tree into the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from flashtree.engine.cache import TargetCache
+from flashtree.errors import FlashtreeError
+from flashtree.formats.gguf_file import GGUFFile
+from flashtree.models.attention import GatedAttention
+from flashtree.models.deltanet import GatedDeltaNet
+from flashtree.models.layers import Linear, QuantizedEmbedding, load_weight, rms_norm
+from flashtree.models.qwen35_config import Qwen35Config
+from flashtree.models.step import Step
+
+
+class MLP:
+    def __init__(self, gate: Linear, up: Linear, down: Linear):
+        self.gate, self.up, self.down = gate, up, down
+
+    @classmethod
+    def load(cls, gguf: GGUFFile, prefix: str, config: Qwen35Config, dtype, device) -> "MLP":
+        d, f = config.hidden_size, config.intermediate_size
+        return cls(
+            Linear.load(gguf, f"{prefix}.ffn_gate.weight", f, d, dtype, device),
+            Linear.load(gguf, f"{prefix}.ffn_up.weight", f, d, dtype, device),
+            Linear.load(gguf, f"{prefix}.ffn_down.weight", d, f, dtype, device),
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class DecoderLayer:
+    def __init__(self, index: int, mixer, mlp: MLP, attn_norm: torch.Tensor, post_norm: torch.Tensor, eps: float):
+        self.index, self.mixer, self.mlp = index, mixer, mlp
+        self.attn_norm, self.post_norm, self.eps = attn_norm, post_norm, eps
+
+    @property
+    def is_recurrent(self) -> bool:
+        return isinstance(self.mixer, GatedDeltaNet)
+
+    @classmethod
+    def load(cls, gguf: GGUFFile, index: int, config: Qwen35Config, dtype, device) -> "DecoderLayer":
+        prefix = f"blk.{index}"
+        mixer_cls = GatedDeltaNet if config.recurrent_layers[index] else GatedAttention
+        norm_shape = (config.hidden_size,)
+        return cls(
+            index,
+            mixer_cls.load(gguf, prefix, config, dtype, device),
+            MLP.load(gguf, prefix, config, dtype, device),
+            load_weight(gguf, f"{prefix}.attn_norm.weight", norm_shape, torch.float32, device),
+            load_weight(gguf, f"{prefix}.post_attention_norm.weight", norm_shape, torch.float32, device),
+            config.rms_eps,
+        )
+
+    def __call__(self, h: torch.Tensor, step: Step, cache: TargetCache) -> torch.Tensor:
+        x = rms_norm(h, self.attn_norm, self.eps)
+        if self.is_recurrent:
+            mixed, scratch = self.mixer(x, step, cache.deltanet[self.index])
+            if scratch is not None:
+                cache.pending[self.index] = scratch
+        else:
+            mixed = self.mixer(x, step, cache.attention[self.index])
+        h = h + mixed
+        return h + self.mlp(rms_norm(h, self.post_norm, self.eps))
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [T, vocab] float32 (or [1, vocab] with last_only)
+    features: torch.Tensor | None  # [T, len(capture) * hidden]: outputs of the captured layers, in order
+
+
+class Qwen35Model:
+    def __init__(self, config: Qwen35Config, embed: QuantizedEmbedding, layers: list[DecoderLayer],
+                 output_norm: torch.Tensor, lm_head: Linear, device: torch.device, dtype: torch.dtype):
+        self.config, self.embed, self.layers = config, embed, layers
+        self.output_norm, self.lm_head = output_norm, lm_head
+        self.device, self.dtype = device, dtype
+
+    @classmethod
+    def load(cls, gguf: GGUFFile, config: Qwen35Config, device="cpu", dtype=torch.float32, progress=None) -> "Qwen35Model":
+        device = torch.device(device)
+        d, vocab = config.hidden_size, config.vocab_size
+        embed = QuantizedEmbedding.load(gguf, "token_embd.weight", vocab, d, dtype, device)
+        head_name = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
+        lm_head = Linear.load(gguf, head_name, vocab, d, dtype, device)
+        layers = []
+        for i in range(config.num_layers):
+            layers.append(DecoderLayer.load(gguf, i, config, dtype, device))
+            if progress is not None:
+                progress(i + 1, config.num_layers)
+        output_norm = load_weight(gguf, "output_norm.weight", (d,), torch.float32, device)
+        return cls(config, embed, layers, output_norm, lm_head, device, dtype)
+
+    def new_cache(self, capacity: int) -> TargetCache:
+        return TargetCache.allocate(self.config, capacity, self.device, self.dtype)
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed(tokens.to(self.device))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(rms_norm(hidden, self.output_norm, self.config.rms_eps)).float()
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, cache: TargetCache, step: Step | None = None,
+                capture: Sequence[int] = (), last_only: bool = False) -> ForwardOutput:
+        """Run new tokens after the cache. Without `step` they extend the sequence (and the cache);
+        with a tree `step` the cache length is unchanged until `commit`."""
+        tokens = tokens.to(self.device)
+        n = tokens.shape[0]
+        self._check_tokens(tokens)
+        cache.reserve(n)
+        step = step or Step.sequence(cache.length, n, self.device)
+        cache.pending.clear()
+        h = self.embed(tokens)
+        captured = {}
+        wanted = set(capture)
+        for layer in self.layers:
+            h = layer(h, step, cache)
+            if layer.index in wanted:
+                captured[layer.index] = h
+        if not step.is_tree:
+            cache.length += n
+        features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
+        logits = self.logits(h[-1:] if last_only else h)
+        return ForwardOutput(logits, features)
+
+    @torch.inference_mode()
+    def commit(self, cache: TargetCache, path: torch.Tensor) -> None:
+        """Keep the accepted tree nodes `path` (node indices, root first) as the next committed tokens."""
+        path = path.to(self.device)
+        start = cache.length
+        dest = slice(start, start + path.shape[0])
+        for layer in self.layers:
+            if layer.is_recurrent:
+                layer.mixer.commit(cache.deltanet[layer.index], cache.pending[layer.index], path)
+            else:
+                kv = cache.attention[layer.index]
+                kv.k[:, dest] = kv.k[:, start + path]
+                kv.v[:, dest] = kv.v[:, start + path]
+        cache.pending.clear()
+        cache.length += path.shape[0]
+
+    def _check_tokens(self, tokens: torch.Tensor) -> None:
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size):
+            raise FlashtreeError(f"token id out of range [0, {self.config.vocab_size}) in the input")
