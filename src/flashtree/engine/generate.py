@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import torch
@@ -21,17 +21,24 @@ class GenerationConfig:
     mode: str = "ar"
     budget: int = 22  # DDTree node budget (root not counted)
     topk: int = 8  # candidates per draft position for the tree
+    draft_window: int = 4096  # committed positions the draft attends to (its context cache size)
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # extra end-of-generation ids (vLLM's stop_token_ids)
     ignore_eos: bool = False
     prefill_chunk: int = 512
+    ctx: int | None = None  # context size in tokens (prompt + generated); None = fit the request
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise FlashtreeError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
         if self.max_new_tokens < 0:
             raise FlashtreeError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.draft_window < 1:
+            raise FlashtreeError(f"draft_window must be >= 1, got {self.draft_window}")
         if self.budget < 1 or self.topk < 1:
             raise FlashtreeError(f"budget and topk must be >= 1, got budget={self.budget} topk={self.topk}")
+        if self.ctx is not None and self.ctx < 2:
+            raise FlashtreeError(f"ctx must be >= 2 tokens, got {self.ctx}")
         if self.prefill_chunk < 1:
             raise FlashtreeError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
 
@@ -76,29 +83,46 @@ class GenerationStats:
 class GenerationResult:
     token_ids: list[int]
     text: str
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" | "cancelled"
     stats: GenerationStats
 
 
 class Engine:
     """A loaded target (and optionally a draft) plus the decoding loops."""
 
-    def __init__(self, target, draft=None):
+    def __init__(self, target, draft=None, default_config: GenerationConfig | None = None):
         self.target = target
         self.draft = draft
+        self.default_config = default_config or GenerationConfig(mode="ddtree" if draft is not None else "ar")
+
+    def config_for(self, **overrides) -> GenerationConfig:
+        """The engine's defaults (mode, budget, ...) with per-request values on top."""
+        return replace(self.default_config, **{k: v for k, v in overrides.items() if v is not None})
+
+    def encode_prompt(self, prompt: str, raw: bool = False, system: str | None = None, **template_kwargs) -> list[int]:
+        """Token ids for a user prompt: through the model's chat template unless `raw`."""
+        template = self.target.chat_template
+        if raw or template is None:
+            return self.tokenizer.encode(prompt)
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        return self.tokenizer.encode(template.render(messages, add_generation_prompt=True, **template_kwargs))
 
     @property
     def tokenizer(self):
         return self.target.tokenizer
 
     def generate(self, prompt_ids: Sequence[int], config: GenerationConfig,
-                 on_text: Callable[[str], None] | None = None) -> GenerationResult:
+                 on_text: Callable[[str], None] | None = None,
+                 cancelled: Callable[[], bool] | None = None) -> GenerationResult:
+        """Greedy generation. `on_text` receives streamed text pieces; `cancelled` is polled once per
+        target step and ends generation with finish_reason "cancelled" when it returns True."""
         if not prompt_ids:
             raise FlashtreeError("the prompt is empty: give at least one token")
         if config.mode != "ar" and self.draft is None:
             raise FlashtreeError(f"mode {config.mode!r} needs a draft model: pass --draft DIR or use --spec ar")
-        eos = () if config.ignore_eos else self.tokenizer.eos_ids
-        out = OutputTracker(self.tokenizer, eos, config.stop, config.max_new_tokens, on_text)
+        eos = set(config.stop_token_ids) | (set() if config.ignore_eos else set(self.tokenizer.eos_ids))
+        room = self.context_size(len(prompt_ids), config) - config.budget - 2 - len(prompt_ids)
+        out = OutputTracker(self.tokenizer, eos, config.stop, min(config.max_new_tokens, room), on_text, cancelled)
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
         started = time.perf_counter()
         if not out.done:
@@ -113,8 +137,12 @@ class Engine:
         return GenerationResult(out.token_ids, out.text, out.finish_reason, stats)
 
     def context_size(self, prompt_len: int, config: GenerationConfig) -> int:
-        """Cache rows needed: prompt, new tokens, and tree scratch rows past the committed end."""
-        return prompt_len + config.max_new_tokens + config.budget + 2
+        """Cache rows: prompt + new tokens (capped by --ctx) + tree scratch rows past the committed end."""
+        limit = config.ctx or self.target.config.context_length
+        if prompt_len >= limit:
+            raise FlashtreeError(f"the prompt has {prompt_len} tokens but the context holds {limit}; "
+                                 "shorten the prompt or raise --ctx")
+        return min(prompt_len + config.max_new_tokens, limit) + config.budget + 2
 
     def prefill(self, cache, prompt_ids: list[int], chunk: int, capture: Sequence[int] = ()):
         """Returns (last-position logits, captured features of every prompt token or None)."""

@@ -90,3 +90,34 @@ def _progress_bar(config: Qwen35Config):
             bar.close()
 
     return update
+
+
+DEMO_DIR = Path(__file__).resolve().parent.parent / "assets"
+DEMO_TARGET = DEMO_DIR / "demo-target.gguf"
+DEMO_DRAFT = DEMO_DIR / "demo-draft"
+
+
+def load_engine(model: str | Path | None = None, draft: str | Path | None = None, device: str | None = None,
+                spec: str | None = None, budget: int = 22, topk: int = 8, progress: bool = False):
+    """Target (+ draft) ready to generate. No model means the embedded demo pair."""
+    from flashtree.engine.generate import Engine, GenerationConfig
+
+    if model is None:
+        if not DEMO_TARGET.is_file():
+            raise FlashtreeError("no --model given and the embedded demo model is not installed; pass --model PATH.gguf")
+        model = DEMO_TARGET
+        if draft is None and DEMO_DRAFT.is_dir() and spec != "ar":
+            draft = DEMO_DRAFT
+    target = load_target(model, device, progress=progress)
+    draft_model = load_draft(draft, target) if draft is not None else None
+    mode = spec or ("ddtree" if draft_model is not None else "ar")
+    return Engine(target, draft_model, GenerationConfig(mode=mode, budget=budget, topk=topk))
+
+
+def load_draft(path: str | Path, target: Target):
+    from flashtree.models.dflash import DFlashDraft
+
+    draft = DFlashDraft.load(path, device=target.model.device, dtype=target.model.dtype)
+    c = target.config
+    draft.check_target(c.hidden_size, c.vocab_size, c.num_layers)
+    return draft

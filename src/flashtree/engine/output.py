@@ -11,11 +11,12 @@ from flashtree.formats.tokenizer import Tokenizer
 
 class OutputTracker:
     def __init__(self, tokenizer: Tokenizer, eos_ids: Iterable[int], stop: Iterable[str], max_new_tokens: int,
-                 on_text: Callable[[str], None] | None = None):
+                 on_text: Callable[[str], None] | None = None, cancelled: Callable[[], bool] | None = None):
         self.eos_ids = frozenset(eos_ids)
         self.stop = tuple(s for s in stop if s)
         self.max_new_tokens = max_new_tokens
         self.on_text = on_text
+        self.cancelled = cancelled
         self.decoder = tokenizer.stream_decoder()
         self.token_ids: list[int] = []
         self.text = ""
@@ -32,6 +33,9 @@ class OutputTracker:
     def push(self, token: int) -> bool:
         """Add one generated token; True once generation is over (later tokens must not be pushed)."""
         if self.done:
+            return True
+        if self.cancelled is not None and self.cancelled():
+            self._finish("cancelled", flush=False)
             return True
         if token in self.eos_ids:
             self._finish("stop", flush=True)

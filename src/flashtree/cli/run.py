@@ -1,0 +1,50 @@
+"""`flashtree run "prompt"`: one-shot generation, streamed to stdout (or one JSON object with --json)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from flashtree.engine.loader import load_engine
+
+
+def add_parser(sub) -> None:
+    from flashtree.cli.main import add_model_args
+
+    p = sub.add_parser("run", help="generate a completion for one prompt")
+    p.add_argument("prompt", help="the prompt text (use - to read it from stdin)")
+    add_model_args(p)
+    p.add_argument("-n", "--max-tokens", type=int, default=256, help="maximum new tokens (default 256)")
+    p.add_argument("--raw", action="store_true", help="plain completion: do not apply the chat template")
+    p.add_argument("--system", help="system prompt for the chat template")
+    p.add_argument("--think", action="store_true", help="let the model think first (enable_thinking)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-generation tokens")
+    p.add_argument("--json", action="store_true", help="print token ids, text and stats as one JSON object")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    engine = load_engine(args.model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk,
+                         progress=not args.json)
+    prompt_ids = engine.encode_prompt(prompt, raw=args.raw, system=args.system, enable_thinking=args.think)
+    config = engine.config_for(max_new_tokens=args.max_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+                               ctx=args.ctx)
+    stream = None if args.json else _print_piece
+    result = engine.generate(prompt_ids, config, on_text=stream)
+    if args.json:
+        print(json.dumps({"mode": config.mode, "prompt_tokens": len(prompt_ids), "token_ids": result.token_ids,
+                          "text": result.text, "finish_reason": result.finish_reason, "stats": result.stats.as_dict()},
+                         ensure_ascii=False))
+    else:
+        s = result.stats
+        print(f"\n\n[{config.mode}] {s.new_tokens} tokens, {s.tokens_per_s:.1f} tok/s, "
+              f"acceptance length {s.acceptance_length:.2f}, finish: {result.finish_reason}", file=sys.stderr)
+    return 0
+
+
+def _print_piece(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()

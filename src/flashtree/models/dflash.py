@@ -1,0 +1,480 @@
+"""The DFlash block-diffusion draft model (z-lab checkpoint format).
+
+A DFlash draft is a small stack of Qwen3 decoder layers without embedding or LM head (both are
+borrowed from the target). It is conditioned on the concatenated hidden states of a few target
+layers ("context features"): `fc` + `hidden_norm` project them to the hidden size, and every
+layer turns them into extra K/V entries with its own k_proj/v_proj/k_norm/RoPE ("KV injection").
+The draft input is one block `[bonus, mask x (block_size-1)]`; a single forward gives hidden
+states for all block positions at once. Attention is non-causal, except that, like the reference
+(dflash 0.1.0), sliding-window layers are causal unless config.json sets `is_causal`.
+
+Batch size is 1 throughout and tensors carry no batch dimension: features are [n, F], block
+embeddings [block, D]. Context K/V are cached across calls (`DraftContextCache`) because the
+context only ever grows by committed positions; the block's own K/V are never persisted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from flashtree.errors import FlashtreeError
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Default feature layers: evenly spaced from layer 1 to layer N-3 (the middle one if only one)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    layer_types: tuple[str, ...]
+    sliding_window: int | None
+    vocab_size: int
+    # The reference makes sliding layers causal unless the config says otherwise; None = that default.
+    is_causal: bool | None = None
+
+    def __post_init__(self) -> None:
+        for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "num_target_layers", "vocab_size"):
+            _require(_is_int(getattr(self, key)) and getattr(self, key) > 0, key, "a positive integer")
+        _require(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
+                 f"a divisor of num_attention_heads={self.num_attention_heads}")
+        _require(self.head_dim % 2 == 0, "head_dim", "even (RoPE rotates halves)")
+        _require(_is_int(self.block_size) and self.block_size >= 2, "block_size", "an integer >= 2")
+        _require(_is_int(self.mask_token_id) and 0 <= self.mask_token_id < self.vocab_size, "mask_token_id",
+                 f"a token id in [0, {self.vocab_size})")
+        _require(_is_finite_positive(self.rms_norm_eps), "rms_norm_eps", "a positive number")
+        _require(_is_finite_positive(self.rope_theta), "rope_theta", "a positive number")
+        _require(len(self.target_layer_ids) > 0
+                 and all(_is_int(i) and 0 <= i < self.num_target_layers for i in self.target_layer_ids),
+                 "target_layer_ids", f"a non-empty list of layer ids in [0, {self.num_target_layers})")
+        _require(len(self.layer_types) == self.num_hidden_layers and set(self.layer_types) <= set(LAYER_TYPES),
+                 "layer_types", f"{self.num_hidden_layers} entries from {LAYER_TYPES}")
+        _require(self.sliding_window is None or (_is_int(self.sliding_window) and self.sliding_window > 0),
+                 "sliding_window", "null or a positive integer")
+        _require(self.is_causal is None or isinstance(self.is_causal, bool), "is_causal", "null or a boolean")
+
+    @property
+    def feature_size(self) -> int:
+        """Width of one position's context feature: the concatenated target hidden states."""
+        return len(self.target_layer_ids) * self.hidden_size
+
+    def layer_is_causal(self, layer: int) -> bool:
+        if self.is_causal is not None:
+            return self.is_causal
+        return self.layer_types[layer] == "sliding_attention"
+
+    def layer_window(self, layer: int) -> int | None:
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    @classmethod
+    def from_json(cls, d: dict) -> DraftConfig:
+        """Read a z-lab `config.json` (HF Qwen3 config plus `dflash_config`), defaulting as z-lab does."""
+        if "DFlash2DraftModel" in (d.get("architectures") or ()):
+            raise FlashtreeError("draft config: DFlash2 drafts (DFlash2DraftModel) are not supported")
+        draft = d.get("dflash_config") or {}
+
+        def required(key: str):
+            if d.get(key) is None:
+                raise FlashtreeError(f"draft config: missing required key {key!r}")
+            return d[key]
+
+        def dflash_value(key: str, default=None):
+            # z-lab reads dflash_config first, then the top level.
+            return draft.get(key, d.get(key, default))
+
+        num_layers = required("num_hidden_layers")
+        mask_token_id = dflash_value("mask_token_id")
+        if mask_token_id is None:
+            raise FlashtreeError("draft config: missing required key 'dflash_config.mask_token_id'")
+        target_ids = dflash_value("target_layer_ids")
+        if target_ids is None:
+            target_ids = build_target_layer_ids(required("num_target_layers"), num_layers)
+        # HF Qwen3Config drops the window unless use_sliding_window is set.
+        window = d.get("sliding_window") if d.get("use_sliding_window", False) else None
+        layer_types = d.get("layer_types") or [
+            "sliding_attention" if window is not None and i >= d.get("max_window_layers", 28) else "full_attention"
+            for i in range(num_layers)
+        ]
+        return cls(
+            hidden_size=required("hidden_size"),
+            intermediate_size=required("intermediate_size"),
+            num_hidden_layers=num_layers,
+            num_attention_heads=required("num_attention_heads"),
+            num_key_value_heads=required("num_key_value_heads"),
+            head_dim=required("head_dim"),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(d),
+            block_size=dflash_value("block_size", 16),
+            mask_token_id=mask_token_id,
+            target_layer_ids=tuple(target_ids),
+            num_target_layers=required("num_target_layers"),
+            layer_types=tuple(layer_types),
+            sliding_window=window,
+            vocab_size=required("vocab_size"),
+            is_causal=d.get("is_causal"),
+        )
+
+    def to_json(self) -> dict:
+        """The z-lab `config.json` form; `from_json(to_json())` round-trips."""
+        d = asdict(self)
+        d.update(
+            architectures=["DFlashDraftModel"],
+            model_type="qwen3",
+            hidden_act="silu",
+            attention_bias=False,
+            layer_types=list(self.layer_types),
+            use_sliding_window=self.sliding_window is not None,
+            dflash_config={"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+        )
+        for key in ("mask_token_id", "target_layer_ids") + (("is_causal",) if self.is_causal is None else ()):
+            del d[key]
+        return d
+
+
+def _rope_theta(d: dict) -> float:
+    """rope_theta is required: a wrong default silently ruins acceptance (Luce shipped exactly that bug)."""
+    params = d.get("rope_parameters") or {}
+    scaling = d.get("rope_scaling") or {}
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        raise FlashtreeError(f"draft config: rope type {rope_type!r} is not supported (only default RoPE)")
+    theta = d.get("rope_theta")
+    if theta is None:
+        theta = params.get("rope_theta")
+    if theta is None:
+        raise FlashtreeError("draft config: missing required key 'rope_theta'")
+    return theta
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_finite_positive(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def _require(ok: bool, key: str, expected: str) -> None:
+    if not ok:
+        raise FlashtreeError(f"draft config: {key} must be {expected}")
+
+
+# --------------------------------------------------------------------------------------------
+# Building blocks (module names mirror the checkpoint's tensor names)
+# --------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """Qwen3 RMSNorm: normalise in fp32, cast back, then scale by the (plain, not 1+w) weight."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def _linear(n_in: int, n_out: int) -> nn.Linear:
+    return nn.Linear(n_in, n_out, bias=False)
+
+
+class _Attention(nn.Module):
+    def __init__(self, c: DraftConfig):
+        super().__init__()
+        self.q_proj = _linear(c.hidden_size, c.num_attention_heads * c.head_dim)
+        self.k_proj = _linear(c.hidden_size, c.num_key_value_heads * c.head_dim)
+        self.v_proj = _linear(c.hidden_size, c.num_key_value_heads * c.head_dim)
+        self.o_proj = _linear(c.num_attention_heads * c.head_dim, c.hidden_size)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.head_dim = c.head_dim
+
+    def key_value(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        """[n, D] -> K, V as [kv_heads, n, head_dim]; K normed and rotated at its own positions."""
+        n = x.shape[0]
+        k = self.k_norm(self.k_proj(x).view(n, -1, self.head_dim))
+        v = self.v_proj(x).view(n, -1, self.head_dim)
+        return _rotate(k, *rope).transpose(0, 1), v.transpose(0, 1)
+
+    def forward(self, x: Tensor, ctx_k: Tensor, ctx_v: Tensor, rope: tuple[Tensor, Tensor],
+                mask: Tensor | None) -> Tensor:
+        n = x.shape[0]
+        q = _rotate(self.q_norm(self.q_proj(x).view(n, -1, self.head_dim)), *rope).transpose(0, 1)
+        k, v = self.key_value(x, rope)
+        k, v = torch.cat([ctx_k, k], dim=1), torch.cat([ctx_v, v], dim=1)
+        # GQA without copying K/V: the query heads sharing one KV head (repeat_interleave grouping)
+        # are folded into the query axis, so SDPA sees kv_heads "heads" with group*n queries each.
+        kv_heads, group = k.shape[0], q.shape[0] // k.shape[0]
+        q = q.reshape(kv_heads, group * n, self.head_dim)
+        if mask is not None:
+            mask = mask.repeat(group, 1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim**-0.5)
+        return self.o_proj(out.view(kv_heads * group, n, self.head_dim).transpose(0, 1).reshape(n, -1))
+
+
+class _MLP(nn.Module):
+    def __init__(self, c: DraftConfig):
+        super().__init__()
+        self.gate_proj = _linear(c.hidden_size, c.intermediate_size)
+        self.up_proj = _linear(c.hidden_size, c.intermediate_size)
+        self.down_proj = _linear(c.intermediate_size, c.hidden_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _Layer(nn.Module):
+    def __init__(self, c: DraftConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = _Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = _MLP(c)
+
+    def forward(self, h: Tensor, ctx_k: Tensor, ctx_v: Tensor, rope: tuple[Tensor, Tensor],
+                mask: Tensor | None) -> Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), ctx_k, ctx_v, rope, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half RoPE over the full head_dim; x is [n, heads, head_dim], cos/sin [n, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+def _visibility(q_pos: Tensor, k_pos: Tensor, causal: bool, window: int | None) -> Tensor | None:
+    """Which keys each block query sees, in absolute positions (None = all).
+
+    Same rule as the reference's index-based mask (its cache keeps positions contiguous):
+    causal keeps keys at or before the query; a window keeps keys less than `window` away,
+    on both sides when the layer is not causal."""
+    if not causal and window is None:
+        return None
+    dist = q_pos[:, None] - k_pos[None, :]
+    visible = torch.ones_like(dist, dtype=torch.bool)
+    if causal:
+        visible &= dist >= 0
+    if window is not None:
+        visible &= dist < window
+        if not causal:
+            visible &= -dist < window
+    return visible
+
+
+# --------------------------------------------------------------------------------------------
+# Context cache
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class DraftContextCache:
+    """Per-layer K/V of committed context positions, in a ring of `max_context` slots.
+
+    Slot order does not matter to attention (RoPE is applied before caching and masks use the
+    stored positions), so eviction is an overwrite, never a shift."""
+
+    keys: Tensor       # [layers, kv_heads, max_context, head_dim]
+    values: Tensor     # [layers, kv_heads, max_context, head_dim]
+    positions: Tensor  # [max_context] int64, absolute position held by each slot
+    count: int = 0     # positions appended since the last reset
+
+    @property
+    def max_context(self) -> int:
+        return self.positions.shape[0]
+
+    @property
+    def length(self) -> int:
+        """Number of valid slots; slots fill from 0, so they are always the first `length`."""
+        return min(self.count, self.max_context)
+
+    def reset(self) -> None:
+        self.count = 0
+
+    def write(self, layer: int, k: Tensor, v: Tensor, positions: Tensor, slots: Tensor) -> None:
+        self.keys[layer].index_copy_(1, slots, k)
+        self.values[layer].index_copy_(1, slots, v)
+        self.positions.index_copy_(0, slots, positions)
+
+
+# --------------------------------------------------------------------------------------------
+# The draft model
+# --------------------------------------------------------------------------------------------
+
+
+class DFlashDraft(nn.Module):
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        c = self.config = config
+        self.fc = _linear(c.feature_size, c.hidden_size)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(_Layer(c) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    # ---- loading / saving ----
+
+    @classmethod
+    def load(cls, path: str | Path, device: str | torch.device = "cpu",
+             dtype: torch.dtype = torch.bfloat16) -> DFlashDraft:
+        """Load a z-lab draft directory: config.json + model.safetensors (names without `model.`)."""
+        path = Path(path)
+        for name in (CONFIG_FILE, WEIGHTS_FILE):
+            if not (path / name).is_file():
+                raise FlashtreeError(f"draft model: {path / name} not found")
+        try:
+            config = DraftConfig.from_json(json.loads((path / CONFIG_FILE).read_text()))
+        except json.JSONDecodeError as e:
+            raise FlashtreeError(f"draft model: {path / CONFIG_FILE} is not valid JSON ({e})") from e
+        with torch.device("meta"):
+            model = cls(config)
+        tensors = load_file(path / WEIGHTS_FILE, device=str(device))
+        model._check_tensors(tensors)
+        model.load_state_dict({k: t.to(dtype) for k, t in tensors.items()}, assign=True)
+        return model.eval()
+
+    def _check_tensors(self, tensors: dict[str, Tensor]) -> None:
+        expected = {name: tuple(p.shape) for name, p in self.named_parameters()}
+        for name, shape in expected.items():
+            if name not in tensors:
+                raise FlashtreeError(f"draft model: tensor {name!r} missing from {WEIGHTS_FILE}")
+            if tuple(tensors[name].shape) != shape:
+                raise FlashtreeError(f"draft model: tensor {name!r} has shape {tuple(tensors[name].shape)}, "
+                                     f"expected {shape} from config.json")
+        unexpected = sorted(set(tensors) - set(expected))
+        if unexpected:
+            raise FlashtreeError(f"draft model: unexpected tensors in {WEIGHTS_FILE}: {unexpected[:5]}")
+
+    def save(self, path: str | Path) -> None:
+        """Write config.json + model.safetensors in the layout `load` reads."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / CONFIG_FILE).write_text(json.dumps(self.config.to_json(), indent=2))
+        save_file({k: t.detach().contiguous().cpu() for k, t in self.state_dict().items()}, path / WEIGHTS_FILE)
+
+    def check_target(self, hidden_size: int, vocab_size: int, num_layers: int) -> None:
+        """Refuse a target this draft was not built for (its embedding, LM head and features are borrowed)."""
+        c = self.config
+        if hidden_size != c.hidden_size:
+            raise FlashtreeError(f"draft hidden_size {c.hidden_size} does not match the target's {hidden_size}")
+        if vocab_size != c.vocab_size:
+            raise FlashtreeError(f"draft vocab_size {c.vocab_size} does not match the target's {vocab_size}")
+        bad = [i for i in c.target_layer_ids if not 0 <= i < num_layers]
+        if bad:
+            raise FlashtreeError(f"draft target_layer_ids {bad} are outside the target's {num_layers} layers")
+
+    # ---- forward ----
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos/sin tables in fp32 (positions reach 1e5+), cast to the compute dtype at the end."""
+        dim = self.config.head_dim
+        inv_freq = 1.0 / self.config.rope_theta ** (
+            torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim)
+        freqs = positions.float()[:, None] * inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(self._dtype), emb.sin().to(self._dtype)
+
+    def project_context(self, target_features: Tensor) -> Tensor:
+        """[n, len(target_layer_ids)*D] target features -> [n, D] context vectors."""
+        if target_features.dim() != 2 or target_features.shape[1] != self.config.feature_size:
+            raise FlashtreeError(f"draft context features must be [n, {self.config.feature_size}], "
+                                 f"got {list(target_features.shape)}")
+        return self.hidden_norm(self.fc(target_features.to(self._dtype)))
+
+    def new_cache(self, max_context: int, device=None, dtype=None) -> DraftContextCache:
+        if max_context < 1:
+            raise FlashtreeError(f"draft max_context must be >= 1, got {max_context}")
+        c = self.config
+        device = self.fc.weight.device if device is None else device
+        dtype = self._dtype if dtype is None else dtype
+        shape = (c.num_hidden_layers, c.num_key_value_heads, max_context, c.head_dim)
+        return DraftContextCache(
+            keys=torch.zeros(shape, device=device, dtype=dtype),
+            values=torch.zeros(shape, device=device, dtype=dtype),
+            positions=torch.zeros(max_context, device=device, dtype=torch.long),
+        )
+
+    @torch.no_grad()
+    def append_context(self, cache: DraftContextCache, target_features: Tensor, positions: Tensor) -> None:
+        """Add newly committed positions ([n, F] features at absolute `positions`) to the cache.
+
+        Only the newest `max_context` positions survive, so older rows of a long chunk are skipped
+        before the (expensive) fc projection rather than computed and then evicted."""
+        n = target_features.shape[0]
+        if positions.shape != (n,):
+            raise FlashtreeError(f"draft context positions must be [{n}], got {list(positions.shape)}")
+        keep = min(n, cache.max_context)
+        target_features, positions = target_features[n - keep:], positions[n - keep:].to(cache.positions.device)
+        start = cache.count + n - keep
+        slots = torch.arange(start, start + keep, device=cache.positions.device) % cache.max_context
+        ctx = self.project_context(target_features)
+        rope = self._rope(positions)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.key_value(ctx, rope)
+            cache.write(i, k.to(cache.keys.dtype), v.to(cache.values.dtype), positions, slots)
+        cache.count += n
+
+    @torch.no_grad()
+    def forward_block(self, cache: DraftContextCache, block_embeddings: Tensor, start_position: int) -> Tensor:
+        """[block, D] embeddings of [bonus, mask...] at positions start.. -> final-normed hidden [block, D].
+
+        Block queries attend to every cached context position and to the whole block, restricted
+        per layer by `layer_is_causal` / `layer_window` (see `_visibility`)."""
+        c = self.config
+        if block_embeddings.dim() != 2 or block_embeddings.shape[1] != c.hidden_size:
+            raise FlashtreeError(f"draft block embeddings must be [block, {c.hidden_size}], "
+                                 f"got {list(block_embeddings.shape)}")
+        n, ctx_len = block_embeddings.shape[0], cache.length
+        q_pos = torch.arange(start_position, start_position + n, device=cache.positions.device)
+        k_pos = torch.cat([cache.positions[:ctx_len], q_pos])
+        rope = self._rope(q_pos)
+        masks: dict[tuple[bool, int | None], Tensor | None] = {}
+        h = block_embeddings.to(self._dtype)
+        for i, layer in enumerate(self.layers):
+            kind = (c.layer_is_causal(i), c.layer_window(i))
+            if kind not in masks:
+                masks[kind] = _visibility(q_pos, k_pos, *kind)
+            h = layer(h, cache.keys[i, :, :ctx_len].to(h.dtype), cache.values[i, :, :ctx_len].to(h.dtype),
+                      rope, masks[kind])
+        return self.norm(h)
