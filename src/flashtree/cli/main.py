@@ -25,10 +25,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashtree", description=__doc__)
     parser.add_argument("--version", action="version", version=f"flashtree {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    from flashtree.bench import cli as bench
     from flashtree.cli import info, run
 
     run.add_parser(sub)
     info.add_parser(sub)
+    bench.add_parser(sub)
     return parser
 
 

@@ -23,7 +23,7 @@ from flashtree.errors import FlashtreeError
 from flashtree.formats.chat_template import CHATML_TEMPLATE
 
 # GGUF token types used here (llama.cpp also has 2 unknown, 5 unused, 6 byte; those are plain vocab entries).
-NORMAL, CONTROL, USER_DEFINED = 1, 3, 4
+NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
 
 # Pre-tokenizer split regexes by GGUF `tokenizer.ggml.pre` name. qwen35 adds \p{M} (combining marks)
 # to the letter classes so that e.g. Devanagari vowel signs stay inside their word.

@@ -1,0 +1,353 @@
+"""OpenAI-compatible HTTP API over one Engine: chat and text completions (streamed or not), models,
+health, Prometheus metrics, tokenize/detokenize."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import threading
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field, replace
+from typing import AsyncIterator, Callable, Sequence
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import PlainTextResponse, StreamingResponse
+
+from flashtree.engine.generate import GenerationResult
+from flashtree.formats.chat_template import CHATML_TEMPLATE, ChatTemplate
+from flashtree.serve.errors import APIError, install_error_handlers
+from flashtree.serve.parsing import Delta, OutputParser, opens_thinking
+from flashtree.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerationParams,
+                                      TokenizeRequest)
+from flashtree.serve.scheduler import Job, Metrics, Scheduler
+
+log = logging.getLogger("flashtree.serve")
+
+# Keys the template renderer sets itself; letting chat_template_kwargs override them would break rendering.
+_RESERVED_TEMPLATE_KEYS = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+
+
+def chat_template(engine) -> ChatTemplate:
+    """The model's own template; GGUFs without one get ChatML, which frames Qwen turns the same way."""
+    return engine.target.chat_template or ChatTemplate(CHATML_TEMPLATE, eos_token="<|im_end|>")
+
+
+class Server:
+    """What the routes share: the engine once loaded, its scheduler, and the serving options."""
+
+    def __init__(self, engine, model_name: str, api_key: str | None, queue_size: int, request_timeout: float,
+                 shutdown_timeout: float):
+        # Anything without `generate` is a factory, loaded in the background so /health can say "loading".
+        self._factory: Callable | None = None if hasattr(engine, "generate") else engine
+        self.engine = None if self._factory else engine
+        self.model_name = model_name
+        self.api_key = api_key
+        self.queue_size = queue_size
+        self.request_timeout = request_timeout
+        self.shutdown_timeout = shutdown_timeout
+        self.metrics = Metrics()
+        self.scheduler: Scheduler | None = None
+        self.template: ChatTemplate | None = None
+        self.status = "loading"
+        self.load_error = ""
+        self.created = int(time.time())
+
+    def start(self) -> None:
+        if self._factory is None:
+            self._ready(self.engine)
+        else:
+            threading.Thread(target=self._load, name="flashtree-load", daemon=True).start()
+
+    def _load(self) -> None:
+        try:
+            engine = self._factory()
+        except Exception as exc:
+            log.exception("loading the model failed")
+            self.load_error, self.status = f"{type(exc).__name__}: {exc}", "failed"
+            return
+        self._ready(engine)
+
+    def _ready(self, engine) -> None:
+        self.engine = engine
+        self.template = chat_template(engine)
+        self.scheduler = Scheduler(engine, self.queue_size, self.metrics)
+        self.status = "ready"
+
+    def stop(self) -> None:
+        self.status = "stopping"
+        if self.scheduler is not None:
+            self.scheduler.shutdown(self.shutdown_timeout)
+
+    def require_ready(self) -> None:
+        if self.status == "loading":
+            raise APIError(503, "Loading model", retry_after=5)
+        if self.status == "failed":
+            raise APIError(503, f"the model failed to load: {self.load_error}")
+        if self.status == "stopping":
+            raise APIError(503, "the server is shutting down")
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
+                           param="model", code="model_not_found")
+
+    @property
+    def context_limit(self) -> int:
+        return self.engine.default_config.ctx or self.engine.target.config.context_length
+
+    def render(self, messages: list[dict], tools: list[dict] | None, kwargs: dict | None,
+               add_generation_prompt: bool = True) -> str:
+        for key in kwargs or ():
+            if key in _RESERVED_TEMPLATE_KEYS:
+                raise APIError(400, f"chat_template_kwargs may not set {key!r}", param="chat_template_kwargs")
+        return self.template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                    **(kwargs or {}))
+
+    def submit(self, prompt_ids: Sequence[int], params: GenerationParams, what: str) -> Job:
+        base = self.engine.default_config
+        config = replace(base, max_new_tokens=params.requested_max_tokens() or base.max_new_tokens,
+                         stop=params.stop_strings)
+        if len(prompt_ids) >= self.context_limit:
+            # OpenAI's wording: agent clients match it to trigger history compaction.
+            raise APIError(400, f"This model's maximum context length is {self.context_limit} tokens. However, your "
+                                f"{what} resulted in {len(prompt_ids)} tokens. Please reduce the length of the {what}.",
+                           param=what, code="context_length_exceeded")
+        job = Job(prompt_ids, config, self.request_timeout)
+        self.scheduler.submit(job)
+        return job
+
+
+@dataclass
+class Reply:
+    """Fields every body or chunk of one response shares."""
+
+    object: str  # "chat.completion" or "text_completion"
+    model: str
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def body(self, choices: list[dict], chunk: bool = False, **extra) -> dict:
+        name = f"{self.object}.chunk" if chunk and self.object == "chat.completion" else self.object
+        prefix = "chatcmpl" if self.object == "chat.completion" else "cmpl"
+        return {"id": f"{prefix}-{self.id}", "object": name, "created": self.created, "model": self.model,
+                "choices": choices, **extra}
+
+
+def _usage(result: GenerationResult) -> dict:
+    prompt, completion = result.stats.prompt_tokens, len(result.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def _finish_reason(result: GenerationResult, called_tools: bool = False) -> str:
+    if result.finish_reason == "stop":
+        return "tool_calls" if called_tools else "stop"
+    return "length"  # "length", or "cancelled" by the per-request timeout: the reply was cut short either way
+
+
+def _message_delta(delta: Delta) -> dict:
+    out: dict = {}
+    if delta.reasoning:
+        out["reasoning_content"] = delta.reasoning
+    if delta.content:
+        out["content"] = delta.content
+    if delta.tool_calls:
+        out["tool_calls"] = delta.tool_calls
+    return out
+
+
+async def _wait(job: Job, request: Request) -> GenerationResult:
+    """The job's result; a client that hangs up meanwhile cancels it."""
+
+    async def cancel_on_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        job.cancel()
+
+    watcher = asyncio.create_task(cancel_on_disconnect())
+    try:
+        return await job.wait()
+    finally:
+        watcher.cancel()
+        job.cancel()
+
+
+def _sse(events: AsyncIterator[dict], job: Job) -> StreamingResponse:
+    async def stream() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+        except APIError as exc:  # headers are out: a failure can only be reported as an event
+            yield f"data: {json.dumps(exc.body())}\n\n"
+        except Exception as exc:
+            log.exception("streaming failed")
+            yield f"data: {json.dumps(APIError(500, f'internal error: {type(exc).__name__}').body())}\n\n"
+        finally:
+            job.cancel()  # a client that hung up closes this generator: stop generating for it
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _server(request: Request) -> Server:
+    return request.app.state.server
+
+
+def _authorized(request: Request, server: Server = Depends(_server)) -> Server:
+    if server.api_key is None:
+        return server
+    header = request.headers.get("authorization", "")
+    given = header[7:] if header.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+    if not secrets.compare_digest(given.strip().encode(), server.api_key.encode()):
+        raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer KEY'", code="invalid_api_key")
+    return server
+
+
+def _ready(server: Server = Depends(_authorized)) -> Server:
+    server.require_ready()
+    return server
+
+
+public = APIRouter()
+api = APIRouter()
+
+
+@public.get("/health")
+def health(server: Server = Depends(_server)) -> dict:
+    server.require_ready()
+    return {"status": "ok"}
+
+
+@api.get("/v1/models")
+def models(server: Server = Depends(_authorized)) -> dict:
+    return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
+                                        "owned_by": "flashtree"}]}
+
+
+@api.get("/metrics")
+def metrics(server: Server = Depends(_authorized)) -> PlainTextResponse:
+    scheduler = server.scheduler
+    waiting = scheduler.waiting if scheduler else 0
+    running = int(scheduler is not None and scheduler.running is not None)
+    return PlainTextResponse(server.metrics.render(waiting, running), media_type="text/plain; version=0.0.4")
+
+
+@api.post("/tokenize")
+def tokenize(body: TokenizeRequest, server: Server = Depends(_ready)) -> dict:
+    server.check_model(body.model)
+    if body.messages is None:
+        text = body.prompt
+    else:
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        text = server.render([m.for_template() for m in body.messages], tools, body.chat_template_kwargs,
+                             body.add_generation_prompt)
+    ids = server.engine.tokenizer.encode(text)
+    return {"tokens": ids, "count": len(ids), "max_model_len": server.context_limit}
+
+
+@api.post("/detokenize")
+def detokenize(body: DetokenizeRequest, server: Server = Depends(_ready)) -> dict:
+    server.check_model(body.model)
+    return {"prompt": server.engine.tokenizer.decode(body.tokens)}
+
+
+@api.post("/v1/chat/completions", response_model=None)
+async def chat_completions(body: ChatCompletionRequest, request: Request,
+                           server: Server = Depends(_ready)) -> dict | StreamingResponse:
+    server.check_model(body.model)
+    body.check_supported()
+    prompt = server.render([m.for_template() for m in body.messages], body.template_tools(), body.chat_template_kwargs)
+    job = server.submit(server.engine.tokenizer.encode(prompt), body, "messages")
+    parser = OutputParser(opens_thinking(prompt), body.tool_schemas())
+    reply = Reply("chat.completion", server.model_name)
+    if body.stream:
+        return _sse(_chat_chunks(job, parser, reply, body.include_usage), job)
+    result = await _wait(job, request)
+    message = Delta()
+    message.add(parser.feed(result.text))
+    message.add(parser.finish())
+    choice = {"index": 0, "message": {"role": "assistant", "content": message.content or None,
+                                      "reasoning_content": message.reasoning or None},
+              "logprobs": None, "finish_reason": _finish_reason(result, parser.called_tools)}
+    if message.tool_calls:
+        choice["message"]["tool_calls"] = [{k: v for k, v in call.items() if k != "index"}
+                                           for call in message.tool_calls]
+    return reply.body([choice], usage=_usage(result), timings=result.stats.as_dict())
+
+
+async def _chat_chunks(job: Job, parser: OutputParser, reply: Reply, include_usage: bool) -> AsyncIterator[dict]:
+    def choice(delta: dict, finish_reason: str | None = None) -> list[dict]:
+        return [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+
+    yield reply.body(choice({"role": "assistant", "content": ""}), chunk=True)
+    async for piece in job.texts():
+        if delta := parser.feed(piece):
+            yield reply.body(choice(_message_delta(delta)), chunk=True)
+    if delta := parser.finish():
+        yield reply.body(choice(_message_delta(delta)), chunk=True)
+    result = job.result
+    yield reply.body(choice({}, _finish_reason(result, parser.called_tools)), chunk=True,
+                     timings=result.stats.as_dict())
+    if include_usage:
+        yield reply.body([], chunk=True, usage=_usage(result))
+
+
+@api.post("/v1/completions", response_model=None)
+async def completions(body: CompletionRequest, request: Request,
+                      server: Server = Depends(_ready)) -> dict | StreamingResponse:
+    server.check_model(body.model)
+    body.check_supported()
+    tokenizer = server.engine.tokenizer
+    if isinstance(body.prompt, str):
+        prompt_ids = tokenizer.encode(body.prompt)
+    elif all(0 <= t < tokenizer.vocab_size for t in body.prompt):
+        prompt_ids = body.prompt
+    else:
+        raise APIError(400, f"prompt token ids must lie in [0, {tokenizer.vocab_size})", param="prompt")
+    if not prompt_ids:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    job = server.submit(prompt_ids, body, "prompt")
+    reply = Reply("text_completion", server.model_name)
+    if body.stream:
+        return _sse(_completion_chunks(job, reply, body.include_usage), job)
+    result = await _wait(job, request)
+    choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": _finish_reason(result)}
+    return reply.body([choice], usage=_usage(result), timings=result.stats.as_dict())
+
+
+async def _completion_chunks(job: Job, reply: Reply, include_usage: bool) -> AsyncIterator[dict]:
+    def choice(text: str, finish_reason: str | None = None) -> list[dict]:
+        return [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+
+    async for piece in job.texts():
+        yield reply.body(choice(piece), chunk=True)
+    result = job.result
+    yield reply.body(choice("", _finish_reason(result)), chunk=True, timings=result.stats.as_dict())
+    if include_usage:
+        yield reply.body([], chunk=True, usage=_usage(result))
+
+
+def build_app(engine, model_name: str, api_key: str | None = None, queue_size: int = 16,
+              request_timeout: float = 600.0, shutdown_timeout: float = 30.0) -> FastAPI:
+    """`engine`: an Engine, or a zero-argument callable returning one (loaded in the background while
+    /health answers 503). `queue_size`: requests that may wait while one generates; more get 503.
+    `request_timeout`: seconds from arrival after which generation stops (finish_reason "length").
+    `shutdown_timeout`: seconds in-flight work may take to finish at shutdown before it is cancelled."""
+    server = Server(engine, model_name, api_key, queue_size, request_timeout, shutdown_timeout)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        server.start()
+        yield
+        await asyncio.to_thread(server.stop)
+
+    app = FastAPI(title="flashtree", lifespan=lifespan)
+    app.state.server = server
+    install_error_handlers(app)
+    app.include_router(public)
+    app.include_router(api)
+    return app

@@ -1,0 +1,79 @@
+"""`flashtree serve`: the OpenAI-compatible server on uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+from dataclasses import replace
+from pathlib import Path
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    """Serving flags only; the model flags (--model, --draft, --spec, --budget, --device, --ctx) are
+    added by the caller."""
+    p = subparsers.add_parser("serve", help="serve an OpenAI-compatible HTTP API",
+                              description="Serve the model over an OpenAI-compatible HTTP API (see docs/SERVING.md).")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--api-key", default=os.environ.get("FLASHTREE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: $FLASHTREE_API_KEY)")
+    p.add_argument("--served-model-name", help="model id clients send and /v1/models lists (default: file stem)")
+    p.add_argument("--max-tokens", type=_positive_int, default=4096,
+                   help="completion length when a request sets none (default 4096)")
+    p.add_argument("--max-queued-requests", type=_positive_int, default=16,
+                   help="requests that may wait while one generates; more get 503 (default 16)")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds from arrival before a request's generation is stopped (default 600)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish on shutdown before they are cancelled (default 30)")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.set_defaults(handler=run_serve)
+    return p
+
+
+def engine_factory(args: argparse.Namespace):
+    """Loads the engine on call, with the request defaults the flags set."""
+
+    def load():
+        from flashtree.engine.loader import load_engine
+
+        engine = load_engine(args.model, args.draft, args.device, spec=args.spec, budget=args.budget)
+        engine.default_config = replace(engine.default_config, max_new_tokens=args.max_tokens,
+                                        ctx=args.ctx or engine.default_config.ctx)
+        return engine
+
+    return load
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from flashtree.serve.app import build_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if not _is_loopback(args.host) and not args.api_key:
+        logging.getLogger("flashtree.serve").warning(
+            "binding %s without --api-key: anyone who can reach this port can use the model", args.host)
+    name = args.served_model_name or (Path(args.model).stem if args.model else "flashtree-demo")
+    app = build_app(engine_factory(args), name, api_key=args.api_key, queue_size=args.max_queued_requests,
+                    request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout)
+    print(f"flashtree: serving {name} at http://{args.host}:{args.port}/v1 (loading the model...)", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.shutdown_timeout)
+    return 0

@@ -1,0 +1,77 @@
+"""OpenAI-shaped errors: every failure, ours or FastAPI's, leaves as `{"error": {message, type, param, code}}`."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from flashtree.errors import FlashtreeError
+
+log = logging.getLogger("flashtree.serve")
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+          405: "invalid_request_error", 503: "unavailable_error"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None, retry_after: int | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "server_error")
+        self.retry_after = retry_after
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
+        if self.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def unsupported(param: str, message: str) -> APIError:
+    return APIError(400, message, param=param, code="unsupported_parameter")
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    # Only the first problem, and never the offending input: echoing bodies back can be huge.
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request", "type": ""}
+    if first["type"] == "json_invalid":
+        return APIError(400, "the request body is not valid JSON")
+    loc = [part for part in first["loc"] if part != "body"]
+    param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
+    message = first["msg"] if param is None else f"{param}: {first['msg']}"
+    return APIError(400, message, param=param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(FlashtreeError)
+    async def flashtree_error(_: Request, exc: FlashtreeError) -> JSONResponse:
+        # Raised for input the user can fix: a template that rejects the messages, token ids out of range.
+        return APIError(400, str(exc)).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return APIError(500, f"internal error: {type(exc).__name__}").response()

@@ -1,0 +1,193 @@
+"""Typed OpenAI request bodies, and the checks that turn what we can't honour into a clear 400."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from flashtree.serve.errors import unsupported
+
+Stop = str | Annotated[list[str], Field(max_length=4)] | None
+
+
+class _Body(BaseModel):
+    # Strict types, as OpenAI checks them ("stream": "yes" is an error, not True); unknown keys are ignored,
+    # as OpenAI-compatible servers do for client-specific extras.
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class GenerationParams(_Body):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    stop: Stop = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = None
+    n: int = Field(1, ge=1)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def check_supported(self) -> None:
+        """Reject parameters that would change the output in ways flashtree can't honour yet; top_p,
+        top_k, min_p and seed are accepted because they cannot change a greedy result."""
+        if self.temperature:
+            raise unsupported("temperature", "sampling is not supported yet: flashtree decodes greedily, so "
+                                             "temperature must be 0 or omitted")
+        if self.n != 1:
+            raise unsupported("n", "only n=1 is supported")
+        if self.presence_penalty or self.frequency_penalty or self.repetition_penalty not in (None, 1.0):
+            param = "presence_penalty" if self.presence_penalty else (
+                "frequency_penalty" if self.frequency_penalty else "repetition_penalty")
+            raise unsupported(param, "penalties are not supported yet")
+        if self.logit_bias:
+            raise unsupported("logit_bias", "logit_bias is not supported yet")
+
+
+class CompletionRequest(GenerationParams):
+    prompt: str | Annotated[list[int], Field(min_length=1)]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs is not None:
+            raise unsupported("logprobs", "logprobs are not supported yet")
+        if self.echo:
+            raise unsupported("echo", "echo is not supported")
+        if self.suffix:
+            raise unsupported("suffix", "suffix (fill-in-the-middle) is not supported")
+        if self.best_of not in (None, 1):
+            raise unsupported("best_of", "only best_of=1 is supported")
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, content):
+        if isinstance(content, list):
+            if any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in content):
+                raise ValueError("only text content parts ({'type': 'text', 'text': ...}) are supported")
+            return "".join(part["text"] for part in content)
+        return content
+
+    def for_template(self) -> dict:
+        message = self.model_dump(exclude_none=True)
+        # "developer" is OpenAI's newer name for the system role; Qwen templates only know "system".
+        if message["role"] == "developer":
+            message["role"] = "system"
+        return message
+
+
+class FunctionDef(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class ChatCompletionRequest(GenerationParams):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs or self.top_logprobs:
+            raise unsupported("logprobs", "logprobs are not supported yet")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise unsupported("response_format", "structured output (response_format) is not supported yet")
+        if self.tool_choice == "required" or isinstance(self.tool_choice, dict):
+            raise unsupported("tool_choice", "forcing a tool call needs constrained decoding, which is not "
+                                             "supported yet: use tool_choice 'auto' or 'none'")
+
+    def template_tools(self) -> list[dict] | None:
+        """Tools shown to the model; with tool_choice 'none' the model isn't told about them at all."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+    def tool_schemas(self) -> dict[str, dict] | None:
+        """name -> parameters schema for the output parser; None turns tool-call parsing off."""
+        tools = self.template_tools()
+        return None if tools is None else {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
+
+
+class TokenizeRequest(_Body):
+    """Either raw text (`prompt`, or llama.cpp's `content`) or chat `messages` rendered by the template."""
+
+    model: str | None = None
+    prompt: str | None = Field(None, validation_alias=AliasChoices("prompt", "content"))
+    messages: Annotated[list[Message], Field(min_length=1)] | None = None
+    tools: list[Tool] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
