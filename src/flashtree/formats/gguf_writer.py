@@ -47,7 +47,8 @@ def config_metadata(config: Qwen35Config) -> dict[str, object]:
 
 def write_qwen35_gguf(path: str | Path, config: Qwen35Config, tensors: Mapping[str, np.ndarray],
                       qtypes: Mapping[str, QType] | None = None, tokenizer: TokenizerSpec | None = None) -> Path:
-    """`tensors` are float arrays in torch shape ([out, in]); `qtypes` defaults to F32 for every tensor."""
+    """`tensors` are float arrays in torch shape ([out, in]), or uint8 arrays already packed in their
+    `qtypes` entry ([rows, bytes per row]); `qtypes` defaults to F32 for every tensor."""
     path = Path(path)
     qtypes = qtypes or {}
     writer = gguf.GGUFWriter(str(path), arch=ARCH)
@@ -59,6 +60,9 @@ def write_qwen35_gguf(path: str | Path, config: Qwen35Config, tensors: Mapping[s
             _add_value(writer, key, value)
     for name, array in tensors.items():
         qtype = qtypes.get(name, QType.F32)
+        if array.dtype == np.uint8:
+            writer.add_tensor(name, array, raw_dtype=qtype)
+            continue
         array = np.ascontiguousarray(array, dtype=np.float32)
         if qtype in _PLAIN:
             writer.add_tensor(name, array.astype(_PLAIN[qtype]))
