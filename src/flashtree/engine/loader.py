@@ -108,6 +108,8 @@ def load_engine(model: str | Path | None = None, draft: str | Path | None = None
         model = DEMO_TARGET
         if draft is None and DEMO_DRAFT.is_dir() and spec != "ar":
             draft = DEMO_DRAFT
+    if spec in ("chain", "ddtree") and draft is None:
+        raise FlashtreeError(f"--spec {spec} needs a draft model: pass --draft DIR or use --spec ar")
     target = load_target(model, device, progress=progress)
     draft_model = load_draft(draft, target) if draft is not None else None
     mode = spec or ("ddtree" if draft_model is not None else "ar")

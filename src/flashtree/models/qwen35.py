@@ -118,9 +118,9 @@ class Qwen35Model:
                 capture: Sequence[int] = (), last_only: bool = False) -> ForwardOutput:
         """Run new tokens after the cache. Without `step` they extend the sequence (and the cache);
         with a tree `step` the cache length is unchanged until `commit`."""
+        self._check_tokens(tokens)  # before the copy: on the host it costs no device sync
         tokens = tokens.to(self.device)
         n = tokens.shape[0]
-        self._check_tokens(tokens)
         cache.reserve(n)
         step = step or Step.sequence(cache.length, n, self.device)
         cache.pending.clear()

@@ -11,13 +11,14 @@ import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Sequence
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from flashtree.engine.generate import GenerationResult
+from flashtree.errors import FlashtreeError
 from flashtree.formats.chat_template import CHATML_TEMPLATE, ChatTemplate
 from flashtree.serve.errors import APIError, install_error_handlers
 from flashtree.serve.parsing import Delta, OutputParser, opens_thinking
@@ -41,6 +42,8 @@ class Server:
 
     def __init__(self, engine, model_name: str, api_key: str | None, queue_size: int, request_timeout: float,
                  shutdown_timeout: float):
+        if queue_size < 1:
+            raise FlashtreeError(f"the queue must hold at least 1 request, got {queue_size}")
         # Anything without `generate` is a factory, loaded in the background so /health can say "loading".
         self._factory: Callable | None = None if hasattr(engine, "generate") else engine
         self.engine = None if self._factory else engine
@@ -64,12 +67,10 @@ class Server:
 
     def _load(self) -> None:
         try:
-            engine = self._factory()
+            self._ready(self._factory())
         except Exception as exc:
             log.exception("loading the model failed")
             self.load_error, self.status = f"{type(exc).__name__}: {exc}", "failed"
-            return
-        self._ready(engine)
 
     def _ready(self, engine) -> None:
         self.engine = engine
@@ -108,9 +109,7 @@ class Server:
                                     **(kwargs or {}))
 
     def submit(self, prompt_ids: Sequence[int], params: GenerationParams, what: str) -> Job:
-        base = self.engine.default_config
-        config = replace(base, max_new_tokens=params.requested_max_tokens() or base.max_new_tokens,
-                         stop=params.stop_strings)
+        config = self.engine.config_for(max_new_tokens=params.requested_max_tokens(), stop=params.stop_strings)
         if len(prompt_ids) >= self.context_limit:
             # OpenAI's wording: agent clients match it to trigger history compaction.
             raise APIError(400, f"This model's maximum context length is {self.context_limit} tokens. However, your "

@@ -6,7 +6,6 @@ import argparse
 import ipaddress
 import logging
 import os
-from dataclasses import replace
 from pathlib import Path
 
 
@@ -46,9 +45,8 @@ def engine_factory(args: argparse.Namespace):
     def load():
         from flashtree.engine.loader import load_engine
 
-        engine = load_engine(args.model, args.draft, args.device, spec=args.spec, budget=args.budget)
-        engine.default_config = replace(engine.default_config, max_new_tokens=args.max_tokens,
-                                        ctx=args.ctx or engine.default_config.ctx)
+        engine = load_engine(args.model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk)
+        engine.default_config = engine.config_for(max_new_tokens=args.max_tokens, ctx=args.ctx)
         return engine
 
     return load

@@ -42,12 +42,17 @@ def unsupported(param: str, message: str) -> APIError:
     return APIError(400, message, param=param, code="unsupported_parameter")
 
 
+def _is_field(part: str | int) -> bool:
+    """False for the union-member tags pydantic puts in error locations ('str', 'list[str]', ...)."""
+    return isinstance(part, int) or (part.isidentifier() and part not in {"str", "int", "float", "bool", "none"})
+
+
 def _validation_error(exc: RequestValidationError) -> APIError:
     # Only the first problem, and never the offending input: echoing bodies back can be huge.
     first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request", "type": ""}
     if first["type"] == "json_invalid":
         return APIError(400, "the request body is not valid JSON")
-    loc = [part for part in first["loc"] if part != "body"]
+    loc = [part for part in first["loc"][1:] if _is_field(part)]
     param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
     message = first["msg"] if param is None else f"{param}: {first['msg']}"
     return APIError(400, message, param=param)

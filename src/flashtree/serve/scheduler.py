@@ -119,8 +119,6 @@ class Metrics:
 
 class Scheduler:
     def __init__(self, engine, queue_size: int, metrics: Metrics):
-        if queue_size < 1:
-            raise FlashtreeError(f"the queue must hold at least 1 request, got {queue_size}")
         self.engine = engine
         self.queue_size = queue_size
         self.metrics = metrics
