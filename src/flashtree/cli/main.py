@@ -27,9 +27,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     from flashtree.bench import cli as bench
     from flashtree.cli import info, run
+    from flashtree.cli.chat import add_chat_parser
+    from flashtree.serve.cli import add_serve_parser
 
     run.add_parser(sub)
     info.add_parser(sub)
+    add_model_args(add_serve_parser(sub))
+    add_model_args(add_chat_parser(sub))
     bench.add_parser(sub)
     return parser
 

@@ -1,0 +1,257 @@
+"""`flashtree chat`: a terminal REPL that streams replies from the same engine the server uses."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+from rich.console import Console
+
+from flashtree.engine.generate import GenerationConfig, GenerationResult, GenerationStats
+from flashtree.errors import FlashtreeError
+from flashtree.serve.app import chat_template
+from flashtree.serve.parsing import Delta, OutputParser, opens_thinking
+
+HELP = """\
+/help              this list
+/clear             forget the conversation (the system prompt stays)
+/system TEXT       set the system prompt (/system alone removes it)
+/think on|off      let the model reason before answering, or not
+/stats             tokens, speed and acceptance length of the last reply
+/exit              quit (also Ctrl-D)
+Ctrl-C stops a reply; Alt-Enter inserts a newline; a line starting with \"\"\" opens a block that \"\"\" closes."""
+
+
+class ChatSession:
+    """A conversation: system prompt, thinking switch, message history, and the last reply's stats."""
+
+    def __init__(self, engine, config: GenerationConfig, system: str | None = None, thinking: bool = True):
+        self.engine = engine
+        self.config = config
+        self.system = system
+        self.thinking = thinking
+        self.template = chat_template(engine)
+        self.messages: list[dict] = []
+        self.last_stats: GenerationStats | None = None
+
+    def prompt(self) -> str:
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return self.template.render(system + self.messages, enable_thinking=self.thinking)
+
+    def reply(self, text: str, show: Callable[[Delta], None]) -> GenerationResult:
+        """Answers `text`, passing reasoning/content deltas to `show` as they stream. A reply stopped by
+        Ctrl-C (KeyboardInterrupt) or an error is not kept in the conversation."""
+        self.messages.append({"role": "user", "content": text})
+        try:
+            prompt = self.prompt()
+            parser = OutputParser(opens_thinking(prompt))
+            message = Delta()
+
+            def on_text(piece: str) -> None:
+                delta = parser.feed(piece)
+                message.add(delta)
+                show(delta)
+
+            ids = self.engine.tokenizer.encode(prompt)
+            result = _cancellable(lambda cancelled: self.engine.generate(ids, self.config, on_text, cancelled))
+        except BaseException:
+            self.messages.pop()
+            raise
+        tail = parser.finish()
+        message.add(tail)
+        show(tail)
+        self.messages.append({"role": "assistant", "content": message.content, "reasoning_content": message.reasoning})
+        self.last_stats = result.stats
+        return result
+
+
+def _cancellable(generate: Callable[[Callable[[], bool]], GenerationResult]) -> GenerationResult:
+    """Runs generation off the main thread, so that Ctrl-C reaches us here and stops it within one step."""
+    cancel = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(generate, cancel.is_set)
+        try:
+            while True:
+                try:
+                    return future.result(timeout=0.1)  # short waits let the KeyboardInterrupt through
+                except FutureTimeout:
+                    continue
+        except KeyboardInterrupt:
+            cancel.set()
+            future.exception()  # wait for the engine to stop
+            raise
+
+
+class _Printer:
+    """Streams deltas to the console: reasoning dimmed, a line break where the answer starts."""
+
+    def __init__(self, console: Console):
+        self.console = console
+        self.section = ""
+
+    def __call__(self, delta: Delta) -> None:
+        for section, text, style in (("reasoning", delta.reasoning, "dim italic"), ("content", delta.content, "")):
+            if text:
+                if self.section not in ("", section):
+                    self.console.print("\n")
+                self.section = section
+                self.console.print(text, style=style, end="", markup=False, highlight=False)
+
+    def end(self) -> None:
+        if self.section:
+            self.console.print()
+
+
+def _stats_line(stats: GenerationStats) -> str:
+    return (f"{stats.new_tokens} tokens · {stats.tokens_per_s:.1f} tok/s · "
+            f"acceptance length {stats.acceptance_length:.2f}")
+
+
+def _cmd_help(session: ChatSession, arg: str, console: Console) -> None:
+    console.print(HELP, markup=False, highlight=False)
+
+
+def _cmd_clear(session: ChatSession, arg: str, console: Console) -> None:
+    session.messages.clear()
+    console.print("conversation cleared")
+
+
+def _cmd_system(session: ChatSession, arg: str, console: Console) -> None:
+    session.system = arg or None
+    console.print("system prompt set" if arg else "system prompt removed")
+
+
+def _cmd_think(session: ChatSession, arg: str, console: Console) -> None:
+    if arg not in ("on", "off"):
+        console.print("usage: /think on|off")
+        return
+    session.thinking = arg == "on"
+    console.print(f"thinking {arg}")
+
+
+def _cmd_stats(session: ChatSession, arg: str, console: Console) -> None:
+    stats = session.last_stats
+    if stats is None:
+        console.print("no reply yet")
+        return
+    console.print(f"{_stats_line(stats)} · prompt {stats.prompt_tokens} tokens · prefill {stats.prefill_s:.3f} s · "
+                  f"{stats.steps} target steps", markup=False)
+
+
+COMMANDS = {"/help": _cmd_help, "/?": _cmd_help, "/clear": _cmd_clear, "/system": _cmd_system,
+            "/think": _cmd_think, "/stats": _cmd_stats}
+EXIT = ("/exit", "/quit", "/bye")
+
+
+def _blocks(lines: Iterable[str]) -> Iterator[str]:
+    """Joins a \"\"\"-delimited block of lines into one message (ollama's multi-line convention)."""
+    lines = iter(lines)
+    for line in lines:
+        if not line.lstrip().startswith('"""'):
+            yield line
+            continue
+        block = [line.lstrip()[3:]]
+        while not block[-1].rstrip().endswith('"""'):
+            more = next(lines, None)
+            if more is None:
+                break
+            block.append(more)
+        yield "\n".join(block).rstrip().removesuffix('"""')
+
+
+def repl(session: ChatSession, lines: Iterable[str], console: Console) -> None:
+    """The chat loop over input `lines` (the terminal, or a list in tests), writing to `console`."""
+    console.print("flashtree chat: /help for commands, Ctrl-C stops a reply, /exit or Ctrl-D quits", style="bold")
+    for line in _blocks(lines):
+        text = line.strip()
+        if not text:
+            continue
+        name, _, arg = text.partition(" ")
+        if name in EXIT:
+            return
+        if name.startswith("/"):
+            command = COMMANDS.get(name)
+            if command is None:
+                console.print(f"unknown command {name}: /help lists them", markup=False)
+            else:
+                command(session, arg.strip(), console)
+            continue
+        _answer(session, text, console)
+
+
+def _answer(session: ChatSession, text: str, console: Console) -> None:
+    printer = _Printer(console)
+    try:
+        result = session.reply(text, printer)
+    except KeyboardInterrupt:
+        printer.end()
+        console.print("[stopped]", style="yellow", markup=False)
+        return
+    except FlashtreeError as exc:
+        printer.end()
+        console.print(f"error: {exc}", style="red", markup=False)
+        return
+    printer.end()
+    console.print(_stats_line(result.stats), style="dim", markup=False)
+
+
+def _history():
+    from prompt_toolkit.history import FileHistory, InMemoryHistory
+
+    path = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "flashtree" / "chat_history"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return FileHistory(str(path))
+    except OSError:  # read-only home: history for this session only
+        return InMemoryHistory()
+
+
+def terminal_lines(input=None, output=None) -> Iterator[str]:
+    """Lines typed at a prompt_toolkit prompt with persistent history, until Ctrl-D. `input`/`output`
+    default to the terminal (tests pass a pipe)."""
+    from prompt_toolkit import PromptSession
+    from prompt_toolkit.completion import WordCompleter
+    from prompt_toolkit.key_binding import KeyBindings
+
+    keys = KeyBindings()
+
+    @keys.add("escape", "enter")
+    def _newline(event) -> None:
+        event.current_buffer.insert_text("\n")
+
+    prompt = PromptSession(history=_history(), key_bindings=keys, input=input, output=output,
+                           completer=WordCompleter([*COMMANDS, *EXIT], sentence=True))
+    while True:
+        try:
+            yield prompt.prompt(">>> ")
+        except KeyboardInterrupt:  # at the prompt Ctrl-C only clears the line
+            continue
+        except EOFError:
+            return
+
+
+def add_chat_parser(subparsers) -> argparse.ArgumentParser:
+    """Chat flags only; the model flags are added by the caller."""
+    p = subparsers.add_parser("chat", help="chat with the model in the terminal",
+                              description="Interactive chat; type /help inside for commands.")
+    p.add_argument("--system", help="system prompt")
+    p.add_argument("--no-think", action="store_true", help="start with thinking off (/think on|off switches)")
+    p.add_argument("--max-tokens", type=int, default=4096, help="longest reply in tokens (default 4096)")
+    p.set_defaults(handler=run_chat)
+    return p
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    from flashtree.engine.loader import load_engine
+
+    console = Console()
+    with console.status("loading the model..."):
+        engine = load_engine(args.model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk)
+    config = engine.config_for(max_new_tokens=args.max_tokens, ctx=args.ctx)
+    repl(ChatSession(engine, config, system=args.system, thinking=not args.no_think), terminal_lines(), console)
+    return 0

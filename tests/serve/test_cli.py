@@ -1,0 +1,54 @@
+import argparse
+
+import pytest
+
+import flashtree.engine.loader as loader
+from flashtree.engine.generate import Engine, GenerationConfig
+from flashtree.serve import cli
+from flashtree.serve.cli import add_serve_parser, engine_factory
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    serve = add_serve_parser(sub)
+    # what the lead's shared model flags provide
+    for flag, kind, default in (("--model", str, None), ("--draft", str, None), ("--spec", str, None),
+                                ("--budget", int, 22), ("--topk", int, 8), ("--device", str, "auto"),
+                                ("--ctx", int, None)):
+        serve.add_argument(flag, type=kind, default=default)
+    return parser.parse_args(["serve", *argv])
+
+
+def test_defaults_bind_loopback():
+    args = parse([])
+    assert (args.host, args.port, args.api_key, args.max_queued_requests) == ("127.0.0.1", 8000, None, 16)
+    assert args.handler is cli.run_serve
+
+
+def test_bad_queue_size_is_rejected(capsys):
+    with pytest.raises(SystemExit):
+        parse(["--max-queued-requests", "0"])
+
+
+def test_engine_factory_applies_flags(monkeypatch):
+    class Loaded:
+        default_config = GenerationConfig(max_new_tokens=256, ctx=8192)
+        config_for = Engine.config_for
+
+    calls = []
+    monkeypatch.setattr(loader, "load_engine", lambda *a, **k: calls.append((a, k)) or Loaded())
+    args = parse(["--model", "m.gguf", "--draft", "d", "--budget", "8", "--ctx", "2048", "--max-tokens", "99"])
+    engine = engine_factory(args)()
+    assert calls == [(("m.gguf", "d", "auto"), {"spec": None, "budget": 8, "topk": 8})]
+    assert (engine.default_config.max_new_tokens, engine.default_config.ctx) == (99, 2048)
+
+
+def test_run_serve_hands_the_app_to_uvicorn(monkeypatch):
+    seen = {}
+    monkeypatch.setattr("uvicorn.run", lambda app, **kw: seen.update(app=app, **kw))
+    args = parse(["--model", "/models/Qwen3.6-27B-Q4_K_M.gguf", "--port", "9001", "--api-key", "k"])
+    assert cli.run_serve(args) == 0
+    assert (seen["host"], seen["port"]) == ("127.0.0.1", 9001)
+    server = seen["app"].state.server
+    assert (server.model_name, server.api_key, server.status) == ("Qwen3.6-27B-Q4_K_M", "k", "loading")
