@@ -63,7 +63,7 @@ def test_slash_commands(target):
     lines = ["/help", "/stats", "/system Answer in French.", "/think off", "bonjour", "/stats", "/think maybe",
              "/nope", "/clear", "/think on", "/system", "hello", "/exit", "never read"]
     session, out = run(engine, lines)
-    for command in ("/clear", "/system TEXT", "/think on|off", "/stats", "/exit"):
+    for command in ("/clear", "/system TEXT", "/think on|off", "/set temperature X", "/stats", "/exit", "/bye"):
         assert command in out  # /help
     assert "no reply yet" in out
     first = prompt_of(engine, 0)
@@ -74,6 +74,20 @@ def test_slash_commands(target):
     last = prompt_of(engine)
     assert "bonjour" not in last and "system" not in last and last.endswith("<think>\n")  # /clear, /system, /think on
     assert len(engine.prompts) == 2 and session.messages[-1]["content"] == "OK."  # /exit stopped the loop
+
+
+def test_set_temperature_and_bye(target):
+    engine = ScriptedEngine(target, script="</think>\n\nOK.")
+    lines = ["/set temperature 0.7", "hi", "/set", "/set temperature hot", "/set temperature 3", "/set top_p 0.9",
+             "/set temperature 0", "/bye", "never read"]
+    session, out = run(engine, lines)
+    assert "temperature 0.7 kept, but sampling is not supported yet" in out
+    assert "usage: /set temperature X (now 0.7)" in out  # kept in the session
+    assert "temperature must be a number from 0 to 2, got 'hot'" in out and "got '3'" in out
+    assert out.count("usage: /set temperature X") == 2
+    assert "temperature 0: greedy decoding" in out and session.temperature == 0
+    assert len(engine.prompts) == 1 and "never read" not in str(session.messages)  # /bye quit
+    assert out.count("acceptance length 1.00") == 1 and "tok/s" in out  # one stats line after the answer
 
 
 @pytest.fixture

@@ -62,7 +62,7 @@ def test_chat_non_streaming(client, scripted):
     n = len(scripted.tokenizer.encode("Paris is sunny."))
     assert body["usage"]["completion_tokens"] == n
     assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + n == len(scripted.prompts[-1]) + n
-    assert body["timings"]["new_tokens"] == n
+    assert body["flashtree"]["tokens"] == n and body["flashtree"]["acceptance_length"] == 1.0
 
 
 def test_chat_streaming_with_usage(client, scripted):
@@ -76,6 +76,31 @@ def test_chat_streaming_with_usage(client, scripted):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
     assert merged_deltas(chunks)["content"] == "Paris is sunny today."
     assert len(chunks) > 4  # streamed in pieces, not one blob
+    stats = chunks[-2]["flashtree"]  # the finish_reason chunk, and no other, carries the request's stats
+    assert stats["tokens"] == chunks[-1]["usage"]["completion_tokens"] and stats["acceptance_length"] == 1.0
+    assert stats["acceptance_histogram"] == {"1": stats["steps"]} and stats["tokens_per_s"] >= 0
+    assert all("flashtree" not in c for c in chunks[:-2] + chunks[-1:])
+
+
+def test_completions_carry_flashtree_stats(client, scripted):
+    scripted.script = "abc"
+    body = client.post("/v1/completions", json={"prompt": "x"}).json()
+    assert body["flashtree"]["tokens"] == body["usage"]["completion_tokens"] > 0
+    chunks = sse(client.post("/v1/completions", json={"prompt": "x", "stream": True}))
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop" and chunks[-1]["flashtree"]["acceptance_length"] == 1.0
+
+
+def test_one_log_line_per_request(client, scripted, caplog):
+    scripted.script = "Paris is sunny."
+    with caplog.at_level("INFO", logger="flashtree.serve"):
+        body = chat(client, chat_template_kwargs={"enable_thinking": False}).json()
+        chunks = sse(chat(client, stream=True))
+    lines = [r.getMessage() for r in caplog.records if r.name == "flashtree.serve"]
+    assert len(lines) == 2
+    assert lines[0].startswith(body["id"] + " ") and f"completion_tokens={body['usage']['completion_tokens']}" in lines[0]
+    assert f"prompt_tokens={body['usage']['prompt_tokens']}" in lines[0]
+    assert "tok/s=" in lines[0] and "AL=1.00" in lines[0] and "finish=stop" in lines[0]
+    assert lines[1].startswith(chunks[0]["id"] + " ")
 
 
 def test_no_usage_chunk_unless_asked(client):
@@ -265,7 +290,29 @@ def test_prompt_longer_than_context(tiny_target):
         assert_error(client.post("/v1/completions", json={"prompt": "word " * 100}), 400, param="prompt",
                      code="context_length_exceeded")
         assert client.post("/tokenize", json={"prompt": "x"}).json()["max_model_len"] == 32
-    assert not engine.prompts
+        short = [{"role": "user", "content": "hi"}]
+        prompt_tokens = client.post("/tokenize", json={"messages": short}).json()["count"]
+        error = assert_error(client.post("/v1/chat/completions", json={"messages": short, "max_tokens": 30}), 400,
+                             param="max_tokens", code="context_length_exceeded")
+        assert (f"maximum context length is 32 tokens. However, you requested {prompt_tokens + 30} tokens "
+                f"({prompt_tokens} in the messages, 30 in the completion)") in error["message"]
+        error = assert_error(client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 31}), 400,
+                             param="max_tokens", code="context_length_exceeded")
+        assert "you requested 33 tokens (2 in the prompt, 31 in the completion)" in error["message"]
+        assert not engine.prompts
+        # exactly full is fine, and without max_tokens the server's default is cut to what fits
+        assert client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 30}).status_code == 200
+        assert client.post("/v1/chat/completions", json={"messages": short}).status_code == 200
+
+
+def test_context_limit_without_ctx_is_the_models(tiny_target):
+    engine = ScriptedEngine(tiny_target)  # default_config.ctx is None: the GGUF's context_length is the limit
+    limit = tiny_target.config.context_length
+    with TestClient(build_app(engine, MODEL)) as client:
+        error = assert_error(client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": limit}), 400,
+                             param="max_tokens", code="context_length_exceeded")
+        assert f"maximum context length is {limit} tokens" in error["message"] and str(limit + 2) in error["message"]
+        assert client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": limit - 2}).status_code == 200
 
 
 def test_api_key(scripted):

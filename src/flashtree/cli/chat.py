@@ -22,8 +22,9 @@ HELP = """\
 /clear             forget the conversation (the system prompt stays)
 /system TEXT       set the system prompt (/system alone removes it)
 /think on|off      let the model reason before answering, or not
+/set temperature X sampling temperature (only 0, greedy, is supported yet)
 /stats             tokens, speed and acceptance length of the last reply
-/exit              quit (also Ctrl-D)
+/exit, /bye        quit (also Ctrl-D)
 Ctrl-C stops a reply; Alt-Enter inserts a newline; a line starting with \"\"\" opens a block that \"\"\" closes."""
 
 
@@ -37,6 +38,7 @@ class ChatSession:
         self.thinking = thinking
         self.template = chat_template(engine)
         self.messages: list[dict] = []
+        self.temperature = 0.0  # kept for when sampling lands; replies are greedy whatever it says
         self.last_stats: GenerationStats | None = None
 
     def prompt(self) -> str:
@@ -134,6 +136,26 @@ def _cmd_think(session: ChatSession, arg: str, console: Console) -> None:
     console.print(f"thinking {arg}")
 
 
+def _cmd_set(session: ChatSession, arg: str, console: Console) -> None:
+    name, _, value = arg.partition(" ")
+    if name != "temperature" or not value.strip():
+        console.print(f"usage: /set temperature X (now {session.temperature:g})")
+        return
+    try:
+        temperature = float(value)
+    except ValueError:
+        temperature = -1.0
+    if not 0 <= temperature <= 2:  # also rejects nan
+        console.print(f"temperature must be a number from 0 to 2, got {value.strip()!r}", markup=False)
+        return
+    session.temperature = temperature
+    if temperature == 0:
+        console.print("temperature 0: greedy decoding")
+    else:
+        console.print(f"temperature {temperature:g} kept, but sampling is not supported yet: replies stay greedy "
+                      "(temperature 0)")
+
+
 def _cmd_stats(session: ChatSession, arg: str, console: Console) -> None:
     stats = session.last_stats
     if stats is None:
@@ -144,7 +166,7 @@ def _cmd_stats(session: ChatSession, arg: str, console: Console) -> None:
 
 
 COMMANDS = {"/help": _cmd_help, "/?": _cmd_help, "/clear": _cmd_clear, "/system": _cmd_system,
-            "/think": _cmd_think, "/stats": _cmd_stats}
+            "/think": _cmd_think, "/set": _cmd_set, "/stats": _cmd_stats}
 EXIT = ("/exit", "/quit", "/bye")
 
 

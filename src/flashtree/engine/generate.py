@@ -49,6 +49,7 @@ class GenerationStats:
     new_tokens: int = 0
     steps: int = 0  # target forwards after prefill (decode steps or verify steps)
     accepted: Counter = field(default_factory=Counter)  # committed tokens per verify step -> count
+    proposed: int = 0  # draft tokens offered for verification (tree nodes below the root)
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -61,6 +62,12 @@ class GenerationStats:
         return committed / self.steps if self.steps else 0.0
 
     @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / proposed draft tokens (0 without a draft)."""
+        accepted = sum((k - 1) * v for k, v in self.accepted.items())
+        return accepted / self.proposed if self.proposed else 0.0
+
+    @property
     def decode_s(self) -> float:
         return self.total_s - self.prefill_s
 
@@ -71,7 +78,7 @@ class GenerationStats:
     def as_dict(self) -> dict:
         return {
             "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens, "steps": self.steps,
-            "acceptance_length": round(self.acceptance_length, 4),
+            "acceptance_length": round(self.acceptance_length, 4), "acceptance_rate": round(self.acceptance_rate, 4),
             "acceptance_histogram": {str(k): v for k, v in sorted(self.accepted.items())},
             "prefill_s": round(self.prefill_s, 6), "draft_s": round(self.draft_s, 6),
             "verify_s": round(self.verify_s, 6), "overhead_s": round(max(self.decode_s - self.draft_s - self.verify_s, 0.0), 6),

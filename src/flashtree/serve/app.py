@@ -108,14 +108,22 @@ class Server:
         return self.template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                     **(kwargs or {}))
 
-    def submit(self, prompt_ids: Sequence[int], params: GenerationParams, what: str) -> Job:
-        config = self.engine.config_for(max_new_tokens=params.requested_max_tokens(), stop=params.stop_strings)
-        if len(prompt_ids) >= self.context_limit:
-            # OpenAI's wording: agent clients match it to trigger history compaction.
-            raise APIError(400, f"This model's maximum context length is {self.context_limit} tokens. However, your "
-                                f"{what} resulted in {len(prompt_ids)} tokens. Please reduce the length of the {what}.",
+    def submit(self, prompt_ids: Sequence[int], params: GenerationParams, what: str, request_id: str = "") -> Job:
+        requested = params.requested_max_tokens()
+        config = self.engine.config_for(max_new_tokens=requested, stop=params.stop_strings)
+        limit, prompt = self.context_limit, len(prompt_ids)
+        # OpenAI's wording: agent clients match it to trigger history compaction.
+        if prompt >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your {what} "
+                                f"resulted in {prompt} tokens. Please reduce the length of the {what}.",
                            param=what, code="context_length_exceeded")
-        job = Job(prompt_ids, config, self.request_timeout)
+        if requested is not None and prompt + requested > limit:
+            # Only a max_tokens the client asked for is refused; the server's default is cut to what fits.
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                                f"{prompt + requested} tokens ({prompt} in the {what}, {requested} in the completion). "
+                                f"Please reduce the length of the {what} or completion.",
+                           param="max_tokens", code="context_length_exceeded")
+        job = Job(prompt_ids, config, self.request_timeout, request_id)
         self.scheduler.submit(job)
         return job
 
@@ -129,10 +137,13 @@ class Reply:
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
+    @property
+    def response_id(self) -> str:
+        return f"{'chatcmpl' if self.object == 'chat.completion' else 'cmpl'}-{self.id}"
+
     def body(self, choices: list[dict], chunk: bool = False, **extra) -> dict:
         name = f"{self.object}.chunk" if chunk and self.object == "chat.completion" else self.object
-        prefix = "chatcmpl" if self.object == "chat.completion" else "cmpl"
-        return {"id": f"{prefix}-{self.id}", "object": name, "created": self.created, "model": self.model,
+        return {"id": self.response_id, "object": name, "created": self.created, "model": self.model,
                 "choices": choices, **extra}
 
 
@@ -140,6 +151,18 @@ def _usage(result: GenerationResult) -> dict:
     prompt, completion = result.stats.prompt_tokens, len(result.token_ids)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def _flashtree_stats(result: GenerationResult) -> dict:
+    """The `flashtree` field of a response: this request's speculative-decoding stats."""
+    stats = result.stats
+    return {"tokens": stats.new_tokens, "tokens_per_s": round(stats.tokens_per_s, 3),
+            "acceptance_length": round(stats.acceptance_length, 4),
+            "acceptance_rate": round(stats.acceptance_rate, 4),
+            "acceptance_histogram": {str(k): v for k, v in sorted(stats.accepted.items())},
+            "prompt_tokens": stats.prompt_tokens, "steps": stats.steps, "prefill_s": round(stats.prefill_s, 6),
+            "decode_s": round(stats.decode_s, 6), "draft_s": round(stats.draft_s, 6),
+            "verify_s": round(stats.verify_s, 6), "total_s": round(stats.total_s, 6)}
 
 
 def _finish_reason(result: GenerationResult, called_tools: bool = False) -> str:
@@ -260,9 +283,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
     server.check_model(body.model)
     body.check_supported()
     prompt = server.render([m.for_template() for m in body.messages], body.template_tools(), body.chat_template_kwargs)
-    job = server.submit(server.engine.tokenizer.encode(prompt), body, "messages")
-    parser = OutputParser(opens_thinking(prompt), body.tool_schemas())
     reply = Reply("chat.completion", server.model_name)
+    job = server.submit(server.engine.tokenizer.encode(prompt), body, "messages", reply.response_id)
+    parser = OutputParser(opens_thinking(prompt), body.tool_schemas())
     if body.stream:
         return _sse(_chat_chunks(job, parser, reply, body.include_usage), job)
     result = await _wait(job, request)
@@ -275,7 +298,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
     if message.tool_calls:
         choice["message"]["tool_calls"] = [{k: v for k, v in call.items() if k != "index"}
                                            for call in message.tool_calls]
-    return reply.body([choice], usage=_usage(result), timings=result.stats.as_dict())
+    return reply.body([choice], usage=_usage(result), flashtree=_flashtree_stats(result))
 
 
 async def _chat_chunks(job: Job, parser: OutputParser, reply: Reply, include_usage: bool) -> AsyncIterator[dict]:
@@ -290,7 +313,7 @@ async def _chat_chunks(job: Job, parser: OutputParser, reply: Reply, include_usa
         yield reply.body(choice(_message_delta(delta)), chunk=True)
     result = job.result
     yield reply.body(choice({}, _finish_reason(result, parser.called_tools)), chunk=True,
-                     timings=result.stats.as_dict())
+                     flashtree=_flashtree_stats(result))
     if include_usage:
         yield reply.body([], chunk=True, usage=_usage(result))
 
@@ -309,13 +332,13 @@ async def completions(body: CompletionRequest, request: Request,
         raise APIError(400, f"prompt token ids must lie in [0, {tokenizer.vocab_size})", param="prompt")
     if not prompt_ids:
         raise APIError(400, "the prompt is empty", param="prompt")
-    job = server.submit(prompt_ids, body, "prompt")
     reply = Reply("text_completion", server.model_name)
+    job = server.submit(prompt_ids, body, "prompt", reply.response_id)
     if body.stream:
         return _sse(_completion_chunks(job, reply, body.include_usage), job)
     result = await _wait(job, request)
     choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": _finish_reason(result)}
-    return reply.body([choice], usage=_usage(result), timings=result.stats.as_dict())
+    return reply.body([choice], usage=_usage(result), flashtree=_flashtree_stats(result))
 
 
 async def _completion_chunks(job: Job, reply: Reply, include_usage: bool) -> AsyncIterator[dict]:
@@ -325,7 +348,7 @@ async def _completion_chunks(job: Job, reply: Reply, include_usage: bool) -> Asy
     async for piece in job.texts():
         yield reply.body(choice(piece), chunk=True)
     result = job.result
-    yield reply.body(choice("", _finish_reason(result)), chunk=True, timings=result.stats.as_dict())
+    yield reply.body(choice("", _finish_reason(result)), chunk=True, flashtree=_flashtree_stats(result))
     if include_usage:
         yield reply.body([], chunk=True, usage=_usage(result))
 

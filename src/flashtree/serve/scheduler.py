@@ -22,7 +22,8 @@ log = logging.getLogger("flashtree.serve")
 
 
 class Job:
-    def __init__(self, prompt_ids: Sequence[int], config: GenerationConfig, timeout: float):
+    def __init__(self, prompt_ids: Sequence[int], config: GenerationConfig, timeout: float, request_id: str = ""):
+        self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
         self.config = config
         self.deadline = time.monotonic() + timeout
@@ -166,6 +167,8 @@ class Scheduler:
     def _run(self, job: Job) -> None:
         if job.should_stop():  # the client left or the deadline passed while it waited: don't even prefill
             self.metrics.record("cancelled")
+            log.info("%s prompt_tokens=%d completion_tokens=0 finish=cancelled (before it started)",
+                     job.request_id, len(job.prompt_ids))
             job.post("error", APIError(503, "the request timed out or was cancelled before it started", retry_after=1))
             return
         try:
@@ -173,11 +176,16 @@ class Scheduler:
                                           cancelled=job.should_stop)
         except FlashtreeError as exc:
             self.metrics.record("error")
+            log.info("%s prompt_tokens=%d finish=error (%s)", job.request_id, len(job.prompt_ids), exc)
             job.post("error", APIError(400, str(exc)))
         except Exception as exc:  # the engine keeps serving whatever one request did to it
-            log.exception("generation failed")
+            log.exception("%s: generation failed", job.request_id)
             self.metrics.record("error")
             job.post("error", APIError(500, f"generation failed: {type(exc).__name__}: {exc}"))
         else:
             self.metrics.record(result.finish_reason, result)
+            stats = result.stats
+            log.info("%s prompt_tokens=%d completion_tokens=%d tok/s=%.1f AL=%.2f finish=%s", job.request_id,
+                     stats.prompt_tokens, stats.new_tokens, stats.tokens_per_s, stats.acceptance_length,
+                     result.finish_reason)
             job.post("done", result)

@@ -44,6 +44,7 @@ def speculative(engine, prompt_ids: list[int], config, out, stats, started: floa
         stats.verify_s += time.perf_counter() - t1
         stats.steps += 1
         stats.accepted[len(accepted)] += 1
+        stats.proposed += len(tree) - 1
         out.push_many(tree.tokens[accepted[1:]].tolist())
         if out.done:  # an end-of-generation or stop inside the accepted path: emit up to it, no further
             break
