@@ -1,4 +1,8 @@
 import pytest
+import torch
+
+# The test models are tiny: intra-op threads only add contention (50x slower on a busy 2-core machine).
+torch.set_num_threads(1)
 
 from flashtree.models.synthetic import synthetic_tokenizer, write_synthetic_gguf
 

@@ -81,7 +81,7 @@ def test_set_temperature_and_bye(target):
     lines = ["/set temperature 0.7", "hi", "/set", "/set temperature hot", "/set temperature 3", "/set top_p 0.9",
              "/set temperature 0", "/bye", "never read"]
     session, out = run(engine, lines)
-    assert "temperature 0.7 kept, but sampling is not supported yet" in out
+    assert "temperature 0.7: sampling" in out and session.config.sampling.temperature in (0, 0.7)
     assert "usage: /set temperature X (now 0.7)" in out  # kept in the session
     assert "temperature must be a number from 0 to 2, got 'hot'" in out and "got '3'" in out
     assert out.count("usage: /set temperature X") == 2

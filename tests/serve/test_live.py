@@ -44,6 +44,19 @@ def test_openai_client_streaming(real_url):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
 
 
+def test_sampling_parameters_are_honoured_end_to_end(real_url):
+    client = client_for(real_url)
+
+    def text(seed, **extra):
+        return client.completions.create(model=MODEL, prompt="def fib(n):", max_tokens=24, temperature=1.0,
+                                         seed=seed, extra_body={"ignore_eos": True, **extra}).choices[0].text
+
+    assert text(1) == text(1)
+    assert len({text(seed) for seed in range(2, 6)}) > 1
+    assert text(1, top_k=1) == client.completions.create(model=MODEL, prompt="def fib(n):", max_tokens=24,
+                                                        extra_body={"ignore_eos": True}).choices[0].text
+
+
 def test_openai_client_tool_call_stream_and_errors(tiny_target):
     engine = ScriptedEngine(tiny_target, script="Checking.\n</think>\n\n" + CALL)
     with live_server(build_app(engine, MODEL, api_key="k")) as url:
@@ -60,8 +73,6 @@ def test_openai_client_tool_call_stream_and_errors(tiny_target):
         reply = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS)
         assert reply.choices[0].message.tool_calls[0].function.name == "get_weather"
 
-        with pytest.raises(openai.BadRequestError, match="sampling is not supported"):
-            client.chat.completions.create(model=MODEL, messages=USER, temperature=0.8)
         with pytest.raises(openai.NotFoundError):
             client.chat.completions.create(model="other", messages=USER)
         with pytest.raises(openai.AuthenticationError):

@@ -39,30 +39,47 @@ SYNTHETIC = {
 
 
 def add_parser(sub) -> None:
-    from flashtree.cli.main import add_model_args
+    from flashtree.cli.main import add_model_args, add_sampling_args
 
     p = sub.add_parser("bench", help="benchmark decoding modes (table + JSON)")
     add_model_args(p)
+    add_sampling_args(p)
     p.add_argument("--synthetic", choices=sorted(SYNTHETIC), help="random-weight model of this shape instead of --model")
     p.add_argument("--scheme", default="q8_0", help="quant scheme of the synthetic model (default q8_0)")
     p.add_argument("--modes", default=None, help="comma-separated modes (default: ar plus the spec modes a draft allows)")
     p.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"number of prompts (max {len(PROMPTS)})")
     p.add_argument("-n", "--max-tokens", type=int, default=128)
     p.add_argument("--out", default="bench.json", help="JSON output path")
+    p.add_argument("--multi-turn", action="store_true",
+                   help="time to first token per turn of a chat with a long system prompt, prefix cache off vs on")
+    p.add_argument("--turns", type=int, default=5, help="--multi-turn: chat turns (default 5)")
+    p.add_argument("--system-tokens", type=int, default=8192, help="--multi-turn: system prompt size (default 8192)")
+    p.add_argument("--prefix-cache-interval", type=int, default=1024,
+                   help="--multi-turn: snapshot interval inside long prompts (default 1024)")
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from flashtree.cli.main import cache_args
+
     model = _synthetic_model(args) if args.synthetic else args.model
-    engine = load_engine(model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk)
+    engine = load_engine(model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk,
+                         **cache_args(args))
+    if args.multi_turn:
+        from flashtree.bench.multi_turn import run_multi_turn
+
+        return run_multi_turn(args, engine, str(model), _device_name(engine))
     modes = args.modes.split(",") if args.modes else ["ar"] + (["chain", "ddtree"] if engine.draft is not None else [])
     prompts = [engine.encode_prompt(p) for p in PROMPTS[: args.prompts]]
-    base = engine.config_for(max_new_tokens=args.max_tokens, ignore_eos=True)
+    from flashtree.cli.main import sampling_from_args
+
+    sampling = sampling_from_args(args)
+    base = engine.config_for(max_new_tokens=args.max_tokens, ignore_eos=True, sampling=sampling)
     engine.generate(prompts[0], replace(base, mode=modes[0], max_new_tokens=8))  # warm-up: allocator, kernels
     rows = [_bench_mode(engine, prompts, replace(base, mode=mode)) for mode in modes if mode in MODES]
     report = {"date": time.strftime("%Y-%m-%d"), "device": _device_name(engine), "model": str(model),
               "draft": str(args.draft) if args.draft else None, "weights_bytes_per_step": _weight_bytes(engine),
-              "max_tokens": args.max_tokens, "prompts": len(prompts), "rows": rows}
+              "max_tokens": args.max_tokens, "prompts": len(prompts), "sampling": vars(sampling), "rows": rows}
     Path(args.out).write_text(json.dumps(report, indent=2))
     _print_table(report)
     return 0
@@ -119,4 +136,7 @@ def _synthetic_model(args) -> Path:
 
     path = Path(tempfile.mkdtemp()) / f"{args.synthetic}.gguf"
     print(f"writing synthetic {args.synthetic} model to {path} ...")
-    return write_synthetic_gguf(path, tiny_config(**SYNTHETIC[args.synthetic], name=args.synthetic), scheme=args.scheme)
+    shape = dict(SYNTHETIC[args.synthetic], name=args.synthetic)
+    if getattr(args, "multi_turn", False):  # room for the long system prompt and the turns
+        shape["context_length"] = max(shape.get("context_length", 0), 2 * args.system_tokens + 8192)
+    return write_synthetic_gguf(path, tiny_config(**shape), scheme=args.scheme)

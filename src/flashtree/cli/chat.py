@@ -7,12 +7,14 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from rich.console import Console
 
 from flashtree.engine.generate import GenerationConfig, GenerationResult, GenerationStats
+from flashtree.engine.prefix_cache import add_prefix_cache_args, apply_prefix_cache_args
 from flashtree.errors import FlashtreeError
 from flashtree.serve.app import chat_template
 from flashtree.serve.parsing import Delta, OutputParser, opens_thinking
@@ -22,7 +24,7 @@ HELP = """\
 /clear             forget the conversation (the system prompt stays)
 /system TEXT       set the system prompt (/system alone removes it)
 /think on|off      let the model reason before answering, or not
-/set temperature X sampling temperature (only 0, greedy, is supported yet)
+/set temperature X sampling temperature (0 = greedy; sampling stays lossless with speculation)
 /stats             tokens, speed and acceptance length of the last reply
 /exit, /bye        quit (also Ctrl-D)
 Ctrl-C stops a reply; Alt-Enter inserts a newline; a line starting with \"\"\" opens a block that \"\"\" closes."""
@@ -38,8 +40,15 @@ class ChatSession:
         self.thinking = thinking
         self.template = chat_template(engine)
         self.messages: list[dict] = []
-        self.temperature = 0.0  # kept for when sampling lands; replies are greedy whatever it says
         self.last_stats: GenerationStats | None = None
+
+    @property
+    def temperature(self) -> float:
+        return self.config.sampling.temperature
+
+    @temperature.setter
+    def temperature(self, value: float) -> None:
+        self.config = replace(self.config, sampling=replace(self.config.sampling, temperature=value))
 
     def prompt(self) -> str:
         system = [{"role": "system", "content": self.system}] if self.system else []
@@ -149,11 +158,7 @@ def _cmd_set(session: ChatSession, arg: str, console: Console) -> None:
         console.print(f"temperature must be a number from 0 to 2, got {value.strip()!r}", markup=False)
         return
     session.temperature = temperature
-    if temperature == 0:
-        console.print("temperature 0: greedy decoding")
-    else:
-        console.print(f"temperature {temperature:g} kept, but sampling is not supported yet: replies stay greedy "
-                      "(temperature 0)")
+    console.print("temperature 0: greedy decoding" if temperature == 0 else f"temperature {temperature:g}: sampling")
 
 
 def _cmd_stats(session: ChatSession, arg: str, console: Console) -> None:
@@ -264,16 +269,20 @@ def add_chat_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--system", help="system prompt")
     p.add_argument("--no-think", action="store_true", help="start with thinking off (/think on|off switches)")
     p.add_argument("--max-tokens", type=int, default=4096, help="longest reply in tokens (default 4096)")
+    add_prefix_cache_args(p)
     p.set_defaults(handler=run_chat)
     return p
 
 
 def run_chat(args: argparse.Namespace) -> int:
+    from flashtree.cli.main import cache_args
     from flashtree.engine.loader import load_engine
 
     console = Console()
     with console.status("loading the model..."):
-        engine = load_engine(args.model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk)
+        engine = load_engine(args.model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk,
+                             **cache_args(args))
     config = engine.config_for(max_new_tokens=args.max_tokens, ctx=args.ctx)
+    apply_prefix_cache_args(engine, args)
     repl(ChatSession(engine, config, system=args.system, thinking=not args.no_think), terminal_lines(), console)
     return 0

@@ -19,6 +19,39 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--topk", type=int, default=8, help="DDTree candidates per depth (default 8)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     parser.add_argument("-c", "--ctx", type=int, default=None, help="context size in tokens (default: fit the request)")
+    parser.add_argument("-ctk", "--cache-type-k", default=None, metavar="TYPE",
+                        help="K cache type: f16, bf16, f32, q8_0, q4_0, tq3_0 (default: the model dtype)")
+    parser.add_argument("-ctv", "--cache-type-v", default=None, metavar="TYPE",
+                        help="V cache type: f16, bf16, f32, q8_0, q4_0, tq3_0 (default: the model dtype)")
+    parser.add_argument("--attn-window", type=int, default=0, metavar="N",
+                        help="sliding-window attention over the last N positions; changes output (default 0 = full)")
+
+
+def cache_args(args: argparse.Namespace) -> dict:
+    """The KV cache options of `add_model_args`, as keyword arguments of `load_engine`."""
+    return {"cache_type_k": getattr(args, "cache_type_k", None), "cache_type_v": getattr(args, "cache_type_v", None),
+            "attn_window": getattr(args, "attn_window", 0)}
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    """Sampling flags (llama.cpp names); defaults are greedy decoding."""
+    parser.add_argument("--temp", "--temperature", dest="temperature", type=float, default=0.0,
+                        help="sampling temperature (default 0 = greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0 = off)")
+    parser.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
+    parser.add_argument("--seed", type=int, default=None, help="random seed (same seed, same text, same mode)")
+    parser.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty (default 1.0 = off)")
+    parser.add_argument("--presence-penalty", type=float, default=0.0)
+    parser.add_argument("--frequency-penalty", type=float, default=0.0)
+
+
+def sampling_from_args(args: argparse.Namespace):
+    from flashtree.engine.sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          seed=args.seed, repetition_penalty=args.repeat_penalty,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,12 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"flashtree {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     from flashtree.bench import cli as bench
-    from flashtree.cli import info, run
+    from flashtree.cli import info, plan, run
     from flashtree.cli.chat import add_chat_parser
     from flashtree.serve.cli import add_serve_parser
 
     run.add_parser(sub)
     info.add_parser(sub)
+    plan.add_parser(sub)
     add_model_args(add_serve_parser(sub))
     add_model_args(add_chat_parser(sub))
     bench.add_parser(sub)

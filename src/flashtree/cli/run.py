@@ -6,15 +6,15 @@ import argparse
 import json
 import sys
 
+from flashtree.cli.main import add_model_args, add_sampling_args, sampling_from_args
 from flashtree.engine.loader import load_engine
 
 
 def add_parser(sub) -> None:
-    from flashtree.cli.main import add_model_args
-
     p = sub.add_parser("run", help="generate a completion for one prompt")
     p.add_argument("prompt", help="the prompt text (use - to read it from stdin)")
     add_model_args(p)
+    add_sampling_args(p)
     p.add_argument("-n", "--max-tokens", type=int, default=256, help="maximum new tokens (default 256)")
     p.add_argument("--raw", action="store_true", help="plain completion: do not apply the chat template")
     p.add_argument("--system", help="system prompt for the chat template")
@@ -27,11 +27,14 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    sampling = sampling_from_args(args)  # validated before the model loads
+    from flashtree.cli.main import cache_args
+
     engine = load_engine(args.model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk,
-                         progress=not args.json)
+                         progress=not args.json, **cache_args(args))
     prompt_ids = engine.encode_prompt(prompt, raw=args.raw, system=args.system, enable_thinking=args.think)
     config = engine.config_for(max_new_tokens=args.max_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
-                               ctx=args.ctx)
+                               ctx=args.ctx, sampling=sampling)
     stream = None if args.json else _print_piece
     result = engine.generate(prompt_ids, config, on_text=stream)
     if args.json:

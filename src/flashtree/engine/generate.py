@@ -10,6 +10,7 @@ from typing import Callable, Sequence
 import torch
 
 from flashtree.engine.output import OutputTracker
+from flashtree.engine.sampling import Sampler, SamplingParams
 from flashtree.errors import FlashtreeError
 
 MODES = ("ar", "chain", "ddtree")
@@ -27,6 +28,10 @@ class GenerationConfig:
     ignore_eos: bool = False
     prefill_chunk: int = 512
     ctx: int | None = None  # context size in tokens (prompt + generated); None = fit the request
+    cache_type_k: str | None = None  # KV cache type (f16, bf16, f32, q8_0, q4_0, tq3_0); None = model dtype
+    cache_type_v: str | None = None
+    attn_window: int = 0  # > 0: sliding-window attention over the last N positions (changes output)
+    sampling: SamplingParams = SamplingParams()  # greedy by default
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -41,6 +46,13 @@ class GenerationConfig:
             raise FlashtreeError(f"ctx must be >= 2 tokens, got {self.ctx}")
         if self.prefill_chunk < 1:
             raise FlashtreeError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        from flashtree.kernels.kv_quant import kv_type
+
+        for name in (self.cache_type_k, self.cache_type_v):
+            if name is not None:
+                kv_type(name)  # raises with the supported choices
+        if self.attn_window < 0:
+            raise FlashtreeError(f"attn_window must be >= 0 (0 = full attention), got {self.attn_window}")
 
 
 @dataclass
@@ -101,6 +113,7 @@ class Engine:
         self.target = target
         self.draft = draft
         self.default_config = default_config or GenerationConfig(mode="ddtree" if draft is not None else "ar")
+        self.prefix_cache = None  # a flashtree.engine.prefix_cache.PrefixCache reuses prompt prefixes across requests
 
     def config_for(self, **overrides) -> GenerationConfig:
         """The engine's defaults (mode, budget, ...) with per-request values on top."""
@@ -121,8 +134,8 @@ class Engine:
     def generate(self, prompt_ids: Sequence[int], config: GenerationConfig,
                  on_text: Callable[[str], None] | None = None,
                  cancelled: Callable[[], bool] | None = None) -> GenerationResult:
-        """Greedy generation. `on_text` receives streamed text pieces; `cancelled` is polled once per
-        target step and ends generation with finish_reason "cancelled" when it returns True."""
+        """Generate after `prompt_ids`. `on_text` receives streamed text pieces; `cancelled` is polled once
+        per target step and ends generation with finish_reason "cancelled" when it returns True."""
         if not prompt_ids:
             raise FlashtreeError("the prompt is empty: give at least one token")
         if config.mode != "ar" and self.draft is None:
@@ -139,6 +152,8 @@ class Engine:
                 from flashtree.spec.decode import speculative
 
                 speculative(self, list(prompt_ids), config, out, stats, started)
+            if self.prefix_cache is not None:  # after a normal return only: the prefill of this call opened it
+                self.prefix_cache.finish(list(prompt_ids) + out.token_ids)
         stats.total_s = time.perf_counter() - started
         stats.new_tokens = len(out.token_ids)
         return GenerationResult(out.token_ids, out.text, out.finish_reason, stats)
@@ -150,6 +165,22 @@ class Engine:
             raise FlashtreeError(f"the prompt has {prompt_len} tokens but the context holds {limit}; "
                                  "shorten the prompt or raise --ctx")
         return min(prompt_len + config.max_new_tokens, limit) + config.budget + 2
+
+    def new_cache(self, prompt_len: int, config: GenerationConfig):
+        """The target cache for one request: sized by `context_size`, KV types and window from `config`."""
+        return self.target.model.new_cache(self.context_size(prompt_len, config), config.cache_type_k,
+                                           config.cache_type_v, config.attn_window)
+
+    def prefill_prompt(self, cache, prompt_ids: list[int], config: GenerationConfig, proposer=None) -> torch.Tensor:
+        """Fill the fresh `cache` with the prompt (through the prefix cache when there is one) and start
+        `proposer` on it; returns the last position's logits."""
+        if self.prefix_cache is not None:
+            return self.prefix_cache.prefill(self, cache, prompt_ids, config, proposer)
+        capture = proposer.capture_layers if proposer is not None else ()
+        logits, features = self.prefill(cache, prompt_ids, config.prefill_chunk, capture)
+        if proposer is not None:
+            proposer.start(features)
+        return logits
 
     def prefill(self, cache, prompt_ids: list[int], chunk: int, capture: Sequence[int] = ()):
         """Returns (last-position logits, captured features of every prompt token or None)."""
@@ -163,16 +194,22 @@ class Engine:
         logits = result.logits[-1]
         return logits, (torch.cat(features) if capture else None)
 
+    def sampler(self, prompt_ids: list[int], config: GenerationConfig) -> Sampler:
+        model = self.target.model
+        return Sampler(config.sampling, prompt_ids, model.config.vocab_size, model.device)
+
     def _autoregressive(self, prompt_ids, config, out: OutputTracker, stats: GenerationStats, started: float) -> None:
         model = self.target.model
-        cache = model.new_cache(self.context_size(len(prompt_ids), config))
-        logits, _ = self.prefill(cache, prompt_ids, config.prefill_chunk)
+        sampler = self.sampler(prompt_ids, config)
+        cache = self.new_cache(len(prompt_ids), config)
+        logits = self.prefill_prompt(cache, prompt_ids, config)
         stats.prefill_s = time.perf_counter() - started
-        token = int(logits.argmax())
+        token = sampler.choose(sampler.distribution(logits[None])[0])
         while not out.push(token):
+            sampler.record(token)
             step_start = time.perf_counter()
-            logits = model.forward(torch.tensor([token]), cache).logits[-1]
-            token = int(logits.argmax())
+            logits = model.forward(torch.tensor([token]), cache).logits
+            token = sampler.choose(sampler.distribution(logits)[0])
             stats.verify_s += time.perf_counter() - step_start
             stats.steps += 1
             stats.accepted[1] += 1

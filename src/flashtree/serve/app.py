@@ -110,7 +110,8 @@ class Server:
 
     def submit(self, prompt_ids: Sequence[int], params: GenerationParams, what: str, request_id: str = "") -> Job:
         requested = params.requested_max_tokens()
-        config = self.engine.config_for(max_new_tokens=requested, stop=params.stop_strings)
+        config = self.engine.config_for(max_new_tokens=requested, stop=params.stop_strings, sampling=params.sampling(),
+                                        ignore_eos=params.ignore_eos or None)
         limit, prompt = self.context_limit, len(prompt_ids)
         # OpenAI's wording: agent clients match it to trigger history compaction.
         if prompt >= limit:
@@ -255,7 +256,11 @@ def metrics(server: Server = Depends(_authorized)) -> PlainTextResponse:
     scheduler = server.scheduler
     waiting = scheduler.waiting if scheduler else 0
     running = int(scheduler is not None and scheduler.running is not None)
-    return PlainTextResponse(server.metrics.render(waiting, running), media_type="text/plain; version=0.0.4")
+    text = server.metrics.render(waiting, running)
+    prefix_cache = getattr(server.engine, "prefix_cache", None)
+    if prefix_cache is not None:
+        text += prefix_cache.metrics()
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 
 @api.post("/tokenize")

@@ -8,6 +8,8 @@ import logging
 import os
 from pathlib import Path
 
+from flashtree.engine.prefix_cache import add_prefix_cache_args, apply_prefix_cache_args
+
 
 def _positive_int(text: str) -> int:
     value = int(text)
@@ -35,6 +37,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on shutdown before they are cancelled (default 30)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    add_prefix_cache_args(p)
     p.set_defaults(handler=run_serve)
     return p
 
@@ -43,10 +46,13 @@ def engine_factory(args: argparse.Namespace):
     """Loads the engine on call, with the request defaults the flags set."""
 
     def load():
+        from flashtree.cli.main import cache_args
         from flashtree.engine.loader import load_engine
 
-        engine = load_engine(args.model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk)
+        engine = load_engine(args.model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk,
+                             **cache_args(args))
         engine.default_config = engine.config_for(max_new_tokens=args.max_tokens, ctx=args.ctx)
+        apply_prefix_cache_args(engine, args)
         return engine
 
     return load

@@ -6,6 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from flashtree.engine.sampling import SamplingParams
 from flashtree.serve.errors import unsupported
 
 Stop = str | Annotated[list[str], Field(max_length=4)] | None
@@ -38,6 +39,7 @@ class GenerationParams(_Body):
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
+    ignore_eos: bool = False  # vLLM's extension: keep generating past end-of-generation tokens
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
@@ -52,18 +54,20 @@ class GenerationParams(_Body):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def sampling(self) -> SamplingParams:
+        """The engine's sampling parameters. An omitted temperature means greedy (0), not OpenAI's 1:
+        identical-to-greedy output is what a local speculative server is run for (docs/SERVING.md)."""
+        return SamplingParams(
+            temperature=self.temperature or 0.0, top_p=self.top_p or 1.0,
+            top_k=max(self.top_k or 0, 0), min_p=self.min_p or 0.0, seed=self.seed,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+        )
+
     def check_supported(self) -> None:
-        """Reject parameters that would change the output in ways flashtree can't honour yet; top_p,
-        top_k, min_p and seed are accepted because they cannot change a greedy result."""
-        if self.temperature:
-            raise unsupported("temperature", "sampling is not supported yet: flashtree decodes greedily, so "
-                                             "temperature must be 0 or omitted")
+        """Reject parameters flashtree can't honour yet."""
         if self.n != 1:
             raise unsupported("n", "only n=1 is supported")
-        if self.presence_penalty or self.frequency_penalty or self.repetition_penalty not in (None, 1.0):
-            param = "presence_penalty" if self.presence_penalty else (
-                "frequency_penalty" if self.frequency_penalty else "repetition_penalty")
-            raise unsupported(param, "penalties are not supported yet")
         if self.logit_bias:
             raise unsupported("logit_bias", "logit_bias is not supported yet")
 

@@ -1,9 +1,13 @@
 """Speculative decoding loop: draft a block, build a chain or DDTree, verify it in one target
 forward, commit the longest target-agreeing path.
 
-Greedy and lossless: every committed token is the target's argmax given exactly the committed
-prefix (the tree mask and the ancestor-path DeltaNet recurrence make each node's logits those of
-its root-to-node sequence), so the output equals autoregressive greedy decoding.
+Lossless: the tree mask and the ancestor-path DeltaNet recurrence make each node's logits those of
+its root-to-node sequence, and each node's distribution is processed with that sequence's own
+history (penalties). Greedy: every committed token is the target's argmax given exactly the
+committed prefix. Sampling: the walk draws the target's token at each visited node from that node's
+distribution and moves to the child carrying it, stopping at the first draw no child carries (that
+draw is the next bonus token) -- so each emitted token is an exact draw from the target given the
+tokens before it, and the output is distributed as autoregressive sampling (docs/SAMPLING.md).
 """
 
 from __future__ import annotations
@@ -27,28 +31,53 @@ def make_tree(mode: str, bonus: int, draft_logits: torch.Tensor, budget: int, to
 def speculative(engine, prompt_ids: list[int], config, out, stats, started: float) -> None:
     model = engine.target.model
     proposer = _proposer(engine, config)
-    cache = model.new_cache(engine.context_size(len(prompt_ids), config))
-    logits, features = engine.prefill(cache, prompt_ids, config.prefill_chunk, capture=proposer.capture_layers)
-    proposer.start(features)
+    sampler = engine.sampler(prompt_ids, config)
+    cache = engine.new_cache(len(prompt_ids), config)
+    logits = engine.prefill_prompt(cache, prompt_ids, config, proposer)
     stats.prefill_s = time.perf_counter() - started
-    bonus = int(logits.argmax())
+    bonus = sampler.choose(sampler.distribution(logits[None])[0])
     while not out.push(bonus):
+        sampler.record(bonus)
         t0 = time.perf_counter()
         tree = make_tree(config.mode, bonus, proposer.propose(bonus, cache.length), config.budget, config.topk)
         t1 = time.perf_counter()
         step = Step.tree(cache.length, tree.parents.to(model.device), tree.depths.to(model.device),
                          tree.ancestor_mask().to(model.device))
         result = model.forward(tree.tokens, cache, step=step, capture=proposer.capture_layers)
-        accepted, bonus = follow(tree, result.logits.argmax(-1).tolist())
+        accepted, bonus = walk(tree, step.visible, result.logits, sampler)
         stats.draft_s += t1 - t0
         stats.verify_s += time.perf_counter() - t1
         stats.steps += 1
         stats.accepted[len(accepted)] += 1
         stats.proposed += len(tree) - 1
-        out.push_many(tree.tokens[accepted[1:]].tolist())
-        if out.done:  # an end-of-generation or stop inside the accepted path: emit up to it, no further
-            break
+        for token in tree.tokens[accepted[1:]].tolist():
+            if out.push(token):  # an end-of-generation or stop inside the accepted path: emit up to it, no further
+                return
+            sampler.record(token)
         _commit(model, cache, proposer, result.features, accepted)
+
+
+def walk(tree: DraftTree, ancestors: torch.Tensor, logits: torch.Tensor, sampler) -> tuple[list[int], int]:
+    """Accepted node indices (root first) and the next bonus token."""
+    dist = sampler.distribution(logits, _path_counts(tree, ancestors, logits.shape[-1]) if sampler.params.penalized else None)
+    if sampler.params.greedy:
+        return follow(tree, dist.argmax(-1).tolist())
+    accepted, node = [0], 0
+    while True:  # draws only along the realised path, one per visited node
+        token = sampler.choose(dist[node])
+        child = tree.children(node).get(token)
+        if child is None:
+            return accepted, token
+        accepted.append(child)
+        node = child
+
+
+def _path_counts(tree: DraftTree, ancestors: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[N, V] counts of each node's path tokens below the root (the root is already in the output)."""
+    below_root = ancestors.float().clone()
+    below_root[:, 0] = 0
+    one_hot = torch.nn.functional.one_hot(tree.tokens.to(ancestors.device), vocab).float()
+    return below_root @ one_hot
 
 
 def _commit(model, cache, proposer: Proposer, features: torch.Tensor, accepted: list[int]) -> None:

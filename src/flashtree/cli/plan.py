@@ -1,0 +1,96 @@
+"""`flashtree plan`: the device memory a configuration needs, line by line, from shapes alone.
+
+    flashtree plan --model T.gguf [--draft DIR] --ctx 262144 --cache-type-k tq3_0 --cache-type-v tq3_0 \
+        --budget 22 [--gpu-memory 24GiB]
+    flashtree plan --synthetic qwen3.6-27b --ctx 262144 -ctk tq3_0 -ctv tq3_0 --gpu-memory 24GiB
+
+Refuses (exit 1, one line) a configuration that does not fit in --gpu-memory, or in the CUDA
+device's memory when a device is present and no --gpu-memory is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from flashtree.engine.planner import (SYNTHETIC, DraftShape, PlanRequest, fmt_bytes, max_ctx, parse_size, plan,
+                                      target_from_gguf, target_from_preset)
+from flashtree.errors import FlashtreeError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="memory budget of a model + draft at a context size and KV cache types")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("-m", "--model", help="target GGUF (only metadata and the tensor table are read)")
+    source.add_argument("--synthetic", choices=sorted(SYNTHETIC),
+                        help="a known model shape instead of a file (includes its DFlash draft unless --no-draft)")
+    p.add_argument("--draft", help="DFlash draft directory (config.json is read)")
+    p.add_argument("--no-draft", action="store_true", help="plan without a draft (autoregressive)")
+    p.add_argument("-c", "--ctx", type=int, default=None, help="context size in tokens (default: the model's)")
+    p.add_argument("-ctk", "--cache-type-k", default="f16", metavar="TYPE",
+                   help="K cache type: f16, bf16, f32, q8_0, q4_0, tq3_0 (default f16)")
+    p.add_argument("-ctv", "--cache-type-v", default="f16", metavar="TYPE", help="V cache type (default f16)")
+    p.add_argument("--budget", type=int, default=22, help="DDTree node budget (default 22)")
+    p.add_argument("--draft-window", type=int, default=4096, help="draft context positions (default 4096)")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="prefill chunk in tokens (default 512)")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "f16", "f32"), help="compute dtype (default bf16)")
+    p.add_argument("--gpu-memory", default=None,
+                   help="memory to fit in, e.g. 24GiB or 24GB (default: the CUDA device's, if any)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(handler=run)
+
+
+def build_request(args: argparse.Namespace) -> PlanRequest:
+    if args.synthetic:
+        config, weights, embed, draft = target_from_preset(args.synthetic)
+        if args.draft:
+            draft = DraftShape.from_dir(args.draft)
+    else:
+        config, weights, embed = target_from_gguf(args.model)
+        draft = DraftShape.from_dir(args.draft) if args.draft else None
+    if args.no_draft:
+        draft = None
+    if args.budget < 1 or args.draft_window < 1 or args.prefill_chunk < 1:
+        raise FlashtreeError("--budget, --draft-window and --prefill-chunk must be >= 1")
+    return PlanRequest(config, weights, embed, draft, args.ctx or config.context_length, args.cache_type_k,
+                       args.cache_type_v, args.budget, args.draft_window, args.prefill_chunk, args.dtype)
+
+
+def available_memory(text: str | None) -> tuple[int | None, str]:
+    if text is not None:
+        return parse_size(text), "--gpu-memory"
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(torch.cuda.current_device())
+            return props.total_memory, props.name
+    except Exception:  # no usable CUDA: nothing to check against
+        pass
+    return None, "none given"
+
+
+def run(args: argparse.Namespace) -> int:
+    req = build_request(args)
+    result = plan(req)
+    available, source = available_memory(args.gpu_memory)
+    fits_to = max_ctx(req, available) if available is not None else None
+    c = req.config
+    if args.json:
+        print(json.dumps({
+            "model": c.name, "ctx": req.ctx, "cache_type_k": req.cache_type_k, "cache_type_v": req.cache_type_v,
+            "budget": req.budget, "draft": req.draft is not None, "lines": {n: b for n, b, _ in result.lines},
+            "total": result.total, "available": available, "fits": available is None or result.total <= available,
+            "max_ctx": fits_to}, indent=2))
+    else:
+        print(f"{c.name}: ctx {req.ctx}, K {req.cache_type_k} / V {req.cache_type_v}, budget {req.budget}, "
+              f"{'DFlash draft' if req.draft else 'no draft'}, compute {req.dtype}")
+        print(result.table(available))
+        if available is not None:
+            print(f"{'largest ctx that fits':<26} {fits_to:>10}  (multiple of 256, memory from {source})")
+    if available is not None and result.total > available:
+        raise FlashtreeError(
+            f"does not fit: ctx {req.ctx} with K {req.cache_type_k} / V {req.cache_type_v} needs {fmt_bytes(result.total)} "
+            f"(weights {fmt_bytes(result.bytes_of('target weights'))}, KV {fmt_bytes(result.bytes_of('KV cache'))}) "
+            f"but {fmt_bytes(available)} is available; largest ctx that fits: {fits_to}")
+    return 0

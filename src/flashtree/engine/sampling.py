@@ -1,0 +1,117 @@
+"""Turning target logits into the next token: penalties, temperature, top-k / top-p / min-p, seeds.
+
+Every row of logits is processed with the history of the sequence it continues, so a tree node and
+the autoregressive step at the same place in the text see exactly the same distribution. That is
+what makes speculative sampling lossless here: the walk samples the target at each visited node
+from this distribution and follows the child carrying the sampled token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flashtree.errors import FlashtreeError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0  # over prompt + generated tokens (vLLM / HF convention)
+    presence_penalty: float = 0.0  # over generated tokens (OpenAI convention)
+    frequency_penalty: float = 0.0
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (self.top_k >= 0, "top_k must be >= 0"),
+            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise FlashtreeError(f"{message} (got {self})")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+class Sampler:
+    """Per-request sampling state: the RNG and the token counts the penalties need."""
+
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], vocab_size: int, device):
+        self.params = params
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        if params.seed is not None:
+            self.generator.manual_seed(params.seed)
+        else:
+            self.generator.seed()
+        self.prompt_seen = self._counts(prompt_ids) > 0
+        self.generated = torch.zeros(vocab_size, device=self.device)
+
+    def _counts(self, ids: list[int]) -> torch.Tensor:
+        counts = torch.zeros(self.vocab_size, device=self.device)
+        if ids:
+            counts.index_add_(0, torch.tensor(ids, device=self.device), torch.ones(len(ids), device=self.device))
+        return counts
+
+    def record(self, token: int) -> None:
+        """A token became part of the output (penalties of later positions count it)."""
+        self.generated[token] += 1
+
+    def distribution(self, logits: torch.Tensor, extra_counts: torch.Tensor | None = None) -> torch.Tensor:
+        """Processed logits [N, V] (greedy) or probabilities [N, V] (sampling) for rows that continue the
+        recorded output plus, per row, the tokens counted in `extra_counts` [N, V]."""
+        logits = logits.float()
+        if self.params.penalized:
+            counts = self.generated.expand_as(logits)
+            if extra_counts is not None:
+                counts = counts + extra_counts
+            logits = self._penalize(logits, counts)
+        if self.params.greedy:
+            return logits
+        return self._probabilities(logits / self.params.temperature)
+
+    def choose(self, dist_row: torch.Tensor) -> int:
+        if self.params.greedy:
+            return int(dist_row.argmax())
+        return int(torch.multinomial(dist_row, 1, generator=self.generator))
+
+    def _penalize(self, logits: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        p = self.params
+        if p.repetition_penalty != 1:
+            seen = self.prompt_seen | (counts > 0)
+            scaled = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
+            logits = torch.where(seen, scaled, logits)
+        return logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+
+    def _probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        p = self.params
+        if p.top_k:
+            kth = logits.topk(min(p.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if p.min_p > 0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(-1, keepdim=True).values, 0.0)
+        if p.top_p < 1:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly ahead of each token
+            keep_sorted = before < p.top_p * sorted_probs.sum(-1, keepdim=True)
+            keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+            probs = probs * keep
+        return probs / probs.sum(-1, keepdim=True)
