@@ -60,11 +60,11 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from flashtree.cli.main import cache_args
+    from flashtree.cli.main import cache_args, placement_args
 
     model = _synthetic_model(args) if args.synthetic else args.model
     engine = load_engine(model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk,
-                         **cache_args(args))
+                         **cache_args(args), **placement_args(args))
     if args.multi_turn:
         from flashtree.bench.multi_turn import run_multi_turn
 

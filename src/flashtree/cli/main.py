@@ -25,12 +25,30 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="V cache type: f16, bf16, f32, q8_0, q4_0, tq3_0 (default: the model dtype)")
     parser.add_argument("--attn-window", type=int, default=0, metavar="N",
                         help="sliding-window attention over the last N positions; changes output (default 0 = full)")
+    # placement over several devices (flashtree.dist, docs/MULTI_GPU.md)
+    parser.add_argument("--gpus", type=int, default=None, metavar="N",
+                        help="split the target's layers evenly over N GPUs (cuda:0..N-1)")
+    parser.add_argument("--layer-split", default=None, metavar="A,B,...",
+                        help="layers per GPU as proportions or counts, e.g. 1,1 or 20,44 (llama.cpp -ts style)")
+    parser.add_argument("--draft-device", default=None, metavar="DEV",
+                        help="device of the draft and its context cache, e.g. cuda:1 (default: the target's)")
+    parser.add_argument("-tp", "--tensor-parallel", "--tensor-parallel-size", dest="tensor_parallel", type=int,
+                        default=1, metavar="N", help="shard the target over N GPUs, one process each (default 1)")
 
 
 def cache_args(args: argparse.Namespace) -> dict:
-    """The KV cache options of `add_model_args`, as keyword arguments of `load_engine`."""
-    return {"cache_type_k": getattr(args, "cache_type_k", None), "cache_type_v": getattr(args, "cache_type_v", None),
-            "attn_window": getattr(args, "attn_window", 0)}
+    """The KV cache options of `add_model_args` that were set, as keyword arguments of `load_engine`."""
+    options = {"cache_type_k": getattr(args, "cache_type_k", None), "cache_type_v": getattr(args, "cache_type_v", None),
+               "attn_window": getattr(args, "attn_window", 0)}
+    return {k: v for k, v in options.items() if v}
+
+
+def placement_args(args: argparse.Namespace) -> dict:
+    """The placement options of `add_model_args` that were set, as keyword arguments of `load_engine`."""
+    options = {"gpus": getattr(args, "gpus", None), "layer_split": getattr(args, "layer_split", None),
+               "draft_device": getattr(args, "draft_device", None),
+               "tensor_parallel": getattr(args, "tensor_parallel", 1)}
+    return {k: v for k, v in options.items() if v not in (None, 1)}
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     from flashtree.cli import info, plan, run
     from flashtree.cli.chat import add_chat_parser
     from flashtree.serve.cli import add_serve_parser
+    from flashtree.train import cli as train
 
     run.add_parser(sub)
     info.add_parser(sub)
@@ -69,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(add_serve_parser(sub))
     add_model_args(add_chat_parser(sub))
     bench.add_parser(sub)
+    train.add_parser(sub)
     return parser
 
 
@@ -76,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "tensor_parallel", 1) > 1:  # one process per rank (flashtree.dist.tp)
+            from flashtree.dist.tp import run_rank
+
+            return run_rank(args, sys.argv[1:] if argv is None else list(argv))
         return args.handler(args) or 0
     except FlashtreeError as exc:
         print(f"error: {exc}", file=sys.stderr)

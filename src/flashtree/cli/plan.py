@@ -42,18 +42,18 @@ def add_parser(sub) -> None:
 
 def build_request(args: argparse.Namespace) -> PlanRequest:
     if args.synthetic:
-        config, weights, embed, draft = target_from_preset(args.synthetic)
+        config, weights, embed, dense, draft = target_from_preset(args.synthetic)
         if args.draft:
             draft = DraftShape.from_dir(args.draft)
     else:
-        config, weights, embed = target_from_gguf(args.model)
+        config, weights, embed, dense = target_from_gguf(args.model)
         draft = DraftShape.from_dir(args.draft) if args.draft else None
     if args.no_draft:
         draft = None
     if args.budget < 1 or args.draft_window < 1 or args.prefill_chunk < 1:
         raise FlashtreeError("--budget, --draft-window and --prefill-chunk must be >= 1")
     return PlanRequest(config, weights, embed, draft, args.ctx or config.context_length, args.cache_type_k,
-                       args.cache_type_v, args.budget, args.draft_window, args.prefill_chunk, args.dtype)
+                       args.cache_type_v, args.budget, args.draft_window, args.prefill_chunk, args.dtype, dense)
 
 
 def available_memory(text: str | None) -> tuple[int | None, str]:
@@ -81,11 +81,13 @@ def run(args: argparse.Namespace) -> int:
             "model": c.name, "ctx": req.ctx, "cache_type_k": req.cache_type_k, "cache_type_v": req.cache_type_v,
             "budget": req.budget, "draft": req.draft is not None, "lines": {n: b for n, b, _ in result.lines},
             "total": result.total, "available": available, "fits": available is None or result.total <= available,
-            "max_ctx": fits_to}, indent=2))
+            "max_ctx": fits_to, "target_weights_dequantized": result.dequantized_weights()}, indent=2))
     else:
         print(f"{c.name}: ctx {req.ctx}, K {req.cache_type_k} / V {req.cache_type_v}, budget {req.budget}, "
               f"{'DFlash draft' if req.draft else 'no draft'}, compute {req.dtype}")
         print(result.table(available))
+        print(f"note: the torch reference path dequantizes linear weights at load "
+              f"({fmt_bytes(result.dequantized_weights())} in {req.dtype}); the stored size assumes quantized kernels")
         if available is not None:
             print(f"{'largest ctx that fits':<26} {fits_to:>10}  (multiple of 256, memory from {source})")
     if available is not None and result.total > available:

@@ -13,13 +13,25 @@ from dataclasses import dataclass, field
 import torch
 
 from flashtree.errors import FlashtreeError
+from flashtree.kernels.kv_quant import KVType, kv_type
 from flashtree.models.qwen35_config import Qwen35Config
 
 
 @dataclass
 class AttentionKV:
-    k: torch.Tensor  # [kv_heads, capacity, head_dim]
+    """K and V rows of one attention layer. A float type stores [kv_heads, capacity, head_dim] in its
+    dtype; a quantized type stores [kv_heads, capacity, row_bytes] uint8 blocks (kernels/kv_quant.py),
+    quantized on write. Either way a row is indexed along dim 1, so commits move rows the same way."""
+
+    k: torch.Tensor
     v: torch.Tensor
+    type_k: KVType | None = None  # None: the float type of the tensor's dtype
+    type_v: KVType | None = None
+    window: int = 0  # > 0: each query sees only keys less than `window` positions behind it
+
+    def __post_init__(self) -> None:
+        self.type_k = kv_type(self.type_k if self.type_k is not None else self.k.dtype)
+        self.type_v = kv_type(self.type_v if self.type_v is not None else self.v.dtype)
 
 
 @dataclass
@@ -50,19 +62,26 @@ class TargetCache:
     pending: dict[int, TreeScratch] = field(default_factory=dict)
 
     @classmethod
-    def allocate(cls, config: Qwen35Config, capacity: int, device, dtype: torch.dtype) -> "TargetCache":
+    def allocate(cls, config: Qwen35Config, capacity: int, device, dtype: torch.dtype,
+                 cache_type_k=None, cache_type_v=None, attn_window: int = 0) -> "TargetCache":
+        """`cache_type_k/v`: a KV type name (f32, f16, bf16, q8_0, q4_0, tq3_0); None = `dtype`."""
+        type_k = kv_type(cache_type_k if cache_type_k is not None else dtype)
+        type_v = kv_type(cache_type_v if cache_type_v is not None else dtype)
+        if attn_window < 0:
+            raise FlashtreeError(f"attention window must be >= 0 (0 = full attention), got {attn_window}")
+        heads, hd = config.num_kv_heads, config.head_dim
+        # `device` may list one device per layer (a layer split, flashtree.dist): each layer's state lives with it
+        devices = list(device) if isinstance(device, (list, tuple)) else [device] * config.num_layers
         attention = {
-            i: AttentionKV(
-                torch.zeros(config.num_kv_heads, capacity, config.head_dim, device=device, dtype=dtype),
-                torch.zeros(config.num_kv_heads, capacity, config.head_dim, device=device, dtype=dtype),
-            )
+            i: AttentionKV(type_k.allocate(heads, capacity, hd, devices[i]), type_v.allocate(heads, capacity, hd, devices[i]),
+                           type_k, type_v, attn_window)
             for i in config.attention_layers
         }
         d = config.gdn_head_dim
         deltanet = {
             i: DeltaNetState(
-                torch.zeros(config.conv_kernel - 1, config.conv_dim, device=device, dtype=dtype),
-                torch.zeros(config.gdn_v_heads, d, d, device=device, dtype=torch.float32),
+                torch.zeros(config.conv_kernel - 1, config.conv_dim, device=devices[i], dtype=dtype),
+                torch.zeros(config.gdn_v_heads, d, d, device=devices[i], dtype=torch.float32),
             )
             for i in config.deltanet_layers
         }

@@ -98,8 +98,15 @@ DEMO_DRAFT = DEMO_DIR / "demo-draft"
 
 
 def load_engine(model: str | Path | None = None, draft: str | Path | None = None, device: str | None = None,
-                spec: str | None = None, budget: int = 22, topk: int = 8, progress: bool = False):
-    """Target (+ draft) ready to generate. No model means the embedded demo pair."""
+                spec: str | None = None, budget: int = 22, topk: int = 8, progress: bool = False,
+                cache_type_k: str | None = None, cache_type_v: str | None = None, attn_window: int = 0,
+                gpus: int | None = None, layer_split: str | None = None, draft_device: str | None = None,
+                tensor_parallel: int = 1, devices=None):
+    """Target (+ draft) ready to generate. No model means the embedded demo pair. The KV cache options
+    become the engine's default GenerationConfig (checked before any weight is loaded).
+    Placement (flashtree.dist, docs/MULTI_GPU.md): `gpus` / `layer_split` split the target's layers over
+    devices (`devices` overrides cuda:0..N-1), `draft_device` puts the draft on its own device, and
+    `tensor_parallel` > 1 shards the target over the ranks of the initialized process group."""
     from flashtree.engine.generate import Engine, GenerationConfig
 
     if model is None:
@@ -110,16 +117,26 @@ def load_engine(model: str | Path | None = None, draft: str | Path | None = None
             draft = DEMO_DRAFT
     if spec in ("chain", "ddtree") and draft is None:
         raise FlashtreeError(f"--spec {spec} needs a draft model: pass --draft DIR or use --spec ar")
-    target = load_target(model, device, progress=progress)
-    draft_model = load_draft(draft, target) if draft is not None else None
+    cache_options = {"cache_type_k": cache_type_k, "cache_type_v": cache_type_v, "attn_window": attn_window}
+    GenerationConfig(**cache_options)  # a bad KV type or window fails here, before loading
+    from flashtree.dist.placement import load_placed_target
+
+    target = load_placed_target(model, device, progress, gpus, layer_split, tensor_parallel, devices)
+    draft_model = load_draft(draft, target, draft_device) if draft is not None else None
     mode = spec or ("ddtree" if draft_model is not None else "ar")
-    return Engine(target, draft_model, GenerationConfig(mode=mode, budget=budget, topk=topk))
+    engine = Engine(target, draft_model, GenerationConfig(mode=mode, budget=budget, topk=topk, **cache_options))
+    if tensor_parallel and tensor_parallel > 1:  # rank 0 gets the engine back; the other ranks follow it and exit
+        from flashtree.dist.tp import serve_ranks
+
+        return serve_ranks(engine)
+    return engine
 
 
-def load_draft(path: str | Path, target: Target):
+def load_draft(path: str | Path, target: Target, device: str | None = None):
     from flashtree.models.dflash import DFlashDraft
 
-    draft = DFlashDraft.load(path, device=target.model.device, dtype=target.model.dtype)
+    device = resolve_device(device) if device is not None else target.model.device  # --draft-device
+    draft = DFlashDraft.load(path, device=device, dtype=target.model.dtype)
     c = target.config
     draft.check_target(c.hidden_size, c.vocab_size, c.num_layers)
     return draft

@@ -50,6 +50,10 @@ class DecoderLayer:
     def is_recurrent(self) -> bool:
         return isinstance(self.mixer, GatedDeltaNet)
 
+    @property
+    def device(self) -> torch.device:
+        return self.attn_norm.device
+
     @classmethod
     def load(cls, gguf: GGUFFile, index: int, config: Qwen35Config, dtype, device) -> "DecoderLayer":
         prefix = f"blk.{index}"
@@ -87,7 +91,8 @@ class Qwen35Model:
                  output_norm: torch.Tensor, lm_head: Linear, device: torch.device, dtype: torch.dtype):
         self.config, self.embed, self.layers = config, embed, layers
         self.output_norm, self.lm_head = output_norm, lm_head
-        self.device, self.dtype = device, dtype
+        self.device, self.dtype = device, dtype  # `device`: where the embedding, inputs and outputs live
+        self.boundaries: dict[int, torch.device] = {}  # layer split (flashtree.dist): layer index -> its device
 
     @classmethod
     def load(cls, gguf: GGUFFile, config: Qwen35Config, device="cpu", dtype=torch.float32, progress=None) -> "Qwen35Model":
@@ -104,14 +109,19 @@ class Qwen35Model:
         output_norm = load_weight(gguf, "output_norm.weight", (d,), torch.float32, device)
         return cls(config, embed, layers, output_norm, lm_head, device, dtype)
 
-    def new_cache(self, capacity: int) -> TargetCache:
-        return TargetCache.allocate(self.config, capacity, self.device, self.dtype)
+    def new_cache(self, capacity: int, cache_type_k=None, cache_type_v=None, attn_window: int = 0) -> TargetCache:
+        """KV types by name (f16, bf16, f32, q8_0, q4_0, tq3_0; None = the model dtype); `attn_window`
+        > 0 limits attention to the last `attn_window` positions (changes output)."""
+        devices = [layer.device for layer in self.layers] if self.boundaries else self.device
+        return TargetCache.allocate(self.config, capacity, devices, self.dtype, cache_type_k, cache_type_v,
+                                    attn_window)
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embed(tokens.to(self.device))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(rms_norm(hidden, self.output_norm, self.config.rms_eps)).float()
+        hidden = hidden.to(self.output_norm.device)
+        return self.lm_head(rms_norm(hidden, self.output_norm, self.config.rms_eps)).float().to(self.device)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: TargetCache, step: Step | None = None,
@@ -128,12 +138,15 @@ class Qwen35Model:
         captured = {}
         wanted = set(capture)
         for layer in self.layers:
+            if layer.index in self.boundaries:  # layer split: the hidden state hops to the next device
+                device = self.boundaries[layer.index]
+                h, step = h.to(device), step.to(device)
             h = layer(h, step, cache)
             if layer.index in wanted:
                 captured[layer.index] = h
         if not step.is_tree:
             cache.length += n
-        features = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
+        features = torch.cat([captured[i].to(self.device) for i in capture], dim=-1) if capture else None
         logits = self.logits(h[-1:] if last_only else h)
         return ForwardOutput(logits, features)
 
@@ -144,6 +157,8 @@ class Qwen35Model:
         start = cache.length
         dest = slice(start, start + path.shape[0])
         for layer in self.layers:
+            if layer.index in self.boundaries:
+                path = path.to(self.boundaries[layer.index])
             if layer.is_recurrent:
                 layer.mixer.commit(cache.deltanet[layer.index], cache.pending[layer.index], path)
             else:

@@ -18,6 +18,11 @@ class Step:
     def is_tree(self) -> bool:
         return self.parents is not None
 
+    def to(self, device) -> "Step":
+        """The same step with its tensors on `device` (a layer-split boundary, flashtree.dist)."""
+        parents = None if self.parents is None else self.parents.to(device)
+        return Step(self.positions.to(device), self.start, self.visible.to(device), parents)
+
     @classmethod
     def sequence(cls, start: int, n: int, device) -> "Step":
         positions = torch.arange(start, start + n, device=device)

@@ -34,7 +34,8 @@ class DFlashProposer:
         self.draft = draft
         self.block_size = draft.config.block_size
         self.capture_layers = tuple(draft.config.target_layer_ids)
-        self.cache = draft.new_cache(window, device=target_model.device, dtype=target_model.dtype)
+        self.device = draft.fc.weight.device  # the draft's own device (--draft-device), maybe not the target's
+        self.cache = draft.new_cache(window, device=self.device, dtype=target_model.dtype)
         self._mask_row = None
 
     def start(self, features: torch.Tensor) -> None:
@@ -42,12 +43,13 @@ class DFlashProposer:
         self.commit(features, torch.arange(features.shape[0], device=features.device))
 
     def commit(self, features: torch.Tensor, positions: torch.Tensor) -> None:
-        self.draft.append_context(self.cache, features.to(self.target.dtype), positions)
+        self.draft.append_context(self.cache, features.to(self.device, self.target.dtype), positions)
 
     @torch.inference_mode()
     def propose(self, bonus: int, position: int) -> torch.Tensor:
         block = torch.full((self.block_size,), self.draft.config.mask_token_id, dtype=torch.long)
         block[0] = bonus
-        embeddings = self.target.embed_tokens(block)
+        embeddings = self.target.embed_tokens(block).to(self.device)
         hidden = self.draft.forward_block(self.cache, embeddings, position)
-        return self.target.lm_head(hidden[1:].to(self.target.dtype)).float()
+        head = self.target.lm_head  # on the target's last device: the hidden states go there, the logits come back
+        return head(hidden[1:].to(head.weight.device, self.target.dtype)).float().to(self.target.device)

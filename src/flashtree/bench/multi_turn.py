@@ -1,0 +1,94 @@
+"""`flashtree bench --multi-turn`: time to first token per turn of a chat session with a long system
+prompt, with and without the prefix cache (docs/PREFIX_CACHE.md).
+
+Both runs use the same weights and the same greedy settings; each turn resends the whole
+conversation, as chat clients do. TTFT is the time from the request to the logits of the first
+token (prefill, including restoring a cached prefix).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from flashtree.engine.generate import Engine
+from flashtree.engine.prefix_cache import PrefixCache
+
+QUESTIONS = (
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Now make it ignore punctuation and case.",
+    "Add a docstring and two doctests.",
+    "Explain its time complexity.",
+    "Rewrite it without slicing.",
+    "Write a unit test module for it with pytest.",
+    "Summarise what we did in one sentence.",
+    "Thanks. Anything else worth adding?",
+)
+
+FILLER = ("You are a careful senior engineer. Follow the style guide: type hints everywhere, short functions, "
+          "docstrings in the imperative mood, no global state, tests for every public function. ")
+
+
+def system_prompt(engine, tokens: int) -> str:
+    """Filler text of about `tokens` tokens (rule numbers keep it from being one repeated sentence)."""
+    parts, count, rule = [], 0, 0
+    while count < tokens:
+        rule += 1
+        piece = f"Rule {rule}: {FILLER}"
+        parts.append(piece)
+        count += len(engine.tokenizer.encode(piece))
+    return "".join(parts)
+
+
+def run_multi_turn(args, engine: Engine, model_name: str, device: str) -> int:
+    from flashtree.formats.chat_template import CHATML_TEMPLATE, ChatTemplate
+
+    mode = args.modes.split(",")[0] if args.modes else ("ddtree" if engine.draft is not None else "ar")
+    template = engine.target.chat_template or ChatTemplate(CHATML_TEMPLATE, eos_token="<|im_end|>")  # as the server
+    system = system_prompt(engine, args.system_tokens)
+    base = engine.config_for(max_new_tokens=args.max_tokens, mode=mode, ignore_eos=True)
+    plain = Engine(engine.target, engine.draft, base)
+    cached = Engine(engine.target, engine.draft, base)
+    cached.prefix_cache = PrefixCache(interval=args.prefix_cache_interval)
+    first = [{"role": "system", "content": system}, {"role": "user", "content": QUESTIONS[0]}]
+    # warm-up at full size (allocator, kernels for every chunk shape), so turn 1 is timed like the rest
+    warm_ids = engine.tokenizer.encode(template.render(first, add_generation_prompt=True))
+    plain.generate(warm_ids, replace(base, max_new_tokens=4))
+    runs = {}
+    for name, eng in (("off", plain), ("on", cached)):
+        messages = [{"role": "system", "content": system}]
+        turns = []
+        for turn in range(args.turns):
+            messages.append({"role": "user", "content": QUESTIONS[turn % len(QUESTIONS)]})
+            ids = engine.tokenizer.encode(template.render(messages, add_generation_prompt=True))
+            hit_before = eng.prefix_cache.stats.hit_tokens if eng.prefix_cache else 0
+            result = eng.generate(ids, base)
+            if engine.target.model.device.type == "cuda":
+                torch.cuda.synchronize()
+            hit = (eng.prefix_cache.stats.hit_tokens - hit_before) if eng.prefix_cache else 0
+            turns.append({"prompt_tokens": len(ids), "cached_tokens": hit, "ttft_s": result.stats.prefill_s,
+                          "total_s": result.stats.total_s, "token_ids": result.token_ids})
+            messages.append({"role": "assistant", "content": result.text})
+        runs[name] = turns
+    rows = []
+    for turn, (off, on) in enumerate(zip(runs["off"], runs["on"]), start=1):
+        rows.append({"turn": turn, "prompt_tokens": on["prompt_tokens"], "cached_tokens": on["cached_tokens"],
+                     "ttft_off_s": round(off["ttft_s"], 4), "ttft_on_s": round(on["ttft_s"], 4),
+                     "speedup": round(off["ttft_s"] / on["ttft_s"], 2) if on["ttft_s"] else None,
+                     "identical": off["token_ids"] == on["token_ids"]})
+    report = {"date": time.strftime("%Y-%m-%d"), "device": device, "model": model_name, "mode": mode,
+              "system_tokens": args.system_tokens, "turns": args.turns, "max_tokens": args.max_tokens,
+              "prefix_cache_entries": len(cached.prefix_cache.entries),
+              "prefix_cache_bytes": cached.prefix_cache.nbytes, "rows": rows}
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(f"device: {device}   model: {model_name}   mode: {mode}   system prompt ~{args.system_tokens} tokens, "
+          f"{args.max_tokens} new tokens per turn")
+    print(f"{'turn':>4}{'prompt':>8}{'cached':>8}{'TTFT off (s)':>14}{'TTFT on (s)':>13}{'speedup':>9}  identical")
+    for r in rows:
+        print(f"{r['turn']:>4}{r['prompt_tokens']:>8}{r['cached_tokens']:>8}{r['ttft_off_s']:>14.3f}"
+              f"{r['ttft_on_s']:>13.3f}{(r['speedup'] or 0):>8.1f}x  {'yes' if r['identical'] else 'NO'}")
+    return 0 if all(r["identical"] for r in rows) else 1

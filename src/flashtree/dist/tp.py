@@ -1,0 +1,324 @@
+"""Tensor parallel for the qwen35 target through torch.distributed: one process per device (NCCL on GPUs,
+gloo on CPU), Megatron-style sharding of the existing model in place, layer by layer at load.
+
+Per layer and rank (W ranks):
+  - gated attention: whole query heads (with their output gates) and whole KV heads, H/W and Hkv/W each
+    (contiguous chunks, so query head h keeps its GQA KV head h // group); attn_output row-parallel.
+  - Gated DeltaNet: whole q/k heads Hk/W, plus every value head that reads them. In the GGUF's tiled order
+    value head h reads q/k head h % Hk, so rank r gets q/k heads j in [r Hk/W, (r+1) Hk/W) and value heads
+    t Hk + j for every repeat t, ordered t-major so that the local rule "value head h reads q/k head
+    h % (Hk/W)" holds; qkv, conv, z, beta, alpha, A, dt_bias are split the same way, ssm_out row-parallel.
+  - MLP: gate/up column-parallel, down row-parallel.
+Each row-parallel linear ends in one all_reduce (two per layer). The LM head is vocab-parallel: every rank
+computes its slice of the vocabulary and an all_gather assembles the logits on every rank. The embedding,
+the norms and the draft are replicated. The cache holds only the rank's heads (the model's config is the
+rank-local one; `model.full_config` keeps the file's).
+
+Ranks stay in lock step by running the same engine code on the same inputs: rank 0 serves requests
+through `TensorParallelEngine`, which broadcasts each request (and, once per emitted token, the
+cancellation flag) to the followers running `follow`. Sampling seeds are pinned by rank 0, so every
+rank draws the same tokens.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import random
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from flashtree.dist import CHILD_ENV
+from flashtree.errors import FlashtreeError
+from flashtree.models.layers import Linear
+
+
+class RowParallelLinear(Linear):
+    """x_shard W_shard^T summed over the ranks (input features split, output complete)."""
+
+    def __init__(self, weight: torch.Tensor, group=None):
+        super().__init__(weight)
+        self.group = group
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        dist.all_reduce(y, group=self.group)
+        return y
+
+
+class VocabParallelHead(Linear):
+    """Rows [r V', (r+1) V') of the LM head (V' = ceil(V / W), the last shard zero-padded); all_gather."""
+
+    def __init__(self, weight: torch.Tensor, vocab: int, group=None):
+        super().__init__(weight)
+        self.vocab, self.group = vocab, group
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        part = F.linear(x, self.weight).contiguous()
+        parts = [torch.empty_like(part) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(parts, part, group=self.group)
+        return torch.cat(parts, dim=-1)[..., : self.vocab]
+
+
+def local_config(config, world: int):
+    """The rank's share of the heads and of the MLP; refuses shapes that do not split into whole heads."""
+    c = config
+    need = {"attention heads": c.num_heads, "attention KV heads": c.num_kv_heads,
+            "DeltaNet q/k heads": c.gdn_qk_heads, "MLP width": c.intermediate_size}
+    bad = [f"{name} {n}" for name, n in need.items() if n % world]
+    if bad:
+        raise FlashtreeError(f"tensor parallel {world} needs every head count divisible by {world}: "
+                             f"{', '.join(bad)} are not (KV-head replication is not implemented)")
+    return replace(c, num_heads=c.num_heads // world, num_kv_heads=c.num_kv_heads // world,
+                   gdn_qk_heads=c.gdn_qk_heads // world, gdn_v_heads=c.gdn_v_heads // world,
+                   intermediate_size=c.intermediate_size // world)
+
+
+def deltanet_heads(config, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q/k heads, value heads) of `rank`, value heads in local tiled order (t-major)."""
+    hk, hv = config.gdn_qk_heads, config.gdn_v_heads
+    local = hk // world
+    qk = torch.arange(rank * local, (rank + 1) * local)
+    v = torch.cat([t * hk + qk for t in range(hv // hk)])
+    return qk, v
+
+
+def _rows(weight: torch.Tensor, heads: torch.Tensor, size: int) -> torch.Tensor:
+    """Rows of the given heads (each head `size` consecutive rows), in the given order."""
+    index = (heads[:, None] * size + torch.arange(size)[None]).reshape(-1).to(weight.device)
+    return weight.index_select(0, index).contiguous()
+
+
+def _chunk(n: int, rank: int, world: int) -> torch.Tensor:
+    return torch.arange(rank * n // world, (rank + 1) * n // world)
+
+
+def shard_layer(layer, full, local, rank: int, world: int, group=None) -> None:
+    """Replace a DecoderLayer's weights with this rank's shard (in place)."""
+    from flashtree.models.deltanet import GatedDeltaNet
+
+    m = layer.mixer
+    if isinstance(m, GatedDeltaNet):
+        qk, v = deltanet_heads(full, rank, world)
+        dh, hk = full.gdn_head_dim, full.gdn_qk_heads
+        # conv channels: [q heads | k heads | v heads], dh channels each
+        conv_heads = torch.cat([qk, hk + qk, 2 * hk + v])
+        m.qkv = Linear(_rows(m.qkv.weight, conv_heads, dh))
+        m.conv_weight = _rows(m.conv_weight, conv_heads, dh)
+        m.z = Linear(_rows(m.z.weight, v, dh))
+        m.beta, m.alpha = Linear(_rows(m.beta.weight, v, 1)), Linear(_rows(m.alpha.weight, v, 1))
+        m.decay_rate, m.dt_bias = m.decay_rate[v].contiguous(), m.dt_bias[v].contiguous()
+        m.out = RowParallelLinear(_rows(m.out.weight.t(), v, dh).t().contiguous(), group)
+    else:
+        heads, kv = _chunk(full.num_heads, rank, world), _chunk(full.num_kv_heads, rank, world)
+        hd = full.head_dim
+        m.q = Linear(_rows(m.q.weight, heads, 2 * hd))  # per head: [query ; gate]
+        m.k, m.v = Linear(_rows(m.k.weight, kv, hd)), Linear(_rows(m.v.weight, kv, hd))
+        m.out = RowParallelLinear(_rows(m.out.weight.t(), heads, hd).t().contiguous(), group)
+    m.config = local
+    mlp, cols = layer.mlp, _chunk(full.intermediate_size, rank, world)
+    mlp.gate, mlp.up = Linear(_rows(mlp.gate.weight, cols, 1)), Linear(_rows(mlp.up.weight, cols, 1))
+    mlp.down = RowParallelLinear(_rows(mlp.down.weight.t(), cols, 1).t().contiguous(), group)
+
+
+def shard_head(weight: torch.Tensor, vocab: int, rank: int, world: int, group=None) -> VocabParallelHead:
+    per = -(-vocab // world)
+    part = weight[rank * per : min((rank + 1) * per, vocab)]
+    if part.shape[0] < per:
+        part = torch.cat([part, part.new_zeros(per - part.shape[0], part.shape[1])])
+    return VocabParallelHead(part.contiguous(), vocab, group)
+
+
+def load_tp_model(gguf, config, device, dtype, group=None, progress=None):
+    """The rank's shard of the target: each layer dequantized on the host, split, then moved to `device`."""
+    from flashtree.dist.placement import move_layer
+    from flashtree.models.layers import QuantizedEmbedding, load_weight
+    from flashtree.models.qwen35 import DecoderLayer, Qwen35Model
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    local = local_config(config, world)
+    host = torch.device("cpu")
+    d, vocab = config.hidden_size, config.vocab_size
+    embed = QuantizedEmbedding.load(gguf, "token_embd.weight", vocab, d, dtype, device)
+    head_name = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
+    head = Linear.load(gguf, head_name, vocab, d, dtype, host)
+    lm_head = shard_head(head.weight, vocab, rank, world, group)
+    lm_head.weight = lm_head.weight.to(device)
+    layers = []
+    for i in range(config.num_layers):
+        layer = DecoderLayer.load(gguf, i, config, dtype, host)
+        shard_layer(layer, config, local, rank, world, group)
+        move_layer(layer, device)
+        layers.append(layer)
+        if progress is not None:
+            progress(i + 1, config.num_layers)
+    output_norm = load_weight(gguf, "output_norm.weight", (d,), torch.float32, device)
+    model = Qwen35Model(local, embed, layers, output_norm, lm_head, device, dtype)
+    model.full_config = config
+    model.tp_rank, model.tp_world = rank, world
+    return model
+
+
+# ---- process group and launch ----
+
+def init_from_env(device: str | None = None) -> torch.device:
+    """Join the process group described by torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT,
+    LOCAL_RANK); NCCL with one GPU per process, gloo on CPU. Returns this rank's device."""
+    os.environ.update({k: os.environ.get(k, v) for k, v in CHILD_ENV.items()})
+    use_cuda = torch.cuda.is_available() and (device in (None, "auto") or str(device).startswith("cuda"))
+    if use_cuda:
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(dev)
+    else:
+        dev = torch.device("cpu")
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            raise FlashtreeError("tensor parallel needs one process per rank: start with "
+                                 "`flashtree ... --tensor-parallel N` or under torchrun")
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    return dev
+
+
+def load_tp_target(path, world: int, device: str | None = None, progress: bool = False):
+    """`load_target` for one rank of a tensor-parallel group of `world` processes."""
+    from flashtree.engine.loader import (Target, _progress_bar, _token_text, check_tensor_types, default_dtype,
+                                         read_config)
+    from flashtree.formats.chat_template import ChatTemplate
+    from flashtree.formats.gguf_file import GGUFFile
+    from flashtree.formats.tokenizer import Tokenizer
+
+    dev = init_from_env(device)
+    if dist.get_world_size() != world:
+        raise FlashtreeError(f"--tensor-parallel {world} but the process group has {dist.get_world_size()} ranks")
+    gguf = GGUFFile(path)
+    config, spec = read_config(gguf)
+    check_tensor_types(gguf, config)
+    if spec is None:
+        raise FlashtreeError(f"{gguf.path}: no tokenizer in the file (tokenizer.ggml.tokens missing)")
+    show = progress and dist.get_rank() == 0
+    model = load_tp_model(gguf, config, dev, default_dtype(dev), progress=_progress_bar(config) if show else None)
+    template = None
+    if spec.chat_template:
+        template = ChatTemplate(spec.chat_template, eos_token=_token_text(spec, spec.eos_token_id))
+    return Target(Path(path), gguf, config, model, Tokenizer(spec), template)
+
+
+# ---- keeping the ranks in lock step ----
+
+def _broadcast(obj):
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _synced_cancel(cancelled, device):
+    """A `cancelled` callback every rank polls at the same points; rank 0's answer is broadcast."""
+    def poll() -> bool:
+        flag = torch.tensor([bool(cancelled()) if cancelled is not None else False], dtype=torch.int32,
+                            device=device)
+        dist.broadcast(flag, src=0)
+        return bool(flag.item())
+
+    return poll
+
+
+def _pin_seed(config):
+    s = config.sampling
+    if s.seed is None and not s.greedy:
+        return replace(config, sampling=replace(s, seed=random.getrandbits(63)))
+    return config
+
+
+class TensorParallelEngine:
+    """Rank 0's engine: `generate` first broadcasts the request so that every rank runs it too."""
+
+    def __init__(self, engine):
+        object.__setattr__(self, "engine", engine)
+        object.__setattr__(self, "_open", True)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def __setattr__(self, name, value):
+        """Settings go to the wrapped engine (requests carry their full config to the followers). A prefix
+        cache would let rank 0 skip forwards the followers still run, so it stays off for now."""
+        if name == "prefix_cache" and value is not None:
+            print("flashtree: the prefix cache is off under tensor parallel (not yet kept in step across ranks)",
+                  file=sys.stderr)
+            value = None
+        setattr(self.engine, name, value)
+
+    def generate(self, prompt_ids, config, on_text=None, cancelled=None):
+        config = _pin_seed(config)
+        _broadcast(("generate", list(prompt_ids), config))
+        poll = _synced_cancel(cancelled, self.engine.target.model.device)
+        return self.engine.generate(prompt_ids, config, on_text, poll)
+
+    def shutdown(self) -> None:
+        """Release the followers (they exit) and leave the process group; registered atexit."""
+        if self._open and dist.is_initialized():
+            object.__setattr__(self, "_open", False)
+            _broadcast(("stop",))
+            dist.destroy_process_group()
+
+
+def follow(engine) -> None:
+    """A follower rank's loop: run every request rank 0 broadcasts, until it says stop."""
+    while True:
+        try:
+            message = _broadcast(None)
+        except Exception:  # rank 0 ended without saying stop (killed, or its server re-raised SIGTERM)
+            print(f"flashtree rank {dist.get_rank()}: rank 0 is gone, exiting", file=sys.stderr)
+            return
+        if message[0] == "stop":
+            return
+        _, prompt_ids, config = message
+        try:
+            engine.generate(prompt_ids, config, None, _synced_cancel(None, engine.target.model.device))
+        except FlashtreeError:
+            pass  # rank 0 raised the same error for the same request
+
+
+def serve_ranks(engine):
+    """Called by `load_engine` under tensor parallel: rank 0 gets its engine back (wrapped), the other
+    ranks follow rank 0's requests and exit when it is done."""
+    draft = engine.draft
+    if draft is not None and hasattr(draft, "fc") and draft.fc.weight.device != engine.target.model.device:
+        raise FlashtreeError("--draft-device does not combine with --tensor-parallel: each rank keeps a replica "
+                             "of the draft on its own GPU")
+    if dist.get_rank() == 0:
+        wrapped = TensorParallelEngine(engine)
+        atexit.register(wrapped.shutdown)
+        return wrapped
+    sys.stdout = open(os.devnull, "w")  # followers print nothing (gpt-fast does the same)
+    follow(engine)
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass  # the group is already broken when rank 0 died
+    sys.exit(0)
+
+
+def run_rank(args, argv) -> int:
+    """The CLI under `--tensor-parallel N`: without RANK in the environment, start N ranks running `argv`
+    (flashtree.dist.launch); rank 0 runs the command; any other rank only loads the same engine and
+    follows rank 0 (it never reads stdin, binds a port or prints)."""
+    if getattr(args, "synthetic", None):
+        raise FlashtreeError("--synthetic does not combine with --tensor-parallel")
+    if "RANK" not in os.environ:
+        from flashtree.dist.launch import spawn_ranks
+
+        return spawn_ranks(argv, args.tensor_parallel)
+    if os.environ["RANK"] == "0":
+        return args.handler(args) or 0
+    from flashtree.cli.main import cache_args, placement_args
+    from flashtree.engine.loader import load_engine
+
+    load_engine(args.model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk,
+                **cache_args(args), **placement_args(args))  # follows rank 0, then exits
+    return 0

@@ -1,0 +1,281 @@
+"""Memory planner: what a target (+ DFlash draft) at a given context, KV types and tree budget needs on
+the device, computed from shapes alone (GGUF metadata and tensor table, draft config.json) -- no
+weights are loaded.
+
+Every line is bytes the engine allocates or a stated estimate:
+
+* target weights: the GGUF tensors as stored (quantized). The current torch path dequantizes linear
+  weights at load; the stored size is what the quantized GPU kernels keep resident.
+* draft weights: parameter count x the compute dtype (the loader casts the draft to it).
+* KV cache: attention layers x kv_heads x rows x (K row bytes + V row bytes), rows = ctx + budget + 2
+  (the engine's context size: committed tokens plus tree scratch rows).
+* DeltaNet state: per recurrent layer the float32 [v_heads, d, d] state + the conv tail.
+* tree buffers: what a verify keeps per DeltaNet layer for the commit (TreeScratch) for budget + 1 nodes.
+* draft context ring: the draft's per-layer K/V of the last `draft_window` committed positions.
+* prefill feature capture: the captured target features of every prompt token, held until the draft
+  starts (the engine concatenates them; only the last `draft_window` rows are then kept).
+* activations (estimate): the largest forward (a prefill chunk or a verify) -- hidden, MLP and
+  projection intermediates, logits, and one layer's K/V dequantized to the compute dtype (quantized
+  types, torch reference path). Attention scores are assumed not materialized (fused / flash kernel).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from flashtree.errors import FlashtreeError
+from flashtree.kernels.kv_quant import kv_type
+from flashtree.models.qwen35_config import Qwen35Config
+
+GIB = 1024**3
+MIB = 1024**2
+DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class DraftShape:
+    """What the planner needs of a DFlash draft."""
+
+    params: int
+    layers: int
+    kv_heads: int
+    head_dim: int
+    feature_size: int  # len(target_layer_ids) * hidden
+
+    @classmethod
+    def from_config(cls, config) -> "DraftShape":
+        import torch
+
+        from flashtree.models.dflash import DFlashDraft
+
+        with torch.device("meta"):
+            model = DFlashDraft(config)
+        params = sum(p.numel() for p in model.parameters())
+        return cls(params, config.num_hidden_layers, config.num_key_value_heads, config.head_dim, config.feature_size)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "DraftShape":
+        from flashtree.models.dflash import DraftConfig
+
+        file = Path(path) / "config.json"
+        if not file.is_file():
+            raise FlashtreeError(f"draft model: {file} not found")
+        try:
+            return cls.from_config(DraftConfig.from_json(json.loads(file.read_text())))
+        except json.JSONDecodeError as e:
+            raise FlashtreeError(f"draft model: {file} is not valid JSON ({e})") from e
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    config: Qwen35Config
+    weight_bytes: int  # target tensors as stored
+    embed_bytes: int  # of which token_embd
+    draft: DraftShape | None
+    ctx: int
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    budget: int = 22
+    draft_window: int = 4096
+    prefill_chunk: int = 512
+    dtype: str = "bf16"  # compute dtype of activations, draft weights and float state
+    dense_params: int = 0  # target parameters outside token_embd (for the dequantized-at-load note)
+
+
+@dataclass
+class MemoryPlan:
+    request: PlanRequest
+    lines: list[tuple[str, int, str]] = field(default_factory=list)  # (what, bytes, how)
+
+    @property
+    def total(self) -> int:
+        return sum(b for _, b, _ in self.lines)
+
+    def bytes_of(self, what: str) -> int:
+        return next(b for name, b, _ in self.lines if name == what)
+
+    def dequantized_weights(self) -> int:
+        """Target weights as the current torch path holds them: linear weights dequantized at load."""
+        r = self.request
+        return r.dense_params * DTYPE_BYTES[r.dtype] + r.embed_bytes
+
+    def table(self, available: int | None = None) -> str:
+        rows = [f"{name:<26} {_gib(b):>10}  {how}" for name, b, how in self.lines]
+        rows.append(f"{'total':<26} {_gib(self.total):>10}")
+        if available is not None:
+            verdict = "fits" if self.total <= available else "DOES NOT FIT"
+            rows.append(f"{'available':<26} {_gib(available):>10}  {verdict}, headroom {_gib(available - self.total)}")
+        return "\n".join(rows)
+
+
+def kv_bytes_per_token(config: Qwen35Config, cache_type_k: str, cache_type_v: str) -> int:
+    tk, tv = kv_type(cache_type_k), kv_type(cache_type_v)
+    tk.check(config.head_dim)
+    tv.check(config.head_dim)
+    return len(config.attention_layers) * config.num_kv_heads * (tk.row_bytes(config.head_dim) + tv.row_bytes(config.head_dim))
+
+
+def plan(req: PlanRequest) -> MemoryPlan:
+    c = req.config
+    if req.ctx < 2:
+        raise FlashtreeError(f"ctx must be >= 2 tokens, got {req.ctx}")
+    if req.dtype not in DTYPE_BYTES:
+        raise FlashtreeError(f"unknown dtype {req.dtype!r}; choose one of {', '.join(DTYPE_BYTES)}")
+    b = DTYPE_BYTES[req.dtype]
+    tk, tv = kv_type(req.cache_type_k), kv_type(req.cache_type_v)
+    rows = req.ctx + req.budget + 2
+    nodes = req.budget + 1
+    n_gdn, n_attn = len(c.deltanet_layers), len(c.attention_layers)
+    out = MemoryPlan(req)
+    add = out.lines.append
+
+    add(("target weights", req.weight_bytes, f"GGUF tensors as stored (token_embd {_gib(req.embed_bytes)})"))
+    if req.draft is not None:
+        add(("draft weights", req.draft.params * b, f"{req.draft.params / 1e9:.2f} B params x {req.dtype}"))
+    per_token = kv_bytes_per_token(c, tk.name, tv.name)
+    add(("KV cache", per_token * rows,
+         f"K {tk.name} / V {tv.name}: {per_token} B/token x {rows} rows ({n_attn} layers x {c.num_kv_heads} kv heads)"))
+    ssm = c.gdn_v_heads * c.gdn_head_dim**2 * 4
+    conv = (c.conv_kernel - 1) * c.conv_dim * b
+    add(("DeltaNet state", n_gdn * (ssm + conv), f"{n_gdn} layers x (f32 state {_mib(ssm)} + conv {_mib(conv)})"))
+    if req.draft is not None:
+        scratch = nodes * (c.conv_dim * b + c.gdn_v_heads * (3 * c.gdn_head_dim + 2) * 4)
+        add(("tree buffers", n_gdn * scratch, f"verify scratch of {nodes} nodes x {n_gdn} DeltaNet layers"))
+        d = req.draft
+        window = min(req.draft_window, req.ctx)
+        ring = d.layers * 2 * d.kv_heads * window * d.head_dim * b + window * 8
+        add(("draft context ring", ring, f"{d.layers} layers x K+V x {d.kv_heads} heads x {window} positions"))
+        capture = req.ctx * d.feature_size * b
+        add(("prefill feature capture", capture,
+             f"{req.ctx} prompt tokens x {d.feature_size} features (held until the draft starts)"))
+    add(("activations (estimate)", _activations(req, rows, b), _activation_note(req)))
+    return out
+
+
+def _activations(req: PlanRequest, rows: int, b: int) -> int:
+    c = req.config
+    tk, tv = kv_type(req.cache_type_k), kv_type(req.cache_type_v)
+    capture = req.draft is not None
+    m = max(min(req.prefill_chunk, req.ctx), req.budget + 1)  # largest forward
+    logit_rows = m if capture else req.budget + 1
+    per_token = (6 * c.hidden_size + 3 * c.intermediate_size + 3 * c.num_heads * c.head_dim
+                 + 3 * c.conv_dim + c.gdn_value_dim) * b + 4 * c.gdn_value_dim * 3
+    logits = logit_rows * c.vocab_size * (4 + b)
+    dequant = 0
+    for t in (tk, tv):
+        if t.name != req.dtype:  # a cache side stored in another type is dequantized per layer
+            dequant += c.num_kv_heads * rows * c.head_dim * b
+    return m * per_token + logits + dequant
+
+
+def _activation_note(req: PlanRequest) -> str:
+    m = max(min(req.prefill_chunk, req.ctx), req.budget + 1)
+    return f"forward of {m} tokens + logits + one layer's K/V dequantized to {req.dtype}"
+
+
+def max_ctx(req: PlanRequest, available: int) -> int:
+    """Largest context (a multiple of 256) whose plan fits in `available` bytes; 0 if none."""
+    from dataclasses import replace
+
+    lo, hi = 0, max(req.config.context_length, req.ctx) // 256
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if plan(replace(req, ctx=mid * 256)).total <= available:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * 256
+
+
+# ----------------------------------------------------------------------------------------------
+# Shapes from a GGUF (metadata + tensor table only) or from a synthetic preset
+# ----------------------------------------------------------------------------------------------
+
+
+def target_from_gguf(path: str | Path) -> tuple[Qwen35Config, int, int, int]:
+    """(config, stored bytes of the tensors the trunk uses, token_embd bytes, parameters outside
+    token_embd), reading no weights."""
+    from flashtree.engine.loader import read_config
+    from flashtree.formats.gguf_file import GGUFFile
+
+    gguf = GGUFFile(path)
+    config, _ = read_config(gguf)
+    trunk = tuple(f"blk.{i}." for i in range(config.num_layers))
+    used = [t for t in gguf.tensors.values() if not t.name.startswith("blk.") or t.name.startswith(trunk)]
+    embed = gguf.tensors["token_embd.weight"].nbytes
+    dense = sum(math.prod(t.shape) for t in used if t.name != "token_embd.weight")
+    return config, sum(t.nbytes for t in used), embed, dense
+
+
+SYNTHETIC = {
+    # Qwen3.5-27B / Qwen3.6-27B text decoder (qwen35-gguf-format.md 1.2) with a Q4_K_M mix, and the
+    # z-lab DFlash draft shape (lucebox-dflash-spec.md 2.1).
+    "qwen3.6-27b": {
+        "target": dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_layers=64, num_mtp_layers=0,
+                       num_heads=24, num_kv_heads=4, head_dim=256, rope_dim=64, rope_theta=1e7, rms_eps=1e-6,
+                       attention_scale=256**-0.5, conv_kernel=4, gdn_head_dim=128, gdn_qk_heads=16,
+                       gdn_v_heads=48, context_length=262144, name="qwen3.6-27b (synthetic shape)"),
+        "scheme": "q4_k_m",
+        "draft": {"hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 5, "num_attention_heads": 32,
+                  "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1e7,
+                  "block_size": 16, "vocab_size": 248320, "num_target_layers": 64,
+                  "dflash_config": {"mask_token_id": 248070, "target_layer_ids": [1, 16, 31, 46, 61]}},
+    },
+}
+
+
+def target_from_preset(name: str) -> tuple[Qwen35Config, int, int, int, DraftShape]:
+    from flashtree.formats.quant_mix import quant_types
+    from flashtree.formats.quants import bytes_for
+    from flashtree.models.dflash import DraftConfig
+    from flashtree.models.synthetic import tensor_shapes
+
+    if name not in SYNTHETIC:
+        raise FlashtreeError(f"unknown synthetic preset {name!r}; choose one of {', '.join(SYNTHETIC)}")
+    preset = SYNTHETIC[name]
+    shape = dict(preset["target"])
+    shape["recurrent_layers"] = tuple((i + 1) % 4 != 0 for i in range(shape["num_layers"]))
+    config = Qwen35Config(**shape)
+    shapes = tensor_shapes(config)
+    types = quant_types(shapes, preset["scheme"])
+    sizes = {n: bytes_for(types[n], s) for n, s in shapes.items()}
+    draft = DraftShape.from_config(DraftConfig.from_json(preset["draft"]))
+    dense = sum(math.prod(s) for n, s in shapes.items() if n != "token_embd.weight")
+    return config, sum(sizes.values()), sizes["token_embd.weight"], dense, draft
+
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'24GiB', '24GB', '24G', '24' (GiB) -> bytes. GB is 10^9, GiB (or a bare G) is 2^30."""
+    m = _SIZE.match(str(text))
+    if not m or (m.group(4) == "" and m.group(3) != ""):
+        raise FlashtreeError(f"cannot read memory size {text!r}; write e.g. 24GiB, 24GB or 80")
+    value, unit, binary, byte = m.groups()
+    unit = (unit or "g").lower()
+    power = "kmgt".index(unit) + 1
+    decimal = byte and not binary and m.group(2) != ""
+    return int(float(value) * (1000**power if decimal else 1024**power))
+
+
+def _gib(n: int) -> str:
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    return f"{sign}{n / GIB:.2f} GiB" if n >= 0.1 * GIB else f"{sign}{n / MIB:.1f} MiB"
+
+
+def _mib(n: int) -> str:
+    return f"{n / MIB:.2f} MiB"
+
+
+def fmt_bytes(n: int) -> str:
+    return _gib(n)
+
+
+__all__ = ["DraftShape", "PlanRequest", "MemoryPlan", "plan", "max_ctx", "kv_bytes_per_token", "target_from_gguf",
+           "target_from_preset", "parse_size", "fmt_bytes", "SYNTHETIC", "GIB"]

@@ -1,0 +1,111 @@
+"""`flashtree train target|draft`: train the small demo target (GGUF) and a DFlash draft for a target."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields, replace
+
+from flashtree.errors import FlashtreeError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train", help="train a small qwen35 target or a DFlash draft (see docs/TRAINING.md)")
+    tsub = p.add_subparsers(dest="train_command", required=True)
+
+    t = tsub.add_parser("target", help="train a small qwen35 model from scratch on Python source; write target.gguf")
+    t.add_argument("--out", required=True, help="output directory (target.gguf, target-train.json)")
+    t.add_argument("--steps", type=int, default=2000)
+    t.add_argument("--time-budget", type=float, default=None, help="stop training after this many seconds")
+    t.add_argument("--batch-size", type=int, default=32)
+    t.add_argument("--seq-len", type=int, default=512)
+    t.add_argument("--lr", type=float, default=2e-3)
+    t.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    t.add_argument("--source", action="append", default=None,
+                   help="folder of .py files to train on (repeatable; default: stdlib + site-packages)")
+    t.add_argument("--max-chars", type=int, default=20_000_000, help="corpus size cap in characters")
+    t.add_argument("--scheme", default="q4_k_m", help="GGUF quant mix: q4_k_m (default), q8_0, f16, f32")
+    t.add_argument("--shape", default=None,
+                   help='JSON overrides of the model shape, e.g. \'{"hidden_size": 512, "num_layers": 12}\'')
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(handler=run_target)
+
+    d = tsub.add_parser("draft", help="train a DFlash draft for a qwen35 GGUF target (z-lab format output)")
+    d.add_argument("--target", required=True, help="target GGUF")
+    d.add_argument("--out", required=True, help="output directory (config.json, model.safetensors)")
+    d.add_argument("--steps", type=int, default=1000)
+    d.add_argument("--time-budget", type=float, default=None, help="stop training after this many seconds")
+    d.add_argument("--prompts", type=int, default=512, help="number of prompts whose responses the target writes")
+    d.add_argument("--max-new-tokens", type=int, default=192)
+    d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy responses (default)")
+    d.add_argument("--generator", choices=("hf", "engine"), default="hf",
+                   help="batched transformers model with the GGUF's weights (hf) or flashtree's engine")
+    d.add_argument("--features", choices=("engine", "hf"), default="engine",
+                   help="target features from flashtree's forward (engine) or batched through transformers (hf)")
+    d.add_argument("--layers", type=int, default=2, help="draft decoder layers")
+    d.add_argument("--feature-layers", type=int, default=3, help="target layers whose outputs condition the draft")
+    d.add_argument("--block-size", type=int, default=16)
+    d.add_argument("--batch-size", type=int, default=8)
+    d.add_argument("--anchors", type=int, default=32, help="blocks per sequence per step")
+    d.add_argument("--lr", type=float, default=1e-3)
+    d.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(handler=run_draft)
+
+
+def _device(name: str) -> str:
+    from flashtree.engine.loader import resolve_device
+
+    return str(resolve_device(name))
+
+
+def run_target(args: argparse.Namespace) -> int:
+    from flashtree.train.target import TargetShape, TrainConfig, train_target
+
+    shape = TargetShape()
+    if args.shape:
+        try:
+            overrides = json.loads(args.shape)
+            shape = replace(shape, **overrides)
+        except (json.JSONDecodeError, TypeError) as e:
+            known = ", ".join(f.name for f in fields(TargetShape))
+            raise FlashtreeError(f"--shape: {e} (keys: {known})") from e
+    train = TrainConfig(steps=args.steps, time_budget_s=args.time_budget, batch_size=args.batch_size,
+                        seq_len=args.seq_len, lr=args.lr, seed=args.seed)
+    result = train_target(args.out, shape, train, _device(args.device), roots=args.source, max_chars=args.max_chars,
+                          scheme=args.scheme, log=_log)
+    print(json.dumps(result["summary"]["target"]))
+    return 0
+
+
+def run_draft(args: argparse.Namespace) -> int:
+    from flashtree.train.draft import DraftTrainConfig, train_draft
+
+    cfg = DraftTrainConfig(num_layers=args.layers, num_feature_layers=args.feature_layers, block_size=args.block_size,
+                           num_prompts=args.prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                           generator=args.generator, feature_source=args.features, steps=args.steps, time_budget_s=args.time_budget,
+                           batch_size=args.batch_size, anchors=args.anchors, lr=args.lr, seed=args.seed)
+    result = train_draft(args.target, args.out, cfg, _device(args.device), log=_log)
+    print(json.dumps(result["summary"]["draft"]))
+    return 0
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m flashtree.train.cli target|draft ...` (the same commands without the main CLI)."""
+    parser = argparse.ArgumentParser(prog="flashtree")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["train", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return args.handler(args) or 0
+    except FlashtreeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

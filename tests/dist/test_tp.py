@@ -1,0 +1,76 @@
+"""Tensor parallel: sharding rules on one process, then one spawned gloo group of 2 CPU ranks."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from flashtree.dist import CHILD_ENV, launch, tp
+from flashtree.errors import FlashtreeError
+from flashtree.models.synthetic import tiny_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_deltanet_shard_keeps_tiled_value_heads_with_their_qk_heads():
+    c = tiny_config(gdn_qk_heads=4, gdn_v_heads=12)
+    seen = []
+    for rank in range(2):
+        qk, v = tp.deltanet_heads(c, rank, 2)
+        local_qk = len(qk)
+        for local_h, global_h in enumerate(v.tolist()):
+            # the local tiled rule must point at the same q/k head as the global one
+            assert qk[local_h % local_qk] == global_h % c.gdn_qk_heads
+        seen += v.tolist()
+    assert sorted(seen) == list(range(12))
+
+
+def test_local_config_refuses_partial_heads():
+    c = tiny_config()
+    assert tp.local_config(c, 2).num_kv_heads == 1
+    with pytest.raises(FlashtreeError, match="divisible"):
+        tp.local_config(c, 4)  # 2 KV heads over 4 ranks
+
+
+def test_rank_env_turns_nvlink_multicast_off():
+    env = launch.rank_env(1, 2, 12345, base={})
+    assert env["NCCL_NVLS_ENABLE"] == "0" and env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+    assert (env["RANK"], env["WORLD_SIZE"], env["MASTER_PORT"]) == ("1", "2", "12345")
+    assert CHILD_ENV["NCCL_NVLS_ENABLE"] == "0"
+
+
+def test_two_gloo_ranks_match_one_process(make_gguf, tmp_path, monkeypatch):
+    gguf = make_gguf("spec", config=tiny_config(num_layers=4, gdn_v_heads=4))
+    path = os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    monkeypatch.setenv("PYTHONPATH", path)
+    code = launch.spawn_ranks([str(gguf), str(tmp_path)], 2, module="tests.dist.tp_worker")
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)
+               if (tmp_path / f"rank{r}.json").exists()]
+    errors = [r.get("error") for r in reports if "error" in r]
+    assert code == 0 and len(reports) == 2, errors
+    for report in reports:
+        assert report["cache_kv_heads"] == 1  # each rank caches only its own KV heads
+        assert report["forward_max_diff"] < 1e-3, report  # float sums split over ranks
+    checks = dict((name, ok) for name, ok in reports[0]["checks"])
+    assert checks == {"ar": True, "ddtree": True, "chain": True, "oracle": True, "cancel": True}, checks
+    assert dict(reports[1]["checks"]) == {"oracle": True}
+
+
+def test_cli_tensor_parallel_run_matches_one_process(make_gguf, tmp_path, monkeypatch, capfd):
+    """`flashtree run -tp 2` spawns two ranks itself (rank 0 prints, rank 1 follows and exits)."""
+    from flashtree.cli.main import main
+    from flashtree.engine.loader import load_target
+    from tests.spec.test_lossless import random_draft
+
+    gguf = make_gguf("spec", config=tiny_config(num_layers=4, gdn_v_heads=4))
+    random_draft(load_target(gguf, device="cpu")).save(tmp_path / "draft")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    argv = ["run", "hello world", "-m", str(gguf), "--draft", str(tmp_path / "draft"), "--device", "cpu", "--raw",
+            "-n", "16", "--json", "--ignore-eos", "--budget", "8", "--topk", "4"]
+    outputs = []
+    for extra in ([], ["-tp", "2"], ["--layer-split", "1,3"]):
+        assert main(argv + extra) == 0
+        outputs.append(json.loads(capfd.readouterr().out.strip().splitlines()[-1]))
+    assert outputs[0]["mode"] == "ddtree" and len(outputs[0]["token_ids"]) == 16
+    assert outputs[1]["token_ids"] == outputs[0]["token_ids"] == outputs[2]["token_ids"]
