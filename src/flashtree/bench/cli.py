@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     base = engine.config_for(max_new_tokens=args.max_tokens, ignore_eos=True, sampling=sampling)
     engine.generate(prompts[0], replace(base, mode=modes[0], max_new_tokens=8))  # warm-up: allocator, kernels
     rows = [_bench_mode(engine, prompts, replace(base, mode=mode)) for mode in modes if mode in MODES]
-    report = {"date": time.strftime("%Y-%m-%d"), "device": _device_name(engine), "model": str(model),
+    report = {"date": time.strftime("%Y-%m-%d"), "device": _device_name(engine), "model": str(engine.target.path),
               "draft": str(args.draft) if args.draft else None, "weights_bytes_per_step": _weight_bytes(engine),
               "max_tokens": args.max_tokens, "prompts": len(prompts), "sampling": vars(sampling), "rows": rows}
     Path(args.out).write_text(json.dumps(report, indent=2))
