@@ -16,19 +16,9 @@ from pathlib import Path
 
 import torch
 
+from flashtree.bench.datasets import BUILTIN, load_prompt_set
 from flashtree.engine.generate import MODES
 from flashtree.engine.loader import load_engine
-
-PROMPTS = (
-    "def fibonacci(n):",
-    "Write a Python function that checks whether a string is a palindrome.",
-    "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"",
-    "Explain what a binary search does, then implement it in Python.",
-    "class LRUCache:\n    def __init__(self, capacity: int):",
-    "Write a function that returns the prime factors of an integer.",
-    "def parse_csv_line(line):",
-    "Implement quicksort in Python with a short docstring.",
-)
 
 SYNTHETIC = {
     "tiny": dict(),
@@ -47,7 +37,10 @@ def add_parser(sub) -> None:
     p.add_argument("--synthetic", choices=sorted(SYNTHETIC), help="random-weight model of this shape instead of --model")
     p.add_argument("--scheme", default="q8_0", help="quant scheme of the synthetic model (default q8_0)")
     p.add_argument("--modes", default=None, help="comma-separated modes (default: ar plus the spec modes a draft allows)")
-    p.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"number of prompts (max {len(PROMPTS)})")
+    p.add_argument("--dataset", action="append", default=None,
+                   help="builtin (default), humaneval, or a chat-message .jsonl file; repeatable")
+    p.add_argument("--prompts", type=int, default=len(BUILTIN), help="prompts per dataset")
+    p.add_argument("--think", action="store_true", help="render prompts with thinking on (default off)")
     p.add_argument("-n", "--max-tokens", type=int, default=128)
     p.add_argument("--out", default="bench.json", help="JSON output path")
     p.add_argument("--multi-turn", action="store_true",
@@ -70,47 +63,88 @@ def run(args: argparse.Namespace) -> int:
 
         return run_multi_turn(args, engine, str(model), _device_name(engine))
     modes = args.modes.split(",") if args.modes else ["ar"] + (["chain", "ddtree"] if engine.draft is not None else [])
-    prompts = [engine.encode_prompt(p) for p in PROMPTS[: args.prompts]]
+    modes = ["ar"] + [m for m in dict.fromkeys(modes) if m in MODES and m != "ar"]  # AR is every row's baseline
     from flashtree.cli.main import sampling_from_args
 
     sampling = sampling_from_args(args)
     base = engine.config_for(max_new_tokens=args.max_tokens, ignore_eos=True, sampling=sampling)
-    engine.generate(prompts[0], replace(base, mode=modes[0], max_new_tokens=8))  # warm-up: allocator, kernels
-    rows = [_bench_mode(engine, prompts, replace(base, mode=mode)) for mode in modes if mode in MODES]
+    sets = [load_prompt_set(spec, args.prompts) for spec in (args.dataset or ["builtin"])]
+    encoded = {s.name: [_encode(engine, conv, args.think) for conv in s.conversations] for s in sets}
+    first = next(iter(encoded.values()))[0]
+    engine.generate(first, replace(base, mode=modes[-1], max_new_tokens=8))  # warm-up: allocator, kernels
+    rows = [row for name, prompts in encoded.items() for row in _bench_dataset(engine, name, prompts, base, modes)]
     report = {"date": time.strftime("%Y-%m-%d"), "device": _device_name(engine), "model": str(engine.target.path),
               "draft": str(args.draft) if args.draft else None, "weights_bytes_per_step": _weight_bytes(engine),
-              "max_tokens": args.max_tokens, "prompts": len(prompts), "sampling": vars(sampling), "rows": rows}
+              "max_tokens": args.max_tokens, "prompts_per_dataset": args.prompts, "sampling": vars(sampling),
+              "rows": rows, "mean": _mean_rows(rows)}
     Path(args.out).write_text(json.dumps(report, indent=2))
     _print_table(report)
     return 0
 
 
-def _bench_mode(engine, prompts, config) -> dict:
-    tokens = steps = committed = 0
-    decode_s = 0.0
-    for ids in prompts:
-        result = engine.generate(ids, config)
-        if engine.target.model.device.type == "cuda":
-            torch.cuda.synchronize()
-        tokens += result.stats.new_tokens
-        steps += result.stats.steps
-        committed += sum(k * v for k, v in result.stats.accepted.items())
-        decode_s += result.stats.decode_s
-    return {"mode": config.mode, "budget": config.budget if config.mode != "ar" else None, "new_tokens": tokens,
-            "steps": steps, "acceptance_length": round(committed / steps, 3) if steps else 0.0,
-            "tokens_per_s": round(tokens / decode_s, 2), "ms_per_step": round(1000 * decode_s / max(steps, 1), 3)}
+def _encode(engine, messages: list[dict], think: bool) -> list[int]:
+    template = engine.target.chat_template
+    if template is None:
+        return engine.tokenizer.encode("\n".join(m["content"] for m in messages))
+    return engine.tokenizer.encode(template.render(messages, add_generation_prompt=True, enable_thinking=think))
+
+
+def _bench_dataset(engine, name: str, prompts: list[list[int]], base, modes: list[str]) -> list[dict]:
+    """One row per mode; speculative rows compare every prompt's tokens with the AR run's."""
+    runs = {mode: [_timed(engine, ids, replace(base, mode=mode)) for ids in prompts] for mode in modes}
+    ar_tokens = [r.token_ids for r in runs["ar"]]
+    rows = [_row(name, mode, base, results, ar_tokens) for mode, results in runs.items()]
+    ar_speed = rows[0]["tokens_per_s"]
+    for row in rows:
+        row["speedup"] = round(row["tokens_per_s"] / ar_speed, 3) if ar_speed else 0.0
+    return rows
+
+
+def _timed(engine, ids, config):
+    result = engine.generate(ids, config)
+    if engine.target.model.device.type == "cuda":
+        torch.cuda.synchronize()
+    return result
+
+
+def _row(dataset: str, mode: str, base, results, ar_tokens) -> dict:
+    tokens = sum(r.stats.new_tokens for r in results)
+    steps = sum(r.stats.steps for r in results)
+    committed = sum(k * v for r in results for k, v in r.stats.accepted.items())
+    decode_s = sum(r.stats.decode_s for r in results)
+    identical = [r.token_ids == ref for r, ref in zip(results, ar_tokens)]
+    return {"dataset": dataset, "mode": mode, "budget": base.budget if mode != "ar" else None,
+            "prompts": len(results), "new_tokens": tokens, "steps": steps,
+            "acceptance_length": round(committed / steps, 3) if steps else 0.0,
+            "tokens_per_s": round(tokens / decode_s, 2) if decode_s else 0.0,
+            "ms_per_step": round(1000 * decode_s / max(steps, 1), 3),
+            "identical_to_ar": sum(identical), "identical_per_prompt": identical}
+
+
+def _mean_rows(rows: list[dict]) -> list[dict]:
+    means = []
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        group = [r for r in rows if r["mode"] == mode]
+        means.append({"mode": mode, **{key: round(sum(r[key] for r in group) / len(group), 3)
+                                       for key in ("acceptance_length", "tokens_per_s", "speedup")}})
+    return means
 
 
 def _print_table(report: dict) -> None:
-    ar = next((r for r in report["rows"] if r["mode"] == "ar"), None)
     gbytes = report["weights_bytes_per_step"] / 1e9
-    print(f"device: {report['device']}   model: {report['model']}   {report['prompts']} prompts x {report['max_tokens']} tokens")
-    print(f"{'mode':<8}{'budget':>7}{'AL':>7}{'tok/s':>10}{'ms/step':>10}{'GB/s':>9}{'speedup':>9}")
+    print(f"device: {report['device']}   model: {report['model']}   "
+          f"{report['prompts_per_dataset']} prompts x {report['max_tokens']} tokens per dataset")
+    print(f"{'dataset':<12}{'mode':<8}{'budget':>7}{'AL':>7}{'tok/s':>10}{'ms/step':>10}{'GB/s':>9}{'speedup':>9}"
+          f"{'same as ar':>12}")
     for r in report["rows"]:
-        speedup = r["tokens_per_s"] / ar["tokens_per_s"] if ar else float("nan")
         gbs = gbytes / (r["ms_per_step"] / 1000) if r["ms_per_step"] else 0.0
-        print(f"{r['mode']:<8}{str(r['budget'] or '-'):>7}{r['acceptance_length']:>7.2f}{r['tokens_per_s']:>10.1f}"
-              f"{r['ms_per_step']:>10.2f}{gbs:>9.1f}{speedup:>8.2f}x")
+        print(f"{r['dataset']:<12}{r['mode']:<8}{str(r['budget'] or '-'):>7}{r['acceptance_length']:>7.2f}"
+              f"{r['tokens_per_s']:>10.1f}{r['ms_per_step']:>10.2f}{gbs:>9.1f}{r['speedup']:>8.2f}x"
+              f"{r['identical_to_ar']:>7}/{r['prompts']}")
+    if len({r["dataset"] for r in report["rows"]}) > 1:
+        for m in report["mean"]:
+            print(f"{'mean':<12}{m['mode']:<8}{'':>7}{m['acceptance_length']:>7.2f}{m['tokens_per_s']:>10.1f}"
+                  f"{'':>19}{m['speedup']:>8.2f}x")
 
 
 def _weight_bytes(engine) -> int:
