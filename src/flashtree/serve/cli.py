@@ -50,7 +50,7 @@ def engine_factory(args: argparse.Namespace):
         from flashtree.engine.loader import load_engine
 
         engine = load_engine(args.model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk,
-                             **cache_args(args), **placement_args(args))
+                             progress=True, **cache_args(args), **placement_args(args))
         engine.default_config = engine.config_for(max_new_tokens=args.max_tokens, ctx=args.ctx)
         apply_prefix_cache_args(engine, args)
         return engine
