@@ -65,29 +65,38 @@ def new_hf_model(c: Qwen35Config, tied: bool = False, attn_implementation: str =
     return Qwen3_5ForCausalLM(hf_config(c, tied, attn_implementation)).float()
 
 
+def _one_to_one_names(c: Qwen35Config, tied: bool):
+    """(GGUF name, HF name, offset) of tensors that map one to one. The converter folds HF's
+    zero-centred "1 + w" into every norm but the DeltaNet output norm, hence offset 1 there."""
+    yield "token_embd.weight", "model.embed_tokens.weight", 0.0
+    yield "output_norm.weight", "model.norm.weight", 1.0
+    if not tied:
+        yield "output.weight", "lm_head.weight", 0.0
+    for i in range(c.num_layers):
+        g, h = f"blk.{i}", f"model.layers.{i}"
+        yield f"{g}.attn_norm.weight", f"{h}.input_layernorm.weight", 1.0
+        yield f"{g}.post_attention_norm.weight", f"{h}.post_attention_layernorm.weight", 1.0
+        for ours, theirs in (("ffn_gate", "gate_proj"), ("ffn_up", "up_proj"), ("ffn_down", "down_proj")):
+            yield f"{g}.{ours}.weight", f"{h}.mlp.{theirs}.weight", 0.0
+        if c.recurrent_layers[i]:
+            yield f"{g}.ssm_norm.weight", f"{h}.linear_attn.norm.weight", 0.0
+            continue
+        a = f"{h}.self_attn"
+        for ours, theirs in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"), ("attn_output", "o_proj")):
+            yield f"{g}.{ours}.weight", f"{a}.{theirs}.weight", 0.0
+        yield f"{g}.attn_q_norm.weight", f"{a}.q_norm.weight", 1.0
+        yield f"{g}.attn_k_norm.weight", f"{a}.k_norm.weight", 1.0
+
+
 def gguf_tensors_from_hf(model, c: Qwen35Config) -> dict[str, np.ndarray]:
     """HF state dict -> float32 arrays in GGUF names, layout and conventions."""
     sd = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
-    out = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"] + 1}
-    if not model.config.tie_word_embeddings:
-        out["output.weight"] = sd["lm_head.weight"]
+    tied = model.config.tie_word_embeddings
+    out = {ours: sd[theirs] + plus_one for ours, theirs, plus_one in _one_to_one_names(c, tied)}
     order = grouped_to_tiled(c.gdn_qk_heads, c.gdn_v_heads)
     d, kd = c.gdn_head_dim, c.gdn_key_dim
-    for i in range(c.num_layers):
-        g, h = f"blk.{i}", f"model.layers.{i}"
-        out[f"{g}.attn_norm.weight"] = sd[f"{h}.input_layernorm.weight"] + 1
-        out[f"{g}.post_attention_norm.weight"] = sd[f"{h}.post_attention_layernorm.weight"] + 1
-        for ours, theirs in (("ffn_gate", "gate_proj"), ("ffn_up", "up_proj"), ("ffn_down", "down_proj")):
-            out[f"{g}.{ours}.weight"] = sd[f"{h}.mlp.{theirs}.weight"]
-        if not c.recurrent_layers[i]:
-            a = f"{h}.self_attn"
-            for ours, theirs in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"),
-                                 ("attn_output", "o_proj")):
-                out[f"{g}.{ours}.weight"] = sd[f"{a}.{theirs}.weight"]
-            out[f"{g}.attn_q_norm.weight"] = sd[f"{a}.q_norm.weight"] + 1
-            out[f"{g}.attn_k_norm.weight"] = sd[f"{a}.k_norm.weight"] + 1
-            continue
-        la = f"{h}.linear_attn"
+    for i in c.deltanet_layers:
+        g, la = f"blk.{i}", f"model.layers.{i}.linear_attn"
         qkv = sd[f"{la}.in_proj_qkv.weight"]
         conv = sd[f"{la}.conv1d.weight"][:, 0, :]
         out[f"{g}.attn_qkv.weight"] = np.concatenate([qkv[: 2 * kd], _head_rows(qkv[2 * kd :], order, d)])
@@ -97,7 +106,6 @@ def gguf_tensors_from_hf(model, c: Qwen35Config) -> dict[str, np.ndarray]:
         out[f"{g}.ssm_alpha.weight"] = sd[f"{la}.in_proj_a.weight"][order]
         out[f"{g}.ssm_a"] = -np.exp(sd[f"{la}.A_log"][order])
         out[f"{g}.ssm_dt.bias"] = sd[f"{la}.dt_bias"][order]
-        out[f"{g}.ssm_norm.weight"] = sd[f"{la}.norm.weight"]
         out[f"{g}.ssm_out.weight"] = _head_rows(sd[f"{la}.out_proj.weight"].T, order, d).T
     return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
 
@@ -117,24 +125,9 @@ def hf_model_from_gguf(path: str | Path, device="cpu", attn_implementation: str 
     model = new_hf_model(c, tied, attn_implementation)
     inv = np.argsort(grouped_to_tiled(c.gdn_qk_heads, c.gdn_v_heads))  # tiled -> grouped
     d, kd = c.gdn_head_dim, c.gdn_key_dim
-    sd = {"model.embed_tokens.weight": t["token_embd.weight"], "model.norm.weight": t["output_norm.weight"] - 1}
-    if not tied:
-        sd["lm_head.weight"] = t["output.weight"]
-    for i in range(c.num_layers):
-        g, h = f"blk.{i}", f"model.layers.{i}"
-        sd[f"{h}.input_layernorm.weight"] = t[f"{g}.attn_norm.weight"] - 1
-        sd[f"{h}.post_attention_layernorm.weight"] = t[f"{g}.post_attention_norm.weight"] - 1
-        for ours, theirs in (("ffn_gate", "gate_proj"), ("ffn_up", "up_proj"), ("ffn_down", "down_proj")):
-            sd[f"{h}.mlp.{theirs}.weight"] = t[f"{g}.{ours}.weight"]
-        if not c.recurrent_layers[i]:
-            a = f"{h}.self_attn"
-            for ours, theirs in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"),
-                                 ("attn_output", "o_proj")):
-                sd[f"{a}.{theirs}.weight"] = t[f"{g}.{ours}.weight"]
-            sd[f"{a}.q_norm.weight"] = t[f"{g}.attn_q_norm.weight"] - 1
-            sd[f"{a}.k_norm.weight"] = t[f"{g}.attn_k_norm.weight"] - 1
-            continue
-        la = f"{h}.linear_attn"
+    sd = {theirs: t[ours] - plus_one for ours, theirs, plus_one in _one_to_one_names(c, tied)}
+    for i in c.deltanet_layers:
+        g, la = f"blk.{i}", f"model.layers.{i}.linear_attn"
         qkv, conv = t[f"{g}.attn_qkv.weight"], t[f"{g}.ssm_conv1d.weight"]
         sd[f"{la}.in_proj_qkv.weight"] = np.concatenate([qkv[: 2 * kd], _head_rows(qkv[2 * kd :], inv, d)])
         sd[f"{la}.conv1d.weight"] = np.concatenate([conv[: 2 * kd], _head_rows(conv[2 * kd :], inv, d)])[:, None, :]
@@ -143,7 +136,6 @@ def hf_model_from_gguf(path: str | Path, device="cpu", attn_implementation: str 
         sd[f"{la}.in_proj_a.weight"] = t[f"{g}.ssm_alpha.weight"][inv]
         sd[f"{la}.A_log"] = np.log(-t[f"{g}.ssm_a"][inv])
         sd[f"{la}.dt_bias"] = t[f"{g}.ssm_dt.bias"][inv]
-        sd[f"{la}.norm.weight"] = t[f"{g}.ssm_norm.weight"]
         sd[f"{la}.out_proj.weight"] = _head_rows(t[f"{g}.ssm_out.weight"].T, inv, d).T
     state = {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)) for k, v in sd.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
