@@ -43,7 +43,7 @@ class OracleProposer:
     def __init__(self, reference: list[int], vocab: int, seed: int):
         self.reference, self.vocab, self.seed = reference, vocab, seed
 
-    def start(self, features):
+    def start(self):
         pass
 
     def commit(self, features, positions):

@@ -176,23 +176,24 @@ class Engine:
         `proposer` on it; returns the last position's logits."""
         if self.prefix_cache is not None:
             return self.prefix_cache.prefill(self, cache, prompt_ids, config, proposer)
-        capture = proposer.capture_layers if proposer is not None else ()
-        logits, features = self.prefill(cache, prompt_ids, config.prefill_chunk, capture)
-        if proposer is not None:
-            proposer.start(features)
-        return logits
+        if proposer is None:
+            return self.prefill(cache, prompt_ids, config.prefill_chunk)
+        proposer.start()
+        return self.prefill(cache, prompt_ids, config.prefill_chunk, proposer.capture_layers, proposer.commit)
 
-    def prefill(self, cache, prompt_ids: list[int], chunk: int, capture: Sequence[int] = ()):
-        """Returns (last-position logits, captured features of every prompt token or None)."""
+    def prefill(self, cache, prompt_ids: list[int], chunk: int, capture: Sequence[int] = (),
+                on_features: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> torch.Tensor:
+        """Run the prompt in chunks; returns the last position's logits. Each chunk's captured features go
+        to `on_features(features, positions)` as soon as they exist, so nothing grows with the prompt but
+        the KV cache (a 256K prompt's features would be ~12 GiB at the 27B shape)."""
         model = self.target.model
-        features = []
         for start in range(0, len(prompt_ids), chunk):
             piece = torch.tensor(prompt_ids[start : start + chunk], dtype=torch.long)
+            first = cache.length
             result = model.forward(piece, cache, capture=capture, last_only=not capture)
-            if capture:
-                features.append(result.features)
-        logits = result.logits[-1]
-        return logits, (torch.cat(features) if capture else None)
+            if on_features is not None:
+                on_features(result.features, torch.arange(first, cache.length, device=result.features.device))
+        return result.logits[-1]
 
     def sampler(self, prompt_ids: list[int], config: GenerationConfig) -> Sampler:
         model = self.target.model

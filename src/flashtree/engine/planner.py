@@ -12,8 +12,8 @@ Every line is bytes the engine allocates or a stated estimate:
 * DeltaNet state: per recurrent layer the float32 [v_heads, d, d] state + the conv tail.
 * tree buffers: what a verify keeps per DeltaNet layer for the commit (TreeScratch) for budget + 1 nodes.
 * draft context ring: the draft's per-layer K/V of the last `draft_window` committed positions.
-* prefill feature capture: the captured target features of every prompt token, held until the draft
-  starts (the engine concatenates them; only the last `draft_window` rows are then kept).
+* prefill feature capture: the captured target features of one prefill chunk (each chunk's features
+  go straight into the draft's context ring, so they do not grow with the prompt).
 * activations (estimate): the largest forward (a prefill chunk or a verify) -- hidden, MLP and
   projection intermediates, logits, and one layer's K/V dequantized to the compute dtype (quantized
   types, torch reference path). Attention scores are assumed not materialized (fused / flash kernel).
@@ -149,9 +149,9 @@ def plan(req: PlanRequest) -> MemoryPlan:
         window = min(req.draft_window, req.ctx)
         ring = d.layers * 2 * d.kv_heads * window * d.head_dim * b + window * 8
         add(("draft context ring", ring, f"{d.layers} layers x K+V x {d.kv_heads} heads x {window} positions"))
-        capture = req.ctx * d.feature_size * b
-        add(("prefill feature capture", capture,
-             f"{req.ctx} prompt tokens x {d.feature_size} features (held until the draft starts)"))
+        chunk = min(req.prefill_chunk, req.ctx)
+        add(("prefill feature capture", chunk * d.feature_size * b,
+             f"{chunk} tokens (one prefill chunk) x {d.feature_size} features, streamed into the ring"))
     add(("activations (estimate)", _activations(req, rows, b), _activation_note(req)))
     return out
 

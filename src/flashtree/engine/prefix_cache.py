@@ -315,9 +315,8 @@ class PrefixCache:
         host = self.offload if self.offload is not None else model.device.type == "cuda"
         draft = _DraftOps.of(proposer) if proposer is not None else None
         if proposer is not None and draft is None:  # a proposer whose context cannot be snapshotted: no reuse
-            logits, features = engine.prefill(cache, prompt_ids, config.prefill_chunk, proposer.capture_layers)
-            proposer.start(features)
-            return logits
+            proposer.start()
+            return engine.prefill(cache, prompt_ids, config.prefill_chunk, proposer.capture_layers, proposer.commit)
         capture = proposer.capture_layers if proposer is not None else ()
         n = len(prompt_ids)
         signature = _signature(cache)
@@ -348,9 +347,8 @@ class PrefixCache:
         for point in points:
             while pos < point:
                 end = min((pos // chunk + 1) * chunk, point)  # chunks aligned to absolute multiples of `chunk`
-                logits, features = engine.prefill(cache, prompt_ids[pos:end], end - pos, capture)  # one chunk
-                if proposer is not None:
-                    proposer.commit(features, torch.arange(pos, end, device=features.device))
+                commit = proposer.commit if proposer is not None else None
+                logits = engine.prefill(cache, prompt_ids[pos:end], end - pos, capture, commit)  # one chunk
                 pos = end
             session.pending.append(self._snapshot(session))
         self._session = session

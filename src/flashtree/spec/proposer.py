@@ -1,8 +1,8 @@
 """Where draft tokens come from: the DFlash draft fed with the target's captured layer features.
 
-A proposer sees the committed sequence only through `start` (prompt features) and `commit`
-(features of tokens accepted by a verify) and answers `propose` with one row of logits per
-block position after the bonus token.
+A proposer sees the committed sequence only through `start` (a new sequence) and `commit`
+(features of newly committed tokens: prompt chunks during prefill, then accepted verify paths),
+and answers `propose` with one row of logits per block position after the bonus token.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ class Proposer(Protocol):
     block_size: int  # bonus token + proposed positions
     capture_layers: tuple[int, ...]  # target layers whose outputs the proposer needs
 
-    def start(self, features: torch.Tensor) -> None: ...
+    def start(self) -> None: ...  # a new sequence: forget all context
 
     def propose(self, bonus: int, position: int) -> torch.Tensor: ...  # [block_size - 1, vocab] logits
 
@@ -36,11 +36,9 @@ class DFlashProposer:
         self.capture_layers = tuple(draft.config.target_layer_ids)
         self.device = draft.fc.weight.device  # the draft's own device (--draft-device), maybe not the target's
         self.cache = draft.new_cache(window, device=self.device, dtype=target_model.dtype)
-        self._mask_row = None
 
-    def start(self, features: torch.Tensor) -> None:
+    def start(self) -> None:
         self.cache.reset()
-        self.commit(features, torch.arange(features.shape[0], device=features.device))
 
     def commit(self, features: torch.Tensor, positions: torch.Tensor) -> None:
         self.draft.append_context(self.cache, features.to(self.device, self.target.dtype), positions)
