@@ -66,13 +66,6 @@ class GatedDeltaNet:
             state.conv = torch.cat([state.conv, conv_inputs.to(state.conv.dtype)])[-(c.conv_kernel - 1):]
         return self._output(o, x), scratch
 
-    def commit(self, state: DeltaNetState, scratch: TreeScratch, path: torch.Tensor) -> None:
-        """Make `state` what it would be after decoding the accepted `path` of a verified tree."""
-        kernel = self.config.conv_kernel
-        state.conv = torch.cat([state.conv, scratch.conv_inputs[path].to(state.conv.dtype)])[-(kernel - 1):]
-        s = scratch
-        _, state.ssm = gated_delta.recurrent(s.q[path], s.k[path], s.v[path], s.g[path], s.beta[path], state.ssm)
-
     def _conv(self, inputs: torch.Tensor, parents: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
         """Depthwise causal conv where each token's window is [its kernel-1 ancestors ; itself]."""
         history = conv_state.shape[0]
@@ -101,3 +94,21 @@ class GatedDeltaNet:
         z = self.z(x).view(n, c.gdn_v_heads, c.gdn_head_dim).float()
         gated = rms_norm(o, self.norm, c.rms_eps) * F.silu(z)
         return self.out(gated.reshape(n, -1).to(x.dtype))
+
+
+def commit_layers(layers: list[tuple[GatedDeltaNet, DeltaNetState, TreeScratch]], path: torch.Tensor) -> None:
+    """Make each layer's state what it would be after decoding the accepted `path` of a verified tree.
+    One recurrence runs over all the layers' heads stacked (layers on one device): layers are
+    independent, so stacking only saves the per-layer token loops."""
+    kernel = layers[0][0].config.conv_kernel
+    for _, state, scratch in layers:
+        state.conv = torch.cat([state.conv, scratch.conv_inputs[path].to(state.conv.dtype)])[-(kernel - 1):]
+    heads = [state.ssm.shape[0] for _, state, _ in layers]
+
+    def stacked(name: str) -> torch.Tensor:
+        return torch.cat([getattr(scratch, name)[path] for _, _, scratch in layers], dim=1)
+
+    initial = torch.cat([state.ssm for _, state, _ in layers])
+    _, final = gated_delta.recurrent(stacked("q"), stacked("k"), stacked("v"), stacked("g"), stacked("beta"), initial)
+    for (_, state, _), ssm in zip(layers, final.split(heads)):
+        state.ssm = ssm

@@ -18,7 +18,7 @@ from flashtree.engine.cache import TargetCache
 from flashtree.errors import FlashtreeError
 from flashtree.formats.gguf_file import GGUFFile
 from flashtree.models.attention import GatedAttention
-from flashtree.models.deltanet import GatedDeltaNet
+from flashtree.models.deltanet import GatedDeltaNet, commit_layers
 from flashtree.models.layers import Linear, QuantizedEmbedding, load_weight, rms_norm
 from flashtree.models.qwen35_config import Qwen35Config
 from flashtree.models.step import Step
@@ -156,15 +156,19 @@ class Qwen35Model:
         path = path.to(self.device)
         start = cache.length
         dest = slice(start, start + path.shape[0])
+        recurrent: dict[torch.device, list] = {}  # DeltaNet layers per device, committed together below
         for layer in self.layers:
             if layer.index in self.boundaries:
                 path = path.to(self.boundaries[layer.index])
             if layer.is_recurrent:
-                layer.mixer.commit(cache.deltanet[layer.index], cache.pending[layer.index], path)
+                entry = (layer.mixer, cache.deltanet[layer.index], cache.pending[layer.index])
+                recurrent.setdefault(path.device, []).append(entry)
             else:
                 kv = cache.attention[layer.index]
                 kv.k[:, dest] = kv.k[:, start + path]
                 kv.v[:, dest] = kv.v[:, start + path]
+        for device, layers in recurrent.items():
+            commit_layers(layers, path.to(device))
         cache.pending.clear()
         cache.length += path.shape[0]
 
