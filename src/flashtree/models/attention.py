@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from flashtree.engine.cache import AttentionKV
 from flashtree.formats.gguf_file import GGUFFile
 from flashtree.kernels.kv_quant import rotate, unrotate
-from flashtree.models.layers import Linear, apply_rope, load_weight, rms_norm, rope_tables
+from flashtree.models.layers import Linear, apply_rope, load_weight, rms_norm
 from flashtree.models.qwen35_config import Qwen35Config
 from flashtree.models.step import Step
 
@@ -50,7 +50,7 @@ class GatedAttention:
         q = rms_norm(q, self.q_norm, c.rms_eps)
         k = rms_norm(self.k(x).view(n, c.num_kv_heads, c.head_dim), self.k_norm, c.rms_eps)
         v = self.v(x).view(n, c.num_kv_heads, c.head_dim)
-        cos, sin = rope_tables(step.positions, c.rope_dim, c.rope_theta)
+        cos, sin = step.rope(c.rope_dim, c.rope_theta)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         end = step.start + n
@@ -60,10 +60,7 @@ class GatedAttention:
         lo = max(0, step.start - kv.window + 1) if kv.window > 0 else 0
         keys = kv.type_k.dequantize(kv.k[:, lo:end], q.dtype)  # rotated domain for TQ3_0
         values = kv.type_v.dequantize(kv.v[:, lo:end], q.dtype)
-        mask = torch.cat([torch.ones(n, step.start - lo, dtype=torch.bool, device=x.device), step.visible], dim=1)
-        if kv.window > 0:
-            key_pos = torch.cat([torch.arange(lo, step.start, device=x.device), step.positions])
-            mask = mask & (step.positions[:, None] - key_pos[None, :] < kv.window)
+        mask = step.attention_mask(lo, kv.window)
         q = q.transpose(0, 1)
         if kv.type_k.rotated:  # R orthogonal: (Rq).(Rk) = q.k, so K is used as stored
             q = rotate(q)
