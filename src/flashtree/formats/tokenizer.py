@@ -13,7 +13,7 @@ import re
 import threading
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import tokenizers
@@ -312,3 +312,11 @@ def train_bpe(
         add_bos_token=False,
         chat_template=CHATML_TEMPLATE,
     )
+
+
+def pad_vocab(spec: TokenizerSpec, vocab_size: int) -> TokenizerSpec:
+    """Fill ids past the real tokens with [PAD<i>] placeholders of type UNUSED, as the GGUF converter
+    does for Qwen's padded vocabulary (a draft can use the first one as its mask token)."""
+    extra = range(len(spec.tokens), vocab_size)
+    return replace(spec, tokens=spec.tokens + [f"[PAD{i}]" for i in extra],
+                   token_types=spec.token_types + [UNUSED] * len(extra))

@@ -117,24 +117,15 @@ def write_synthetic_gguf(path, config: Qwen35Config | None = None, scheme: str =
 
     from flashtree.formats.gguf_writer import write_qwen35_gguf
     from flashtree.formats.quant_mix import quant_types
+    from flashtree.formats.tokenizer import pad_vocab
 
     tokenizer = tokenizer or synthetic_tokenizer()
     config = config or tiny_config()
     if config.vocab_size < len(tokenizer.tokens):
         config = replace(config, vocab_size=len(tokenizer.tokens))
-    tokenizer = _pad_vocab(tokenizer, config.vocab_size)
+    tokenizer = pad_vocab(tokenizer, config.vocab_size)
     tensors = random_tensors(config, seed=seed, tied=tied)
     types = quant_types({k: v.shape for k, v in tensors.items()}, scheme)
     types.update(qtypes or {})
     return write_qwen35_gguf(path, config, tensors, types, tokenizer)
 
-
-def _pad_vocab(spec, vocab_size: int):
-    """Fill ids without a real token with [PAD<i>] placeholders of type UNUSED, as the converter does."""
-    from dataclasses import replace
-
-    from flashtree.formats.tokenizer import UNUSED
-
-    extra = range(len(spec.tokens), vocab_size)
-    return replace(spec, tokens=spec.tokens + [f"[PAD{i}]" for i in extra],
-                   token_types=spec.token_types + [UNUSED] * len(extra))

@@ -14,7 +14,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from flashtree.formats.tokenizer import UNUSED, Tokenizer, TokenizerSpec, train_bpe
+from flashtree.formats.tokenizer import Tokenizer, TokenizerSpec, pad_vocab, train_bpe
 from flashtree.models.qwen35_config import Qwen35Config
 from flashtree.train.convert import gguf_tensors_from_hf, new_hf_model
 from flashtree.train.corpus import Corpus, build_corpus
@@ -77,14 +77,6 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 0
     log_every: int = 50
-
-
-def pad_vocab(spec: TokenizerSpec, vocab_size: int) -> TokenizerSpec:
-    """Fill ids past the real tokens with [PAD<i>] placeholders of type UNUSED (as Qwen's files do);
-    the first one serves as the draft's mask token."""
-    extra = range(len(spec.tokens), vocab_size)
-    return replace(spec, tokens=spec.tokens + [f"[PAD{i}]" for i in extra],
-                   token_types=spec.token_types + [UNUSED] * len(extra))
 
 
 def build_tokenizer(corpus: Corpus, vocab_size: int, sample_chars: int = 8_000_000, seed: int = 0) -> TokenizerSpec:
