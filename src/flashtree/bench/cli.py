@@ -69,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
     sampling = sampling_from_args(args)
     base = engine.config_for(max_new_tokens=args.max_tokens, ignore_eos=True, sampling=sampling)
     sets = [load_prompt_set(spec, args.prompts) for spec in (args.dataset or ["builtin"])]
-    encoded = {s.name: [_encode(engine, conv, args.think) for conv in s.conversations] for s in sets}
+    encoded = {s.name: [engine.encode_messages(conv, enable_thinking=args.think) for conv in s.conversations]
+               for s in sets}
     first = next(iter(encoded.values()))[0]
     engine.generate(first, replace(base, mode=modes[-1], max_new_tokens=8))  # warm-up: allocator, kernels
     rows = [row for name, prompts in encoded.items() for row in _bench_dataset(engine, name, prompts, base, modes)]
@@ -80,13 +81,6 @@ def run(args: argparse.Namespace) -> int:
     Path(args.out).write_text(json.dumps(report, indent=2))
     _print_table(report)
     return 0
-
-
-def _encode(engine, messages: list[dict], think: bool) -> list[int]:
-    template = engine.target.chat_template
-    if template is None:
-        return engine.tokenizer.encode("\n".join(m["content"] for m in messages))
-    return engine.tokenizer.encode(template.render(messages, add_generation_prompt=True, enable_thinking=think))
 
 
 def _bench_dataset(engine, name: str, prompts: list[list[int]], base, modes: list[str]) -> list[dict]:

@@ -121,10 +121,17 @@ class Engine:
 
     def encode_prompt(self, prompt: str, raw: bool = False, system: str | None = None, **template_kwargs) -> list[int]:
         """Token ids for a user prompt: through the model's chat template unless `raw`."""
-        template = self.target.chat_template
-        if raw or template is None:
+        if raw or self.target.chat_template is None:
             return self.tokenizer.encode(prompt)
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        return self.encode_messages(messages, **template_kwargs)
+
+    def encode_messages(self, messages: list[dict], **template_kwargs) -> list[int]:
+        """Token ids of a conversation rendered with the generation prompt (plain text joined by newlines
+        when the model has no chat template)."""
+        template = self.target.chat_template
+        if template is None:
+            return self.tokenizer.encode("\n".join(m["content"] for m in messages))
         return self.tokenizer.encode(template.render(messages, add_generation_prompt=True, **template_kwargs))
 
     @property
