@@ -63,7 +63,7 @@ def test_slash_commands(target):
     lines = ["/help", "/stats", "/system Answer in French.", "/think off", "bonjour", "/stats", "/think maybe",
              "/nope", "/clear", "/think on", "/system", "hello", "/exit", "never read"]
     session, out = run(engine, lines)
-    for command in ("/clear", "/system TEXT", "/think on|off", "/set temperature X", "/stats", "/exit", "/bye"):
+    for command in ("/clear", "/system TEXT", "/think on|off", "/set NAME VALUE", "/stats", "/exit", "/bye"):
         assert command in out  # /help
     assert "no reply yet" in out
     first = prompt_of(engine, 0)
@@ -79,12 +79,13 @@ def test_slash_commands(target):
 def test_set_temperature_and_bye(target):
     engine = ScriptedEngine(target, script="</think>\n\nOK.")
     lines = ["/set temperature 0.7", "hi", "/set", "/set temperature hot", "/set temperature 3", "/set top_p 0.9",
-             "/set temperature 0", "/bye", "never read"]
+             "/set top_k -3", "/set bogus 1", "/set temperature 0", "/bye", "never read"]
     session, out = run(engine, lines)
     assert "temperature 0.7: sampling" in out and session.config.sampling.temperature in (0, 0.7)
     assert "usage: /set temperature X (now 0.7)" in out  # kept in the session
     assert "temperature must be a number from 0 to 2, got 'hot'" in out and "got '3'" in out
-    assert out.count("usage: /set temperature X") == 2
+    assert out.count("usage: /set temperature X") == 2  # "/set" alone and an unknown name
+    assert session.config.sampling.top_p == 0.9 and "top_k must be >= 0" in out
     assert "temperature 0: greedy decoding" in out and session.temperature == 0
     assert len(engine.prompts) == 1 and "never read" not in str(session.messages)  # /bye quit
     assert out.count("acceptance length 1.00") == 1 and "tok/s" in out  # one stats line after the answer

@@ -24,7 +24,8 @@ HELP = """\
 /clear             forget the conversation (the system prompt stays)
 /system TEXT       set the system prompt (/system alone removes it)
 /think on|off      let the model reason before answering, or not
-/set temperature X sampling temperature (0 = greedy; sampling stays lossless with speculation)
+/set NAME VALUE    sampling: temperature (0 = greedy), top_p, top_k, min_p, seed, repetition_penalty,
+                   presence_penalty, frequency_penalty (lossless with speculation)
 /stats             tokens, speed and acceptance length of the last reply
 /exit, /bye        quit (also Ctrl-D)
 Ctrl-C stops a reply; Alt-Enter inserts a newline; a line starting with \"\"\" opens a block that \"\"\" closes."""
@@ -145,11 +146,30 @@ def _cmd_think(session: ChatSession, arg: str, console: Console) -> None:
     console.print(f"thinking {arg}")
 
 
+_SETTABLE = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "seed": int,
+             "repetition_penalty": float, "presence_penalty": float, "frequency_penalty": float}
+
+
 def _cmd_set(session: ChatSession, arg: str, console: Console) -> None:
     name, _, value = arg.partition(" ")
-    if name != "temperature" or not value.strip():
-        console.print(f"usage: /set temperature X (now {session.temperature:g})")
+    if name not in _SETTABLE or not value.strip():
+        now = ", ".join(f"{k}={getattr(session.config.sampling, k)}" for k in _SETTABLE)
+        console.print(f"usage: /set temperature X (now {session.temperature:g}); also {', '.join(list(_SETTABLE)[1:])}"
+                      f"\nnow: {now}", markup=False)
         return
+    if name == "temperature":
+        _set_temperature(session, value, console)
+        return
+    try:
+        sampling = replace(session.config.sampling, **{name: _SETTABLE[name](value)})
+    except (ValueError, FlashtreeError) as exc:
+        console.print(f"/set {name}: {exc}", markup=False)
+        return
+    session.config = replace(session.config, sampling=sampling)
+    console.print(f"{name} {value.strip()}")
+
+
+def _set_temperature(session: ChatSession, value: str, console: Console) -> None:
     try:
         temperature = float(value)
     except ValueError:
