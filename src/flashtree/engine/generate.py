@@ -148,8 +148,8 @@ class Engine:
         if config.mode != "ar" and self.draft is None:
             raise FlashtreeError(f"mode {config.mode!r} needs a draft model: pass --draft DIR or use --spec ar")
         eos = set(config.stop_token_ids) | (set() if config.ignore_eos else set(self.tokenizer.eos_ids))
-        room = self.context_size(len(prompt_ids), config) - config.budget - 2 - len(prompt_ids)
-        out = OutputTracker(self.tokenizer, eos, config.stop, min(config.max_new_tokens, room), on_text, cancelled)
+        room = self.new_token_room(len(prompt_ids), config)
+        out = OutputTracker(self.tokenizer, eos, config.stop, room, on_text, cancelled)
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
         started = time.perf_counter()
         if not out.done:
@@ -165,13 +165,17 @@ class Engine:
         stats.new_tokens = len(out.token_ids)
         return GenerationResult(out.token_ids, out.text, out.finish_reason, stats)
 
-    def context_size(self, prompt_len: int, config: GenerationConfig) -> int:
-        """Cache rows: prompt + new tokens (capped by --ctx) + tree scratch rows past the committed end."""
+    def new_token_room(self, prompt_len: int, config: GenerationConfig) -> int:
+        """New tokens this request may generate: max_new_tokens, capped by the context (--ctx or the model's)."""
         limit = config.ctx or self.target.config.context_length
         if prompt_len >= limit:
             raise FlashtreeError(f"the prompt has {prompt_len} tokens but the context holds {limit}; "
                                  "shorten the prompt or raise --ctx")
-        return min(prompt_len + config.max_new_tokens, limit) + config.budget + 2
+        return min(config.max_new_tokens, limit - prompt_len)
+
+    def context_size(self, prompt_len: int, config: GenerationConfig) -> int:
+        """Cache rows: prompt + new tokens + tree scratch rows past the committed end."""
+        return prompt_len + self.new_token_room(prompt_len, config) + config.budget + 2
 
     def new_cache(self, prompt_len: int, config: GenerationConfig):
         """The target cache for one request: sized by `context_size`, KV types and window from `config`."""
