@@ -95,6 +95,17 @@ def test_exported_draft_loads_and_decodes_losslessly(tiny_target, trained_draft)
         assert tree.stats.acceptance_length >= 1.0
 
 
+def test_training_continues_from_an_existing_draft(tiny_target, trained_draft, tmp_path):
+    start = trained_draft["path"]
+    cfg = DraftTrainConfig(num_prompts=6, max_new_tokens=24, gen_batch_size=6, steps=10, batch_size=4, anchors=8,
+                           lr=1e-3, log_every=0, init_from=str(start), num_layers=3)  # the start's shape wins
+    result = train_draft(tiny_target["path"], tmp_path, cfg, "cpu", prompts=PROMPTS, log=lambda m: None)
+    continued = DFlashDraft.load(tmp_path, dtype=torch.float32)
+    assert continued.config == DFlashDraft.load(start, dtype=torch.float32).config
+    first_loss = result["losses"][0]
+    assert first_loss < trained_draft["losses"][0] - 0.1  # it starts where the earlier run ended, not from scratch
+
+
 def test_cli_registers_train_target_and_draft():
     from flashtree.train import cli
 

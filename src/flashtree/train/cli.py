@@ -38,6 +38,8 @@ def add_parser(sub) -> None:
     d.add_argument("--time-budget", type=float, default=None, help="stop training after this many seconds")
     d.add_argument("--prompts", type=int, default=512, help="number of prompts whose responses the target writes")
     d.add_argument("--max-new-tokens", type=int, default=192)
+    d.add_argument("--max-chars", type=int, default=8_000_000,
+                   help="characters of Python source read for prompts (about 600 instruction pairs per 1M)")
     d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy responses (default)")
     d.add_argument("--generator", choices=("hf", "engine"), default="hf",
                    help="batched transformers model with the GGUF's weights (hf) or flashtree's engine")
@@ -47,10 +49,12 @@ def add_parser(sub) -> None:
     d.add_argument("--feature-layers", type=int, default=3, help="target layers whose outputs condition the draft")
     d.add_argument("--block-size", type=int, default=16)
     d.add_argument("--batch-size", type=int, default=8)
+    d.add_argument("--gen-batch-size", type=int, default=64, help="prompts per batch when the target writes responses")
     d.add_argument("--anchors", type=int, default=32, help="blocks per sequence per step")
     d.add_argument("--lr", type=float, default=1e-3)
     d.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--init", default=None, help="continue training this z-lab draft directory (its shape is kept)")
     d.set_defaults(handler=run_draft)
 
 
@@ -83,7 +87,8 @@ def run_draft(args: argparse.Namespace) -> int:
     from flashtree.train.draft import DraftTrainConfig, train_draft
 
     cfg = DraftTrainConfig(num_layers=args.layers, num_feature_layers=args.feature_layers, block_size=args.block_size,
-                           num_prompts=args.prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                           num_prompts=args.prompts, corpus_chars=args.max_chars, max_new_tokens=args.max_new_tokens,
+                           temperature=args.temperature, init_from=args.init, gen_batch_size=args.gen_batch_size,
                            generator=args.generator, feature_source=args.features, steps=args.steps, time_budget_s=args.time_budget,
                            batch_size=args.batch_size, anchors=args.anchors, lr=args.lr, seed=args.seed)
     result = train_draft(args.target, args.out, cfg, _device(args.device), log=_log)

@@ -51,6 +51,7 @@ class DraftTrainConfig:
     # data
     num_prompts: int = 512
     max_prompt_tokens: int = 256
+    corpus_chars: int = 8_000_000  # source characters read for prompts (about 600 instruction pairs per 1M)
     max_new_tokens: int = 192
     gen_batch_size: int = 64
     temperature: float = 0.0
@@ -69,6 +70,7 @@ class DraftTrainConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     seed: int = 0
+    init_from: str | None = None  # an existing z-lab draft directory to continue training (its shape wins)
     log_every: int = 50
     save_dtype: str = "bfloat16"
 
@@ -335,7 +337,10 @@ def prepare_data(target: Target, target_path, cfg: DraftTrainConfig, layer_ids, 
                  log: Callable[[str], None]) -> list[Sequence]:
     t0 = time.perf_counter()
     if prompts is None:
-        corpus = build_corpus(max_chars=8_000_000, max_pairs=cfg.num_prompts * 2, seed=cfg.seed + 7)
+        corpus = build_corpus(max_chars=cfg.corpus_chars, max_pairs=cfg.num_prompts * 2, seed=cfg.seed + 7)
+        if len(corpus.pairs) < cfg.num_prompts:
+            log(f"draft data: only {len(corpus.pairs)} instruction pairs in {cfg.corpus_chars:,} chars of source "
+                f"for {cfg.num_prompts} prompts; raise --max-chars for more")
         prompts = [p.prompt for p in corpus.pairs]
     prompt_ids = build_prompts(target, prompts, cfg.max_prompt_tokens, cfg.seed)[: cfg.num_prompts]
     tok = target.tokenizer
@@ -367,8 +372,13 @@ def train_draft(target_path: str | Path, out_dir: str | Path, cfg: DraftTrainCon
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     target = load_target(target_path, device, dtype=torch.float32)
-    mask_id = pick_mask_token(target)
-    dconf = make_draft_config(target, cfg, mask_id)
+    if cfg.init_from:
+        start = DFlashDraft.load(cfg.init_from, device=dev, dtype=torch.float32)
+        start.check_target(target.config.hidden_size, target.config.vocab_size, target.config.num_layers)
+        dconf, mask_id = start.config, start.config.mask_token_id
+    else:
+        mask_id = pick_mask_token(target)
+        dconf = make_draft_config(target, cfg, mask_id)
     layer_ids = tuple(dconf.target_layer_ids)
     seqs = prepare_data(target, target_path, cfg, layer_ids, dev, prompts, log)
     if not seqs:
@@ -382,8 +392,11 @@ def train_draft(target_path: str | Path, out_dir: str | Path, cfg: DraftTrainCon
     eval_seqs, seqs = seqs[:n_eval], seqs[n_eval:]
     eval_batch = sample_batch(eval_seqs[:64], cfg.block_size, cfg.anchors, random.Random(cfg.seed + 1), dev) \
         if eval_seqs else None
-    draft = DFlashDraft(dconf).to(dev).float()
-    _init_draft(draft)
+    if cfg.init_from:
+        draft = start.requires_grad_(True)
+    else:
+        draft = DFlashDraft(dconf).to(dev).float()
+        _init_draft(draft)
     n_params = sum(p.numel() for p in draft.parameters())
     log(f"draft: {n_params / 1e6:.2f}M parameters, feature layers {list(layer_ids)}, mask id {mask_id}")
     opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
