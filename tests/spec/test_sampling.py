@@ -71,7 +71,7 @@ def test_speculative_sampling_matches_autoregressive(target, greedy_continuation
 def test_biased_walk_is_detected(target, greedy_continuation, ar_samples, monkeypatch):
     """Greedy acceptance with only the bonus token sampled (what the seed shipped) is not lossless."""
 
-    def biased_walk(tree, ancestors, logits, sampler):
+    def biased_walk(tree, logits, sampler):
         dist = sampler.distribution(logits)
         accepted, _ = follow(tree, dist.argmax(-1).tolist())
         return accepted, sampler.choose(dist[accepted[-1]])

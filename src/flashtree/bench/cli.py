@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -19,13 +18,7 @@ import torch
 from flashtree.bench.datasets import BUILTIN, load_prompt_set
 from flashtree.engine.generate import MODES
 from flashtree.engine.loader import load_engine
-
-SYNTHETIC = {
-    "tiny": dict(),
-    "qwen3.5-0.8b": dict(vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_layers=24, num_heads=8,
-                         num_kv_heads=2, head_dim=256, rope_dim=64, gdn_head_dim=128, gdn_qk_heads=16,
-                         gdn_v_heads=16, context_length=262144),
-}
+from flashtree.models.random_weights import SHAPES
 
 
 def add_parser(sub) -> None:
@@ -34,7 +27,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark decoding modes (table + JSON)")
     add_model_args(p)
     add_sampling_args(p)
-    p.add_argument("--synthetic", choices=sorted(SYNTHETIC), help="random-weight model of this shape instead of --model")
+    p.add_argument("--synthetic", choices=sorted(SHAPES),
+                   help="random-weight model of this shape, built in memory, instead of --model")
     p.add_argument("--scheme", default="q8_0", help="quant scheme of the synthetic model (default q8_0)")
     p.add_argument("--modes", default=None, help="comma-separated modes (default: ar plus the spec modes a draft allows)")
     p.add_argument("--dataset", action="append", default=None,
@@ -55,9 +49,13 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from flashtree.cli.main import cache_args, placement_args
 
-    model = _synthetic_model(args) if args.synthetic else args.model
-    engine = load_engine(model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk,
-                         **cache_args(args), **placement_args(args))
+    if args.synthetic:
+        engine = _synthetic_engine(args, cache_args(args), placement_args(args))
+        model = engine.target.path
+    else:
+        model = args.model
+        engine = load_engine(model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk,
+                             **cache_args(args), **placement_args(args))
     if args.multi_turn:
         from flashtree.bench.multi_turn import run_multi_turn
 
@@ -159,12 +157,30 @@ def _device_name(engine) -> str:
     return torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})"
 
 
-def _synthetic_model(args) -> Path:
-    from flashtree.models.synthetic import tiny_config, write_synthetic_gguf
+def _synthetic_engine(args, cache_options: dict, placement: dict):
+    """The engine over a random-weight model of shape `args.synthetic`, built in device memory (no file)."""
+    from flashtree.dist.placement import parse_devices, parse_split, place_layers
+    from flashtree.engine.loader import engine_from_target, resolve_device
+    from flashtree.errors import FlashtreeError
+    from flashtree.models.random_weights import random_target, shape_config
 
-    path = Path(tempfile.mkdtemp()) / f"{args.synthetic}.gguf"
-    print(f"writing synthetic {args.synthetic} model to {path} ...")
-    shape = dict(SYNTHETIC[args.synthetic], name=args.synthetic)
+    overrides = {}
     if getattr(args, "multi_turn", False):  # room for the long system prompt and the turns
-        shape["context_length"] = max(shape.get("context_length", 0), 2 * args.system_tokens + 8192)
-    return write_synthetic_gguf(path, tiny_config(**shape), scheme=args.scheme)
+        overrides["context_length"] = max(SHAPES[args.synthetic].get("context_length", 4096),
+                                          2 * args.system_tokens + 8192)
+    config = shape_config(args.synthetic, **overrides)
+    if placement.get("tensor_parallel", 1) > 1:
+        raise FlashtreeError("--synthetic does not combine with --tensor-parallel yet; pass a --model file")
+    split = parse_split(placement["layer_split"]) if placement.get("layer_split") else None
+    n = len(split) if split is not None else placement.get("gpus") or 1
+    devices = None
+    if n > 1:
+        devices = ["cpu"] * n if args.device not in (None, "auto") and resolve_device(args.device).type == "cpu" \
+            else parse_devices(None, n)
+    device = resolve_device(str(devices[0]) if devices else args.device)
+    print(f"building random {args.synthetic} ({args.scheme}) in memory on {device} ...")
+    target = random_target(config, scheme=args.scheme, device=device)
+    if devices:
+        place_layers(target.model, devices, split)
+    return engine_from_target(target, args.draft, spec=args.spec, budget=args.budget, topk=args.topk,
+                              draft_device=placement.get("draft_device"), **cache_options)

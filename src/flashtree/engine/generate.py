@@ -12,6 +12,7 @@ import torch
 from flashtree.engine.output import OutputTracker
 from flashtree.engine.sampling import Sampler, SamplingParams
 from flashtree.errors import FlashtreeError
+from flashtree.models.step import Step
 
 MODES = ("ar", "chain", "ddtree")
 
@@ -114,6 +115,9 @@ class Engine:
         self.draft = draft
         self.default_config = default_config or GenerationConfig(mode="ddtree" if draft is not None else "ar")
         self.prefix_cache = None  # a flashtree.engine.prefix_cache.PrefixCache reuses prompt prefixes across requests
+        self.use_cuda_graphs = True  # decode and verify steps replay CUDA graphs (single-device CUDA targets)
+        self._graphs = None  # the GraphedForward, made on first use
+        self._kept_cache = None  # (options, cache): reused across requests so captured graphs stay valid
 
     def config_for(self, **overrides) -> GenerationConfig:
         """The engine's defaults (mode, budget, ...) with per-request values on top."""
@@ -178,9 +182,46 @@ class Engine:
         return prompt_len + self.new_token_room(prompt_len, config) + config.budget + 2
 
     def new_cache(self, prompt_len: int, config: GenerationConfig):
-        """The target cache for one request: sized by `context_size`, KV types and window from `config`."""
-        return self.target.model.new_cache(self.context_size(prompt_len, config), config.cache_type_k,
-                                           config.cache_type_v, config.attn_window)
+        """The target cache for one request: sized by `context_size`, KV types and window from `config`.
+        With CUDA graphs the previous request's cache is reset and reused when it is large enough."""
+        size = self.context_size(prompt_len, config)
+        options = (config.cache_type_k, config.cache_type_v, config.attn_window)
+        if self.graph_runner() is not None and self._kept_cache is not None:
+            kept_options, cache = self._kept_cache
+            if kept_options == options and cache.capacity >= size:
+                cache.reset()
+                return cache
+        if self._graphs is not None:  # free the old cache and its graphs before allocating the new one
+            self._kept_cache = None
+            self._graphs.release()
+        cache = self.target.model.new_cache(size, *options)
+        if self.graph_runner() is not None:
+            self._kept_cache = (options, cache)
+        return cache
+
+    def graph_runner(self):
+        """The CUDA graph runner of decode/verify steps, or None (CPU, a layer split, or turned off)."""
+        if self._graphs is None:
+            model = self.target.model
+            if not self.use_cuda_graphs or model.device.type != "cuda" or model.boundaries:
+                return None
+            from flashtree.engine.cuda_graphs import GraphedForward
+
+            self._graphs = GraphedForward(model)
+        return self._graphs
+
+    def step_forward(self, tokens: torch.Tensor, cache, tree=None, capture=(), pad_to: int | None = None):
+        """One decode step (`tree` None) or one tree verify of the target, replayed from a CUDA graph
+        where possible; a verify is padded to `pad_to` nodes so that every step of a request has one shape."""
+        runner = self.graph_runner()
+        if runner is not None:
+            return runner.forward(tokens, cache, tree, capture, pad_to)
+        model = self.target.model
+        step = None
+        if tree is not None:
+            dev = model.device
+            step = Step.tree(cache.length, tree.parents.to(dev), tree.depths.to(dev), tree.ancestor_mask().to(dev))
+        return model.forward(tokens, cache, step=step, capture=capture)
 
     def prefill_prompt(self, cache, prompt_ids: list[int], config: GenerationConfig, proposer=None) -> torch.Tensor:
         """Fill the fresh `cache` with the prompt (through the prefix cache when there is one) and start
@@ -220,7 +261,7 @@ class Engine:
         while not out.push(token):
             sampler.record(token)
             step_start = time.perf_counter()
-            logits = model.forward(torch.tensor([token]), cache).logits
+            logits = self.step_forward(torch.tensor([token]), cache).logits
             token = sampler.choose(sampler.distribution(logits)[0])
             stats.verify_s += time.perf_counter() - step_start
             stats.steps += 1

@@ -68,11 +68,16 @@ def load_target(path: str | Path, device: str | None = None, dtype: torch.dtype 
     check_tensor_types(gguf, config)
     if spec is None:
         raise FlashtreeError(f"{gguf.path}: no tokenizer in the file (tokenizer.ggml.tokens missing)")
-    tokenizer = Tokenizer(spec)
+    tokenizer, template = tokenizer_and_template(spec)
     dev = resolve_device(device)
     model = Qwen35Model.load(gguf, config, dev, dtype or default_dtype(dev), progress=_progress_bar(config) if progress else None)
-    template = ChatTemplate(spec.chat_template, eos_token=_token_text(spec, spec.eos_token_id)) if spec.chat_template else None
     return Target(Path(path), gguf, config, model, tokenizer, template)
+
+
+def tokenizer_and_template(spec: TokenizerSpec) -> tuple[Tokenizer, ChatTemplate | None]:
+    """The tokenizer and chat template (None if the spec has none) a target uses, from its spec."""
+    template = ChatTemplate(spec.chat_template, eos_token=_token_text(spec, spec.eos_token_id)) if spec.chat_template else None
+    return Tokenizer(spec), template
 
 
 def _token_text(spec: TokenizerSpec, token_id: int | None) -> str:
@@ -107,7 +112,7 @@ def load_engine(model: str | Path | None = None, draft: str | Path | None = None
     Placement (flashtree.dist, docs/MULTI_GPU.md): `gpus` / `layer_split` split the target's layers over
     devices (`devices` overrides cuda:0..N-1), `draft_device` puts the draft on its own device, and
     `tensor_parallel` > 1 shards the target over the ranks of the initialized process group."""
-    from flashtree.engine.generate import Engine, GenerationConfig
+    from flashtree.engine.generate import GenerationConfig
 
     if model is None:
         if not DEMO_TARGET.is_file():
@@ -122,14 +127,29 @@ def load_engine(model: str | Path | None = None, draft: str | Path | None = None
     from flashtree.dist.placement import load_placed_target
 
     target = load_placed_target(model, device, progress, gpus, layer_split, tensor_parallel, devices)
-    draft_model = load_draft(draft, target, draft_device) if draft is not None else None
-    mode = spec or ("ddtree" if draft_model is not None else "ar")
-    engine = Engine(target, draft_model, GenerationConfig(mode=mode, budget=budget, topk=topk, **cache_options))
+    engine = engine_from_target(target, draft, spec=spec, budget=budget, topk=topk, draft_device=draft_device,
+                                **cache_options)
     if tensor_parallel and tensor_parallel > 1:  # rank 0 gets the engine back; the other ranks follow it and exit
         from flashtree.dist.tp import serve_ranks
 
         return serve_ranks(engine)
     return engine
+
+
+def engine_from_target(target: Target, draft: str | Path | None = None, spec: str | None = None, budget: int = 22,
+                       topk: int = 8, draft_device: str | None = None, cache_type_k: str | None = None,
+                       cache_type_v: str | None = None, attn_window: int = 0):
+    """An Engine over a loaded target (a file's or `random_target`'s), with the draft at `draft` if given;
+    the mode defaults to ddtree with a draft, else ar."""
+    from flashtree.engine.generate import Engine, GenerationConfig
+
+    if spec in ("chain", "ddtree") and draft is None:
+        raise FlashtreeError(f"--spec {spec} needs a draft model: pass --draft DIR or use --spec ar")
+    cache_options = {"cache_type_k": cache_type_k, "cache_type_v": cache_type_v, "attn_window": attn_window}
+    GenerationConfig(**cache_options)
+    draft_model = load_draft(draft, target, draft_device) if draft is not None else None
+    mode = spec or ("ddtree" if draft_model is not None else "ar")
+    return Engine(target, draft_model, GenerationConfig(mode=mode, budget=budget, topk=topk, **cache_options))
 
 
 def load_draft(path: str | Path, target: Target, device: str | None = None):

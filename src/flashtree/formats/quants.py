@@ -7,6 +7,7 @@ section 3.2.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -69,8 +70,15 @@ def _bits(qh: torch.Tensor) -> torch.Tensor:
     return (qh.unsqueeze(-1) >> shifts) & 1
 
 
+@functools.lru_cache(maxsize=None)
+def device_constant(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small constant table, made once per device: creating it copies from the host, which a CUDA
+    graph capture forbids (the eager warm-up before a capture fills this cache)."""
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
 def _lookup(values: tuple[int, ...], idx: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=idx.device)[idx.long()]
+    return device_constant(values, torch.float32, idx.device)[idx.long()]
 
 
 def _q8_0(b: torch.Tensor) -> torch.Tensor:
@@ -125,7 +133,7 @@ def _q5_k(b: torch.Tensor) -> torch.Tensor:
 
 def _q6_k(b: torch.Tensor) -> torch.Tensor:
     low = _nibbles(b[:, :128], 64)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device)
+    shifts = device_constant((0, 2, 4, 6), torch.uint8, b.device)
     high = ((b[:, 128:192].reshape(-1, 2, 1, 32) >> shifts.reshape(1, 1, 4, 1)) & 3).reshape(-1, 256)
     q = (low | (high << 4)).float() - 32
     d = _f16(b, 208) * b[:, 192:208].contiguous().view(torch.int8).float()
@@ -138,7 +146,7 @@ def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
 
 def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
     low = torch.stack([b[:, 4:8] & 0xF, b[:, 4:8] >> 4], dim=-1).reshape(-1, 8)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device)
+    shifts = device_constant((0, 2, 4, 6), torch.uint8, b.device)
     high = ((b[:, 2:4].unsqueeze(-1) >> shifts) & 3).reshape(-1, 8)
     dl = (_f16(b, 0) * ((low | (high << 4)).float() - 32)).unsqueeze(-1)
     values = _lookup(_IQ4_VALUES, _nibbles(b[:, 8:], 16))

@@ -28,6 +28,7 @@ import math
 import torch
 
 from flashtree.errors import FlashtreeError
+from flashtree.formats.quants import device_constant
 
 
 class KVType:
@@ -192,7 +193,7 @@ class TQ3_0(KVType):
         n = g.norm(dim=-1, keepdim=True)
         u = torch.where(n > 1e-30, g / n.clamp_min(1e-30), torch.zeros_like(g))
         r = u @ _rotation(x.device).T
-        thresholds = torch.tensor(TQ3_THRESHOLDS, device=x.device)
+        thresholds = device_constant(tuple(TQ3_THRESHOLDS), torch.float32, x.device)
         level = torch.bucketize(r.abs(), thresholds)
         negative = (r < 0).long()
         index = level | (negative << 2)
@@ -202,14 +203,14 @@ class TQ3_0(KVType):
 
     @staticmethod
     def _centroids(device) -> torch.Tensor:
-        levels = torch.tensor(TQ3_LEVELS, device=device)
+        levels = device_constant(tuple(TQ3_LEVELS), torch.float32, device)
         return torch.cat([levels, -levels])  # index = level | negative << 2
 
     def quantize(self, x):
         index, norm = self.codes(x)
         blocks = index.reshape(*index.shape[:-1], 4, 32).to(torch.uint8)  # [..., groups, 4 blocks, 32]
         low = (blocks & 3).reshape(*blocks.shape[:-1], 8, 4)
-        qs = (low << torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=x.device)).sum(-1, dtype=torch.uint8)
+        qs = (low << device_constant((0, 2, 4, 6), torch.uint8, x.device)).sum(-1, dtype=torch.uint8)
         hi = (blocks >> 2).reshape(*blocks.shape[:-1], 4, 8)
         signs = (hi << torch.arange(8, dtype=torch.uint8, device=x.device)).sum(-1, dtype=torch.uint8)
         norms = _f16_bytes(norm[..., None].expand(*norm.shape, 4))  # [..., groups, 4, 2]
@@ -221,7 +222,7 @@ class TQ3_0(KVType):
         blocks = rows.reshape(*rows.shape[:-1], -1, self.block_bytes)
         norm = _f16_from_bytes(blocks[..., :2])
         qs, signs = blocks[..., 2:10], blocks[..., 10:14]
-        low = (qs[..., :, None] >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=rows.device)) & 3
+        low = (qs[..., :, None] >> device_constant((0, 2, 4, 6), torch.uint8, rows.device)) & 3
         hi = (signs[..., :, None] >> torch.arange(8, dtype=torch.uint8, device=rows.device)) & 1
         index = low.reshape(*low.shape[:-2], 32).long() | (hi.reshape(*hi.shape[:-2], 32).long() << 2)
         values = self._centroids(rows.device)[index] * norm[..., None]

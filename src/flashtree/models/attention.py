@@ -53,13 +53,11 @@ class GatedAttention:
         cos, sin = step.rope(c.rope_dim, c.rope_theta)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-        end = step.start + n
-        kv.k[:, step.start : end] = kv.type_k.quantize(k.transpose(0, 1))
-        kv.v[:, step.start : end] = kv.type_v.quantize(v.transpose(0, 1))
-        # every query sits at position >= step.start, so a window hides all rows below `lo`
-        lo = max(0, step.start - kv.window + 1) if kv.window > 0 else 0
-        keys = kv.type_k.dequantize(kv.k[:, lo:end], q.dtype)  # rotated domain for TQ3_0
-        values = kv.type_v.dequantize(kv.v[:, lo:end], q.dtype)
+        kv.k.index_copy_(1, step.slots, kv.type_k.quantize(k.transpose(0, 1)))
+        kv.v.index_copy_(1, step.slots, kv.type_v.quantize(v.transpose(0, 1)))
+        lo = step.first_row(kv.window)
+        keys = kv.type_k.dequantize(kv.k[:, lo : step.kv_end], q.dtype)  # rotated domain for TQ3_0
+        values = kv.type_v.dequantize(kv.v[:, lo : step.kv_end], q.dtype)
         mask = step.attention_mask(lo, kv.window)
         q = q.transpose(0, 1)
         if kv.type_k.rotated:  # R orthogonal: (Rq).(Rk) = q.k, so K is used as stored

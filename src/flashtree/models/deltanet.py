@@ -62,8 +62,9 @@ class GatedDeltaNet:
             scratch = TreeScratch(conv_inputs, q, k, v, g, beta)
         else:
             run = gated_delta.recurrent if n == 1 else gated_delta.chunked
-            o, state.ssm = run(q, k, v, g, beta, state.ssm)
-            state.conv = torch.cat([state.conv, conv_inputs.to(state.conv.dtype)])[-(c.conv_kernel - 1):]
+            o, ssm = run(q, k, v, g, beta, state.ssm)
+            state.ssm.copy_(ssm)  # in place: a captured CUDA graph keeps reading these buffers
+            state.conv.copy_(torch.cat([state.conv, conv_inputs.to(state.conv.dtype)])[-(c.conv_kernel - 1):])
         return self._output(o, x), scratch
 
     def _conv(self, inputs: torch.Tensor, parents: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
@@ -102,7 +103,7 @@ def commit_layers(layers: list[tuple[GatedDeltaNet, DeltaNetState, TreeScratch]]
     independent, so stacking only saves the per-layer token loops."""
     kernel = layers[0][0].config.conv_kernel
     for _, state, scratch in layers:
-        state.conv = torch.cat([state.conv, scratch.conv_inputs[path].to(state.conv.dtype)])[-(kernel - 1):]
+        state.conv.copy_(torch.cat([state.conv, scratch.conv_inputs[path].to(state.conv.dtype)])[-(kernel - 1):])
     heads = [state.ssm.shape[0] for _, state, _ in layers]
 
     def stacked(name: str) -> torch.Tensor:
@@ -111,4 +112,4 @@ def commit_layers(layers: list[tuple[GatedDeltaNet, DeltaNetState, TreeScratch]]
     initial = torch.cat([state.ssm for _, state, _ in layers])
     _, final = gated_delta.recurrent(stacked("q"), stacked("k"), stacked("v"), stacked("g"), stacked("beta"), initial)
     for (_, state, _), ssm in zip(layers, final.split(heads)):
-        state.ssm = ssm
+        state.ssm.copy_(ssm)

@@ -133,6 +133,15 @@ class Qwen35Model:
         n = tokens.shape[0]
         cache.reserve(n)
         step = step or Step.sequence(cache.length, n, self.device)
+        result = self.run(tokens, cache, step, capture, last_only)
+        if not step.is_tree:
+            cache.length += n
+        return result
+
+    def run(self, tokens: torch.Tensor, cache: TargetCache, step: Step, capture: Sequence[int] = (),
+            last_only: bool = False) -> ForwardOutput:
+        """The device work of `forward`, without checks, syncs or the cache length update: what a CUDA
+        graph captures (engine/cuda_graphs.py)."""
         cache.pending.clear()
         h = self.embed(tokens)
         captured = {}
@@ -144,8 +153,6 @@ class Qwen35Model:
             h = layer(h, step, cache)
             if layer.index in wanted:
                 captured[layer.index] = h
-        if not step.is_tree:
-            cache.length += n
         features = torch.cat([captured[i].to(self.device) for i in capture], dim=-1) if capture else None
         logits = self.logits(h[-1:] if last_only else h)
         return ForwardOutput(logits, features)

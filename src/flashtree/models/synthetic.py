@@ -58,24 +58,34 @@ def random_tensors(config: Qwen35Config, seed: int = 0, tied: bool = False, logi
     rng = np.random.default_rng(seed)
     out = {}
     for name, shape in tensor_shapes(config, tied).items():
-        out[name] = _init(rng, name, shape).astype(np.float32)
+        out[name] = init_values(rng, name, shape).astype(np.float32)
     head = "token_embd.weight" if tied else "output.weight"
     out[head] = out[head] * (logit_scale if not tied else 1.0)
     return out
 
 
-def _init(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.ndarray:
+def init_std(name: str, shape: tuple[int, ...]) -> float | None:
+    """Std of the zero-mean Gaussian a tensor starts as (before any LM-head `logit_scale`), or None for
+    the tensors with a recipe of their own (ssm_a, ssm_dt.bias, norms: see `init_values`)."""
+    if name.endswith(("ssm_a", "ssm_dt.bias")) or "norm" in name:
+        return None
+    return 1.0 / _divisor(name, shape)
+
+
+def _divisor(name: str, shape: tuple[int, ...]) -> float:
+    # token_embd is unit Gaussian; every matrix and the conv kernel are scaled by 1/sqrt(fan-in)
+    return 1.0 if name == "token_embd.weight" else float(np.sqrt(shape[-1]))
+
+
+def init_values(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """One tensor's random values (float64) by its kind; `init_std` gives the std of the Gaussian ones."""
     if name.endswith("ssm_a"):
         return -np.exp(rng.uniform(np.log(0.05), np.log(4.0), shape))
     if name.endswith("ssm_dt.bias"):
         return rng.uniform(-1.0, 1.0, shape)
     if "norm" in name:
         return 1.0 + 0.1 * rng.standard_normal(shape)
-    if name.endswith("ssm_conv1d.weight"):
-        return rng.standard_normal(shape) / np.sqrt(shape[-1])
-    if name == "token_embd.weight":
-        return rng.standard_normal(shape)
-    return rng.standard_normal(shape) / np.sqrt(shape[-1])
+    return rng.standard_normal(shape) / _divisor(name, shape)
 
 
 _CORPUS = '''def fib(n):

@@ -16,7 +16,6 @@ import time
 
 import torch
 
-from flashtree.models.step import Step
 from flashtree.spec.ddtree import DraftTree, build_chain, build_tree, follow, topk_table
 from flashtree.spec.proposer import DFlashProposer, Proposer
 
@@ -41,10 +40,8 @@ def speculative(engine, prompt_ids: list[int], config, out, stats, started: floa
         t0 = time.perf_counter()
         tree = make_tree(config.mode, bonus, proposer.propose(bonus, cache.length), config.budget, config.topk)
         t1 = time.perf_counter()
-        step = Step.tree(cache.length, tree.parents.to(model.device), tree.depths.to(model.device),
-                         tree.ancestor_mask().to(model.device))
-        result = model.forward(tree.tokens, cache, step=step, capture=proposer.capture_layers)
-        accepted, bonus = walk(tree, step.visible, result.logits, sampler)
+        result = engine.step_forward(tree.tokens, cache, tree, proposer.capture_layers, pad_to=config.budget + 1)
+        accepted, bonus = walk(tree, result.logits, sampler)
         stats.draft_s += t1 - t0
         stats.verify_s += time.perf_counter() - t1
         stats.steps += 1
@@ -57,9 +54,10 @@ def speculative(engine, prompt_ids: list[int], config, out, stats, started: floa
         _commit(model, cache, proposer, result.features, accepted)
 
 
-def walk(tree: DraftTree, ancestors: torch.Tensor, logits: torch.Tensor, sampler) -> tuple[list[int], int]:
+def walk(tree: DraftTree, logits: torch.Tensor, sampler) -> tuple[list[int], int]:
     """Accepted node indices (root first) and the next bonus token."""
-    dist = sampler.distribution(logits, _path_counts(tree, ancestors, logits.shape[-1]) if sampler.params.penalized else None)
+    counts = _path_counts(tree, tree.ancestor_mask().to(logits.device), logits.shape[-1]) if sampler.params.penalized else None
+    dist = sampler.distribution(logits, counts)
     if sampler.params.greedy:
         return follow(tree, dist.argmax(-1).tolist())
     accepted, node = [0], 0

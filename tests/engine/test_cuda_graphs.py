@@ -1,0 +1,99 @@
+"""Static (graph-ready) decode and verify steps: padded trees, bucketed cache reads, packed inputs.
+
+On the CPU the runner executes the very function a CUDA graph captures, eagerly, so these tests prove
+that the static path is lossless against eager autoregressive decoding; on CUDA the graphs themselves
+are replayed and compared with the eager CUDA engine.
+"""
+
+import pytest
+import torch
+
+from flashtree.engine import cuda_graphs
+from flashtree.engine.cuda_graphs import GraphedForward, bucket_rows
+from flashtree.engine.generate import Engine, GenerationConfig
+from flashtree.engine.loader import load_target
+from flashtree.models.synthetic import tiny_config
+from tests.spec.test_lossless import OracleProposer, prompts, random_draft
+
+N_NEW = 120
+
+
+@pytest.fixture(scope="module")
+def target(make_gguf):
+    return load_target(make_gguf("graphs", config=tiny_config(num_layers=4, gdn_v_heads=4)), device="cpu")
+
+
+def reference(target, prompt, **options):
+    config = GenerationConfig(max_new_tokens=N_NEW, ignore_eos=True, **options)
+    return Engine(target).generate(prompt, config).token_ids
+
+
+def static_engine(target, draft=None) -> Engine:
+    engine = Engine(target, draft)
+    engine._graphs = GraphedForward(target.model, capture_graphs=False)
+    return engine
+
+
+@pytest.fixture(autouse=True)
+def small_buckets(monkeypatch):
+    monkeypatch.setattr(cuda_graphs, "MIN_BUCKET", 16)  # many bucket crossings in a short generation
+
+
+def test_bucket_rows_cover_the_need_with_bounded_waste():
+    for needed in [1, 15, 16, 17, 100, 1000, 5000, 70000]:
+        rows = bucket_rows(needed, 1 << 20)
+        assert needed <= rows < needed + max(needed // 4, cuda_graphs.MIN_BUCKET)
+    assert bucket_rows(1000, 900) == 900  # never past the capacity
+
+
+@pytest.mark.parametrize("mode,budget", [("ar", 22), ("chain", 15), ("ddtree", 22), ("ddtree", 5)])
+def test_static_steps_equal_eager_autoregressive(target, mode, budget):
+    vocab = target.config.vocab_size
+    engine = static_engine(target)
+    caches = set()
+    for i, prompt in enumerate(prompts(vocab)[:5]):
+        expected = reference(target, prompt)
+        engine.draft = OracleProposer(prompt + expected, vocab, seed=i)
+        config = GenerationConfig(max_new_tokens=N_NEW, mode=mode, budget=budget, ignore_eos=True)
+        result = engine.generate(prompt, config)
+        assert result.token_ids == expected, f"prompt {i}"
+        caches.add(id(engine._kept_cache[1]))
+        if mode == "ddtree":
+            assert result.stats.acceptance_length > 2  # real multi-token acceptance through padded trees
+    assert len(caches) == 1  # one cache, reset and reused by every request (graphs stay valid)
+
+
+@pytest.mark.parametrize("options", [{"attn_window": 24}, {"cache_type_k": "q8_0", "cache_type_v": "q8_0"}])
+def test_static_steps_with_window_and_quantized_kv(target, options):
+    vocab = target.config.vocab_size
+    prompt = prompts(vocab)[1]
+    expected = reference(target, prompt, **options)
+    engine = static_engine(target, random_draft(target))
+    config = GenerationConfig(max_new_tokens=N_NEW, mode="ddtree", ignore_eos=True, **options)
+    assert engine.generate(prompt, config).token_ids == expected
+
+
+def test_a_larger_request_reallocates_the_cache(target):
+    engine = static_engine(target)
+    short = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+    engine.generate([1, 2, 3], short)
+    first = engine._kept_cache[1]
+    engine.generate([1, 2, 3], GenerationConfig(max_new_tokens=N_NEW, ignore_eos=True))
+    assert engine._kept_cache[1] is not first and engine._kept_cache[1].capacity > first.capacity
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["ar", "ddtree"])
+def test_cuda_graph_replay_equals_eager_cuda(make_gguf, mode):
+    path = make_gguf("graphs-cuda", config=tiny_config(num_layers=4, gdn_v_heads=4))
+    gpu = load_target(path, device="cuda", dtype=torch.float32)
+    vocab = gpu.config.vocab_size
+    for i, prompt in enumerate(prompts(vocab)[:3]):
+        eager = Engine(gpu)
+        eager.use_cuda_graphs = False
+        expected = eager.generate(prompt, GenerationConfig(max_new_tokens=N_NEW, ignore_eos=True)).token_ids
+        graphed = Engine(gpu, OracleProposer(prompt + expected, vocab, seed=i))
+        config = GenerationConfig(max_new_tokens=N_NEW, mode=mode, ignore_eos=True)
+        assert graphed.generate(prompt, config).token_ids == expected
+        assert graphed.graph_runner() is not None and graphed.graph_runner().graphs
