@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from flashtree.bench.datasets import BUILTIN, load_prompt_set
+from flashtree.bench.steps import weight_bytes
 from flashtree.engine.generate import MODES
 from flashtree.engine.loader import load_engine
 from flashtree.models.random_weights import SHAPES
@@ -43,6 +44,12 @@ def add_parser(sub) -> None:
     p.add_argument("--system-tokens", type=int, default=8192, help="--multi-turn: system prompt size (default 8192)")
     p.add_argument("--prefix-cache-interval", type=int, default=1024,
                    help="--multi-turn: snapshot interval inside long prompts (default 1024)")
+    p.add_argument("--steps", action="store_true",
+                   help="per-step costs against measured floors, prefill, replay end to end (bench/steps.py)")
+    p.add_argument("--context", type=int, default=1024, help="--steps: committed tokens before the timed steps")
+    p.add_argument("--repeat", type=int, default=20, help="--steps: timed repetitions per step (median)")
+    p.add_argument("--replay-al", type=float, default=5.17, help="--steps: acceptance length of the replay run")
+    p.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per prefill forward")
     p.set_defaults(handler=run)
 
 
@@ -56,6 +63,13 @@ def run(args: argparse.Namespace) -> int:
         model = args.model
         engine = load_engine(model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk,
                              **cache_args(args), **placement_args(args))
+    if args.prefill_chunk:
+        engine.default_config = replace(engine.default_config, prefill_chunk=args.prefill_chunk)
+    args.prefill_chunk = engine.default_config.prefill_chunk
+    if args.steps:
+        from flashtree.bench.steps import run_steps
+
+        return run_steps(args, engine, _device_name(engine))
     if args.multi_turn:
         from flashtree.bench.multi_turn import run_multi_turn
 
@@ -73,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
     engine.generate(first, replace(base, mode=modes[-1], max_new_tokens=8))  # warm-up: allocator, kernels
     rows = [row for name, prompts in encoded.items() for row in _bench_dataset(engine, name, prompts, base, modes)]
     report = {"date": time.strftime("%Y-%m-%d"), "device": _device_name(engine), "model": str(engine.target.path),
-              "draft": str(args.draft) if args.draft else None, "weights_bytes_per_step": _weight_bytes(engine),
+              "draft": str(args.draft) if args.draft else None,
+              "weights_bytes_per_step": weight_bytes(engine.target.model),
               "max_tokens": args.max_tokens, "prompts_per_dataset": args.prompts, "sampling": vars(sampling),
               "rows": rows, "mean": _mean_rows(rows)}
     Path(args.out).write_text(json.dumps(report, indent=2))
@@ -138,18 +153,6 @@ def _print_table(report: dict) -> None:
             print(f"{'mean':<12}{m['mode']:<8}{'':>7}{m['acceptance_length']:>7.2f}{m['tokens_per_s']:>10.1f}"
                   f"{'':>19}{m['speedup']:>8.2f}x")
 
-
-def _weight_bytes(engine) -> int:
-    """Bytes of matrix weights one target step reads (the embedding lookup excluded)."""
-    model = engine.target.model
-    total = model.lm_head.weight.numel() * model.lm_head.weight.element_size()
-    for layer in model.layers:
-        for obj in (layer.mixer, layer.mlp):
-            for value in vars(obj).values():
-                weight = getattr(value, "weight", None)
-                if isinstance(weight, torch.Tensor) and weight.dim() == 2:
-                    total += weight.numel() * weight.element_size()
-    return total
 
 
 def _device_name(engine) -> str:

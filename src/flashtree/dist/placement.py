@@ -13,6 +13,7 @@ from typing import Sequence
 import torch
 
 from flashtree.errors import FlashtreeError
+from flashtree.models.layers import Linear, QuantLinear
 
 
 def parse_split(text: str) -> list[float]:
@@ -70,7 +71,7 @@ def place_layers(model, devices: Sequence[str | torch.device], split: Sequence[f
         if layer.index == 0 or stage != stage_of[layer.index - 1]:
             model.boundaries[layer.index] = devices[stage]
     model.output_norm = model.output_norm.to(devices[-1])
-    model.lm_head.weight = model.lm_head.weight.to(devices[-1])
+    model.lm_head = model.lm_head.to(devices[-1])
     model.layer_counts = counts
     return model
 
@@ -86,8 +87,8 @@ def _move_attributes(obj, device: torch.device) -> None:
     for name, value in vars(obj).items():
         if isinstance(value, torch.Tensor):
             setattr(obj, name, value.to(device))
-        elif hasattr(value, "weight") and isinstance(value.weight, torch.Tensor):  # Linear
-            value.weight = value.weight.to(device)
+        elif isinstance(value, (Linear, QuantLinear)):
+            setattr(obj, name, value.to(device))
 
 
 def describe(model) -> str:

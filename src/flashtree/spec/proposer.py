@@ -50,4 +50,4 @@ class DFlashProposer:
         embeddings = self.target.embed_tokens(block).to(self.device)
         hidden = self.draft.forward_block(self.cache, embeddings, position)
         head = self.target.lm_head  # on the target's last device: the hidden states go there, the logits come back
-        return head(hidden[1:].to(head.weight.device, self.target.dtype)).float().to(self.target.device)
+        return head(hidden[1:].to(head.device, self.target.dtype)).float().to(self.target.device)

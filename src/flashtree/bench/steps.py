@@ -1,0 +1,261 @@
+"""`flashtree bench --synthetic SHAPE --steps`: the cost of every part of the decode loop at a real
+model shape, each held against a floor measured in the same run.
+
+- AR step and tree-verify steps (budgets 15/22/32/64) against the weight-read roofline: bytes of the
+  matrices one step reads / read bandwidth measured here (a sum over a large buffer).
+- Draft step against the draft's own floor (its weights + the LM head it borrows from the target).
+- Host-side tree build, walk and commit.
+- Prefill throughput at 1K and 13K prompt tokens; peak GPU memory.
+- Replay end to end: the real draft runs every step, but its proposal is replaced by the target's own
+  recorded continuation cut so that accepted lengths average --replay-al (the seed reports 5.17); the
+  whole loop (draft, tree, verify, walk, commit, rollback of rejected nodes) is timed against AR on the
+  same prompt, and the outputs are compared.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from flashtree.models.dflash import DFlashDraft, DraftConfig, build_target_layer_ids
+from flashtree.models.layers import Linear, QuantLinear
+from flashtree.spec.decode import _commit, make_tree, walk
+from flashtree.spec.proposer import DFlashProposer
+
+VERIFY_BUDGETS = (15, 22, 32, 64)
+PREFILL_LENGTHS = (1024, 13000)
+
+
+def weight_bytes(model) -> int:
+    """Bytes of matrix weights one target step reads (the embedding lookup excluded)."""
+    return model.lm_head.nbytes + sum(value.nbytes for layer in model.layers for obj in (layer.mixer, layer.mlp)
+                                      for value in vars(obj).values() if isinstance(value, (Linear, QuantLinear)))
+
+
+def read_bandwidth(device: torch.device, gib: float = 4.0) -> float:
+    """Bytes per second of a full read of a large buffer (the roofline's denominator)."""
+    size = int((gib if device.type == "cuda" else 0.25) * 2**30) // 2
+    data = torch.ones(size, dtype=torch.bfloat16, device=device)
+    seconds = timed(lambda: data.sum(dtype=torch.float32), device, repeat=10)
+    del data
+    return size * 2 / seconds
+
+
+def timed(fn, device: torch.device, repeat: int = 10, warmup: int = 2) -> float:
+    """Median seconds of `fn()` (synchronized)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def random_draft(target_config, device, dtype, seed: int = 0) -> DFlashDraft:
+    """A random DFlash draft of the published shape for this target size (5 layers, heads of 128 for a
+    27B-class target), in `dtype` on `device`."""
+    c = target_config
+    layers = 5 if c.num_layers >= 32 else 2
+    head_dim = 128 if c.hidden_size >= 1024 else 16
+    heads = max(c.hidden_size // head_dim, 1)
+    config = DraftConfig.from_json({
+        "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": max(heads // 4, 1), "head_dim": head_dim,
+        "rms_norm_eps": 1e-6, "rope_theta": 1e7, "block_size": 16, "vocab_size": c.vocab_size,
+        "num_target_layers": c.num_layers,
+        "dflash_config": {"mask_token_id": c.vocab_size - 1,
+                          "target_layer_ids": build_target_layer_ids(c.num_layers, layers)}})
+    torch.manual_seed(seed)
+    with torch.device(device):
+        draft = DFlashDraft(config).to(dtype)
+    for p in draft.parameters():
+        if p.dim() > 1:
+            torch.nn.init.normal_(p, std=p.shape[1] ** -0.5)
+        else:
+            torch.nn.init.ones_(p)
+    return draft.eval()
+
+
+class ReplayProposer:
+    """Runs the real draft every step, then replaces its proposal by the recorded continuation: the
+    first k positions carry the true tokens (k cycles so that accepted lengths average `al`), position k
+    and below never do, so the target rejects there and the loop rolls back."""
+
+    def __init__(self, inner: DFlashProposer, reference: list[int], al: float):
+        self.inner, self.reference, self.al = inner, reference, al
+        self.block_size, self.capture_layers = inner.block_size, inner.capture_layers
+        self.credit = 0.0
+
+    def start(self) -> None:
+        self.inner.start()
+        self.credit = 0.0
+
+    def commit(self, features: torch.Tensor, positions: torch.Tensor) -> None:
+        self.inner.commit(features, positions)
+
+    @torch.inference_mode()
+    def propose(self, bonus: int, position: int) -> torch.Tensor:
+        logits = self.inner.propose(bonus, position)
+        self.credit += self.al - 1
+        correct = min(int(self.credit), logits.shape[0])
+        self.credit -= correct
+        truth = self.reference[position + 1 : position + 1 + logits.shape[0]]
+        depth = torch.arange(len(truth))
+        tokens = torch.tensor(truth)
+        values = torch.where(depth < correct, 1e4, float("-inf"))
+        logits[depth.to(logits.device), tokens.to(logits.device)] = values.to(logits.device, logits.dtype)
+        return logits
+
+
+def run_steps(args, engine, device_name: str) -> int:
+    model = engine.target.model
+    device = model.device
+    dtype = model.dtype
+    report: dict = {"date": time.strftime("%Y-%m-%d"), "device": device_name, "model": str(engine.target.path),
+                    "weights_bytes_per_step": weight_bytes(model), "cuda_graphs": engine.graph_runner() is not None}
+    bandwidth = read_bandwidth(device)
+    report["read_bandwidth_GBps"] = round(bandwidth / 1e9, 1)
+    if device.type == "cuda":
+        report["memory_after_load_GiB"] = round(torch.cuda.memory_allocated(device) / 2**30, 2)
+    roofline_s = report["weights_bytes_per_step"] / bandwidth
+    draft = engine.draft if isinstance(engine.draft, DFlashDraft) else random_draft(model.config, device, dtype)
+    engine.draft = draft
+    draft_bytes = sum(p.numel() * p.element_size() for p in draft.parameters()) + model.lm_head.nbytes
+    rows = []
+
+    _print_header(report)
+
+    def row(name: str, seconds: float, floor_s: float | None = None, **extra):
+        entry = {"step": name, "ms": round(seconds * 1e3, 3), **extra}
+        if floor_s:
+            entry["floor_ms"] = round(floor_s * 1e3, 3)
+            entry["vs_floor"] = round(seconds / floor_s, 2)
+        rows.append(entry)
+        _print_row(entry)
+
+    prompt = _prompt(model.config.vocab_size, args.context)
+    config = engine.config_for(mode="ddtree", max_new_tokens=args.max_tokens + 64 * args.repeat, ignore_eos=True)
+    proposer = DFlashProposer(model, draft, config.draft_window)
+    cache = engine.new_cache(len(prompt), config)
+    engine.prefill_prompt(cache, prompt, config, proposer)
+    token = torch.tensor([prompt[-1]])
+    ar = timed(lambda: engine.step_forward(token, cache), device, args.repeat)
+    row("ar step", ar, roofline_s, tok_s=round(1 / ar, 1), GBps=round(report["weights_bytes_per_step"] / ar / 1e9, 1))
+
+    bonus = prompt[-1]
+    draft_logits = proposer.propose(bonus, cache.length)
+    capture = proposer.capture_layers
+    for budget in VERIFY_BUDGETS:
+        tree = make_tree("ddtree", bonus, draft_logits, budget, config.topk)
+        verify = timed(lambda: engine.step_forward(tree.tokens, cache, tree, capture, pad_to=budget + 1), device,
+                       args.repeat)
+        row(f"verify budget {budget}", verify, roofline_s, vs_ar=round(verify / ar, 2))
+    row("draft step", timed(lambda: proposer.propose(bonus, cache.length), device, args.repeat),
+        draft_bytes / bandwidth)
+
+    tree = make_tree("ddtree", bonus, draft_logits, 22, config.topk)
+    row("tree build (budget 22)", timed(lambda: make_tree("ddtree", bonus, draft_logits, 22, config.topk), device,
+                                        args.repeat))
+    result = engine.step_forward(tree.tokens, cache, tree, capture, pad_to=23)
+    sampler = engine.sampler(prompt, config)
+    row("walk", timed(lambda: walk(tree, result.logits, sampler), device, args.repeat))
+    row("commit (depth-4 path)", _commit_time(engine, cache, proposer, tree, capture, args.repeat))
+
+    for length in PREFILL_LENGTHS:
+        if length + 8 > model.config.context_length:
+            continue
+        ids = _prompt(model.config.vocab_size, length, seed=length)
+        fresh = engine.new_cache(length, replace(config, max_new_tokens=8))
+        seconds = timed(lambda: _prefill(engine, fresh, ids, args.prefill_chunk), device, repeat=2, warmup=1)
+        row(f"prefill {length}", seconds, tok_s=round(length / seconds, 1))
+
+    report["replay"] = _replay(engine, draft, prompt, args, config)
+    if device.type == "cuda":
+        report["peak_memory_GiB"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+    report["rows"] = rows
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    _print(report)
+    return 0
+
+
+def _prompt(vocab: int, length: int, seed: int = 0) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab - 1, (length,), generator=generator).tolist()
+
+
+def _prefill(engine, cache, ids: list[int], chunk: int) -> None:
+    cache.reset()
+    engine.prefill(cache, ids, chunk)
+
+
+def _commit_time(engine, cache, proposer, tree, capture, repeat: int) -> float:
+    """Commit of a 5-node path after a real verify (the verify itself not timed)."""
+    node = 0
+    for _ in range(4):  # down the first branch to depth 4
+        children = tree.children(node)
+        if not children:
+            break
+        node = min(children.values())
+    path = tree.path_to(node)
+    device = engine.target.model.device
+    times = []
+    for _ in range(repeat):
+        result = engine.step_forward(tree.tokens, cache, tree, capture, pad_to=23)
+        _sync(device)
+        start = time.perf_counter()
+        _commit(engine.target.model, cache, proposer, result.features, path)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _replay(engine, draft, prompt: list[int], args, config) -> dict:
+    base = replace(config, max_new_tokens=args.max_tokens)
+    engine.draft = None
+    ar = engine.generate(prompt, replace(base, mode="ar"))
+    inner = DFlashProposer(engine.target.model, draft, config.draft_window)
+    engine.draft = ReplayProposer(inner, prompt + ar.token_ids, args.replay_al)
+    spec = engine.generate(prompt, base)
+    engine.draft = draft
+    same = sum(a == b for a, b in zip(ar.token_ids, spec.token_ids))
+    return {"al_target": args.replay_al, "al": round(spec.stats.acceptance_length, 3),
+            "ar_tok_s": round(ar.stats.tokens_per_s, 1), "spec_tok_s": round(spec.stats.tokens_per_s, 1),
+            "speedup": round(spec.stats.tokens_per_s / ar.stats.tokens_per_s, 2) if ar.stats.tokens_per_s else 0.0,
+            "identical": ar.token_ids == spec.token_ids, "same_prefix_tokens": same, "tokens": len(ar.token_ids),
+            "spec_stats": spec.stats.as_dict()}
+
+
+def _print_header(report: dict) -> None:
+    print(f"device: {report['device']}   model: {report['model']}   CUDA graphs: {report['cuda_graphs']}")
+    print(f"weights read per step: {report['weights_bytes_per_step'] / 1e9:.2f} GB   "
+          f"read bandwidth: {report['read_bandwidth_GBps']} GB/s"
+          + (f"   GPU memory after load: {report['memory_after_load_GiB']} GiB" if "memory_after_load_GiB" in report else ""))
+    print(f"{'step':<24}{'ms':>10}{'floor ms':>10}{'vs floor':>10}  notes", flush=True)
+
+
+def _print_row(r: dict) -> None:
+    notes = "  ".join(f"{k}={v}" for k, v in r.items() if k not in ("step", "ms", "floor_ms", "vs_floor"))
+    print(f"{r['step']:<24}{r['ms']:>10.3f}{r.get('floor_ms', ''):>10}{r.get('vs_floor', ''):>10}  {notes}", flush=True)
+
+
+def _print(report: dict) -> None:
+    rp = report["replay"]
+    print(f"replay e2e (AL target {rp['al_target']}): AL {rp['al']}  AR {rp['ar_tok_s']} tok/s  "
+          f"spec {rp['spec_tok_s']} tok/s  speedup {rp['speedup']}x  identical {rp['identical']} "
+          f"({rp['same_prefix_tokens']}/{rp['tokens']} positions equal)")
+    if "peak_memory_GiB" in report:
+        print(f"peak GPU memory: {report['peak_memory_GiB']} GiB")

@@ -1,0 +1,253 @@
+"""y = x @ W^T with W kept as GGUF quantized blocks on the device (Triton kernels, one module per type).
+
+`QuantWeight.from_gguf_bytes` validates a tensor's raw bytes and stores them field-major: every
+block field (quants, high bits, scales, fp16 d...) becomes one contiguous [N, blocks, width] array,
+all concatenated in one uint8 buffer. Values are untouched (the GGUF bytes come back exactly with
+`gguf_bytes()`); the point is aligned, vectorizable loads, since GGUF block sizes (e.g. Q6_K's 210
+bytes) break alignment. `quant_matmul` runs the type's Triton kernel on CUDA (or on CPU under
+TRITON_INTERPRET=1), else a torch dequantize-then-matmul. F32/F16/BF16 weights go to torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from types import ModuleType
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
+
+from flashtree.errors import FlashtreeError
+from flashtree.formats import quants
+
+
+@dataclass(frozen=True)
+class Field:
+    """Bytes [start, stop) of every block, read by the kernel as `dtype`."""
+
+    name: str
+    start: int
+    stop: int
+    dtype: torch.dtype = torch.uint8
+
+
+@dataclass(frozen=True)
+class QuantKernel:
+    module: str  # imported on first use: it needs triton, the layout does not
+    fields: tuple[Field, ...]  # stored in this order; widest first keeps every field aligned
+
+    def load(self) -> ModuleType:
+        return _import_kernel(self.module)
+
+
+@functools.cache
+def _import_kernel(module: str) -> ModuleType:
+    return importlib.import_module(f"{__name__}.{module}")
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+_F16 = torch.float16
+KERNELS: dict[QType, QuantKernel] = {
+    QType.Q4_K: QuantKernel("q4_k", (Field("qs", 16, 144), Field("scales", 4, 16),
+                                     Field("d", 0, 2, _F16), Field("dmin", 2, 4, _F16))),
+    QType.Q5_K: QuantKernel("q5_k", (Field("qs", 48, 176), Field("qh", 16, 48), Field("scales", 4, 16),
+                                     Field("d", 0, 2, _F16), Field("dmin", 2, 4, _F16))),
+    QType.Q6_K: QuantKernel("q6_k", (Field("ql", 0, 128), Field("qh", 128, 192),
+                                     Field("scales", 192, 208, torch.int8), Field("d", 208, 210, _F16))),
+    QType.Q8_0: QuantKernel("q8_0", (Field("qs", 2, 34, torch.int8), Field("d", 0, 2, _F16))),
+    QType.IQ4_XS: QuantKernel("iq4_xs", (Field("qs", 8, 136), Field("scales_l", 4, 8),
+                                         Field("scales_h", 2, 4), Field("d", 0, 2, _F16))),
+}
+PLAIN_TYPES: dict[QType, torch.dtype] = {QType.F32: torch.float32, QType.F16: torch.float16,
+                                         QType.BF16: torch.bfloat16}
+SUPPORTED_TYPES: tuple[QType, ...] = (*KERNELS, *PLAIN_TYPES)
+X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _supported_names() -> str:
+    return ", ".join(t.name for t in SUPPORTED_TYPES)
+
+
+@dataclass
+class QuantWeight:
+    raw: torch.Tensor  # uint8, field-major for quantized types, the plain values' bytes otherwise
+    qtype: QType
+    shape: tuple[int, int]  # (N out, K in)
+    _fields: dict[str, torch.Tensor] | None = field(default=None, init=False, repr=False, compare=False)
+
+    @classmethod
+    def from_gguf_bytes(cls, raw: torch.Tensor, qtype: QType | int, shape: tuple[int, int]) -> QuantWeight:
+        try:
+            qtype = QType(qtype)
+        except ValueError:
+            qtype = None
+        if qtype not in SUPPORTED_TYPES:
+            raise FlashtreeError(f"quant_matmul does not support tensor type {quants.type_name(qtype or 0)}"
+                                 f" (supported: {_supported_names()})")
+        if len(shape) != 2:
+            raise FlashtreeError(f"quant_matmul weights are 2-D (N, K), got shape {tuple(shape)}")
+        if raw.dtype != torch.uint8:
+            raise FlashtreeError(f"raw weight bytes must be uint8, got {raw.dtype}")
+        n, k = (int(s) for s in shape)
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        if k % block:
+            raise FlashtreeError(f"{qtype.name} weight of shape ({n}, {k}): K must be a multiple of {block}")
+        expected = n * (k // block) * type_size
+        if raw.numel() != expected:
+            raise FlashtreeError(f"{qtype.name} weight of shape ({n}, {k}) needs {expected} bytes, "
+                                 f"got {raw.numel()}")
+        if qtype in PLAIN_TYPES:
+            return cls(raw.reshape(-1).contiguous(), qtype, (n, k))
+        blocks = raw.reshape(n * (k // block), type_size)
+        packed = torch.cat([blocks[:, f.start:f.stop].reshape(-1) for f in KERNELS[qtype].fields])
+        return cls(packed, qtype, (n, k))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one call reads from the weight (all of it)."""
+        return self.raw.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.raw.device
+
+    def to(self, device) -> QuantWeight:
+        return QuantWeight(self.raw.to(device), self.qtype, self.shape)
+
+    def fields(self) -> dict[str, torch.Tensor]:
+        """Each field's bytes as a flat tensor of its dtype (views of `raw`, made once)."""
+        if self._fields is None:
+            self._fields = self._field_views()
+        return self._fields
+
+    def _field_views(self) -> dict[str, torch.Tensor]:
+        n, k = self.shape
+        count = n * k // GGML_QUANT_SIZES[self.qtype][0]
+        views, offset = {}, 0
+        for f in KERNELS[self.qtype].fields:
+            size = count * (f.stop - f.start)
+            views[f.name] = self.raw[offset:offset + size].view(f.dtype)
+            offset += size
+        return views
+
+    def gguf_bytes(self) -> torch.Tensor:
+        """The original GGUF bytes, uint8 [N, row_bytes]."""
+        n, k = self.shape
+        if self.qtype in PLAIN_TYPES:
+            return self.raw.reshape(n, -1)
+        block, type_size = GGML_QUANT_SIZES[self.qtype]
+        blocks = torch.empty(n * (k // block), type_size, dtype=torch.uint8, device=self.raw.device)
+        for f, values in zip(KERNELS[self.qtype].fields, self.fields().values()):
+            blocks[:, f.start:f.stop] = values.view(torch.uint8).reshape(-1, f.stop - f.start)
+        return blocks.reshape(n, -1)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return quants.dequantize(self.gguf_bytes(), self.qtype, self.shape, dtype)
+
+
+def _check_x(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
+    if x.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise FlashtreeError(f"quant_matmul needs x of shape [M, {weight.shape[1]}], got {tuple(x.shape)}")
+    if x.dtype not in X_DTYPES:
+        raise FlashtreeError(f"quant_matmul needs x in one of {X_DTYPES}, got {x.dtype}")
+    if x.device != weight.device:
+        raise FlashtreeError(f"x is on {x.device} but the weight is on {weight.device}")
+    return x.contiguous()
+
+
+def _triton_runs(x: torch.Tensor) -> bool:
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    return (x.is_cuda or interpreted) and _triton_installed()
+
+
+def quant_matmul(x: torch.Tensor, weight: QuantWeight, config=None) -> torch.Tensor:
+    """x [M, K] (f32/f16/bf16) @ W^T -> [M, N] in x.dtype.
+
+    `config` (a `_launch.LaunchConfig`) overrides the tile/split-K choice, for autotuning.
+    """
+    x = _check_x(x, weight)
+    n, k = weight.shape
+    if weight.qtype in PLAIN_TYPES:
+        return x @ weight.raw.view(PLAIN_TYPES[weight.qtype]).reshape(n, k).to(x.dtype).T
+    if not _triton_runs(x):
+        return (x.float() @ weight.dequantize().T).to(x.dtype)
+    out = KERNELS[weight.qtype].load().matmul(x, weight.fields(), n, k, config)
+    return out.to(x.dtype)
+
+
+def quant_matmul_reference(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
+    """float32 dequantization of the GGUF bytes, float32 matmul, result in x.dtype."""
+    x = _check_x(x, weight)
+    w = quants.dequantize(weight.gguf_bytes(), weight.qtype, weight.shape, torch.float32)
+    return (x.float() @ w.T).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# micro-benchmark (GPU only)
+
+# Qwen3.6-27B projections: hidden 5120, FFN 17408
+BENCH_SHAPES = {"hidden 5120x5120": (5120, 5120), "gate/up 17408x5120": (17408, 5120),
+                "down 5120x17408": (5120, 17408)}
+BENCH_M = (1, 16, 23, 32, 64)
+_COPY_BYTES = 1 << 30
+
+
+def random_quant_weight(qtype: QType, n: int, k: int, device="cuda", seed: int = 0) -> QuantWeight:
+    """Random block bytes with every fp16 field set to a small finite scale (for timing, not accuracy)."""
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    g = torch.Generator(device=device).manual_seed(seed)
+    blocks = torch.randint(0, 256, (n * k // block, type_size), generator=g, dtype=torch.uint8, device=device)
+    scale = torch.tensor([1 / 64], dtype=torch.float16, device=device).view(torch.uint8)
+    for f in KERNELS[qtype].fields:
+        if f.dtype == torch.float16:
+            blocks[:, f.start:f.stop] = scale
+    return QuantWeight.from_gguf_bytes(blocks, qtype, (n, k))
+
+
+def copy_read_bandwidth(device="cuda") -> float:
+    """Bytes/s read by a device-to-device copy of 1 GiB: the copy moves 2 GiB (read + write) per
+    call, so this is (read + written) / time / 2 = 1 GiB / time."""
+    from triton.testing import do_bench
+
+    src = torch.empty(_COPY_BYTES, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src))
+    return _COPY_BYTES / (ms * 1e-3)
+
+
+def benchmark_quant_matmul(device="cuda", qtypes=tuple(KERNELS), shapes=None, ms=BENCH_M) -> list[dict]:
+    """Time the skinny kernels (the whole quant_matmul call) and print a table.
+
+    us: triton.testing.do_bench (includes the Python launch cost); graph_us: do_bench_cudagraph
+    (kernel time alone, as under CUDA-graph decode). gbs = weight bytes / graph time; of_copy =
+    gbs / `copy_read_bandwidth` (bytes read per second by a big device-to-device copy).
+    """
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    shapes = shapes or BENCH_SHAPES
+    copy_gbs = copy_read_bandwidth(device) / 1e9
+    print(f"device-to-device copy, read bandwidth (1 GiB / time): {copy_gbs:.0f} GB/s")
+    print(f"{'type':8} {'shape':20} {'M':>3} {'us':>8} {'graph us':>8} {'GB/s':>6} {'of copy':>7}")
+    results = []
+    for qtype in qtypes:
+        for name, (n, k) in shapes.items():
+            weight = random_quant_weight(qtype, n, k, device)
+            for m in ms:
+                x = torch.randn(m, k, dtype=torch.bfloat16, device=device)
+                call_ms = do_bench(lambda: quant_matmul(x, weight))
+                graph_ms = do_bench_cudagraph(lambda: quant_matmul(x, weight))
+                gbs = weight.nbytes / (graph_ms * 1e-3) / 1e9
+                row = {"qtype": qtype.name, "shape": name, "n": n, "k": k, "m": m, "us": call_ms * 1e3,
+                       "graph_us": graph_ms * 1e3, "gbs": gbs, "of_copy": gbs / copy_gbs}
+                results.append(row)
+                print(f"{row['qtype']:8} {name:20} {m:3d} {row['us']:8.1f} {row['graph_us']:8.1f} {gbs:6.0f} "
+                      f"{row['of_copy']:7.2f}")
+            del weight
+    return results

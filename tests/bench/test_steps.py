@@ -1,0 +1,40 @@
+"""`flashtree bench --steps`: every row is measured and the replay run reaches its acceptance length."""
+
+import json
+
+import torch
+
+from flashtree.bench.steps import ReplayProposer, random_draft
+from flashtree.cli.main import main
+from flashtree.engine.generate import Engine, GenerationConfig
+from flashtree.models.random_weights import random_target, shape_config
+from flashtree.spec.proposer import DFlashProposer
+
+
+def test_steps_report_on_cpu(tmp_path, capsys):
+    out = tmp_path / "steps.json"
+    assert main(["bench", "--synthetic", "tiny", "--steps", "--device", "cpu", "-n", "64", "--repeat", "2",
+                 "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    steps = [r["step"] for r in report["rows"]]
+    assert steps[:5] == ["ar step", "verify budget 15", "verify budget 22", "verify budget 32", "verify budget 64"]
+    assert {"draft step", "tree build (budget 22)", "walk", "commit (depth-4 path)", "prefill 1024"} <= set(steps)
+    assert all(r["ms"] > 0 for r in report["rows"])
+    assert report["weights_bytes_per_step"] > 0 and report["read_bandwidth_GBps"] > 0
+    replay = report["replay"]
+    assert replay["identical"] and abs(replay["al"] - 5.17) < 0.5  # the last step is cut by -n
+    assert "replay e2e" in capsys.readouterr().out
+
+
+def test_replay_proposer_hits_the_requested_acceptance_length():
+    target = random_target(shape_config("tiny"), scheme="f32", device="cpu")
+    prompt = list(range(5, 25))
+    engine = Engine(target)
+    base = GenerationConfig(max_new_tokens=60, ignore_eos=True)
+    reference = engine.generate(prompt, base).token_ids
+    draft = random_draft(target.config, "cpu", torch.float32)
+    for al in (1.0, 2.5, 6.0):
+        engine.draft = ReplayProposer(DFlashProposer(target.model, draft, 256), prompt + reference, al)
+        result = engine.generate(prompt, GenerationConfig(max_new_tokens=60, mode="ddtree", ignore_eos=True))
+        assert result.token_ids == reference
+        assert abs(result.stats.acceptance_length - al) < 0.35, (al, result.stats.acceptance_length)
