@@ -13,7 +13,6 @@ from gguf import GGMLQuantizationType as QType
 
 from flashtree.formats import quants
 from flashtree.kernels.quant_matmul import KERNELS, QuantWeight, quant_matmul, quant_matmul_reference
-from flashtree.kernels.quant_matmul._launch import LaunchConfig
 
 N = 48
 K = {QType.Q8_0: 128}  # others: 512 (two super-blocks)
@@ -40,6 +39,8 @@ def relative_error(x: torch.Tensor, w: QuantWeight, config=None) -> float:
 
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
+    from flashtree.kernels.quant_matmul._launch import LaunchConfig  # imports triton
+
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
     errors = {}

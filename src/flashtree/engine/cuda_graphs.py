@@ -20,6 +20,7 @@ that they stay valid (`Engine.new_cache`).
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -79,9 +80,16 @@ class GraphedForward:
             result = self._run(key, entry.packed, cache)  # the warm-up is this step's real work
             pending = dict(cache.pending)
             entry.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(entry.graph, pool=self.pool):  # records only: nothing runs twice
-                entry.output = self._run(key, entry.packed, cache)
-            entry.pending = dict(cache.pending)
+            try:
+                with torch.cuda.graph(entry.graph, pool=self.pool):  # records only: nothing runs twice
+                    entry.output = self._run(key, entry.packed, cache)
+            except RuntimeError as exc:  # an op that cannot be captured: keep going eagerly, say so once
+                print(f"flashtree: CUDA graph capture failed ({str(exc).splitlines()[0]}); "
+                      "running the static steps eagerly", file=sys.stderr)
+                self.capture_graphs = False
+                del self.graphs[key]
+            else:
+                entry.pending = dict(cache.pending)
         else:
             entry.graph.replay()
             result, pending = entry.output, entry.pending

@@ -249,5 +249,4 @@ def benchmark_quant_matmul(device="cuda", qtypes=tuple(KERNELS), shapes=None, ms
                 results.append(row)
                 print(f"{row['qtype']:8} {name:20} {m:3d} {row['us']:8.1f} {row['graph_us']:8.1f} {gbs:6.0f} "
                       f"{row['of_copy']:7.2f}")
-            del weight
     return results

@@ -27,7 +27,7 @@ _TENSOR_CORE_DTYPES = (torch.bfloat16, torch.float16)
 @dataclass(frozen=True)
 class LaunchConfig:
     """Tile sizes and how a dequantized chunk is multiplied by x (`dot`):
-    "fma": float32 broadcast-multiply-sum (x tiles under 16 rows, where tl.dot cannot go);
+    "fma": float32 multiply-adds into per-lane partial sums (x tiles under 16 rows: tl.dot needs 16);
     "ieee" / "tf32x3": tl.dot in float32, exact FMA or three TF32 tensor-core passes (~float32 error);
     "x_dtype": weights rounded to x's bf16/f16 for plain tensor-core tl.dot (prefill speed)."""
 
