@@ -39,12 +39,54 @@ def bucket_rows(needed: int, capacity: int) -> int:
 
 
 @dataclass
-class _Graph:
-    graph: torch.cuda.CUDAGraph | None
-    packed: torch.Tensor  # device int64 [4T + 1 + T*T] static input
-    host: torch.Tensor  # pinned twin of `packed`
-    output: ForwardOutput | None = None
-    pending: dict | None = None  # the DeltaNet tree scratch tensors the graph writes
+class _Entry:
+    packed: torch.Tensor  # device int64 static input
+    host: torch.Tensor  # its (pinned) host twin
+    graph: torch.cuda.CUDAGraph | None = None
+    output: object = None  # what the captured function returned: the graph's output buffers
+
+
+class CapturedSteps:
+    """Static functions of one packed int64 input, captured per key and replayed (CUDA), or run
+    eagerly on the same static inputs (`capture_graphs` False: the CPU tests, or after a failed capture)."""
+
+    def __init__(self, device: torch.device, capture_graphs: bool | None = None):
+        self.device = device
+        self.capture_graphs = device.type == "cuda" if capture_graphs is None else capture_graphs
+        self.entries: dict[tuple, _Entry] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.capture_graphs else None
+
+    def run(self, key: tuple, length: int, fill, fn):
+        """`fill(host)` writes this call's inputs into a zeroed int64 [length] host buffer; `fn(packed)`
+        is the static function of its device copy (same key -> same shapes and addresses)."""
+        entry = self.entries.get(key)
+        if entry is None:
+            host = torch.zeros(length, dtype=torch.long)
+            entry = self.entries[key] = _Entry(torch.zeros(length, dtype=torch.long, device=self.device),
+                                               host.pin_memory() if self.capture_graphs else host)
+        entry.host.zero_()
+        fill(entry.host)
+        entry.packed.copy_(entry.host, non_blocking=True)
+        if not self.capture_graphs:
+            return fn(entry.packed)
+        if entry.graph is not None:
+            entry.graph.replay()
+            return entry.output
+        result = fn(entry.packed)  # the warm-up is this call's real work
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):  # records only: nothing runs twice
+                entry.output = fn(entry.packed)
+            entry.graph = graph
+        except RuntimeError as exc:  # an op that cannot be captured: keep going eagerly, say so once
+            print(f"flashtree: CUDA graph capture failed ({str(exc).splitlines()[0]}); "
+                  "running the static steps eagerly", file=sys.stderr)
+            self.capture_graphs = False
+            self.entries.clear()
+        return result
+
+    def clear(self) -> None:
+        self.entries.clear()
 
 
 class GraphedForward:
@@ -54,9 +96,7 @@ class GraphedForward:
     def __init__(self, model, capture_graphs: bool | None = None):
         """`capture_graphs` False runs the same static, padded step eagerly (how the CPU tests check it)."""
         self.model = model
-        self.capture_graphs = model.device.type == "cuda" if capture_graphs is None else capture_graphs
-        self.graphs: dict[tuple, _Graph] = {}
-        self.pool = torch.cuda.graph_pool_handle() if self.capture_graphs else None
+        self.steps = CapturedSteps(model.device, capture_graphs)
         self.cache = None
 
     def forward(self, tokens: torch.Tensor, cache, tree=None, capture=(), pad_to: int | None = None) -> ForwardOutput:
@@ -69,30 +109,10 @@ class GraphedForward:
         size = max(pad_to or n, n) if tree is not None else n
         cache.reserve(size)
         key = (size, tree is not None, tuple(capture), bucket_rows(cache.length + size, cache.capacity))
-        entry = self.graphs.get(key)
-        if entry is None:
-            entry = self.graphs[key] = _Graph(None, *self._buffers(size))
-        self._fill(entry.host, tokens, cache.length, tree, size)
-        entry.packed.copy_(entry.host, non_blocking=True)
-        if not self.capture_graphs:
-            result, pending = self._run(key, entry.packed, cache), dict(cache.pending)
-        elif entry.graph is None:
-            result = self._run(key, entry.packed, cache)  # the warm-up is this step's real work
-            pending = dict(cache.pending)
-            entry.graph = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(entry.graph, pool=self.pool):  # records only: nothing runs twice
-                    entry.output = self._run(key, entry.packed, cache)
-            except RuntimeError as exc:  # an op that cannot be captured: keep going eagerly, say so once
-                print(f"flashtree: CUDA graph capture failed ({str(exc).splitlines()[0]}); "
-                      "running the static steps eagerly", file=sys.stderr)
-                self.capture_graphs = False
-                del self.graphs[key]
-            else:
-                entry.pending = dict(cache.pending)
-        else:
-            entry.graph.replay()
-            result, pending = entry.output, entry.pending
+        start = cache.length
+        result, pending = self.steps.run(key, 4 * size + 1 + size * size,
+                                         lambda host: self._fill(host, tokens, start, tree, size),
+                                         lambda packed: self._run(key, packed, cache))
         cache.pending.clear()
         cache.pending.update(pending)
         if tree is None:
@@ -101,19 +121,12 @@ class GraphedForward:
 
     def release(self) -> None:
         """Drop every graph and the cache they were captured on."""
-        self.graphs.clear()
+        self.steps.clear()
         self.cache = None
-
-    def _buffers(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        length = 4 * size + 1 + size * size
-        device = self.model.device
-        host = torch.zeros(length, dtype=torch.long)
-        return torch.zeros(length, dtype=torch.long, device=device), host.pin_memory() if self.capture_graphs else host
 
     @staticmethod
     def _fill(host: torch.Tensor, tokens: torch.Tensor, start: int, tree, size: int) -> None:
         n = tokens.shape[0]
-        host.zero_()
         host[:n] = tokens
         visible = host[4 * size + 1 :].view(size, size)
         if tree is None:
@@ -130,11 +143,12 @@ class GraphedForward:
         host[3 * size] = start
         host[3 * size + 1 : 4 * size + 1] = torch.arange(start, start + size)
 
-    def _run(self, key: tuple, packed: torch.Tensor, cache) -> ForwardOutput:
+    def _run(self, key: tuple, packed: torch.Tensor, cache) -> tuple[ForwardOutput, dict]:
         size, is_tree, capture, kv_end = key
         tokens, positions, parents = packed[:size], packed[size : 2 * size], packed[2 * size : 3 * size]
         start_t, slots = packed[3 * size : 3 * size + 1], packed[3 * size + 1 : 4 * size + 1]
         visible = packed[4 * size + 1 :].view(size, size).bool()
         step = Step(positions, 0, visible, parents if is_tree else None, slots, kv_end, start_t)
         with torch.inference_mode():
-            return self.model.run(tokens, cache, step, capture)
+            output = self.model.run(tokens, cache, step, capture)
+        return output, dict(cache.pending)  # the DeltaNet tree scratch this step wrote

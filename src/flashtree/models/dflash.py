@@ -281,6 +281,13 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos[:, None] + rotated * sin[:, None]
 
 
+def _only_valid(visible: Tensor | None, valid: Tensor | None, n: int) -> Tensor | None:
+    """`visible` restricted to the valid key slots (None: no restriction)."""
+    if valid is None:
+        return visible
+    return valid[None].expand(n, -1) if visible is None else visible & valid[None]
+
+
 def _visibility(q_pos: Tensor, k_pos: Tensor, causal: bool, window: int | None) -> Tensor | None:
     """Which keys each block query sees, in absolute positions (None = all).
 
@@ -456,25 +463,33 @@ class DFlashDraft(nn.Module):
         cache.count += n
 
     @torch.no_grad()
-    def forward_block(self, cache: DraftContextCache, block_embeddings: Tensor, start_position: int) -> Tensor:
+    def forward_block(self, cache: DraftContextCache, block_embeddings: Tensor, start_position: int | Tensor,
+                      rows: int | None = None, context_length: Tensor | None = None) -> Tensor:
         """[block, D] embeddings of [bonus, mask...] at positions start.. -> final-normed hidden [block, D].
 
         Block queries attend to every cached context position and to the whole block, restricted
-        per layer by `layer_is_causal` / `layer_window` (see `_visibility`)."""
+        per layer by `layer_is_causal` / `layer_window` (see `_visibility`). A graph-ready call
+        (engine/cuda_graphs.py) gives `start_position` as a device tensor, reads a fixed number of
+        context slots `rows` and masks those at or past `context_length` (a device int64 [1])."""
         c = self.config
         if block_embeddings.dim() != 2 or block_embeddings.shape[1] != c.hidden_size:
             raise FlashtreeError(f"draft block embeddings must be [block, {c.hidden_size}], "
                                  f"got {list(block_embeddings.shape)}")
-        n, ctx_len = block_embeddings.shape[0], cache.length
-        q_pos = torch.arange(start_position, start_position + n, device=cache.positions.device)
+        n, ctx_len = block_embeddings.shape[0], cache.length if rows is None else rows
+        device = cache.positions.device
+        q_pos = start_position + torch.arange(n, device=device)
         k_pos = torch.cat([cache.positions[:ctx_len], q_pos])
+        valid = None
+        if context_length is not None:
+            valid = torch.cat([torch.arange(ctx_len, device=device) < context_length,
+                               torch.ones(n, dtype=torch.bool, device=device)])
         rope = self._rope(q_pos)
         masks: dict[tuple[bool, int | None], Tensor | None] = {}
         h = block_embeddings.to(self._dtype)
         for i, layer in enumerate(self.layers):
             kind = (c.layer_is_causal(i), c.layer_window(i))
             if kind not in masks:
-                masks[kind] = _visibility(q_pos, k_pos, *kind)
+                masks[kind] = _only_valid(_visibility(q_pos, k_pos, *kind), valid, n)
             h = layer(h, cache.keys[i, :, :ctx_len].to(h.dtype), cache.values[i, :, :ctx_len].to(h.dtype),
                       rope, masks[kind])
         return self.norm(h)

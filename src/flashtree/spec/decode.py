@@ -87,4 +87,8 @@ def _commit(model, cache, proposer: Proposer, features: torch.Tensor, accepted: 
 
 def _proposer(engine, config) -> Proposer:
     draft = engine.draft
-    return DFlashProposer(engine.target.model, draft, config.draft_window) if hasattr(draft, "forward_block") else draft
+    if not hasattr(draft, "forward_block"):
+        return draft
+    runner = engine.graph_runner()  # graph-ready target steps: the draft's block pass is made static too
+    return DFlashProposer(engine.target.model, draft, config.draft_window,
+                          capture_graphs=None if runner is None else runner.steps.capture_graphs)

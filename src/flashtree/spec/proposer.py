@@ -11,6 +11,7 @@ from typing import Protocol
 
 import torch
 
+from flashtree.engine.cuda_graphs import CapturedSteps, bucket_rows
 from flashtree.models.dflash import DFlashDraft
 
 
@@ -29,13 +30,17 @@ class DFlashProposer:
     """One non-causal draft pass over [bonus, mask x (block-1)], conditioned on an incremental
     cache of projected target features (only newly committed positions are appended each step)."""
 
-    def __init__(self, target_model, draft: DFlashDraft, window: int):
+    def __init__(self, target_model, draft: DFlashDraft, window: int, capture_graphs: bool | None = None):
+        """`capture_graphs`: None = eager block passes; True/False = graph-ready static passes, captured
+        as CUDA graphs or run eagerly (engine/cuda_graphs.py); only with the draft on the target's device."""
         self.target = target_model
         self.draft = draft
         self.block_size = draft.config.block_size
         self.capture_layers = tuple(draft.config.target_layer_ids)
         self.device = draft.fc.weight.device  # the draft's own device (--draft-device), maybe not the target's
         self.cache = draft.new_cache(window, device=self.device, dtype=target_model.dtype)
+        same_device = self.device == target_model.device == target_model.lm_head.device
+        self.steps = CapturedSteps(self.device, capture_graphs) if capture_graphs is not None and same_device else None
 
     def start(self) -> None:
         self.cache.reset()
@@ -45,9 +50,21 @@ class DFlashProposer:
 
     @torch.inference_mode()
     def propose(self, bonus: int, position: int) -> torch.Tensor:
+        if self.steps is not None:
+            rows = bucket_rows(max(self.cache.length, 1), self.cache.max_context)
+            length = self.cache.length
+            return self.steps.run((rows,), 3, lambda host: host.copy_(torch.tensor([bonus, position, length])),
+                                  lambda packed: self._static_block(packed, rows))
         block = torch.full((self.block_size,), self.draft.config.mask_token_id, dtype=torch.long)
         block[0] = bonus
         embeddings = self.target.embed_tokens(block).to(self.device)
         hidden = self.draft.forward_block(self.cache, embeddings, position)
         head = self.target.lm_head  # on the target's last device: the hidden states go there, the logits come back
         return head(hidden[1:].to(head.device, self.target.dtype)).float().to(self.target.device)
+
+    def _static_block(self, packed: torch.Tensor, rows: int) -> torch.Tensor:
+        """The block pass as a function of device inputs [bonus, position, context length] only."""
+        first = torch.arange(self.block_size, device=self.device) == 0
+        block = torch.where(first, packed[0], self.draft.config.mask_token_id)
+        hidden = self.draft.forward_block(self.cache, self.target.embed_tokens(block), packed[1:2], rows, packed[2:3])
+        return self.target.lm_head(hidden[1:].to(self.target.dtype)).float()
