@@ -115,3 +115,19 @@ def test_static_draft_block_equals_the_eager_one(target):
             proposer.commit(features[start:stop], torch.arange(start, stop))
         want, got = eager.propose(7, stop), static.propose(7, stop)
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (stop, (got - want).abs().max())
+
+
+def test_static_draft_pass_and_commit_accept_like_the_eager_ones():
+    """The static draft block pass and the static draft commit (one graph with the target commit) feed
+    the same context as the eager ones: on the trained demo pair, acceptance is the same."""
+    from flashtree.engine.loader import load_engine
+
+    demo = load_engine(device="cpu")
+    config = GenerationConfig(max_new_tokens=64, mode="ddtree", ignore_eos=True)
+    for prompt in ["def fib(n):", "Write a function that reverses a list."]:
+        ids = demo.encode_prompt(prompt)
+        eager = demo.generate(ids, config)
+        static = static_engine(demo.target, demo.draft).generate(ids, config)
+        assert static.token_ids == eager.token_ids
+        assert eager.stats.acceptance_length > 2
+        assert abs(static.stats.acceptance_length - eager.stats.acceptance_length) < 0.05

@@ -56,9 +56,11 @@ class CapturedSteps:
         self.entries: dict[tuple, _Entry] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.capture_graphs else None
 
-    def run(self, key: tuple, length: int, fill, fn):
+    def run(self, key: tuple, length: int, fill, fn, idempotent: bool = False):
         """`fill(host)` writes this call's inputs into a zeroed int64 [length] host buffer; `fn(packed)`
-        is the static function of its device copy (same key -> same shapes and addresses)."""
+        is the static function of its device copy (same key -> same shapes and addresses). An
+        `idempotent` function (one that changes no state it reads) returns the graph's own output
+        buffers from its first call on, so later graphs may capture them as inputs."""
         entry = self.entries.get(key)
         if entry is None:
             host = torch.zeros(length, dtype=torch.long)
@@ -78,6 +80,9 @@ class CapturedSteps:
             with torch.cuda.graph(graph, pool=self.pool):  # records only: nothing runs twice
                 entry.output = fn(entry.packed)
             entry.graph = graph
+            if idempotent:
+                graph.replay()
+                return entry.output
         except RuntimeError as exc:  # an op that cannot be captured: keep going eagerly, say so once
             print(f"flashtree: CUDA graph capture failed ({str(exc).splitlines()[0]}); "
                   "running the static steps eagerly", file=sys.stderr)
@@ -98,6 +103,8 @@ class GraphedForward:
         self.model = model
         self.steps = CapturedSteps(model.device, capture_graphs)
         self.cache = None
+        self.verify_key = None  # the shape of the last verify: the commit graph reads its outputs
+        self.proposer = None  # the draft proposer kept across requests (spec/decode.py)
 
     def forward(self, tokens: torch.Tensor, cache, tree=None, capture=(), pad_to: int | None = None) -> ForwardOutput:
         """`tokens` on the host; `tree` a spec.ddtree.DraftTree whose tokens they are, or None for a run."""
@@ -110,14 +117,47 @@ class GraphedForward:
         cache.reserve(size)
         key = (size, tree is not None, tuple(capture), bucket_rows(cache.length + size, cache.capacity))
         start = cache.length
+        # a tree verify only writes scratch rows: replaying it is harmless, and its outputs (logits,
+        # features, DeltaNet scratch) stay the graph's buffers, which the commit graphs then read
         result, pending = self.steps.run(key, 4 * size + 1 + size * size,
                                          lambda host: self._fill(host, tokens, start, tree, size),
-                                         lambda packed: self._run(key, packed, cache))
+                                         lambda packed: self._run(key, packed, cache), idempotent=tree is not None)
+        if tree is not None:
+            self.verify_key = key
         cache.pending.clear()
         cache.pending.update(pending)
         if tree is None:
             cache.length += n
         return ForwardOutput(result.logits[:n], None if result.features is None else result.features[:n])
+
+    def commit(self, cache, path: list[int], proposer, features: torch.Tensor) -> None:
+        """`Qwen35Model.commit` of the last verify's accepted `path`, plus the proposer's commit of
+        their features, as one graph per (path length, verify shape)."""
+        n, start = len(path), cache.length
+        static_draft = getattr(proposer, "steps", None) is not None
+        key = ("commit", n, self.verify_key, id(proposer) if static_draft else None)
+
+        def run(packed: torch.Tensor) -> None:
+            nodes, start_t = packed[:n], packed[n : n + 1]
+            self.model.run_commit(cache, nodes, start_t)
+            if static_draft:
+                proposer.commit_static(features[nodes], start_t + torch.arange(n, device=nodes.device),
+                                       packed[n + 1 : n + 2])
+
+        def fill(host: torch.Tensor) -> None:
+            host[:n] = torch.tensor(path)
+            host[n] = start
+            host[n + 1] = proposer.cache.count if static_draft else 0
+
+        with torch.inference_mode():
+            self.steps.run(key, n + 2, fill, run)
+        cache.pending.clear()
+        cache.length += n
+        positions = torch.arange(start, start + n, device=features.device)
+        if static_draft:
+            proposer.cache.count += n
+        else:
+            proposer.commit(features[torch.tensor(path, device=features.device)], positions)
 
     def release(self) -> None:
         """Drop every graph and the cache they were captured on."""

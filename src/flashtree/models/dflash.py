@@ -443,24 +443,27 @@ class DFlashDraft(nn.Module):
         )
 
     @torch.no_grad()
-    def append_context(self, cache: DraftContextCache, target_features: Tensor, positions: Tensor) -> None:
+    def append_context(self, cache: DraftContextCache, target_features: Tensor, positions: Tensor,
+                       count: Tensor | None = None) -> None:
         """Add newly committed positions ([n, F] features at absolute `positions`) to the cache.
 
         Only the newest `max_context` positions survive, so older rows of a long chunk are skipped
-        before the (expensive) fc projection rather than computed and then evicted."""
+        before the (expensive) fc projection rather than computed and then evicted. A graph-ready call
+        gives the appended count so far as a device `count` (int64 [1]) and advances `cache.count` itself."""
         n = target_features.shape[0]
         if positions.shape != (n,):
             raise FlashtreeError(f"draft context positions must be [{n}], got {list(positions.shape)}")
         keep = min(n, cache.max_context)
         target_features, positions = target_features[n - keep:], positions[n - keep:].to(cache.positions.device)
-        start = cache.count + n - keep
-        slots = torch.arange(start, start + keep, device=cache.positions.device) % cache.max_context
+        start = (cache.count if count is None else count) + n - keep
+        slots = (start + torch.arange(keep, device=cache.positions.device)) % cache.max_context
         ctx = self.project_context(target_features)
         rope = self._rope(positions)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.key_value(ctx, rope)
             cache.write(i, k.to(cache.keys.dtype), v.to(cache.values.dtype), positions, slots)
-        cache.count += n
+        if count is None:
+            cache.count += n
 
     @torch.no_grad()
     def forward_block(self, cache: DraftContextCache, block_embeddings: Tensor, start_position: int | Tensor,

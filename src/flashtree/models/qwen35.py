@@ -160,24 +160,29 @@ class Qwen35Model:
     @torch.inference_mode()
     def commit(self, cache: TargetCache, path: torch.Tensor) -> None:
         """Keep the accepted tree nodes `path` (node indices, root first) as the next committed tokens."""
-        path = path.to(self.device)
-        start = cache.length
-        dest = slice(start, start + path.shape[0])
+        self.run_commit(cache, path.to(self.device), torch.tensor([cache.length], device=self.device))
+        cache.pending.clear()
+        cache.length += path.shape[0]
+
+    def run_commit(self, cache: TargetCache, path: torch.Tensor, start: torch.Tensor) -> None:
+        """The device work of `commit` (`start`: int64 [1] committed length): what a CUDA graph captures.
+        Accepted K/V rows move from the tree's scratch rows into place; DeltaNet layers rerun the
+        recurrence over the path (batched per device)."""
         recurrent: dict[torch.device, list] = {}  # DeltaNet layers per device, committed together below
         for layer in self.layers:
             if layer.index in self.boundaries:
-                path = path.to(self.boundaries[layer.index])
+                device = self.boundaries[layer.index]
+                path, start = path.to(device), start.to(device)
             if layer.is_recurrent:
                 entry = (layer.mixer, cache.deltanet[layer.index], cache.pending[layer.index])
                 recurrent.setdefault(path.device, []).append(entry)
             else:
                 kv = cache.attention[layer.index]
-                kv.k[:, dest] = kv.k[:, start + path]
-                kv.v[:, dest] = kv.v[:, start + path]
+                rows = start + torch.arange(path.shape[0], device=path.device)
+                for side in (kv.k, kv.v):
+                    side.index_copy_(1, rows, side.index_select(1, start + path))
         for device, layers in recurrent.items():
             commit_layers(layers, path.to(device))
-        cache.pending.clear()
-        cache.length += path.shape[0]
 
     def _check_tokens(self, tokens: torch.Tensor) -> None:
         if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size):

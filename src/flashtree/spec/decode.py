@@ -51,7 +51,11 @@ def speculative(engine, prompt_ids: list[int], config, out, stats, started: floa
             if out.push(token):  # an end-of-generation or stop inside the accepted path: emit up to it, no further
                 return
             sampler.record(token)
-        _commit(model, cache, proposer, result.features, accepted)
+        runner = engine.graph_runner()
+        if runner is not None:
+            runner.commit(cache, accepted, proposer, result.features)
+        else:
+            _commit(model, cache, proposer, result.features, accepted)
 
 
 def walk(tree: DraftTree, logits: torch.Tensor, sampler) -> tuple[list[int], int]:
@@ -90,5 +94,10 @@ def _proposer(engine, config) -> Proposer:
     if not hasattr(draft, "forward_block"):
         return draft
     runner = engine.graph_runner()  # graph-ready target steps: the draft's block pass is made static too
-    return DFlashProposer(engine.target.model, draft, config.draft_window,
-                          capture_graphs=None if runner is None else runner.steps.capture_graphs)
+    if runner is None:
+        return DFlashProposer(engine.target.model, draft, config.draft_window)
+    kept = runner.proposer  # reused across requests, like the cache, so its captured graphs stay valid
+    if kept is None or kept.draft is not draft or kept.cache.max_context != config.draft_window:
+        kept = runner.proposer = DFlashProposer(engine.target.model, draft, config.draft_window,
+                                                capture_graphs=runner.steps.capture_graphs)
+    return kept

@@ -48,6 +48,11 @@ class DFlashProposer:
     def commit(self, features: torch.Tensor, positions: torch.Tensor) -> None:
         self.draft.append_context(self.cache, features.to(self.device, self.target.dtype), positions)
 
+    def commit_static(self, features: torch.Tensor, positions: torch.Tensor, count: torch.Tensor) -> None:
+        """`commit` as a device-only function (`count`: int64 [1] positions appended so far); the
+        caller advances `cache.count`."""
+        self.draft.append_context(self.cache, features.to(self.target.dtype), positions, count)
+
     @torch.inference_mode()
     def propose(self, bonus: int, position: int) -> torch.Tensor:
         if self.steps is not None:
