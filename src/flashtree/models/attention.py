@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from flashtree.engine.cache import AttentionKV
 from flashtree.formats.gguf_file import GGUFFile
 from flashtree.kernels.kv_quant import rotate, unrotate
+from flashtree.kernels.tree_attention import MAX_TREE_QUERIES, tree_attention
 from flashtree.models.layers import Linear, apply_rope, load_weight, rms_norm
 from flashtree.models.qwen35_config import Qwen35Config
 from flashtree.models.step import Step
@@ -55,14 +56,17 @@ class GatedAttention:
 
         kv.k.index_copy_(1, step.slots, kv.type_k.quantize(k.transpose(0, 1)))
         kv.v.index_copy_(1, step.slots, kv.type_v.quantize(v.transpose(0, 1)))
-        lo = step.first_row(kv.window)
-        keys = kv.type_k.dequantize(kv.k[:, lo : step.kv_end], q.dtype)  # rotated domain for TQ3_0
-        values = kv.type_v.dequantize(kv.v[:, lo : step.kv_end], q.dtype)
-        mask = step.attention_mask(lo, kv.window)
         q = q.transpose(0, 1)
         if kv.type_k.rotated:  # R orthogonal: (Rq).(Rk) = q.k, so K is used as stored
             q = rotate(q)
-        out = self._attend(q, keys, values, mask)  # [heads, n, hd]
+        if step.graphed and q.is_cuda and n <= MAX_TREE_QUERIES:  # reads the cache in place, split over rows
+            out = tree_attention(q, kv.k, kv.v, kv.type_k, kv.type_v, step.start_t, step.visible, step.positions,
+                                 step.kv_end, c.attention_scale, kv.window)
+        else:
+            lo = step.first_row(kv.window)
+            keys = kv.type_k.dequantize(kv.k[:, lo : step.kv_end], q.dtype)  # rotated domain for TQ3_0
+            values = kv.type_v.dequantize(kv.v[:, lo : step.kv_end], q.dtype)
+            out = self._attend(q, keys, values, step.attention_mask(lo, kv.window))  # [heads, n, hd]
         if kv.type_v.rotated:  # softmax(.) @ (R v) = R (softmax(.) @ v): rotate the output back
             out = unrotate(out)
         out = out.transpose(0, 1).reshape(n, -1) * torch.sigmoid(gate.float()).to(x.dtype)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from flashtree.engine.cache import DeltaNetState, TreeScratch
 from flashtree.formats.gguf_file import GGUFFile
-from flashtree.kernels import gated_delta
+from flashtree.kernels import gated_delta, gated_delta_triton
 from flashtree.models.layers import Linear, load_weight, rms_norm
 from flashtree.models.qwen35_config import Qwen35Config
 from flashtree.models.step import Step
@@ -57,13 +57,21 @@ class GatedDeltaNet:
         g = self.decay_rate * F.softplus(self.alpha(x).float() + self.dt_bias)
 
         scratch = None
+        # Triton kernels on the GPU for short runs and trees; the torch forms are the CPU reference
+        fused = x.is_cuda and n <= gated_delta_triton.MAX_TREE_NODES
         if step.is_tree:
-            o, _, _ = gated_delta.ancestor_chunk(q, k, v, g, beta, state.ssm, step.visible)
+            if fused:
+                o = gated_delta_triton.tree_verify(q, k, v, g, beta, state.ssm, step.parents)
+            else:
+                o, _, _ = gated_delta.ancestor_chunk(q, k, v, g, beta, state.ssm, step.visible)
             scratch = TreeScratch(conv_inputs, q, k, v, g, beta)
         else:
-            run = gated_delta.recurrent if n == 1 else gated_delta.chunked
-            o, ssm = run(q, k, v, g, beta, state.ssm)
-            state.ssm.copy_(ssm)  # in place: a captured CUDA graph keeps reading these buffers
+            if fused:
+                o = gated_delta_triton.recurrent_step(q, k, v, g, beta, state.ssm)  # updates the state in place
+            else:
+                run = gated_delta.recurrent if n == 1 else gated_delta.chunked
+                o, ssm = run(q, k, v, g, beta, state.ssm)
+                state.ssm.copy_(ssm)  # in place: a captured CUDA graph keeps reading these buffers
             state.conv.copy_(torch.cat([state.conv, conv_inputs.to(state.conv.dtype)])[-(c.conv_kernel - 1):])
         return self._output(o, x), scratch
 
@@ -104,6 +112,11 @@ def commit_layers(layers: list[tuple[GatedDeltaNet, DeltaNetState, TreeScratch]]
     kernel = layers[0][0].config.conv_kernel
     for _, state, scratch in layers:
         state.conv.copy_(torch.cat([state.conv, scratch.conv_inputs[path].to(state.conv.dtype)])[-(kernel - 1):])
+    if path.is_cuda:  # one in-place kernel launch per layer, no stacking of the 3 MiB states
+        for _, state, scratch in layers:
+            gated_delta_triton.recurrent_step(scratch.q[path], scratch.k[path], scratch.v[path], scratch.g[path],
+                                              scratch.beta[path], state.ssm)
+        return
     heads = [state.ssm.shape[0] for _, state, _ in layers]
 
     def stacked(name: str) -> torch.Tensor:

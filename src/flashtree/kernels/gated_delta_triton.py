@@ -1,0 +1,298 @@
+"""Fused Triton kernels for the gated delta rule at decode time (float32 state and math).
+
+Same math and shapes as `gated_delta` (q, k, v: [T, H, d]; g, beta: [T, H]; state: [H, dk, dv]);
+q and k may also carry Hk heads with H % Hk == 0, value head h then using q/k head h % Hk (the
+tiling `torch.repeat` gives), so the caller need not expand them. Both kernels run one program per
+(value head, BLOCK_V-wide tile of value columns): the delta rule never mixes value columns, so a
+program needs only S0[:, tile] (dk x BLOCK_V) and the whole of q/k for its head.
+
+- `recurrent_step`: T >= 1 tokens in sequence (decode: T = 1; commit of an accepted path: T <= ~17).
+  The state tile lives in registers across the token loop and is written back in place, so one
+  launch replaces the per-token torch ops and a captured CUDA graph keeps reading the same buffer.
+- `tree_verify`: outputs of every node of a draft tree (T <= 64; parents[i] < i, -1 = attached to
+  the current state), each node seeing the state reached along its own root-to-node path; the
+  state is only read. It is the `ancestor_chunk` (WY) form evaluated in one program:
+    1. ancestor mask and Gamma_i (sum of g over ancestors-or-self) by chasing parent pointers,
+       all nodes at once (tree-depth iterations, each a [T] gather from `parents` / `g`);
+    2. K S0 (T x BLOCK_V) and K K^T (T x T) with tl.dot over dk chunks;
+    3. A = strict-ancestor-masked beta_i exp(Gamma_i - Gamma_j) k_i.k_j, right-hand side
+       beta (V - exp(Gamma) K S0), and (I + A) U = rhs by forward substitution over the rows
+       (parents come before children, so A is strictly lower triangular);
+    4. Q S0 and Q K^T (a second pass over dk: fewer live registers during the solve), then
+       O = exp(Gamma) Q S0 + (ancestor-masked exp(Gamma_i - Gamma_j) q_i.k_j) U with one tl.dot.
+  No per-node state is ever materialised (U is T x BLOCK_V), so nothing but q/k/v/g/beta/S0 is read.
+
+Without CUDA (and without TRITON_INTERPRET=1) both functions fall back to their torch references,
+which have the same signatures and in-place semantics.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from flashtree.errors import FlashtreeError
+from flashtree.kernels import gated_delta
+
+try:  # the kernels need triton; the references and the fallback do not
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is a dependency where kernels run
+    triton = None
+
+MAX_TREE_NODES = 64
+_H200_SMS = 132
+
+
+# ---------------------------------------------------------------------------------------------
+# torch references (same signatures)
+
+def ancestors_from_parents(parents: torch.Tensor) -> torch.Tensor:
+    """Inclusive ancestor matrix [T, T] (bool): row i is True at i and at every ancestor of i."""
+    plist = [int(p) for p in parents.tolist()]
+    n = len(plist)
+    anc = torch.zeros(n, n, dtype=torch.bool)
+    for i, p in enumerate(plist):
+        if p >= i or p < -1:
+            raise FlashtreeError(f"parents[{i}] = {p}: a parent must come before its child (or be -1)")
+        if p >= 0:
+            anc[i] = anc[p]
+        anc[i, i] = True
+    return anc.to(parents.device)
+
+
+def _expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    return x if x.shape[1] == heads else x.repeat(1, heads // x.shape[1], 1)
+
+
+def recurrent_step_reference(q, k, v, g, beta, state):
+    """`gated_delta.recurrent`, with `state` updated in place. Returns o [T, H, dv] (float32)."""
+    _check(q, k, v, g, beta, state)
+    h = v.shape[1]
+    o, final = gated_delta.recurrent(_expand_heads(q, h), _expand_heads(k, h), v, g, beta, state)
+    state.copy_(final)
+    return o
+
+
+def tree_verify_reference(q, k, v, g, beta, state, parents):
+    """`gated_delta.ancestor_chunk` with the ancestor mask built from `parents`; state untouched."""
+    _check(q, k, v, g, beta, state, parents)
+    h = v.shape[1]
+    o, _, _ = gated_delta.ancestor_chunk(_expand_heads(q, h), _expand_heads(k, h), v, g, beta, state,
+                                         ancestors_from_parents(parents))
+    return o
+
+
+# ---------------------------------------------------------------------------------------------
+# checks and dispatch
+
+def _check(q, k, v, g, beta, state, parents=None) -> None:
+    if q.dim() != 3 or k.shape != q.shape or v.dim() != 3:
+        raise FlashtreeError(f"q, k must be [T, Hk, dk] and v [T, H, dv]; got q {tuple(q.shape)}, "
+                             f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    t, hk, dk = q.shape
+    _, h, dv = v.shape
+    if v.shape[0] != t or h % hk:
+        raise FlashtreeError(f"v {tuple(v.shape)} does not fit q {tuple(q.shape)} "
+                             "(same T; value heads a multiple of q/k heads)")
+    if g.shape != (t, h) or beta.shape != (t, h):
+        raise FlashtreeError(f"g and beta must be [T, H] = [{t}, {h}]; got {tuple(g.shape)}, {tuple(beta.shape)}")
+    if state.shape != (h, dk, dv) or state.dtype != torch.float32:
+        raise FlashtreeError(f"state must be float32 [H, dk, dv] = [{h}, {dk}, {dv}]; "
+                             f"got {state.dtype} {tuple(state.shape)}")
+    if parents is not None:
+        if parents.shape != (t,) or parents.dtype not in (torch.int64, torch.int32):
+            raise FlashtreeError(f"parents must be int64 [T] = [{t}]; got {parents.dtype} {tuple(parents.shape)}")
+        if t > MAX_TREE_NODES:
+            raise FlashtreeError(f"tree_verify handles at most {MAX_TREE_NODES} nodes, got {t}")
+
+
+def _triton_runs(x: torch.Tensor) -> bool:
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    return (x.is_cuda or interpreted) and triton is not None
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _pow2_dims(dk: int, dv: int) -> None:
+    for name, d in (("dk", dk), ("dv", dv)):
+        if d < 16 or d & (d - 1):
+            raise FlashtreeError(f"{name} = {d}: the Triton kernels need a power of two >= 16")
+
+
+def _default_block_v(heads: int, dv: int) -> int:
+    # two or more programs per SM when there are enough columns; 16 is the tl.dot minimum
+    block = 32 if heads * dv // 32 >= 2 * _H200_SMS else 16
+    return min(block, dv)
+
+
+# ---------------------------------------------------------------------------------------------
+# public API
+
+def recurrent_step(q, k, v, g, beta, state, block_v: int | None = None, num_warps: int = 4) -> torch.Tensor:
+    """T >= 1 tokens in sequence: S <- exp(g) S; u = beta (v - S^T k); S <- S + k u^T; o = S^T q.
+
+    q, k [T, Hk, dk]; v [T, H, dv]; g, beta [T, H]; state float32 [H, dk, dv], updated in place
+    (any strides). Returns o [T, H, dv] float32.
+    """
+    _check(q, k, v, g, beta, state)
+    if not _triton_runs(state):
+        return recurrent_step_reference(q, k, v, g, beta, state)
+    t, hk, dk = q.shape
+    _, h, dv = v.shape
+    _pow2_dims(dk, dv)
+    out = torch.empty(t, h, dv, dtype=torch.float32, device=v.device)
+    if t == 0:
+        return out
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    block_v = block_v or _default_block_v(h, dv)
+    if dv % block_v:
+        raise FlashtreeError(f"block_v = {block_v} must divide dv = {dv}")
+    _recurrent_kernel[(h, dv // block_v)](
+        q, k, v, g, beta, state, out, t, hk,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
+        state.stride(0), state.stride(1), state.stride(2), out.stride(0), out.stride(1),
+        DK=dk, BLOCK_V=block_v, num_warps=num_warps)
+    return out
+
+
+def tree_verify(q, k, v, g, beta, state, parents, block_v: int | None = None, block_k: int = 16,
+                num_warps: int | None = None, precision: str = "ieee") -> torch.Tensor:
+    """Outputs [T, H, dv] (float32) of every node of a draft tree of T <= 64 nodes, node i seeing the
+    state reached along its root-to-node path. parents int64 [T]: parents[i] < i, -1 = child of the
+    current state (values are not checked on the device: a parent >= i is treated as -1).
+    `state` is only read. `precision`: tl.dot input precision ("ieee" exact float32 FMA, or
+    "tf32x3", tensor cores at about float32 accuracy).
+    """
+    _check(q, k, v, g, beta, state, parents)
+    if not _triton_runs(state):
+        return tree_verify_reference(q, k, v, g, beta, state, parents)
+    t, hk, dk = q.shape
+    _, h, dv = v.shape
+    _pow2_dims(dk, dv)
+    out = torch.empty(t, h, dv, dtype=torch.float32, device=v.device)
+    if t == 0:
+        return out
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    parents = parents.contiguous()
+    block_t = max(16, triton.next_power_of_2(t))
+    block_v = block_v or _default_block_v(h, dv)
+    block_k = min(block_k, dk)
+    if dv % block_v or dk % block_k:
+        raise FlashtreeError(f"block_v = {block_v} must divide dv = {dv} and block_k = {block_k} dk = {dk}")
+    if num_warps is None:
+        # sm_90 ptxas, dk = 128, block_v = 16: T <= 64 at 8 warps 168 registers, T <= 32 at 4 warps 166
+        num_warps = 8 if block_t >= 64 else 4
+    _tree_kernel[(h, dv // block_v)](
+        q, k, v, g, beta, state, parents, out, t, hk,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
+        state.stride(0), state.stride(1), state.stride(2), out.stride(0), out.stride(1),
+        DK=dk, BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_K=block_k, PRECISION=precision,
+        num_warps=num_warps)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels
+
+if triton is not None:
+
+    @triton.jit
+    def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, o_ptr, T, HK,
+                          sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, sb_t, sb_h,
+                          ss_h, ss_k, ss_v, so_t, so_h,
+                          DK: tl.constexpr, BLOCK_V: tl.constexpr):
+        h = tl.program_id(0)
+        hq = h % HK
+        cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        dk = tl.arange(0, DK)
+        s_ptrs = s_ptr + h * ss_h + dk[:, None] * ss_k + cols[None, :] * ss_v
+        s = tl.load(s_ptrs)  # [DK, BLOCK_V], kept in registers over the token loop
+        t = 0
+        while t < T:  # a while loop: the interpreter cannot iterate range() over a runtime bound
+            kt = tl.load(k_ptr + t * sk_t + hq * sk_h + dk).to(tl.float32)
+            qt = tl.load(q_ptr + t * sq_t + hq * sq_h + dk).to(tl.float32)
+            vt = tl.load(v_ptr + t * sv_t + h * sv_h + cols).to(tl.float32)
+            gt = tl.load(g_ptr + t * sg_t + h * sg_h).to(tl.float32)
+            bt = tl.load(beta_ptr + t * sb_t + h * sb_h).to(tl.float32)
+            s = s * tl.exp(gt)
+            predicted = tl.sum(s * kt[:, None], axis=0)
+            u = bt * (vt - predicted)
+            s = s + kt[:, None] * u[None, :]
+            o = tl.sum(s * qt[:, None], axis=0)
+            tl.store(o_ptr + t * so_t + h * so_h + cols, o)
+            t += 1
+        tl.store(s_ptrs, s)
+
+    @triton.jit
+    def _tree_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, p_ptr, o_ptr, T, HK,
+                     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, sb_t, sb_h,
+                     ss_h, ss_k, ss_v, so_t, so_h,
+                     DK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PRECISION: tl.constexpr):
+        h = tl.program_id(0)
+        hq = h % HK
+        cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        rows = tl.arange(0, BLOCK_T)  # node index i
+        nodes = tl.arange(0, BLOCK_T)  # node index j (the other axis of T x T tiles)
+        live = rows < T
+
+        # 1. ancestor mask (inclusive) and Gamma by chasing all parent pointers at once
+        parent = tl.load(p_ptr + rows, mask=live, other=-1).to(tl.int32)
+        parent = tl.where(parent < rows, parent, -1)  # guards the loop against invalid input
+        g = tl.load(g_ptr + rows * sg_t + h * sg_h, mask=live, other=0.0).to(tl.float32)
+        anc = rows[:, None] == nodes[None, :]
+        gamma = g
+        cur = parent
+        while tl.max(cur, axis=0) >= 0:
+            has = cur >= 0
+            anc = anc | (nodes[None, :] == cur[:, None])
+            gamma += tl.load(g_ptr + cur * sg_t + h * sg_h, mask=has, other=0.0).to(tl.float32)
+            nxt = tl.load(p_ptr + cur, mask=has, other=-1).to(tl.int32)
+            cur = tl.where(has & (nxt < cur), nxt, -1)
+
+        # 2. K S0 [BLOCK_T, BLOCK_V] and K K^T [BLOCK_T, BLOCK_T] over dk chunks
+        ks = tl.zeros((BLOCK_T, BLOCK_V), dtype=tl.float32)
+        kk = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float32)
+        for c in range(DK // BLOCK_K):
+            d = c * BLOCK_K + tl.arange(0, BLOCK_K)
+            kc = tl.load(k_ptr + rows[:, None] * sk_t + hq * sk_h + d[None, :], mask=live[:, None],
+                         other=0.0).to(tl.float32)
+            sc = tl.load(s_ptr + h * ss_h + d[:, None] * ss_k + cols[None, :] * ss_v)
+            ks = tl.dot(kc, sc, ks, input_precision=PRECISION)
+            kk = tl.dot(kc, tl.trans(kc), kk, input_precision=PRECISION)
+
+        # 3. (I + A) U = beta (V - exp(Gamma) K S0), A strictly lower triangular
+        beta = tl.load(beta_ptr + rows * sb_t + h * sb_h, mask=live, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + rows[:, None] * sv_t + h * sv_h + cols[None, :], mask=live[:, None],
+                    other=0.0).to(tl.float32)
+        decay = tl.where(anc, tl.exp(tl.where(anc, gamma[:, None] - gamma[None, :], 0.0)), 0.0)
+        a = tl.where(rows[:, None] != nodes[None, :], beta[:, None] * decay * kk, 0.0)
+        u = beta[:, None] * (v - tl.exp(gamma)[:, None] * ks)
+        i = 1
+        while i < T:
+            a_i = tl.sum(tl.where(rows[:, None] == i, a, 0.0), axis=0)  # row i of A, indexed by j
+            correction = tl.sum(a_i[:, None] * u, axis=0)  # rows j < i of u are final
+            u = tl.where(rows[:, None] == i, u - correction[None, :], u)
+            i += 1
+
+        # 4. O = exp(Gamma) Q S0 + (decay * Q K^T) U, Q S0 and Q K^T over dk chunks (k, S0 again: cached)
+        qs = tl.zeros((BLOCK_T, BLOCK_V), dtype=tl.float32)
+        qk = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float32)
+        for c in range(DK // BLOCK_K):
+            d = c * BLOCK_K + tl.arange(0, BLOCK_K)
+            kc = tl.load(k_ptr + rows[:, None] * sk_t + hq * sk_h + d[None, :], mask=live[:, None],
+                         other=0.0).to(tl.float32)
+            qc = tl.load(q_ptr + rows[:, None] * sq_t + hq * sq_h + d[None, :], mask=live[:, None],
+                         other=0.0).to(tl.float32)
+            sc = tl.load(s_ptr + h * ss_h + d[:, None] * ss_k + cols[None, :] * ss_v)
+            qs = tl.dot(qc, sc, qs, input_precision=PRECISION)
+            qk = tl.dot(qc, tl.trans(kc), qk, input_precision=PRECISION)
+        o = tl.exp(gamma)[:, None] * qs
+        o = tl.dot(decay * qk, u, o, input_precision=PRECISION)
+        tl.store(o_ptr + rows[:, None] * so_t + h * so_h + cols[None, :], o, mask=live[:, None])

@@ -1,0 +1,337 @@
+"""Decode / tree-verify attention straight from the KV cache (Triton, flash-decoding), graph-safe.
+
+`tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, positions, kv_end, scale,
+window=0, split=None)` -> [heads, T, D] in q.dtype, for the rows of a graphed `Step`:
+
+* cache rows r < start (start = `start_t[0]`, a device tensor) are committed: visible to every query;
+* row start + j holds new node j: visible to query i iff visible[i, j];
+* rows >= start + T (and >= kv_end) are garbage and never read;
+* window W > 0: query i (position positions[i]) sees a key at position p only if positions[i] - p < W
+  (committed row r has position r, new node j position positions[j]).
+This is exactly `Step._graphed_mask` (see `graphed_mask`). GQA: query head h reads kv head h // (heads //
+kv_heads). Caches are [kv_heads, capacity, D] float (f32/f16/bf16) or uint8 [kv_heads, capacity,
+row_bytes] Q8_0/Q4_0 blocks (kv_quant.py); kv types are anything `kv_quant.kv_type` takes (KVType or name).
+
+Kernel (flash-decoding): grid (kv_heads, query tiles, splits). A program owns one KV head, a tile of
+BLOCK_M query rows of that head's group (row m = local head * T + token, so a group's G*T rows share each
+K/V load) and one split of the rows it can see. The row range is computed on the device from `start_t`:
+[lo, min(start + T, kv_end)) with lo = 0, or with a window the lowest row any query of the tile can see,
+divided evenly (in BLOCK_N multiples) among the splits, so the work spreads over the GPU whatever the
+committed length, and the garbage rows past start + T cost nothing. Each BLOCK_N chunk of K/V rows is
+loaded once, dequantized in registers (Q8_0: int8 * fp16 d; Q4_0: (nibble - 8) * d), scores go through
+tl.dot in float32 (bf16/f16 operands for bf16/f16 queries on GPU), masked, and an online softmax (base 2,
+float32 max / sum) accumulates P @ V. Each split writes its normalized partial output and log-sum-exp;
+a second kernel combines the splits per (head, token). With one split the first kernel writes the
+output directly. No host reads of device tensors: every shape and launch parameter depends only on the
+Python arguments (T, kv_end, heads, D, dtypes), so the calls can be captured in a CUDA graph. (Under
+TRITON_INTERPRET=1 the chunk loop runs a fixed trip count with a per-chunk skip instead, since the
+interpreter cannot loop to a bound loaded from memory; the loop body is the same `_chunk`.)
+
+TQ3_0 caches (and head dims that are not a power of two >= 32) use `tree_attention_reference`, which
+is plain torch and also graph-safe. As in attention.py, rotated (TQ3_0) callers pass the rotated query
+and unrotate the output. Without CUDA (and without TRITON_INTERPRET=1) the reference runs too.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+
+from flashtree.errors import FlashtreeError
+from flashtree.kernels.kv_quant import KVType, kv_type
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - the torch reference serves
+    triton = None
+
+_H200_SMS = 132
+_PROGRAMS_PER_SM = 2
+_MAX_SPLITS = 128
+MAX_TREE_QUERIES = 64  # tokens per call (a tree of budget <= 63 plus its root)
+_MAX_GROUP = 8
+_KINDS = {"f32": 0, "f16": 0, "bf16": 0, "q8_0": 1, "q4_0": 2}  # kernel's KIND per cache type
+_LOG2E = 1.4426950408889634
+
+
+# ------------------------------------------------------------------------------------------------
+# reference (plain torch, graph-safe)
+
+def graphed_mask(start_t: torch.Tensor, visible: torch.Tensor, positions: torch.Tensor, kv_end: int,
+                 window: int = 0) -> torch.Tensor:
+    """bool [T, kv_end], built exactly like `Step._graphed_mask`."""
+    n = positions.shape[0]
+    rows = torch.arange(kv_end, device=positions.device)
+    rel = rows - start_t
+    new = (rel >= 0) & (rel < n)
+    node = rel.clamp(0, n - 1)
+    mask = (rows < start_t)[None, :] | (visible[:, node] & new[None, :])
+    if window > 0:
+        key_pos = torch.where(new, positions[node], rows)
+        mask = mask & (positions[:, None] - key_pos[None, :] < window)
+    return mask
+
+
+def tree_attention_reference(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, positions, kv_end,
+                             scale, window=0, split=None):
+    """float32 softmax attention over the dequantized rows [0, kv_end) with `graphed_mask`; rows at or past
+    start + T are zeroed first (garbage, possibly NaN, must not leak through 0 * NaN). `split` is ignored."""
+    tk, tv = kv_type(kv_type_k), kv_type(kv_type_v)
+    heads, n, d = q.shape
+    kv_heads = k_cache.shape[0]
+    group = heads // kv_heads
+    keys = tk.dequantize(k_cache[:, :kv_end], torch.float32)
+    values = tv.dequantize(v_cache[:, :kv_end], torch.float32)
+    rows = torch.arange(kv_end, device=q.device)
+    live = (rows < start_t + n)[None, :, None]
+    keys = torch.where(live, keys, torch.zeros((), device=q.device))
+    values = torch.where(live, values, torch.zeros((), device=q.device))
+    mask = graphed_mask(start_t, visible, positions, kv_end, window)
+    qf = q.float().reshape(kv_heads, group * n, d)
+    scores = (qf @ keys.transpose(1, 2)) * scale  # [kv_heads, group * T, kv_end]
+    scores = scores.view(kv_heads, group, n, kv_end).masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(kv_heads, group * n, kv_end)
+    return (probs @ values).reshape(heads, n, d).to(q.dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# Triton kernels
+
+if triton is not None:
+
+    @triton.jit
+    def _fp16_at(row_ptrs, offs, mask):
+        """fp16 stored little-endian at byte offsets `offs` of uint8 rows, as float32."""
+        lo = tl.load(row_ptrs + offs, mask=mask, other=0).to(tl.uint16)
+        hi = tl.load(row_ptrs + offs + 1, mask=mask, other=0).to(tl.uint16)
+        return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _load_rows(base, rows, row_ok, stride_r, D: tl.constexpr, KIND: tl.constexpr, OP: tl.constexpr):
+        """[BLOCK_N, D] values of cache rows `rows` (zeros where not row_ok), in the dot operand dtype OP.
+        KIND 0: float rows; 1: Q8_0 (34-byte blocks: fp16 d, 32 int8); 2: Q4_0 (18-byte blocks: fp16 d,
+        16 bytes, byte j = q[j] | q[j + 16] << 4, value (q - 8) * d)."""
+        d = tl.arange(0, D)
+        row_ptrs = base + rows.to(tl.int64)[:, None] * stride_r
+        ok = row_ok[:, None]
+        if KIND == 0:
+            x = tl.load(row_ptrs + d[None, :], mask=ok, other=0.0).to(tl.float32)
+        elif KIND == 1:
+            blk = d // 32
+            scale = _fp16_at(row_ptrs, (blk * 34)[None, :], ok)
+            qv = tl.load(row_ptrs + (blk * 34 + 2 + d % 32)[None, :], mask=ok, other=0)
+            x = qv.to(tl.int8, bitcast=True).to(tl.float32) * scale
+        else:
+            blk = d // 32
+            j = d % 32
+            scale = _fp16_at(row_ptrs, (blk * 18)[None, :], ok)
+            byte = tl.load(row_ptrs + (blk * 18 + 2 + j % 16)[None, :], mask=ok, other=0).to(tl.int32)
+            nib = (byte >> ((j // 16) * 4)[None, :]) & 15
+            x = (nib.to(tl.float32) - 8.0) * scale
+        return x.to(OP)
+
+    @triton.jit
+    def _chunk(q, k_base, v_base, vis_ptr, pos_ptr, r0, my_hi, start, T, window, tok, qpos, m_ok, m_i, l_i, acc,
+               stride_kr, stride_vr, scale_log2, D: tl.constexpr, KIND_K: tl.constexpr, KIND_V: tl.constexpr,
+               OP: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+        """One BLOCK_N chunk of rows [r0, min(r0 + BLOCK_N, my_hi)): scores, mask, online-softmax update."""
+        rows = r0 + tl.arange(0, BLOCK_N)
+        row_ok = rows < my_hi
+        k = _load_rows(k_base, rows, row_ok, stride_kr, D, KIND_K, OP)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        rel = rows - start
+        new = (rel >= 0) & row_ok
+        node = tl.minimum(tl.maximum(rel, 0), T - 1)
+        vis = tl.load(vis_ptr + tok[:, None] * T + node[None, :], mask=m_ok[:, None] & new[None, :], other=0)
+        ok = ((rows < start) & row_ok)[None, :] | (vis != 0)
+        if HAS_WINDOW:
+            key_pos = tl.where(new, tl.load(pos_ptr + node, mask=new, other=0).to(tl.int32), rows)
+            ok = ok & ((qpos[:, None] - key_pos[None, :]) < window)
+        ok = ok & m_ok[:, None]
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = _load_rows(v_base, rows, row_ok, stride_vr, D, KIND_V, OP)
+        acc = acc * alpha[:, None] + tl.dot(p.to(OP), v, input_precision=PRECISION)
+        m_i = m_new
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, start_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, lse_ptr,
+                               stride_qh, stride_qt, stride_kh, stride_kr, stride_vh, stride_vr,
+                               T, kv_end, heads, scale_log2, window,
+                               G: tl.constexpr, D: tl.constexpr, KIND_K: tl.constexpr, KIND_V: tl.constexpr,
+                               OP: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+                               FIXED_TRIPS: tl.constexpr, TRIPS: tl.constexpr):
+        kvh = tl.program_id(0)
+        split = tl.program_id(2)
+        offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < G * T
+        m_safe = tl.where(m_ok, offs_m, 0)
+        head = kvh * G + m_safe // T
+        tok = m_safe % T
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + head.to(tl.int64)[:, None] * stride_qh + tok[:, None] * stride_qt + d[None, :],
+                    mask=m_ok[:, None], other=0.0).to(OP)
+
+        start = tl.load(start_ptr).to(tl.int32)
+        end = tl.minimum(start + T, kv_end)
+        qpos = tl.load(pos_ptr + tok).to(tl.int32)
+        lo = 0
+        if HAS_WINDOW:  # the lowest committed row some query of this tile can see; new rows always count
+            min_pos = tl.min(tl.where(m_ok, qpos, 2147483647), axis=0)
+            lo = tl.maximum(tl.minimum(min_pos - window + 1, start), 0)
+        chunk = tl.cdiv(tl.cdiv(tl.maximum(end - lo, 0), SPLITS), BLOCK_N) * BLOCK_N
+        my_lo = lo + split * chunk
+        my_hi = tl.minimum(my_lo + chunk, end)
+
+        k_base = k_ptr + kvh.to(tl.int64) * stride_kh
+        v_base = v_ptr + kvh.to(tl.int64) * stride_vh
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, D), tl.float32)
+        if FIXED_TRIPS:  # the interpreter cannot loop to a loaded bound: walk the longest range, skip the rest
+            for i in range(0, TRIPS):
+                r0 = my_lo + i * BLOCK_N
+                if r0 < my_hi:
+                    m_i, l_i, acc = _chunk(q, k_base, v_base, vis_ptr, pos_ptr, r0, my_hi, start, T, window, tok, qpos,
+                                           m_ok, m_i, l_i, acc, stride_kr, stride_vr, scale_log2, D, KIND_K, KIND_V,
+                                           OP, PRECISION, HAS_WINDOW, BLOCK_N)
+        else:
+            for r0 in range(my_lo, my_hi, BLOCK_N):
+                m_i, l_i, acc = _chunk(q, k_base, v_base, vis_ptr, pos_ptr, r0, my_hi, start, T, window, tok, qpos,
+                                       m_ok, m_i, l_i, acc, stride_kr, stride_vr, scale_log2, D, KIND_K, KIND_V,
+                                       OP, PRECISION, HAS_WINDOW, BLOCK_N)
+
+        has = l_i > 0
+        o = acc / tl.where(has, l_i, 1.0)[:, None]
+        row = head.to(tl.int64) * T + tok  # (head, token) index in [heads * T]
+        if SPLITS == 1:
+            tl.store(out_ptr + row[:, None] * D + d[None, :], o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
+        else:
+            lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+            base = split.to(tl.int64) * heads * T + row
+            tl.store(part_ptr + base[:, None] * D + d[None, :], o, mask=m_ok[:, None])
+            tl.store(lse_ptr + base, lse, mask=m_ok)
+
+    @triton.jit
+    def _combine_kernel(part_ptr, lse_ptr, out_ptr, rows_total, D: tl.constexpr, SPLITS: tl.constexpr,
+                        SPLITS_P2: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        sp = tl.arange(0, SPLITS_P2)
+        lse = tl.load(lse_ptr + sp * rows_total + row, mask=sp < SPLITS, other=float("-inf"))
+        mx = tl.max(lse, axis=0)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        den = tl.sum(tl.exp2(lse - mx), axis=0)
+        d = tl.arange(0, D)
+        acc = tl.zeros((D,), tl.float32)
+        for s in range(SPLITS):
+            w = tl.exp2(tl.load(lse_ptr + s * rows_total + row) - mx)
+            acc += w * tl.load(part_ptr + (s * rows_total + row) * D + d)
+        o = acc / tl.where(den > 0, den, 1.0)
+        tl.store(out_ptr + row * D + d, o.to(out_ptr.dtype.element_ty))
+
+
+# ------------------------------------------------------------------------------------------------
+# launch
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _H200_SMS
+
+
+def choose_splits(kv_end: int, kv_heads: int, m_tiles: int, group_rows: int, sms: int = _H200_SMS,
+                  block_rows: int = 64) -> int:
+    """Splits of the row range: enough programs (kv_heads * m_tiles * splits) for ~2 per SM, but each split
+    long enough that its float32 partials (group_rows query rows) stay small next to the K/V it reads."""
+    min_rows = max(4 * block_rows, 8 * group_rows)
+    wanted = math.ceil(_PROGRAMS_PER_SM * sms / (kv_heads * m_tiles))
+    return max(1, min(wanted, math.ceil(kv_end / min_rows), _MAX_SPLITS))
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _triton_supports(q, tk: KVType, tv: KVType) -> bool:
+    d = q.shape[-1]
+    return (triton is not None and (q.is_cuda or _interpreted()) and tk.name in _KINDS and tv.name in _KINDS
+            and d >= 32 and d & (d - 1) == 0)
+
+
+def _check(q, k_cache, v_cache, tk, tv, start_t, visible, positions, kv_end):
+    if q.dim() != 3:
+        raise FlashtreeError(f"tree_attention needs q [heads, T, D], got {tuple(q.shape)}")
+    heads, n, d = q.shape
+    kv_heads = k_cache.shape[0]
+    if heads % kv_heads or v_cache.shape[0] != kv_heads:
+        raise FlashtreeError(f"{heads} query heads are not a multiple of {kv_heads} kv heads")
+    if heads // kv_heads > _MAX_GROUP or n > MAX_TREE_QUERIES:
+        raise FlashtreeError(f"tree_attention handles T <= {MAX_TREE_QUERIES} and GQA groups <= {_MAX_GROUP}, "
+                             f"got T={n}, group={heads // kv_heads}")
+    for name, cache, t in (("k", k_cache, tk), ("v", v_cache, tv)):
+        dtype, width = (t.dtype, d) if hasattr(t, "dtype") else (torch.uint8, t.row_bytes(d))
+        if cache.dim() != 3 or cache.dtype != dtype or cache.shape[-1] != width:
+            raise FlashtreeError(f"{name} cache {tuple(cache.shape)} {cache.dtype} does not hold {t.name} rows of "
+                                 f"head_dim {d} ([kv_heads, capacity, {width}] {dtype})")
+        if cache.shape[1] < kv_end:
+            raise FlashtreeError(f"kv_end {kv_end} is past the {name} cache capacity {cache.shape[1]}")
+    if tuple(visible.shape) != (n, n) or tuple(positions.shape) != (n,) or start_t.numel() != 1:
+        raise FlashtreeError(f"visible must be [T, T], positions [T] and start_t [1] (T={n})")
+
+
+def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, positions, kv_end, scale,
+                   window=0, split=None, *, block_rows=None, block_m=None, num_warps=None):
+    """Attention of q [heads, T, D] (after RoPE) over cache rows [0, kv_end) of a graphed step; see the
+    module docstring for the mask. -> [heads, T, D] in q.dtype. `split` forces the number of splits,
+    `block_rows` (BLOCK_N, K/V rows per step), `block_m` (query rows per program) and `num_warps` override
+    the launch defaults. Falls back to `tree_attention_reference` where the Triton path does not apply."""
+    tk, tv = kv_type(kv_type_k), kv_type(kv_type_v)
+    _check(q, k_cache, v_cache, tk, tv, start_t, visible, positions, kv_end)
+    if not _triton_supports(q, tk, tv):
+        return tree_attention_reference(q, k_cache, v_cache, tk, tv, start_t, visible, positions, kv_end, scale,
+                                        window)
+    heads, n, d = q.shape
+    kv_heads = k_cache.shape[0]
+    group = heads // kv_heads
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise FlashtreeError("tree_attention needs unit stride along head_dim (q and both caches)")
+    block_m = block_m or min(64, max(16, triton.next_power_of_2(group * n)))
+    block_n = block_rows or (64 if d <= 128 else 32)
+    m_tiles = triton.cdiv(group * n, block_m)
+    splits = split or choose_splits(kv_end, kv_heads, m_tiles, group * n, _sm_count(q.device), block_n)
+    num_warps = num_warps or (4 if block_m * d <= 16 * 256 else 8)
+    interpreted = _interpreted()
+    low_precision = q.dtype in (torch.bfloat16, torch.float16) and not interpreted
+    op = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[q.dtype] if low_precision else tl.float32
+
+    out = torch.empty(heads, n, d, dtype=q.dtype, device=q.device)
+    if splits > 1:
+        part = torch.empty(splits, heads, n, d, dtype=torch.float32, device=q.device)
+        lse = torch.empty(splits, heads, n, dtype=torch.float32, device=q.device)
+    else:
+        part = lse = out  # unused
+    _tree_attention_kernel[(kv_heads, m_tiles, splits)](
+        q, k_cache, v_cache, start_t, visible.contiguous().view(torch.uint8),
+        positions, out, part, lse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        n, kv_end, heads, float(scale) * _LOG2E, int(window),
+        G=group, D=d, KIND_K=_KINDS[tk.name], KIND_V=_KINDS[tv.name], OP=op,
+        PRECISION=None if low_precision else "ieee",  # float32: exact FMA dots (bf16/f16: tensor cores)
+        HAS_WINDOW=window > 0, BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits,
+        FIXED_TRIPS=interpreted, TRIPS=triton.cdiv(triton.cdiv(kv_end, splits), block_n) if interpreted else 0,
+        num_warps=num_warps)
+    if splits > 1:
+        _combine_kernel[(heads * n,)](part, lse, out, heads * n, D=d, SPLITS=splits,
+                                      SPLITS_P2=triton.next_power_of_2(splits), num_warps=4 if d >= 128 else 1)
+    return out

@@ -1,0 +1,135 @@
+"""Runs every gated_delta_triton interpreter case in one process (TRITON_INTERPRET=1 must be set before
+triton is imported, so test_gated_delta_triton.py launches this file as a subprocess). Prints one JSON
+object: case id -> {"error": max relative error against the torch reference (outputs and, for
+recurrent_step, the updated state), "state_changed": whether tree_verify touched the state}."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+
+import torch
+
+H = 3
+
+
+def inputs(t, h=H, hk=None, dk=32, dv=32, seed=0, strong_decay=False):
+    gen = torch.Generator().manual_seed(seed)
+    hk = hk or h
+    q = torch.randn(t, hk, dk, generator=gen) * dk**-0.5
+    k = torch.nn.functional.normalize(torch.randn(t, hk, dk, generator=gen), dim=-1)
+    v = torch.randn(t, h, dv, generator=gen)
+    g = -torch.rand(t, h, generator=gen) * (20.0 if strong_decay else 1.0)
+    beta = torch.rand(t, h, generator=gen)
+    return q, k, v, g, beta, torch.randn(h, dk, dv, generator=gen)
+
+
+def random_parents(t, seed, roots=0.15):
+    rng = random.Random(seed)
+    return torch.tensor([-1 if i == 0 or rng.random() < roots else rng.randrange(i) for i in range(t)])
+
+
+TREES = {
+    "chain17": lambda: torch.arange(-1, 16),
+    "chain64": lambda: torch.arange(-1, 63),
+    "star8": lambda: torch.full((8,), -1),
+    "single": lambda: torch.tensor([-1]),
+    "small10": lambda: torch.tensor([-1, 0, 0, 1, 1, 3, 2, 6, 6, 4]),
+    "binary31": lambda: torch.tensor([-1] + [(i - 1) // 2 for i in range(1, 31)]),
+    "random4": lambda: random_parents(4, 1),
+    "random17": lambda: random_parents(17, 2),
+    "random40": lambda: random_parents(40, 3),
+    "random64": lambda: random_parents(64, 4),
+}
+
+
+def case_ids() -> list[str]:
+    ids = []
+    for d in (32, 64):
+        for t in (1, 4, 17):
+            ids.append(f"recurrent-d{d}-t{t}")
+    ids += ["recurrent-d32-t17-gqa", "recurrent-d64-t4-bv32", "recurrent-d32-t5-strided",
+            "recurrent-d32-t6-strong", "recurrent-d32-three-calls", "recurrent-d64x32-t4"]
+    ids += [f"tree-d32-{name}" for name in TREES]
+    ids += ["tree-d64-random64", "tree-d64-chain64-strong", "tree-d32-random17-gqa",
+            "tree-d64-random17-bv32-bk32", "tree-d32-random17-strided", "tree-d64x32-random17",
+            "tree-d32-random64-tf32x3"]
+    return ids
+
+
+def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item()
+
+
+def strided(q, k, v, g, beta, state):
+    """Views with gaps between heads/tokens (what slicing a fused projection gives)."""
+    def widen(x):
+        big = torch.zeros(*x.shape[:-1], x.shape[-1] + 7)
+        big[..., 3:3 + x.shape[-1]] = x
+        return big[..., 3:3 + x.shape[-1]]
+    big_g = torch.zeros(g.shape[0], g.shape[1] * 2)
+    big_g[:, ::2] = g
+    big_state = torch.zeros(state.shape[0] + 2, state.shape[1], state.shape[2] + 16)
+    view = big_state[1:-1, :, 8:8 + state.shape[2]]
+    view.copy_(state)
+    return widen(q), widen(k), widen(v), big_g[:, ::2], beta.t().contiguous().t(), view
+
+
+def recurrent_case(case: str) -> dict:
+    from flashtree.kernels.gated_delta_triton import recurrent_step, recurrent_step_reference
+
+    parts = case.split("-")
+    dk, dv = (int(x) for x in parts[1][1:].split("x")) if "x" in parts[1] else (int(parts[1][1:]),) * 2
+    t = 3 if parts[2] == "three" else int(parts[2][1:])
+    args = inputs(t, hk=1 if "gqa" in case else None, dk=dk, dv=dv, seed=t + dk, strong_decay="strong" in case)
+    if "strided" in case:
+        args = strided(*args)
+    q, k, v, g, beta, state = args
+    ref_state = state.clone()
+    ref = recurrent_step_reference(q, k, v, g, beta, ref_state)
+    if "three" in case:  # three single-token calls equal one call over the sequence
+        out = torch.cat([recurrent_step(q[i:i + 1], k[i:i + 1], v[i:i + 1], g[i:i + 1], beta[i:i + 1], state)
+                         for i in range(t)])
+    else:
+        out = recurrent_step(q, k, v, g, beta, state, block_v=32 if "bv32" in case else None)
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    return {"error": max(rel(out, ref), rel(state, ref_state)), "state_changed": True}
+
+
+def tree_case(case: str) -> dict:
+    from flashtree.kernels.gated_delta_triton import tree_verify, tree_verify_reference
+
+    parts = case.split("-")
+    dk, dv = (int(x) for x in parts[1][1:].split("x")) if "x" in parts[1] else (int(parts[1][1:]),) * 2
+    parents = TREES[parts[2]]()
+    t = parents.shape[0]
+    seed = 7 * t + dk + list(TREES).index(parts[2])
+    args = inputs(t, hk=1 if "gqa" in case else None, dk=dk, dv=dv, seed=seed, strong_decay="strong" in case)
+    if "strided" in case:
+        args = strided(*args)
+    q, k, v, g, beta, state = args
+    before = state.clone()
+    options = {}
+    if "bv32" in case:
+        options.update(block_v=32, block_k=32)
+    if "tf32x3" in case:
+        options.update(precision="tf32x3")
+    out = tree_verify(q, k, v, g, beta, state, parents, **options)
+    ref = tree_verify_reference(q, k, v, g, beta, state, parents)
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    return {"error": rel(out, ref), "state_changed": not torch.equal(state, before)}
+
+
+def main() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    torch.set_num_threads(1)
+    results = {}
+    for case in case_ids():
+        results[case] = recurrent_case(case) if case.startswith("recurrent") else tree_case(case)
+    json.dump(results, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Tree attention from the KV cache: the Triton kernel through the interpreter in a subprocess
+(TRITON_INTERPRET must be set before triton is imported), the torch reference against the model's current
+path in-process, argument errors, and real sizes plus CUDA-graph replay on GPU."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashtree.errors import FlashtreeError
+from flashtree.kernels.kv_quant import kv_type
+from flashtree.kernels.tree_attention import (choose_splits, graphed_mask, tree_attention,
+                                              tree_attention_reference)
+from flashtree.models.step import Step
+
+from tests.kernels import tree_attention_cases as cases
+
+TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2}  # of max |expected|; bf16: one output rounding
+
+
+@pytest.fixture(scope="module")
+def interpreter_errors():
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root)])}
+    done = subprocess.run([sys.executable, "-m", "tests.kernels.tree_attention_cases"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("case", cases.case_ids())
+def test_triton_kernel_matches_reference_and_model_path(interpreter_errors, case):
+    dtype = "bfloat16" if case.endswith("bfloat16") else "float32"
+    assert interpreter_errors[case] <= TOLERANCE[dtype]  # NaN (garbage rows leaking) fails too
+
+
+@pytest.mark.parametrize("window", [0, cases.WINDOW])
+@pytest.mark.parametrize("n", cases.T_VALUES)
+def test_graphed_mask_is_the_steps_mask(n, window):
+    args = cases.inputs("f32", n, 1)
+    start = int(args["start_t"][0])
+    step = Step(args["positions"], start, args["visible"], None, torch.arange(start, start + n), cases.KV_END,
+                args["start_t"])
+    mask = graphed_mask(args["start_t"], args["visible"], args["positions"], cases.KV_END, window)
+    assert torch.equal(mask, step._graphed_mask(window))
+
+
+@pytest.mark.parametrize("cache", cases.CACHES)
+@pytest.mark.parametrize("window", [0, cases.WINDOW])
+@pytest.mark.parametrize("group", cases.GROUPS)
+@pytest.mark.parametrize("n", cases.T_VALUES)
+def test_reference_matches_model_path(n, group, window, cache):
+    args = cases.inputs(cache, n, group, garbage="finite")
+    ref = tree_attention_reference(**args, window=window)
+    assert cases.relative_error(ref, cases.model_path(args, window)) <= 1e-5
+
+
+def test_reference_ignores_nan_garbage_rows():
+    args = cases.inputs("q8_0", 5, 4, garbage="nan")
+    assert torch.isfinite(tree_attention_reference(**args)).all()
+
+
+def test_without_triton_runtime_falls_back_to_reference(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    args = cases.inputs("q4_0", 5, 4)
+    assert torch.equal(tree_attention(**args, window=cases.WINDOW),
+                       tree_attention_reference(**args, window=cases.WINDOW))
+
+
+def test_tq3_0_uses_the_reference():
+    t = kv_type("tq3_0")
+    args = cases.inputs("f32", 5, 1)
+    args["k_cache"] = t.quantize(torch.randn(cases.KV_HEADS, cases.CAPACITY, 128))
+    args["v_cache"] = t.quantize(torch.randn(cases.KV_HEADS, cases.CAPACITY, 128))
+    args.update(q=torch.randn(cases.KV_HEADS, 5, 128), kv_type_k="tq3_0", kv_type_v=t)
+    assert torch.equal(tree_attention(**args), tree_attention_reference(**args))
+
+
+def test_split_choice():
+    assert choose_splits(96, 2, 1, 20) == 1
+    assert choose_splits(65536, 4, 1, 6) * 4 >= 2 * 132  # a long decode fills the H200
+    assert choose_splits(4096, 4, 3, 138) * 4 * 3 >= 132 // 4  # short context: fewer, longer splits
+    assert choose_splits(1 << 22, 1, 1, 1) == 128
+
+
+def test_errors_name_the_problem():
+    args = cases.inputs("q8_0", 5, 4)
+    with pytest.raises(FlashtreeError, match="q8_0 rows of head_dim 64"):
+        tree_attention(**{**args, "k_cache": args["k_cache"][..., :-2]})
+    with pytest.raises(FlashtreeError, match="past the k cache capacity"):
+        tree_attention(**{**args, "kv_end": cases.CAPACITY + 1})
+    with pytest.raises(FlashtreeError, match="not a multiple of 2 kv heads"):
+        tree_attention(**{**args, "q": args["q"][:7]})
+    with pytest.raises(FlashtreeError, match="T <= 64"):
+        tree_attention(**{**args, "q": torch.zeros(8, 65, 64)})
+    with pytest.raises(FlashtreeError, match="visible must be"):
+        tree_attention(**{**args, "visible": args["visible"][:4]})
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+
+def _real_inputs(cache, n, kv_end, dtype=torch.bfloat16, heads=24, kv_heads=4, d=256, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    t = kv_type(cache)
+    start = kv_end - n - 3  # three garbage rows at the end
+    k = t.quantize(torch.randn(kv_heads, kv_end, d, generator=g, device="cuda"))
+    v = t.quantize(torch.randn(kv_heads, kv_end, d, generator=g, device="cuda"))
+    k[:, start + n:] = 255 if k.dtype == torch.uint8 else float("nan")
+    v[:, start + n:] = 255 if v.dtype == torch.uint8 else float("nan")
+    _, depths, visible = cases.tree(n)
+    return dict(q=torch.randn(heads, n, d, generator=g, device="cuda").to(dtype), k_cache=k, v_cache=v,
+                kv_type_k=cache, kv_type_v=cache, start_t=torch.tensor([start], device="cuda"),
+                visible=visible.cuda(), positions=(start + depths).cuda(), kv_end=kv_end, scale=d ** -0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("window", [0, 1024])
+@pytest.mark.parametrize("n", [1, 23])
+@pytest.mark.parametrize("kv_end", [4096, 65536])
+@pytest.mark.parametrize("cache", ["bf16", "q8_0", "q4_0"])
+def test_real_sizes_on_gpu(cache, kv_end, n, window):
+    for dtype, bound in ((torch.bfloat16, 2e-2), (torch.float32, 1e-4)):
+        args = _real_inputs(cache, n, kv_end, dtype)
+        out = tree_attention(**args, window=window)
+        ref = tree_attention_reference(**args, window=window)
+        assert cases.relative_error(out, ref) <= bound, (dtype, cases.relative_error(out, ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_replay_follows_start_t():
+    args = _real_inputs("q8_0", 23, 4096)
+    start_t = args["start_t"]
+    tree_attention(**args)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tree_attention(**args)
+    for start in (0, 100, 2047, 4096 - 26):  # the last 3 rows hold NaN
+        start_t.fill_(start)
+        args["positions"].copy_(start + cases.tree(23)[1].cuda())
+        graph.replay()
+        ref = tree_attention_reference(**args)
+        assert cases.relative_error(out, ref) <= 2e-2, start
