@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One device call: GPU tests (CUDA graphs, quantized matmuls, CUDA engine), the kernel micro-benchmark,
-# then `bench --steps` at the Qwen3.6-27B shape. Carry .whl (gguf, rich, ... wheels); results under $OUT.
+# One device call (carry .whl: gguf, rich, ... wheels): the GPU tests of every kernel and of the
+# graphed engine, the quant_matmul sweep, then `bench --steps` at the Qwen3.6-27B shape.
+# Each part has its own time limit so that a hang costs one part, not the call. Results under $OUT.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:src:. PYTHONUNBUFFERED=1
@@ -8,10 +9,12 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu -x ${TEST_FILES:-tests/engine/test_cuda_graphs.py tests/kernels/test_quant_matmul.py tests/engine/test_cuda.py} 2>&1 | tee "$OUT/pytest.txt" | tail -25
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu ${TEST_FILES:-tests/engine/test_cuda.py \
+      tests/engine/test_cuda_graphs.py tests/kernels/test_gated_delta_triton.py tests/kernels/test_tree_attention.py \
+      tests/kernels/test_quant_matmul.py} 2>&1 | tee "$OUT/pytest.txt" | tail -25
 fi
-if [ "${KERNELS:-1}" = 1 ]; then
-  timeout 120 python3 -c "from flashtree.kernels.quant_matmul import benchmark_quant_matmul as b; b()" 2>&1 | tee "$OUT/kernels.txt" | tail -40
+if [ "${SWEEP:-1}" = 1 ]; then
+  timeout "${SWEEP_TIMEOUT:-300}" python3 scripts/sweep_quant_matmul.py --out "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.txt" | tail -30
 fi
 timeout "${BENCH_TIMEOUT:-300}" python3 -m flashtree.cli.main bench --synthetic "${SHAPE:-qwen3.6-27b}" --scheme q4_k_m \
     --device cuda --steps -n "${NGEN:-128}" --out "$OUT/steps.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/steps.txt" | tail -30
