@@ -44,6 +44,8 @@ def add_parser(sub) -> None:
     p.add_argument("--system-tokens", type=int, default=8192, help="--multi-turn: system prompt size (default 8192)")
     p.add_argument("--prefix-cache-interval", type=int, default=1024,
                    help="--multi-turn: snapshot interval inside long prompts (default 1024)")
+    p.add_argument("--peers", action="store_true",
+                   help="add rows for transformers greedy generate and the z-lab dflash loop on the same prompts")
     p.add_argument("--steps", action="store_true",
                    help="per-step costs against measured floors, prefill, replay end to end (bench/steps.py)")
     p.add_argument("--context", type=int, default=1024, help="--steps: committed tokens before the timed steps")
@@ -85,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
                for s in sets}
     first = next(iter(encoded.values()))[0]
     engine.generate(first, replace(base, mode=modes[-1], max_new_tokens=8))  # warm-up: allocator, kernels
-    rows = [row for name, prompts in encoded.items() for row in _bench_dataset(engine, name, prompts, base, modes)]
+    rows = [row for name, prompts in encoded.items()
+            for row in _bench_dataset(engine, name, prompts, base, modes, args.peers)]
     report = {"date": time.strftime("%Y-%m-%d"), "device": _device_name(engine), "model": str(engine.target.path),
               "draft": str(args.draft) if args.draft else None,
               "weights_bytes_per_step": weight_bytes(engine.target.model),
@@ -96,14 +99,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_dataset(engine, name: str, prompts: list[list[int]], base, modes: list[str]) -> list[dict]:
-    """One row per mode; speculative rows compare every prompt's tokens with the AR run's."""
+def _bench_dataset(engine, name: str, prompts: list[list[int]], base, modes: list[str], peers: bool) -> list[dict]:
+    """One row per mode (and per peer); every row compares each prompt's tokens with our AR run's."""
     runs = {mode: [_timed(engine, ids, replace(base, mode=mode)) for ids in prompts] for mode in modes}
     ar_tokens = [r.token_ids for r in runs["ar"]]
     rows = [_row(name, mode, base, results, ar_tokens) for mode, results in runs.items()]
     ar_speed = rows[0]["tokens_per_s"]
     for row in rows:
         row["speedup"] = round(row["tokens_per_s"] / ar_speed, 3) if ar_speed else 0.0
+    if peers:
+        from flashtree.bench.peers import peer_rows
+
+        rows += peer_rows(engine, name, prompts, base.max_new_tokens, ar_tokens, ar_speed)
     return rows
 
 
