@@ -1,7 +1,5 @@
 """Prefill hands each chunk's captured features to the proposer at once (memory flat in prompt length)."""
 
-import torch
-
 from flashtree.engine.generate import Engine, GenerationConfig
 from flashtree.engine.loader import load_target
 from tests.spec.test_lossless import OracleProposer

@@ -1,11 +1,6 @@
 """Fused gated delta kernels: Triton kernels through the interpreter in one subprocess (TRITON_INTERPRET
 must be set before triton is imported); references, fallback and errors in-process; 27B sizes on GPU."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +11,7 @@ from flashtree.kernels.gated_delta_triton import (ancestors_from_parents, recurr
                                                   tree_verify, tree_verify_reference)
 
 from tests.kernels import gated_delta_triton_cases as cases
+from tests.kernels.interpreter import run_cases
 
 TOLERANCE = 1e-5  # of max |reference|: float32 rounding (observed <= 3e-6, the 64-node chain)
 # strong decay over 64 nodes: exp(Gamma) underflows and both WY forms (kernel and ancestor_chunk) sit
@@ -25,13 +21,7 @@ STRONG_DECAY_TOLERANCE = 5e-5
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root)])}
-    done = subprocess.run([sys.executable, "-m", "tests.kernels.gated_delta_triton_cases"], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout)
+    return run_cases("tests.kernels.gated_delta_triton_cases")
 
 
 @pytest.mark.parametrize("case", cases.case_ids())

@@ -2,11 +2,6 @@
 (TRITON_INTERPRET must be set before triton is imported), the torch reference against the model's current
 path in-process, argument errors, and real sizes plus CUDA-graph replay on GPU."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,19 +13,14 @@ from flashtree.kernels.tree_attention import (choose_splits, graphed_mask, tree_
 from flashtree.models.step import Step
 
 from tests.kernels import tree_attention_cases as cases
+from tests.kernels.interpreter import run_cases
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2}  # of max |expected|; bf16: one output rounding
 
 
 @pytest.fixture(scope="module")
 def interpreter_errors():
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root)])}
-    done = subprocess.run([sys.executable, "-m", "tests.kernels.tree_attention_cases"], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout)
+    return run_cases("tests.kernels.tree_attention_cases")
 
 
 @pytest.mark.parametrize("case", cases.case_ids())

@@ -41,9 +41,7 @@ def read_bandwidth(device: torch.device, gib: float = 4.0) -> float:
     """Bytes per second of a full read of a large buffer (the roofline's denominator)."""
     size = int((gib if device.type == "cuda" else 0.25) * 2**30) // 2
     data = torch.ones(size, dtype=torch.bfloat16, device=device)
-    seconds = timed(lambda: data.sum(dtype=torch.float32), device, repeat=10)
-    del data
-    return size * 2 / seconds
+    return size * 2 / timed(lambda: data.sum(dtype=torch.float32), device, repeat=10)
 
 
 def timed(fn, device: torch.device, repeat: int = 10, warmup: int = 2) -> float:

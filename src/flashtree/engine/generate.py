@@ -252,7 +252,6 @@ class Engine:
         return Sampler(config.sampling, prompt_ids, model.config.vocab_size, model.device)
 
     def _autoregressive(self, prompt_ids, config, out: OutputTracker, stats: GenerationStats, started: float) -> None:
-        model = self.target.model
         sampler = self.sampler(prompt_ids, config)
         cache = self.new_cache(len(prompt_ids), config)
         logits = self.prefill_prompt(cache, prompt_ids, config)
