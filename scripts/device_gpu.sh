@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (carry .whl: gguf, rich, ... wheels): the GPU tests of every kernel and of the
+# One device call (carry .whl, made by scripts/fetch_device_wheels.sh): the GPU tests of every kernel and of the
 # graphed engine, the quant_matmul sweep, then `bench --steps` at the Qwen3.6-27B shape.
 # Each part has its own time limit so that a hang costs one part, not the call. Results under $OUT.
 set -uo pipefail
@@ -11,7 +11,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 if [ "${TESTS:-1}" = 1 ]; then
   timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu ${TEST_FILES:-tests/engine/test_cuda.py \
       tests/engine/test_cuda_graphs.py tests/kernels/test_gated_delta_triton.py tests/kernels/test_tree_attention.py \
-      tests/kernels/test_quant_matmul.py} 2>&1 | tee "$OUT/pytest.txt" | tail -25
+      tests/kernels/test_quant_matmul.py tests/kernels/test_gated_delta.py} 2>&1 | tee "$OUT/pytest.txt" | tail -25
 fi
 if [ "${SWEEP:-1}" = 1 ]; then
   timeout "${SWEEP_TIMEOUT:-300}" python3 scripts/sweep_quant_matmul.py --out "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.txt" | tail -30

@@ -1,5 +1,6 @@
 """The three exact forms of the gated delta rule agree: token loop, chunked, ancestor-masked tree."""
 
+import pytest
 import torch
 
 from flashtree.kernels import gated_delta
@@ -40,3 +41,23 @@ def test_tree_outputs_equal_each_root_to_leaf_path_run_as_a_sequence():
         assert torch.allclose(out[leaf], seq_out[-1], atol=1e-5)
         folded = gated_delta.fold(state, k, u, gamma, torch.tensor(path))
         assert torch.allclose(folded, seq_state, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fla_chunked_prefill_matches_the_reference():
+    from flashtree.kernels import gated_delta_fla
+
+    if not gated_delta_fla.available():
+        pytest.skip("fla-core not installed")
+    torch.manual_seed(0)
+    t, h, d = 700, 48, 128
+    q = torch.nn.functional.normalize(torch.randn(t, h, d, device="cuda"), dim=-1) * d**-0.5
+    k = torch.nn.functional.normalize(torch.randn(t, h, d, device="cuda"), dim=-1)
+    v, beta = torch.randn(t, h, d, device="cuda"), torch.rand(t, h, device="cuda")
+    g = -torch.rand(t, h, device="cuda") * 0.3
+    state = torch.randn(h, d, d, device="cuda") * 0.1
+    want_o, want_s = gated_delta.chunked(q, k, v, g, beta, state)
+    got_o, got_s = gated_delta_fla.chunked(q, k, v, g, beta, state)
+    assert (got_o - want_o).abs().max() < 2e-2 * want_o.abs().max()  # fla's dots may run in tf32
+    assert (got_s - want_s).abs().max() < 2e-2 * want_s.abs().max()

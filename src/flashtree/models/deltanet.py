@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from flashtree.engine.cache import DeltaNetState, TreeScratch
 from flashtree.formats.gguf_file import GGUFFile
-from flashtree.kernels import gated_delta, gated_delta_triton
+from flashtree.kernels import gated_delta, gated_delta_fla, gated_delta_triton
 from flashtree.models.layers import Linear, load_weight, rms_norm
 from flashtree.models.qwen35_config import Qwen35Config
 from flashtree.models.step import Step
@@ -70,6 +70,8 @@ class GatedDeltaNet:
                 o = gated_delta_triton.recurrent_step(q, k, v, g, beta, state.ssm)  # updates the state in place
             else:
                 run = gated_delta.recurrent if n == 1 else gated_delta.chunked
+                if x.is_cuda and n > 1 and gated_delta_fla.available():
+                    run = gated_delta_fla.chunked  # prefill: fla-core's fused chunk kernels
                 o, ssm = run(q, k, v, g, beta, state.ssm)
                 state.ssm.copy_(ssm)  # in place: a captured CUDA graph keeps reading these buffers
             state.conv.copy_(torch.cat([state.conv, conv_inputs.to(state.conv.dtype)])[-(c.conv_kernel - 1):])
