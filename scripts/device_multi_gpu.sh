@@ -11,5 +11,4 @@ for placement in "one:" "split:--layer-split 1,1" "draft1:--draft-device cuda:1"
   name=${placement%%:*}; flags=${placement#*:}
   timeout 240 python3 -m flashtree.cli.main bench --synthetic qwen3.6-27b --scheme q4_k_m --device cuda --steps \
       -n 64 --repeat 10 $flags --out "$OUT/steps-$name.json" 2>&1 | tee "$OUT/steps-$name.txt" | tail -16
-  nvidia-smi --query-gpu=index,memory.used --format=csv,noheader | tee -a "$OUT/steps-$name.txt"
 done

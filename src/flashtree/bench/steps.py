@@ -130,7 +130,8 @@ def run_steps(args, engine, device_name: str) -> int:
     if device.type == "cuda":
         report["memory_after_load_GiB"] = round(torch.cuda.memory_allocated(device) / 2**30, 2)
     roofline_s = report["weights_bytes_per_step"] / bandwidth
-    draft = engine.draft if isinstance(engine.draft, DFlashDraft) else random_draft(model.config, device, dtype)
+    draft_device = torch.device(args.draft_device) if getattr(args, "draft_device", None) else device
+    draft = engine.draft if isinstance(engine.draft, DFlashDraft) else random_draft(model.config, draft_device, dtype)
     engine.draft = draft
     draft_bytes = sum(p.numel() * p.element_size() for p in draft.parameters()) + model.lm_head.nbytes
     rows = []
@@ -182,8 +183,9 @@ def run_steps(args, engine, device_name: str) -> int:
         row(f"prefill {length}", seconds, tok_s=round(length / seconds, 1))
 
     report["replay"] = _replay(engine, draft, prompt, args, config)
-    if device.type == "cuda":
-        report["peak_memory_GiB"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+    if device.type == "cuda":  # every GPU this run touched (a layer split or a draft device adds some)
+        report["peak_memory_GiB"] = {f"cuda:{i}": round(torch.cuda.max_memory_allocated(i) / 2**30, 2)
+                                     for i in range(torch.cuda.device_count()) if torch.cuda.max_memory_allocated(i)}
     report["rows"] = rows
     Path(args.out).write_text(json.dumps(report, indent=2))
     _print(report)
