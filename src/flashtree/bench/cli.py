@@ -51,8 +51,20 @@ def add_parser(sub) -> None:
     p.add_argument("--context", type=int, default=1024, help="--steps: committed tokens before the timed steps")
     p.add_argument("--repeat", type=int, default=20, help="--steps: timed repetitions per step (median)")
     p.add_argument("--replay-al", type=float, default=5.17, help="--steps: acceptance length of the replay run")
+    p.add_argument("--prefill-lengths", type=_lengths, default=(1024, 13000),
+                   help="--steps: comma-separated prompt lengths whose prefill is timed (default 1024,13000)")
     p.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per prefill forward")
     p.set_defaults(handler=run)
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive token counts, got {text!r}")
+    return values
 
 
 def run(args: argparse.Namespace) -> int:

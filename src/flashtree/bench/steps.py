@@ -28,7 +28,6 @@ from flashtree.spec.decode import _commit, make_tree, walk
 from flashtree.spec.proposer import DFlashProposer
 
 VERIFY_BUDGETS = (15, 22, 32, 64)
-PREFILL_LENGTHS = (1024, 13000)
 
 
 def weight_bytes(model) -> int:
@@ -174,7 +173,7 @@ def run_steps(args, engine, device_name: str) -> int:
     row("walk", timed(lambda: walk(tree, result.logits, sampler), device, args.repeat))
     row("commit (depth-4 path)", _commit_time(engine, cache, proposer, tree, capture, args.repeat))
 
-    for length in PREFILL_LENGTHS:
+    for length in args.prefill_lengths:
         if length + 8 > model.config.context_length:
             continue
         ids = _prompt(model.config.vocab_size, length, seed=length)
