@@ -134,3 +134,12 @@ def test_helpers():
     assert quants.block_size(QType.Q5_K) == 256
     assert quants.bytes_for(QType.Q6_K, (3, 512)) == 3 * 2 * 210
     assert quants.bytes_for(QType.BF16, (4, 5)) == 40
+
+
+def test_torch_q8_0_quantizer_is_byte_identical_to_gguf():
+    x = np.random.default_rng(3).standard_normal((7, 256)).astype(np.float32)
+    x[0, :32] = 0  # an all-zero block
+    x[2, :32] = np.arange(-16, 16) / 2 * (np.abs(np.arange(-16, 16) / 2).max() / 127)  # halves of the step: ties
+    ours = quants.quantize_q8_0(torch.from_numpy(x)).numpy()
+    theirs = quants.quantize(x, QType.Q8_0).reshape(ours.shape)
+    assert np.array_equal(ours, theirs)

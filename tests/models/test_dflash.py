@@ -289,3 +289,37 @@ def test_bad_feature_width():
     cache = ours.new_cache(8)
     with pytest.raises(FlashtreeError, match="features"):
         ours.append_context(cache, torch.zeros(3, HIDDEN * 5), torch.arange(3))
+
+
+def test_q8_0_draft_layers_match_the_dequantized_draft():
+    """quantize_layers keeps the layers' matrices as Q8_0 blocks; the block pass equals the same draft with
+    those blocks dequantized back into float weights."""
+    from gguf import GGMLQuantizationType
+
+    from flashtree.formats.quants import dequantize, quantize_q8_0
+
+    torch.manual_seed(0)
+    config = DraftConfig.from_json({
+        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6, "rope_theta": 1e7, "block_size": 8,
+        "vocab_size": 50, "num_target_layers": 4, "dflash_config": {"mask_token_id": 5, "target_layer_ids": [0, 2]}})
+    dense = DFlashDraft(config).float().eval()
+    for p in dense.parameters():
+        torch.nn.init.normal_(p, std=0.2) if p.dim() > 1 else torch.nn.init.ones_(p)
+    rounded = DFlashDraft(config).float().eval()
+    rounded.load_state_dict(dense.state_dict())
+    for name, p in rounded.named_parameters():
+        if name.startswith("layers.") and p.dim() == 2:
+            raw = quantize_q8_0(p.detach())
+            p.data = dequantize(raw.reshape(-1), GGMLQuantizationType.Q8_0, tuple(p.shape))
+    quantized = dense.quantize_layers()
+    assert not any(n.startswith("layers.") and p.dim() == 2 for n, p in quantized.named_parameters())
+    features, embeds = torch.randn(6, config.feature_size), torch.randn(config.block_size, 64)
+    outs = []
+    for model in (rounded, quantized):
+        cache = model.new_cache(16)
+        model.append_context(cache, features, torch.arange(6))
+        outs.append(model.forward_block(cache, embeds, 6))
+    assert torch.allclose(outs[0], outs[1], atol=1e-5)
+    with pytest.raises(FlashtreeError, match="q8_0 only"):
+        quantized.quantize_layers("q4_k")

@@ -14,6 +14,7 @@ model shape, each held against a floor measured in the same run.
 
 from __future__ import annotations
 
+import copy
 import json
 import statistics
 import time
@@ -132,7 +133,7 @@ def run_steps(args, engine, device_name: str) -> int:
     draft_device = torch.device(args.draft_device) if getattr(args, "draft_device", None) else device
     draft = engine.draft if isinstance(engine.draft, DFlashDraft) else random_draft(model.config, draft_device, dtype)
     engine.draft = draft
-    draft_bytes = sum(p.numel() * p.element_size() for p in draft.parameters()) + model.lm_head.nbytes
+    draft_bytes = _module_bytes(draft) + model.lm_head.nbytes
     rows = []
 
     _print_header(report)
@@ -164,6 +165,13 @@ def run_steps(args, engine, device_name: str) -> int:
         row(f"verify budget {budget}", verify, roofline_s, vs_ar=round(verify / ar, 2))
     row("draft step", timed(lambda: proposer.propose(bonus, cache.length), device, args.repeat),
         draft_bytes / bandwidth)
+    if device.type == "cuda":  # the same draft with its layers in Q8_0, reading the same context cache
+        q8 = copy.deepcopy(draft).quantize_layers("q8_0")
+        q8_proposer = DFlashProposer(model, q8, config.draft_window)
+        q8_proposer.cache = proposer.cache
+        row("draft step (q8_0)", timed(lambda: q8_proposer.propose(bonus, cache.length), device, args.repeat),
+            (_module_bytes(q8) + model.lm_head.nbytes) / bandwidth)
+        del q8, q8_proposer
 
     tree = make_tree("ddtree", bonus, draft_logits, 22, config.topk)
     row("tree build (budget 22)", timed(lambda: make_tree("ddtree", bonus, draft_logits, 22, config.topk), device,
@@ -189,6 +197,11 @@ def run_steps(args, engine, device_name: str) -> int:
     Path(args.out).write_text(json.dumps(report, indent=2))
     _print(report)
     return 0
+
+
+def _module_bytes(module: torch.nn.Module) -> int:
+    """Parameters and buffers (a quantized layer keeps its blocks in a buffer)."""
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
 
 
 def _prompt(vocab: int, length: int, seed: int = 0) -> list[int]:

@@ -211,6 +211,24 @@ def dequantize(
 
 
 # ---------------------------------------------------------------------------------------------
+# torch quantizer for weights made on the device (e.g. a Q8_0 draft at load time)
+
+
+def quantize_q8_0(x: torch.Tensor) -> torch.Tensor:
+    """float [..., K] -> Q8_0 block bytes uint8 [..., K // 32 * 34], byte-identical to gguf's quantizer
+    (scale amax/127, round half away from zero), on x's device."""
+    if x.shape[-1] % 32:
+        raise FlashtreeError(f"Q8_0 needs the last dimension to be a multiple of 32, got shape {tuple(x.shape)}")
+    blocks = x.float().reshape(-1, 32)
+    d = blocks.abs().amax(dim=1, keepdim=True) / 127
+    inverse = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    scaled = blocks * inverse
+    q = (scaled.sign() * (scaled.abs() + 0.5).floor()).to(torch.int8)
+    out = torch.cat([d.half().view(torch.uint8), q.view(torch.uint8)], dim=1)
+    return out.reshape(*x.shape[:-1], x.shape[-1] // 32 * 34)
+
+
+# ---------------------------------------------------------------------------------------------
 # numpy quantizers (for tests and export). All are vectorized over blocks.
 
 _GGUF_QUANTIZABLE = frozenset(
