@@ -4,8 +4,17 @@
 block field (quants, high bits, scales, fp16 d...) becomes one contiguous [N, blocks, width] array,
 all concatenated in one uint8 buffer. Values are untouched (the GGUF bytes come back exactly with
 `gguf_bytes()`); the point is aligned, vectorizable loads, since GGUF block sizes (e.g. Q6_K's 210
-bytes) break alignment. `quant_matmul` runs the type's Triton kernel on CUDA (or on CPU under
-TRITON_INTERPRET=1), else a torch dequantize-then-matmul. F32/F16/BF16 weights go to torch.
+bytes) break alignment, and a row's quants are contiguous across blocks. `quant_matmul` runs the
+type's Triton kernel on CUDA (or on CPU under TRITON_INTERPRET=1), else a torch
+dequantize-then-matmul. F32/F16/BF16 weights go to torch.
+
+Numerics (see `_launch.py` for the kernels): by default, M <= 64 rows of bf16/f16 x take the v2
+"tiled" kernel, which dequantizes each weight tile once per program and ROUNDS THE WEIGHTS TO x's
+DTYPE (bf16: 8 significant bits) before a tensor-core `tl.dot` with float32 accumulation, exactly
+as a dense bf16/f16 model stores its weights; the prefill path (M > 64) does the same. Against a
+float32 dequantization the error is that weight rounding plus the final rounding of the output to
+x's dtype; float32 x keeps float32 weights (tf32x3 dot, ~float32 error). Results are deterministic:
+split-K partials are summed in a fixed order, never with atomics.
 """
 
 from __future__ import annotations
@@ -170,7 +179,8 @@ def _triton_runs(x: torch.Tensor) -> bool:
 def quant_matmul(x: torch.Tensor, weight: QuantWeight, config=None) -> torch.Tensor:
     """x [M, K] (f32/f16/bf16) @ W^T -> [M, N] in x.dtype.
 
-    `config` (a `_launch.LaunchConfig`) overrides the tile/split-K choice, for autotuning.
+    `config` (a `_launch.LaunchConfig`) overrides the kernel/tile/split-K choice, for autotuning
+    (default: `_launch.choose_config`).
     """
     x = _check_x(x, weight)
     n, k = weight.shape
@@ -178,8 +188,7 @@ def quant_matmul(x: torch.Tensor, weight: QuantWeight, config=None) -> torch.Ten
         return x @ weight.raw.view(PLAIN_TYPES[weight.qtype]).reshape(n, k).to(x.dtype).T
     if not _triton_runs(x):
         return (x.float() @ weight.dequantize().T).to(x.dtype)
-    out = KERNELS[weight.qtype].load().matmul(x, weight.fields(), n, k, config)
-    return out.to(x.dtype)
+    return KERNELS[weight.qtype].load().matmul(x, weight.fields(), n, k, config)  # in x.dtype
 
 
 def quant_matmul_reference(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
@@ -222,19 +231,32 @@ def copy_read_bandwidth(device="cuda") -> float:
     return _COPY_BYTES / (ms * 1e-3)
 
 
+def read_bandwidth(device="cuda", nbytes: int = 4 << 30) -> float:
+    """Bytes/s read by `x.sum()` over an `nbytes` bf16 tensor: read-only, one pass, nothing written."""
+    from triton.testing import do_bench
+
+    x = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
+    ms = do_bench(lambda: x.sum(), rep=200)
+    return nbytes / (ms * 1e-3)
+
+
 def benchmark_quant_matmul(device="cuda", qtypes=tuple(KERNELS), shapes=None, ms=BENCH_M) -> list[dict]:
     """Time the skinny kernels (the whole quant_matmul call) and print a table.
 
     us: triton.testing.do_bench (includes the Python launch cost); graph_us: do_bench_cudagraph
     (kernel time alone, as under CUDA-graph decode). gbs = weight bytes / graph time; of_copy =
-    gbs / `copy_read_bandwidth` (bytes read per second by a big device-to-device copy).
+    gbs / `copy_read_bandwidth` (bytes read per second by a big device-to-device copy); of_read =
+    gbs / `read_bandwidth` (x.sum() over 4 GiB). Graph times repeat one weight, which may sit in
+    L2 when small: scripts/sweep_quant_matmul.py cycles through copies instead.
     """
     from triton.testing import do_bench, do_bench_cudagraph
 
     shapes = shapes or BENCH_SHAPES
     copy_gbs = copy_read_bandwidth(device) / 1e9
-    print(f"device-to-device copy, read bandwidth (1 GiB / time): {copy_gbs:.0f} GB/s")
-    print(f"{'type':8} {'shape':20} {'M':>3} {'us':>8} {'graph us':>8} {'GB/s':>6} {'of copy':>7}")
+    read_gbs = read_bandwidth(device) / 1e9
+    print(f"device-to-device copy, read bandwidth (1 GiB / time): {copy_gbs:.0f} GB/s; "
+          f"x.sum() over 4 GiB: {read_gbs:.0f} GB/s")
+    print(f"{'type':8} {'shape':20} {'M':>3} {'us':>8} {'graph us':>8} {'GB/s':>6} {'of copy':>7} {'of read':>7}")
     results = []
     for qtype in qtypes:
         for name, (n, k) in shapes.items():
@@ -245,8 +267,9 @@ def benchmark_quant_matmul(device="cuda", qtypes=tuple(KERNELS), shapes=None, ms
                 graph_ms = do_bench_cudagraph(lambda: quant_matmul(x, weight))
                 gbs = weight.nbytes / (graph_ms * 1e-3) / 1e9
                 row = {"qtype": qtype.name, "shape": name, "n": n, "k": k, "m": m, "us": call_ms * 1e3,
-                       "graph_us": graph_ms * 1e3, "gbs": gbs, "of_copy": gbs / copy_gbs}
+                       "graph_us": graph_ms * 1e3, "gbs": gbs, "of_copy": gbs / copy_gbs,
+                       "of_read": gbs / read_gbs}
                 results.append(row)
                 print(f"{row['qtype']:8} {name:20} {m:3d} {row['us']:8.1f} {row['graph_us']:8.1f} {gbs:6.0f} "
-                      f"{row['of_copy']:7.2f}")
+                      f"{row['of_copy']:7.2f} {row['of_read']:7.2f}")
     return results
