@@ -39,9 +39,9 @@ def weight_bytes(model) -> int:
 
 def read_bandwidth(device: torch.device, gib: float = 4.0) -> float:
     """Bytes per second of a full read of a large buffer (the roofline's denominator)."""
-    size = int((gib if device.type == "cuda" else 0.25) * 2**30) // 2
-    data = torch.ones(size, dtype=torch.bfloat16, device=device)
-    return size * 2 / timed(lambda: data.sum(dtype=torch.float32), device, repeat=10)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the CPU sums bf16 slowly
+    data = torch.ones(int((gib if device.type == "cuda" else 0.25) * 2**30) // dtype.itemsize, dtype=dtype, device=device)
+    return data.numel() * dtype.itemsize / timed(lambda: data.sum(dtype=torch.float32), device, repeat=10)
 
 
 def timed(fn, device: torch.device, repeat: int = 10, warmup: int = 2) -> float:
