@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from flashtree.errors import FlashtreeError
-from flashtree.kernels.kv_quant import kv_type
-from flashtree.kernels.tree_attention import (choose_splits, graphed_mask, tree_attention,
+from flashtree.kernels.kv_quant import kv_type, rotate, unrotate
+from flashtree.kernels.tree_attention import (_triton_supports, choose_splits, graphed_mask, tree_attention,
                                               tree_attention_reference)
 from flashtree.models.step import Step
 
@@ -62,13 +62,20 @@ def test_without_triton_runtime_falls_back_to_reference(monkeypatch):
                        tree_attention_reference(**args, window=cases.WINDOW))
 
 
-def test_tq3_0_uses_the_reference():
-    t = kv_type("tq3_0")
-    args = cases.inputs("f32", 5, 1)
-    args["k_cache"] = t.quantize(torch.randn(cases.KV_HEADS, cases.CAPACITY, 128))
-    args["v_cache"] = t.quantize(torch.randn(cases.KV_HEADS, cases.CAPACITY, 128))
-    args.update(q=torch.randn(cases.KV_HEADS, 5, 128), kv_type_k="tq3_0", kv_type_v=t)
-    assert torch.equal(tree_attention(**args), tree_attention_reference(**args))
+@pytest.mark.parametrize("d, kernel", [(128, True), (256, True), (512, True), (384, False)])
+def test_tq3_0_runs_in_the_kernel_for_power_of_two_head_dims(monkeypatch, d, kernel):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # only read by _triton_supports here; nothing is launched
+    pytest.importorskip("triton")
+    q = torch.zeros(4, 5, d)
+    for k, v in (("tq3_0", "tq3_0"), ("tq3_0", "q8_0"), ("bf16", "tq3_0")):
+        assert _triton_supports(q, kv_type(k), kv_type(v)) is kernel, (k, v)
+
+
+def test_tq3_0_without_triton_runtime_falls_back_to_reference(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    args = cases.inputs("tq3_0", 5, 4, cache_v="q4_0")
+    assert torch.equal(tree_attention(**args, window=cases.WINDOW),
+                       tree_attention_reference(**args, window=cases.WINDOW))
 
 
 def test_split_choice():
@@ -95,17 +102,17 @@ def test_errors_name_the_problem():
 # ---------------------------------------------------------------------------------------------
 # GPU
 
-def _real_inputs(cache, n, kv_end, dtype=torch.bfloat16, heads=24, kv_heads=4, d=256, seed=0):
+def _real_inputs(cache, n, kv_end, dtype=torch.bfloat16, heads=24, kv_heads=4, d=256, seed=0, cache_v=None):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    t = kv_type(cache)
+    cache_v = cache_v or cache
     start = kv_end - n - 3  # three garbage rows at the end
-    k = t.quantize(torch.randn(kv_heads, kv_end, d, generator=g, device="cuda"))
-    v = t.quantize(torch.randn(kv_heads, kv_end, d, generator=g, device="cuda"))
+    k = kv_type(cache).quantize(torch.randn(kv_heads, kv_end, d, generator=g, device="cuda"))
+    v = kv_type(cache_v).quantize(torch.randn(kv_heads, kv_end, d, generator=g, device="cuda"))
     k[:, start + n:] = 255 if k.dtype == torch.uint8 else float("nan")
     v[:, start + n:] = 255 if v.dtype == torch.uint8 else float("nan")
     _, depths, visible = cases.tree(n)
     return dict(q=torch.randn(heads, n, d, generator=g, device="cuda").to(dtype), k_cache=k, v_cache=v,
-                kv_type_k=cache, kv_type_v=cache, start_t=torch.tensor([start], device="cuda"),
+                kv_type_k=cache, kv_type_v=cache_v, start_t=torch.tensor([start], device="cuda"),
                 visible=visible.cuda(), positions=(start + depths).cuda(), kv_end=kv_end, scale=d ** -0.5)
 
 
@@ -114,13 +121,38 @@ def _real_inputs(cache, n, kv_end, dtype=torch.bfloat16, heads=24, kv_heads=4, d
 @pytest.mark.parametrize("window", [0, 1024])
 @pytest.mark.parametrize("n", [1, 23])
 @pytest.mark.parametrize("kv_end", [4096, 65536])
-@pytest.mark.parametrize("cache", ["bf16", "q8_0", "q4_0"])
+@pytest.mark.parametrize("cache", ["bf16", "q8_0", "q4_0", "tq3_0"])
 def test_real_sizes_on_gpu(cache, kv_end, n, window):
     for dtype, bound in ((torch.bfloat16, 2e-2), (torch.float32, 1e-4)):
         args = _real_inputs(cache, n, kv_end, dtype)
         out = tree_attention(**args, window=window)
         ref = tree_attention_reference(**args, window=window)
         assert cases.relative_error(out, ref) <= bound, (dtype, cases.relative_error(out, ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("window", [0, 1024])
+@pytest.mark.parametrize("n", [1, 23])
+@pytest.mark.parametrize("cache, cache_v", [("tq3_0", "bf16"), ("q8_0", "tq3_0"), ("tq3_0", "tq3_0")])
+def test_tq3_0_long_context_on_gpu(cache, cache_v, n, window):
+    """D 256, kv_end 65536, TQ3_0 keys and/or values, as attention.py calls it (rotated q, unrotated output),
+    against the reference with the same convention, and the kernel's memory next to the cache's."""
+    for dtype, bound in ((torch.bfloat16, 2e-2), (torch.float32, 1e-4)):
+        args = _real_inputs(cache, n, 65536, dtype, cache_v=cache_v)
+        rot_k, rot_v = kv_type(cache).rotated, kv_type(cache_v).rotated
+        args["q"] = rotate(args["q"]) if rot_k else args["q"]
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = tree_attention(**args, window=window)
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - base
+        ref = tree_attention_reference(**args, window=window)
+        out, ref = (unrotate(out), unrotate(ref)) if rot_v else (out, ref)
+        assert cases.relative_error(out, ref) <= bound, (dtype, cases.relative_error(out, ref))
+        dequantized = 4 * 65536 * 256 * 4  # one float32 copy of one side, as the reference makes
+        assert extra < dequantized // 8, extra  # only the output and the split partials
 
 
 @pytest.mark.gpu

@@ -2,7 +2,10 @@
 (TRITON_INTERPRET=1 must be set before triton is imported, so test_tree_attention.py launches this file as
 a subprocess). `python -m tests.kernels.tree_attention_cases` prints one JSON object: case id ->
 max |kernel - expected| / max |expected|, expected = tree_attention_reference, or for the "model-" cases
-GatedAttention._attend with the mask of Step._graphed_mask (the model's current path)."""
+GatedAttention._attend with the mask of Step._graphed_mask (the model's current path). TQ3_0 cases use head_dim
+128 (one 128-value group per row; one case 256) since TQ3_0 rows are whole groups; the "rotated-" cases
+check the caller's convention (rotate q for TQ3_0 keys, unrotate the output for TQ3_0 values) against
+attention on the un-rotated dequantized rows."""
 
 import json
 import os
@@ -11,13 +14,15 @@ from types import SimpleNamespace
 
 import torch
 
-from flashtree.kernels.kv_quant import kv_type
+from flashtree.kernels.kv_quant import rotate, kv_type, unrotate
 from flashtree.kernels.tree_attention import tree_attention, tree_attention_reference
 
 KV_HEADS, HEAD_DIM, KV_END, CAPACITY = 2, 64, 96, 100
+TQ3_HEAD_DIM = 128  # TQ3_0 rows are whole 128-value groups
 STARTS = {1: 50, 5: 44, 23: 37}  # new rows start..start+T-1 in the middle, garbage rows after them
 WINDOW = 9
-CACHES = ("f32", "bf16", "q8_0", "q4_0")
+CACHES = ("f32", "bf16", "q8_0", "q4_0", "tq3_0")
+TQ3_MIXED = (("tq3_0", "f32"), ("f32", "tq3_0"))  # (K, V): TQ3_0 keys only / values only
 T_VALUES = (1, 5, 23)
 GROUPS = (1, 4)
 SPLIT, BLOCK_ROWS = 3, 16  # several splits of several chunks: the combine and the chunk loop both run
@@ -41,30 +46,34 @@ def tree(n: int, seed: int = 0):
 
 
 def inputs(cache: str, n: int, group: int, q_dtype=torch.float32, start=None, garbage: str = "nan", seed: int = 0,
-           cache_v: str | None = None, kv_end: int = KV_END):
+           cache_v: str | None = None, kv_end: int = KV_END, head_dim: int | None = None):
     """Keyword arguments of tree_attention: random q and caches, rows >= start + n filled with garbage
-    ("nan": NaN floats / 0xFF bytes, which decode to a NaN fp16 scale; "finite": large finite values)."""
+    ("nan": NaN floats / 0xFF bytes, which decode to a NaN fp16 scale / norm; "finite": large finite values).
+    head_dim defaults to HEAD_DIM, or TQ3_HEAD_DIM when either side is TQ3_0."""
     g = torch.Generator().manual_seed(seed * 1000 + n * 10 + group)
     start = STARTS[n] if start is None else start
+    if head_dim is None:
+        head_dim = TQ3_HEAD_DIM if "tq3_0" in (cache, cache_v) else HEAD_DIM
     heads = KV_HEADS * group
-    q = torch.randn(heads, n, HEAD_DIM, generator=g).to(q_dtype)
+    q = torch.randn(heads, n, head_dim, generator=g).to(q_dtype)
     caches = []
     for name in (cache, cache_v or cache):
         t = kv_type(name)
-        c = t.quantize(torch.randn(KV_HEADS, CAPACITY, HEAD_DIM, generator=g))
+        c = t.quantize(torch.randn(KV_HEADS, CAPACITY, head_dim, generator=g))
         if garbage == "nan":
             c[:, start + n:] = 255 if c.dtype == torch.uint8 else float("nan")
         else:
-            c[:, start + n:] = t.quantize(50 * torch.randn(KV_HEADS, CAPACITY - start - n, HEAD_DIM, generator=g))
+            c[:, start + n:] = t.quantize(50 * torch.randn(KV_HEADS, CAPACITY - start - n, head_dim, generator=g))
         caches.append(c)
     _, depths, visible = tree(n, seed)
     return dict(q=q, k_cache=caches[0], v_cache=caches[1], kv_type_k=cache, kv_type_v=cache_v or cache,
                 start_t=torch.tensor([start]), visible=visible, positions=start + depths, kv_end=kv_end,
-                scale=HEAD_DIM ** -0.5)
+                scale=head_dim ** -0.5)
 
 
-def model_path(args: dict, window: int) -> torch.Tensor:
-    """GatedAttention._attend on the dequantized rows [0, kv_end) with Step._graphed_mask (float32)."""
+def model_path(args: dict, window: int, unrotated: bool = False) -> torch.Tensor:
+    """GatedAttention._attend on the dequantized rows [0, kv_end) with Step._graphed_mask (float32);
+    `unrotated`: TQ3_0 rows are rotated back to the original domain first (`unrotate`)."""
     from flashtree.models.attention import GatedAttention
     from flashtree.models.step import Step
 
@@ -78,6 +87,9 @@ def model_path(args: dict, window: int) -> torch.Tensor:
                 args["start_t"])
     keys = kv_type(args["kv_type_k"]).dequantize(args["k_cache"][:, :args["kv_end"]], q.dtype)
     values = kv_type(args["kv_type_v"]).dequantize(args["v_cache"][:, :args["kv_end"]], q.dtype)
+    if unrotated:
+        keys = unrotate(keys) if kv_type(args["kv_type_k"]).rotated else keys
+        values = unrotate(values) if kv_type(args["kv_type_v"]).rotated else values
     return attn._attend(q, keys, values, step.attention_mask(0, window))
 
 
@@ -86,7 +98,7 @@ def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def _cases():
-    """case id -> (inputs kwargs, window, launch overrides, expected: "reference" or "model")."""
+    """case id -> (inputs kwargs, window, launch overrides, expected: "reference", "model" or "rotated")."""
     forced = dict(split=SPLIT, block_rows=BLOCK_ROWS)
     cases = {}
     for cache in CACHES:
@@ -103,6 +115,22 @@ def _cases():
             for window in (0, WINDOW):
                 cases[f"model-t{n}-g{group}-w{window}"] = (dict(cache="f32", n=n, group=group, garbage="finite"),
                                                            window, forced, "model")
+    for cache, cache_v in TQ3_MIXED:
+        for n in T_VALUES:
+            for group in GROUPS:
+                for window in (0, WINDOW):
+                    cases[f"k_{cache}-v_{cache_v}-t{n}-g{group}-w{window}-float32"] = (
+                        dict(cache=cache, cache_v=cache_v, n=n, group=group), window, forced, "reference")
+    for n in (5, 23):
+        cases[f"tq3_0-t{n}-g4-w{WINDOW}-bfloat16"] = (dict(cache="tq3_0", n=n, group=4, q_dtype=torch.bfloat16),
+                                                       WINDOW, forced, "reference")
+    for cache, cache_v in (("tq3_0", "tq3_0"),) + TQ3_MIXED:
+        cases[f"rotated-k_{cache}-v_{cache_v}-t23-g4-w{WINDOW}"] = (
+            dict(cache=cache, cache_v=cache_v, n=23, group=4, garbage="finite"), WINDOW, forced, "rotated")
+    cases["k_tq3_0-v_q4_0-t5-g4-w0-float32-onesplit"] = (dict(cache="tq3_0", cache_v="q4_0", n=5, group=4), 0, {},
+                                                         "reference")
+    cases["tq3_0-d256-t5-g4-w0-float32"] = (dict(cache="tq3_0", n=5, group=4, head_dim=256), 0,
+                                            dict(split=2, block_rows=32), "reference")
     cases["q8_0-t5-g4-w0-float32-onesplit"] = (dict(cache="q8_0", n=5, group=4), 0, {}, "reference")
     cases["k_q8_0-v_q4_0-t23-g4-w9-float32"] = (dict(cache="q8_0", cache_v="q4_0", n=23, group=4), WINDOW, forced,
                                                 "reference")
@@ -122,9 +150,15 @@ def main() -> None:
     errors = {}
     for case, (spec, window, launch, expected) in _cases().items():
         args = inputs(**spec)
-        out = tree_attention(**args, window=window, **launch)
+        if expected == "rotated":  # attention.py's convention around the kernel, vs the un-rotated rows
+            rot_k, rot_v = kv_type(args["kv_type_k"]).rotated, kv_type(args["kv_type_v"]).rotated
+            out = tree_attention(**{**args, "q": rotate(args["q"]) if rot_k else args["q"]}, window=window, **launch)
+            out = unrotate(out) if rot_v else out
+            want = model_path(args, window, unrotated=True)
+        else:
+            out = tree_attention(**args, window=window, **launch)
+            want = model_path(args, window) if expected == "model" else tree_attention_reference(**args, window=window)
         assert out.shape == args["q"].shape and out.dtype == args["q"].dtype, case
-        want = model_path(args, window) if expected == "model" else tree_attention_reference(**args, window=window)
         errors[case] = relative_error(out, want)
     json.dump(errors, sys.stdout)
 

@@ -10,7 +10,8 @@ window=0, split=None)` -> [heads, T, D] in q.dtype, for the rows of a graphed `S
   (committed row r has position r, new node j position positions[j]).
 This is exactly `Step._graphed_mask` (see `graphed_mask`). GQA: query head h reads kv head h // (heads //
 kv_heads). Caches are [kv_heads, capacity, D] float (f32/f16/bf16) or uint8 [kv_heads, capacity,
-row_bytes] Q8_0/Q4_0 blocks (kv_quant.py); kv types are anything `kv_quant.kv_type` takes (KVType or name).
+row_bytes] Q8_0/Q4_0/TQ3_0 blocks (kv_quant.py); kv types are anything `kv_quant.kv_type` takes (KVType or
+name), K and V independently.
 
 Kernel (flash-decoding): grid (kv_heads, query tiles, splits). A program owns one KV head, a tile of
 BLOCK_M query rows of that head's group (row m = local head * T + token, so a group's G*T rows share each
@@ -18,7 +19,8 @@ K/V load) and one split of the rows it can see. The row range is computed on the
 [lo, min(start + T, kv_end)) with lo = 0, or with a window the lowest row any query of the tile can see,
 divided evenly (in BLOCK_N multiples) among the splits, so the work spreads over the GPU whatever the
 committed length, and the garbage rows past start + T cost nothing. Each BLOCK_N chunk of K/V rows is
-loaded once, dequantized in registers (Q8_0: int8 * fp16 d; Q4_0: (nibble - 8) * d), scores go through
+loaded once, dequantized in registers (Q8_0: int8 * fp16 d; Q4_0: (nibble - 8) * d; TQ3_0: fp16 group
+norm * one of 8 centroids picked by 2 low bits + 1 sign bit, in the rotated domain), scores go through
 tl.dot in float32 (bf16/f16 operands for bf16/f16 queries on GPU), masked, and an online softmax (base 2,
 float32 max / sum) accumulates P @ V. Each split writes its normalized partial output and log-sum-exp;
 a second kernel combines the splits per (head, token). With one split the first kernel writes the
@@ -27,9 +29,12 @@ Python arguments (T, kv_end, heads, D, dtypes), so the calls can be captured in 
 TRITON_INTERPRET=1 the chunk loop runs a fixed trip count with a per-chunk skip instead, since the
 interpreter cannot loop to a bound loaded from memory; the loop body is the same `_chunk`.)
 
-TQ3_0 caches (and head dims that are not a power of two >= 32) use `tree_attention_reference`, which
-is plain torch and also graph-safe. As in attention.py, rotated (TQ3_0) callers pass the rotated query
-and unrotate the output. Without CUDA (and without TRITON_INTERPRET=1) the reference runs too.
+TQ3_0 values are decoded exactly as `TQ3_0.dequantize` does, in the rotated domain: as in attention.py,
+callers with TQ3_0 keys pass the rotated query (`rotate`), and callers with TQ3_0 values unrotate the
+output (`unrotate`); the kernel itself never rotates. Head dims the kernel cannot tile (not a power of two
+>= 32; for TQ3_0 also not a multiple of 128) use `tree_attention_reference`, which is plain torch and also
+graph-safe (but dequantizes all of [0, kv_end) per call). Without CUDA (and without TRITON_INTERPRET=1)
+the reference runs too.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ import os
 import torch
 
 from flashtree.errors import FlashtreeError
-from flashtree.kernels.kv_quant import KVType, kv_type
+from flashtree.kernels.kv_quant import TQ3_GROUP, TQ3_LEVELS, KVType, kv_type
 
 try:
     import triton
@@ -54,7 +59,7 @@ _PROGRAMS_PER_SM = 2
 _MAX_SPLITS = 128
 MAX_TREE_QUERIES = 64  # tokens per call (a tree of budget <= 63 plus its root)
 _MAX_GROUP = 8
-_KINDS = {"f32": 0, "f16": 0, "bf16": 0, "q8_0": 1, "q4_0": 2}  # kernel's KIND per cache type
+_KINDS = {"f32": 0, "f16": 0, "bf16": 0, "q8_0": 1, "q4_0": 2, "tq3_0": 3}  # kernel's KIND per cache type
 _LOG2E = 1.4426950408889634
 
 
@@ -103,6 +108,9 @@ def tree_attention_reference(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t,
 
 if triton is not None:
 
+    # TQ3_0 centroid magnitudes (index & 3), as float32 constants exactly as `TQ3_0._centroids` builds them
+    TQ3_C0, TQ3_C1, TQ3_C2, TQ3_C3 = (tl.constexpr(level) for level in TQ3_LEVELS)
+
     @triton.jit
     def _fp16_at(row_ptrs, offs, mask):
         """fp16 stored little-endian at byte offsets `offs` of uint8 rows, as float32."""
@@ -114,7 +122,9 @@ if triton is not None:
     def _load_rows(base, rows, row_ok, stride_r, D: tl.constexpr, KIND: tl.constexpr, OP: tl.constexpr):
         """[BLOCK_N, D] values of cache rows `rows` (zeros where not row_ok), in the dot operand dtype OP.
         KIND 0: float rows; 1: Q8_0 (34-byte blocks: fp16 d, 32 int8); 2: Q4_0 (18-byte blocks: fp16 d,
-        16 bytes, byte j = q[j] | q[j + 16] << 4, value (q - 8) * d)."""
+        16 bytes, byte j = q[j] | q[j + 16] << 4, value (q - 8) * d); 3: TQ3_0 (14-byte blocks: fp16 group
+        norm, qs[8] low index bits 2(j%4) of byte j/4, signs[4] high bit j%8 of byte j/8; value = norm *
+        C[low | hi << 2], C = +levels then -levels, exactly `TQ3_0.dequantize`: rotated domain, no rotation here)."""
         d = tl.arange(0, D)
         row_ptrs = base + rows.to(tl.int64)[:, None] * stride_r
         ok = row_ok[:, None]
@@ -125,13 +135,24 @@ if triton is not None:
             scale = _fp16_at(row_ptrs, (blk * 34)[None, :], ok)
             qv = tl.load(row_ptrs + (blk * 34 + 2 + d % 32)[None, :], mask=ok, other=0)
             x = qv.to(tl.int8, bitcast=True).to(tl.float32) * scale
-        else:
+        elif KIND == 2:
             blk = d // 32
             j = d % 32
             scale = _fp16_at(row_ptrs, (blk * 18)[None, :], ok)
             byte = tl.load(row_ptrs + (blk * 18 + 2 + j % 16)[None, :], mask=ok, other=0).to(tl.int32)
             nib = (byte >> ((j // 16) * 4)[None, :]) & 15
             x = (nib.to(tl.float32) - 8.0) * scale
+        else:
+            blk = d // 32
+            j = d % 32
+            scale = _fp16_at(row_ptrs, (blk * 14)[None, :], ok)  # the group's norm, repeated in each block
+            qs = tl.load(row_ptrs + (blk * 14 + 2 + j // 4)[None, :], mask=ok, other=0).to(tl.int32)
+            sg = tl.load(row_ptrs + (blk * 14 + 10 + j // 8)[None, :], mask=ok, other=0).to(tl.int32)
+            low = (qs >> ((j % 4) * 2)[None, :]) & 3
+            neg = (sg >> (j % 8)[None, :]) & 1
+            odd = (low & 1) != 0  # a two-level select tree: a linear where-chain spilled registers on sm_90
+            level = tl.where((low & 2) != 0, tl.where(odd, TQ3_C3, TQ3_C2), tl.where(odd, TQ3_C1, TQ3_C0))
+            x = tl.where(neg != 0, -level, level) * scale
         return x.to(OP)
 
     @triton.jit
@@ -264,9 +285,13 @@ def _interpreted() -> bool:
 
 
 def _triton_supports(q, tk: KVType, tv: KVType) -> bool:
+    """The kernel takes a whole row as one tl.arange(0, D) tile, so D must be a power of two (>= 32, the
+    Q8_0/Q4_0 block); TQ3_0 rows also need whole 128-value groups (D = 128, 256, 512, ...). Other head dims
+    (e.g. 96, 384), unknown kv types, and CPU tensors without the interpreter go to the torch reference."""
     d = q.shape[-1]
+    tq3 = "tq3_0" in (tk.name, tv.name)
     return (triton is not None and (q.is_cuda or _interpreted()) and tk.name in _KINDS and tv.name in _KINDS
-            and d >= 32 and d & (d - 1) == 0)
+            and d >= 32 and d & (d - 1) == 0 and not (tq3 and d % TQ3_GROUP))
 
 
 def _check(q, k_cache, v_cache, tk, tv, start_t, visible, positions, kv_end):
