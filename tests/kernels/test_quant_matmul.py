@@ -51,10 +51,13 @@ def test_choose_config_defaults(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     choose_config.cache_clear()
     cuda = torch.device("cpu")  # stands in for an H200 (132 SMs) without asking CUDA
+    reduction_orders = set()
     for m in (1, 16, 23, 64):
         config = choose_config(m, 17408, 5120, torch.bfloat16, cuda, 256, 64)
         assert config.tiled and config.dot == "x_dtype" and config.block_m == max(16, 1 << (m - 1).bit_length())
         assert 5120 % (config.block_k * config.split_k) == 0
+        reduction_orders.add((config.block_k, config.split_k))
+    assert len(reduction_orders) == 1  # decode and verify rows sum K in one order: bit-identical rows
     assert choose_config(23, 17408, 5120, torch.float32, cuda, 256, 64).dot == "tf32x3"
     assert not choose_config(65, 17408, 5120, torch.bfloat16, cuda, 256, 64).tiled  # prefill: v1
     assert choose_config(1, 17408, 5120, torch.bfloat16, cuda, 256, 0).dot == "fma"  # no v2 kernel
@@ -130,3 +133,15 @@ def test_real_sizes_on_gpu(qtype, shape):
                 err = ((y.float() - tight).abs().max() / tight.abs().max()).item()
                 assert err <= 2 * 2.0 ** -(8 if dtype == torch.bfloat16 else 11), (m, name, err)
                 assert torch.equal(y, quant_matmul(xd, w)), (m, name)  # deterministic (split-K, no atomics)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q6_K, QType.Q8_0])
+def test_rows_do_not_depend_on_how_many_rows_there_are(qtype):
+    """A 23-row verify gives each row exactly what a 1-row decode gives it (greedy lossless on GPU)."""
+    weight = random_quant_weight(qtype, 5120, 5120, "cuda")
+    x = torch.randn(23, 5120, dtype=torch.bfloat16, device="cuda")
+    together = quant_matmul(x, weight)
+    for i in (0, 7, 22):
+        assert torch.equal(quant_matmul(x[i : i + 1], weight)[0], together[i])

@@ -105,9 +105,8 @@ def choose_config(m: int, n: int, k: int, x_dtype: torch.dtype, device: torch.de
 
     M > 64 (prefill): v1, 64 x 64 tiles, tensor-core dot in x's dtype (tf32x3 for float32 x).
     M <= 64 with a v2 kernel: v2, BLOCK_M = max(16, next power of two of M) so the weights are read
-    and dequantized once; BLOCK_N 64, BLOCK_K `block_k` for BLOCK_M 16 (else at most 128), split-K
-    up to ~4 programs per SM, 3 pipeline stages; dot in x's dtype for bf16/f16, tf32x3 (and
-    BLOCK_K <= 128) for float32 x. These are guesses from register counts, not measurements:
+    and dequantized once; BLOCK_N 64, BLOCK_K at most 128 and split-K (up to ~4 programs per SM)
+    independent of M, 3 pipeline stages; dot in x's dtype for bf16/f16, tf32x3 for float32 x. These are guesses from register counts, not measurements:
     scripts/sweep_quant_matmul.py measures the alternatives.
     Otherwise (v1 skinny): fma for M < 16, tf32x3 from 16, split-K up to ~24 programs per SM.
     The interpreter (triton 3.6) multiplies bf16 tl.dot operands as raw integers: there bf16 x gets
@@ -120,10 +119,11 @@ def choose_config(m: int, n: int, k: int, x_dtype: torch.dtype, device: torch.de
         return LaunchConfig(block_m=64, block_n=64, split_k=1, num_warps=4, dot=dot)
     if tile_values and k % tile_values == 0:
         block_m = max(16, triton.next_power_of_2(m))
-        # BLOCK_K 256 with BLOCK_M 32 takes ~200-250 registers per thread (2 programs/SM; ptxas,
-        # sm_90), and a [BLOCK_N, 256] float32 tile for tf32x3 spills: 128 there
-        if block_m > 16 or x_dtype == torch.float32:
-            block_k = min(block_k, 128)
+        # BLOCK_K and split-K do not depend on M: every output row then sums the same K chunks in the
+        # same order for M = 1 and M = 23, so a verify row equals the decode row bit for bit and greedy
+        # speculative output stays the greedy AR output. BLOCK_K 256 would take ~200-250 registers per
+        # thread at BLOCK_M 32 (ptxas, sm_90) and spill as a float32 tile: 128 for every M.
+        block_k = min(block_k, 128)
         block_k = default_block_k(k, tile_values, block_k)
         split_k = split_for(n, 64, k // block_k, _TILED_PROGRAMS_PER_SM * _sm_count(device),
                             _TILED_MAX_SPLIT_K)
