@@ -86,8 +86,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{c.name}: ctx {req.ctx}, K {req.cache_type_k} / V {req.cache_type_v}, budget {req.budget}, "
               f"{'DFlash draft' if req.draft else 'no draft'}, compute {req.dtype}")
         print(result.table(available))
-        print(f"note: the torch reference path dequantizes linear weights at load "
-              f"({fmt_bytes(result.dequantized_weights())} in {req.dtype}); the stored size assumes quantized kernels")
+        print(f"note: on CUDA the weights stay quantized (the stored size above); the CPU path and types without a "
+              f"GPU kernel dequantize at load ({fmt_bytes(result.dequantized_weights())} in {req.dtype} for all of them)")
         if available is not None:
             print(f"{'largest ctx that fits':<26} {fits_to:>10}  (multiple of 256, memory from {source})")
     if available is not None and result.total > available:

@@ -4,8 +4,8 @@ weights are loaded.
 
 Every line is bytes the engine allocates or a stated estimate:
 
-* target weights: the GGUF tensors as stored (quantized). The current torch path dequantizes linear
-  weights at load; the stored size is what the quantized GPU kernels keep resident.
+* target weights: the GGUF tensors as stored (quantized): what CUDA keeps resident (`QuantLinear`);
+  the CPU path, and types without a GPU kernel, dequantize at load (`dequantized_weights`).
 * draft weights: parameter count x the compute dtype (the loader casts the draft to it).
 * KV cache: attention layers x kv_heads x rows x (K row bytes + V row bytes), rows = ctx + budget + 2
   (the engine's context size: committed tokens plus tree scratch rows).
@@ -99,7 +99,7 @@ class MemoryPlan:
         return next(b for name, b, _ in self.lines if name == what)
 
     def dequantized_weights(self) -> int:
-        """Target weights as the current torch path holds them: linear weights dequantized at load."""
+        """Target weights with every linear weight dequantized at load (the CPU path)."""
         r = self.request
         return r.dense_params * DTYPE_BYTES[r.dtype] + r.embed_bytes
 
