@@ -144,7 +144,7 @@ def test_plan_command_prints_the_budget(capsys):
     assert main(["plan", "--synthetic", "qwen3.6-27b", "--ctx", "262144", "-ctk", "tq3_0", "-ctv", "tq3_0",
                  "--no-draft", "--gpu-memory", "24GiB"]) == 0
     out = capsys.readouterr().out
-    for line in ("target weights", "KV cache", "3.50 GiB", "DeltaNet state", "activations", "fits", "dequantizes"):
+    for line in ("target weights", "KV cache", "3.50 GiB", "DeltaNet state", "activations", "fits", "stay quantized"):
         assert line in out
 
 
