@@ -18,3 +18,11 @@ def test_peer_rows_on_the_demo_pair(tmp_path):
     assert rows["ddtree"]["identical_to_ar"] == 1
     zlab = rows["zlab-dflash"]
     assert zlab["new_tokens"] == 24 and zlab["steps"] >= 2 and zlab["tokens_per_s"] > 0
+
+
+def test_transformers_peer_of_an_in_memory_synthetic_target(tmp_path):
+    out = tmp_path / "peers.json"
+    assert main(["bench", "--synthetic", "tiny", "--device", "cpu", "--prompts", "2", "-n", "12", "--peers",
+                 "--out", str(out)]) == 0
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"ar", "hf-ar"} and rows["hf-ar"]["identical_to_ar"] == 2

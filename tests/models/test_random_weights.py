@@ -1,16 +1,13 @@
 """RandomWeights: a GGUF-like tensor source with random weights, built in memory (no file)."""
 
 import json
-import math
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
 from flashtree.engine.loader import load_target
 from flashtree.errors import FlashtreeError
-from flashtree.formats.gguf_writer import write_qwen35_gguf
 from flashtree.formats.quant_mix import quant_types
 from flashtree.formats.quants import bytes_for, dequantize
 from flashtree.formats.tokenizer import pad_vocab
@@ -102,16 +99,7 @@ def test_deterministic_per_seed():
 
 def _write_same_bytes(path, weights: RandomWeights, spec):
     """The RandomWeights' exact bytes written as a real GGUF file with the project's writer."""
-    arrays, types = {}, {}
-    plain = {Q.F32: np.float32, Q.F16: np.float16}
-    for name, info in weights.tensors.items():
-        raw = weights.raw(name).numpy()
-        if info.qtype in plain:
-            arrays[name] = raw.view(plain[info.qtype]).reshape(info.shape)
-        else:
-            arrays[name] = raw.reshape(math.prod(info.shape[:-1]), -1)
-        types[name] = info.qtype
-    return write_qwen35_gguf(path, weights.config, arrays, types, spec)
+    return weights.write_gguf(path, spec)
 
 
 @pytest.mark.parametrize("scheme", ["q4_k_m", "q8_0"])

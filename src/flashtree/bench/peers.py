@@ -14,7 +14,9 @@ Gated DeltaNet state of a hybrid target, so its output can drift from greedy dec
 
 from __future__ import annotations
 
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -33,11 +35,17 @@ def peer_rows(engine, dataset: str, prompts: list[list[int]], max_tokens: int, a
 
 
 def _hf_target(engine):
+    """transformers' model with the target's weights; an in-memory synthetic target is written to a
+    temporary GGUF first (transformers reads files)."""
+    from flashtree.models.random_weights import RandomWeights
     from flashtree.train.convert import hf_model_from_gguf
 
     device = engine.target.model.device
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model, _ = hf_model_from_gguf(engine.target.path)
+    path = engine.target.path
+    if isinstance(engine.target.gguf, RandomWeights):
+        path = engine.target.gguf.write_gguf(Path(tempfile.mkdtemp()) / "synthetic.gguf", engine.target.tokenizer.spec)
+    model, _ = hf_model_from_gguf(path)
     return model.to(device, dtype).eval()
 
 

@@ -10,6 +10,7 @@ Bytes are a function of (seed, tensor name, device type): asking twice gives the
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import replace
 from pathlib import Path
@@ -78,6 +79,21 @@ class RandomWeights:
             for name, shape in shapes.items()
         }
         self._pools: dict[tuple[QType, float], torch.Tensor] = {}  # small: pool_blocks x type_size bytes each
+
+    def write_gguf(self, path, tokenizer_spec) -> Path:
+        """These exact bytes as a real GGUF file (for tools that read files, e.g. a transformers peer)."""
+        from flashtree.formats.gguf_writer import write_qwen35_gguf
+
+        arrays, types = {}, {}
+        plain = {QType.F32: np.float32, QType.F16: np.float16}
+        for name, info in self.tensors.items():
+            raw = self.raw(name).cpu().numpy()
+            if info.qtype in plain:
+                arrays[name] = raw.view(plain[info.qtype]).reshape(info.shape)
+            else:
+                arrays[name] = raw.reshape(math.prod(info.shape[:-1]), -1)
+            types[name] = info.qtype
+        return write_qwen35_gguf(path, self.config, arrays, types, tokenizer_spec)
 
     def __repr__(self) -> str:
         return f"RandomWeights({self.path}, {len(self.tensors)} tensors, {self.nbytes() / 1e9:.2f} GB on {self.device})"
