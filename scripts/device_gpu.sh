@@ -22,3 +22,9 @@ if [ "${MULTI_TURN:-0}" = 1 ]; then  # prefix cache at the 27B shape: TTFT per t
   timeout "${MULTI_TURN_TIMEOUT:-240}" python3 -m flashtree.cli.main bench --synthetic qwen3.6-27b --scheme q4_k_m \
       --device cuda --multi-turn --out "$OUT/multi-turn.json" 2>&1 | tee "$OUT/multi-turn.txt" | tail -20
 fi
+if [ "${PEERS:-1}" = 1 ]; then  # the demo pair against our AR, transformers and the z-lab loop; a 0.8B-shape peer
+  timeout 200 python3 -m flashtree.cli.main bench --device cuda --dataset humaneval --prompts 10 -n 128 --peers \
+      --out "$OUT/demo-peers.json" 2>&1 | tee "$OUT/demo-peers.txt" | tail -8
+  timeout 200 python3 -m flashtree.cli.main bench --synthetic qwen3.5-0.8b --scheme q4_k_m --device cuda --prompts 4 \
+      -n 64 --peers --out "$OUT/peers-0.8b.json" 2>&1 | tee "$OUT/peers-0.8b.txt" | tail -6
+fi
