@@ -141,22 +141,16 @@ def recurrent_step(q, k, v, g, beta, state, block_v: int | None = None, num_warp
     _check(q, k, v, g, beta, state)
     if not _triton_runs(state):
         return recurrent_step_reference(q, k, v, g, beta, state)
+    q, k, v, out = _prepared(q, k, v)
     t, hk, dk = q.shape
     _, h, dv = v.shape
-    _pow2_dims(dk, dv)
-    out = torch.empty(t, h, dv, dtype=torch.float32, device=v.device)
     if t == 0:
         return out
-    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     block_v = block_v or _default_block_v(h, dv)
     if dv % block_v:
         raise FlashtreeError(f"block_v = {block_v} must divide dv = {dv}")
-    _recurrent_kernel[(h, dv // block_v)](
-        q, k, v, g, beta, state, out, t, hk,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
-        state.stride(0), state.stride(1), state.stride(2), out.stride(0), out.stride(1),
-        DK=dk, BLOCK_V=block_v, num_warps=num_warps)
+    _recurrent_kernel[(h, dv // block_v)](q, k, v, g, beta, state, out, t, hk, *_strides(q, k, v, g, beta, state, out),
+                                          DK=dk, BLOCK_V=block_v, num_warps=num_warps)
     return out
 
 
@@ -171,13 +165,11 @@ def tree_verify(q, k, v, g, beta, state, parents, block_v: int | None = None, bl
     _check(q, k, v, g, beta, state, parents)
     if not _triton_runs(state):
         return tree_verify_reference(q, k, v, g, beta, state, parents)
+    q, k, v, out = _prepared(q, k, v)
     t, hk, dk = q.shape
     _, h, dv = v.shape
-    _pow2_dims(dk, dv)
-    out = torch.empty(t, h, dv, dtype=torch.float32, device=v.device)
     if t == 0:
         return out
-    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     parents = parents.contiguous()
     block_t = max(16, triton.next_power_of_2(t))
     block_v = block_v or _default_block_v(h, dv)
@@ -187,14 +179,25 @@ def tree_verify(q, k, v, g, beta, state, parents, block_v: int | None = None, bl
     if num_warps is None:
         # sm_90 ptxas, dk = 128, block_v = 16: T <= 64 at 8 warps 168 registers, T <= 32 at 4 warps 166
         num_warps = 8 if block_t >= 64 else 4
-    _tree_kernel[(h, dv // block_v)](
-        q, k, v, g, beta, state, parents, out, t, hk,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
-        state.stride(0), state.stride(1), state.stride(2), out.stride(0), out.stride(1),
-        DK=dk, BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_K=block_k, PRECISION=precision,
-        num_warps=num_warps)
+    _tree_kernel[(h, dv // block_v)](q, k, v, g, beta, state, parents, out, t, hk,
+                                     *_strides(q, k, v, g, beta, state, out),
+                                     DK=dk, BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_K=block_k, PRECISION=precision,
+                                     num_warps=num_warps)
     return out
+
+
+def _prepared(q, k, v) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v with unit-stride rows, and the float32 output [T, H, dv] the kernels write."""
+    _pow2_dims(q.shape[-1], v.shape[-1])
+    out = torch.empty(q.shape[0], v.shape[1], v.shape[2], dtype=torch.float32, device=v.device)
+    return (*(_last_dim_contiguous(x) for x in (q, k, v)), out)
+
+
+def _strides(q, k, v, g, beta, state, out) -> tuple[int, ...]:
+    """The strides both kernels take, in their argument order."""
+    return (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
+            state.stride(0), state.stride(1), state.stride(2), out.stride(0), out.stride(1))
 
 
 # ---------------------------------------------------------------------------------------------
