@@ -205,4 +205,5 @@ def _synthetic_engine(args, cache_options: dict, placement: dict):
     if devices:
         place_layers(target.model, devices, split)
     return engine_from_target(target, args.draft, spec=args.spec, budget=args.budget, topk=args.topk,
-                              draft_device=placement.get("draft_device"), **cache_options)
+                              draft_device=placement.get("draft_device"),
+                              enforce_eager=placement.get("enforce_eager", False), **cache_options)

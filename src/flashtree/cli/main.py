@@ -34,6 +34,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="device of the draft and its context cache, e.g. cuda:1 (default: the target's)")
     parser.add_argument("-tp", "--tensor-parallel", "--tensor-parallel-size", dest="tensor_parallel", type=int,
                         default=1, metavar="N", help="shard the target over N GPUs, one process each (default 1)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="no CUDA graphs: launch every kernel of a step from Python (vLLM's flag; for debugging)")
 
 
 def cache_args(args: argparse.Namespace) -> dict:
@@ -44,11 +46,11 @@ def cache_args(args: argparse.Namespace) -> dict:
 
 
 def placement_args(args: argparse.Namespace) -> dict:
-    """The placement options of `add_model_args` that were set, as keyword arguments of `load_engine`."""
-    options = {"gpus": getattr(args, "gpus", None), "layer_split": getattr(args, "layer_split", None),
-               "draft_device": getattr(args, "draft_device", None),
-               "tensor_parallel": getattr(args, "tensor_parallel", 1)}
-    return {k: v for k, v in options.items() if v not in (None, 1)}
+    """The placement (and eager) options of `add_model_args` that were set, as keyword arguments of
+    `load_engine`."""
+    defaults = {"gpus": None, "layer_split": None, "draft_device": None, "tensor_parallel": 1, "enforce_eager": False}
+    options = {key: getattr(args, key, default) for key, default in defaults.items()}
+    return {key: value for key, value in options.items() if value is not None and value != defaults[key]}
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

@@ -106,7 +106,7 @@ def load_engine(model: str | Path | None = None, draft: str | Path | None = None
                 spec: str | None = None, budget: int = 22, topk: int = 8, progress: bool = False,
                 cache_type_k: str | None = None, cache_type_v: str | None = None, attn_window: int = 0,
                 gpus: int | None = None, layer_split: str | None = None, draft_device: str | None = None,
-                tensor_parallel: int = 1, devices=None):
+                tensor_parallel: int = 1, devices=None, enforce_eager: bool = False):
     """Target (+ draft) ready to generate. No model means the embedded demo pair. The KV cache options
     become the engine's default GenerationConfig (checked before any weight is loaded).
     Placement (flashtree.dist, docs/MULTI_GPU.md): `gpus` / `layer_split` split the target's layers over
@@ -128,7 +128,7 @@ def load_engine(model: str | Path | None = None, draft: str | Path | None = None
 
     target = load_placed_target(model, device, progress, gpus, layer_split, tensor_parallel, devices)
     engine = engine_from_target(target, draft, spec=spec, budget=budget, topk=topk, draft_device=draft_device,
-                                **cache_options)
+                                enforce_eager=enforce_eager, **cache_options)
     if tensor_parallel and tensor_parallel > 1:  # rank 0 gets the engine back; the other ranks follow it and exit
         from flashtree.dist.tp import serve_ranks
 
@@ -138,9 +138,9 @@ def load_engine(model: str | Path | None = None, draft: str | Path | None = None
 
 def engine_from_target(target: Target, draft: str | Path | None = None, spec: str | None = None, budget: int = 22,
                        topk: int = 8, draft_device: str | None = None, cache_type_k: str | None = None,
-                       cache_type_v: str | None = None, attn_window: int = 0):
+                       cache_type_v: str | None = None, attn_window: int = 0, enforce_eager: bool = False):
     """An Engine over a loaded target (a file's or `random_target`'s), with the draft at `draft` if given;
-    the mode defaults to ddtree with a draft, else ar."""
+    the mode defaults to ddtree with a draft, else ar. `enforce_eager` turns CUDA graphs off."""
     from flashtree.engine.generate import Engine, GenerationConfig
 
     if spec in ("chain", "ddtree") and draft is None:
@@ -149,7 +149,9 @@ def engine_from_target(target: Target, draft: str | Path | None = None, spec: st
     GenerationConfig(**cache_options)
     draft_model = load_draft(draft, target, draft_device) if draft is not None else None
     mode = spec or ("ddtree" if draft_model is not None else "ar")
-    return Engine(target, draft_model, GenerationConfig(mode=mode, budget=budget, topk=topk, **cache_options))
+    engine = Engine(target, draft_model, GenerationConfig(mode=mode, budget=budget, topk=topk, **cache_options))
+    engine.use_cuda_graphs = not enforce_eager
+    return engine
 
 
 def load_draft(path: str | Path, target: Target, device: str | None = None):
