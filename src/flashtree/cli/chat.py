@@ -16,7 +16,7 @@ from rich.console import Console
 from flashtree.engine.generate import GenerationConfig, GenerationResult, GenerationStats
 from flashtree.engine.prefix_cache import add_prefix_cache_args, apply_prefix_cache_args
 from flashtree.errors import FlashtreeError
-from flashtree.serve.app import chat_template
+from flashtree.formats.chat_template import template_or_chatml
 from flashtree.serve.parsing import Delta, OutputParser, opens_thinking
 
 HELP = """\
@@ -39,7 +39,7 @@ class ChatSession:
         self.config = config
         self.system = system
         self.thinking = thinking
-        self.template = chat_template(engine)
+        self.template = template_or_chatml(engine.target.chat_template)
         self.messages: list[dict] = []
         self.last_stats: GenerationStats | None = None
 

@@ -171,3 +171,8 @@ class ChatTemplate:
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
             # Messages of an unexpected shape, in our normalization or in template code (e.g. None + str).
             raise FlashtreeError(f"chat template failed on these messages: {type(e).__name__}: {e}") from e
+
+
+def template_or_chatml(template: ChatTemplate | None) -> ChatTemplate:
+    """A model's own template; GGUFs without one get ChatML, which frames Qwen turns the same way."""
+    return template or ChatTemplate(CHATML_TEMPLATE, eos_token="<|im_end|>")

@@ -19,7 +19,7 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from flashtree.engine.generate import GenerationResult
 from flashtree.errors import FlashtreeError
-from flashtree.formats.chat_template import CHATML_TEMPLATE, ChatTemplate
+from flashtree.formats.chat_template import ChatTemplate, template_or_chatml
 from flashtree.serve.errors import APIError, install_error_handlers
 from flashtree.serve.parsing import Delta, OutputParser, opens_thinking
 from flashtree.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerationParams,
@@ -30,11 +30,6 @@ log = logging.getLogger("flashtree.serve")
 
 # Keys the template renderer sets itself; letting chat_template_kwargs override them would break rendering.
 _RESERVED_TEMPLATE_KEYS = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
-
-
-def chat_template(engine) -> ChatTemplate:
-    """The model's own template; GGUFs without one get ChatML, which frames Qwen turns the same way."""
-    return engine.target.chat_template or ChatTemplate(CHATML_TEMPLATE, eos_token="<|im_end|>")
 
 
 class Server:
@@ -74,7 +69,7 @@ class Server:
 
     def _ready(self, engine) -> None:
         self.engine = engine
-        self.template = chat_template(engine)
+        self.template = template_or_chatml(engine.target.chat_template)
         self.scheduler = Scheduler(engine, self.queue_size, self.metrics)
         self.status = "ready"
 
