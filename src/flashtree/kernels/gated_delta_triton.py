@@ -28,12 +28,11 @@ which have the same signatures and in-place semantics.
 
 from __future__ import annotations
 
-import os
 
 import torch
 
 from flashtree.errors import FlashtreeError
-from flashtree.kernels import gated_delta
+from flashtree.kernels import gated_delta, triton_runs_on
 
 try:  # the kernels need triton; the references and the fallback do not
     import triton
@@ -108,11 +107,6 @@ def _check(q, k, v, g, beta, state, parents=None) -> None:
             raise FlashtreeError(f"tree_verify handles at most {MAX_TREE_NODES} nodes, got {t}")
 
 
-def _triton_runs(x: torch.Tensor) -> bool:
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    return (x.is_cuda or interpreted) and triton is not None
-
-
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -139,7 +133,7 @@ def recurrent_step(q, k, v, g, beta, state, block_v: int | None = None, num_warp
     (any strides). Returns o [T, H, dv] float32.
     """
     _check(q, k, v, g, beta, state)
-    if not _triton_runs(state):
+    if triton is None or not triton_runs_on(state.device):
         return recurrent_step_reference(q, k, v, g, beta, state)
     q, k, v, out = _prepared(q, k, v)
     t, hk, dk = q.shape
@@ -163,7 +157,7 @@ def tree_verify(q, k, v, g, beta, state, parents, block_v: int | None = None, bl
     "tf32x3", tensor cores at about float32 accuracy).
     """
     _check(q, k, v, g, beta, state, parents)
-    if not _triton_runs(state):
+    if triton is None or not triton_runs_on(state.device):
         return tree_verify_reference(q, k, v, g, beta, state, parents)
     q, k, v, out = _prepared(q, k, v)
     t, hk, dk = q.shape

@@ -41,11 +41,11 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 
 from flashtree.errors import FlashtreeError
+from flashtree.kernels import interpreted, triton_runs_on
 from flashtree.kernels.kv_quant import TQ3_GROUP, TQ3_LEVELS, KVType, kv_type
 
 try:
@@ -280,17 +280,13 @@ def choose_splits(kv_end: int, kv_heads: int, m_tiles: int, group_rows: int, sms
     return max(1, min(wanted, math.ceil(kv_end / min_rows), _MAX_SPLITS))
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _triton_supports(q, tk: KVType, tv: KVType) -> bool:
     """The kernel takes a whole row as one tl.arange(0, D) tile, so D must be a power of two (>= 32, the
     Q8_0/Q4_0 block); TQ3_0 rows also need whole 128-value groups (D = 128, 256, 512, ...). Other head dims
     (e.g. 96, 384), unknown kv types, and CPU tensors without the interpreter go to the torch reference."""
     d = q.shape[-1]
     tq3 = "tq3_0" in (tk.name, tv.name)
-    return (triton is not None and (q.is_cuda or _interpreted()) and tk.name in _KINDS and tv.name in _KINDS
+    return (triton is not None and triton_runs_on(q.device) and tk.name in _KINDS and tv.name in _KINDS
             and d >= 32 and d & (d - 1) == 0 and not (tq3 and d % TQ3_GROUP))
 
 
@@ -336,8 +332,8 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
     m_tiles = triton.cdiv(group * n, block_m)
     splits = split or choose_splits(kv_end, kv_heads, m_tiles, group * n, _sm_count(q.device), block_n)
     num_warps = num_warps or (4 if block_m * d <= 16 * 256 else 8)
-    interpreted = _interpreted()
-    low_precision = q.dtype in (torch.bfloat16, torch.float16) and not interpreted
+    interpreter = interpreted()
+    low_precision = q.dtype in (torch.bfloat16, torch.float16) and not interpreter
     op = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[q.dtype] if low_precision else tl.float32
 
     out = torch.empty(heads, n, d, dtype=q.dtype, device=q.device)
@@ -354,7 +350,7 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
         G=group, D=d, KIND_K=_KINDS[tk.name], KIND_V=_KINDS[tv.name], OP=op,
         PRECISION=None if low_precision else "ieee",  # float32: exact FMA dots (bf16/f16: tensor cores)
         HAS_WINDOW=window > 0, BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits,
-        FIXED_TRIPS=interpreted, TRIPS=triton.cdiv(triton.cdiv(kv_end, splits), block_n) if interpreted else 0,
+        FIXED_TRIPS=interpreter, TRIPS=triton.cdiv(triton.cdiv(kv_end, splits), block_n) if interpreter else 0,
         num_warps=num_warps)
     if splits > 1:
         _combine_kernel[(heads * n,)](part, lse, out, heads * n, D=d, SPLITS=splits,

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from flashtree.engine.cache import AttentionKV
 from flashtree.formats.gguf_file import GGUFFile
+from flashtree.kernels import triton_runs_on
 from flashtree.kernels.kv_quant import rotate, unrotate
 from flashtree.kernels.tree_attention import MAX_TREE_QUERIES, tree_attention
 from flashtree.models.layers import Linear, apply_rope, load_weight, rms_norm
@@ -59,7 +60,7 @@ class GatedAttention:
         q = q.transpose(0, 1)
         if kv.type_k.rotated:  # R orthogonal: (Rq).(Rk) = q.k, so K is used as stored
             q = rotate(q)
-        if step.graphed and q.is_cuda and n <= MAX_TREE_QUERIES:  # reads the cache in place, split over rows
+        if step.graphed and triton_runs_on(q.device) and n <= MAX_TREE_QUERIES:  # reads the cache in place
             out = tree_attention(q, kv.k, kv.v, kv.type_k, kv.type_v, step.start_t, step.visible, step.positions,
                                  step.kv_end, c.attention_scale, kv.window)
         else:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from flashtree.engine.cache import DeltaNetState, TreeScratch
 from flashtree.formats.gguf_file import GGUFFile
-from flashtree.kernels import gated_delta, gated_delta_fla, gated_delta_triton
+from flashtree.kernels import gated_delta, gated_delta_fla, gated_delta_triton, triton_runs_on
 from flashtree.models.layers import Linear, load_weight, rms_norm
 from flashtree.models.qwen35_config import Qwen35Config
 from flashtree.models.step import Step
@@ -58,7 +58,7 @@ class GatedDeltaNet:
 
         scratch = None
         # Triton kernels on the GPU for short runs and trees; the torch forms are the CPU reference
-        fused = x.is_cuda and n <= gated_delta_triton.MAX_TREE_NODES
+        fused = triton_runs_on(x.device) and n <= gated_delta_triton.MAX_TREE_NODES
         if step.is_tree:
             if fused:
                 o = gated_delta_triton.tree_verify(q, k, v, g, beta, state.ssm, step.parents)
@@ -114,7 +114,7 @@ def commit_layers(layers: list[tuple[GatedDeltaNet, DeltaNetState, TreeScratch]]
     kernel = layers[0][0].config.conv_kernel
     for _, state, scratch in layers:
         state.conv.copy_(torch.cat([state.conv, scratch.conv_inputs[path].to(state.conv.dtype)])[-(kernel - 1):])
-    if path.is_cuda:  # one in-place kernel launch per layer, no stacking of the 3 MiB states
+    if triton_runs_on(path.device):  # one in-place kernel launch per layer, no stacking of the 3 MiB states
         for _, state, scratch in layers:
             gated_delta_triton.recurrent_step(scratch.q[path], scratch.k[path], scratch.v[path], scratch.g[path],
                                               scratch.beta[path], state.ssm)

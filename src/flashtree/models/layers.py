@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import torch
@@ -12,6 +11,7 @@ from gguf import GGMLQuantizationType
 from flashtree.errors import FlashtreeError
 from flashtree.formats.gguf_file import GGUFFile
 from flashtree.formats.quants import dequantize
+from flashtree.kernels import triton_runs_on
 from flashtree.kernels.quant_matmul import KERNELS as QUANT_KERNELS
 from flashtree.kernels.quant_matmul import QuantWeight, quant_matmul
 
@@ -69,8 +69,7 @@ class Linear:
 def keeps_quantized(qtype: GGMLQuantizationType, device: torch.device) -> bool:
     """GPU weights stay in their file encoding when a quantized matmul kernel exists for the type
     (FLASHTREE_DENSE_WEIGHTS=1 dequantizes them at load instead, e.g. to compare with cuBLAS)."""
-    return (device.type == "cuda" and qtype in QUANT_KERNELS and importlib.util.find_spec("triton") is not None
-            and os.environ.get("FLASHTREE_DENSE_WEIGHTS") != "1")
+    return qtype in QUANT_KERNELS and triton_runs_on(device) and os.environ.get("FLASHTREE_DENSE_WEIGHTS") != "1"
 
 
 class QuantLinear:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import os
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -31,6 +30,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
 
 from flashtree.errors import FlashtreeError
 from flashtree.formats import quants
+from flashtree.kernels import triton_runs_on
 
 
 @dataclass(frozen=True)
@@ -55,11 +55,6 @@ class QuantKernel:
 @functools.cache
 def _import_kernel(module: str) -> ModuleType:
     return importlib.import_module(f"{__name__}.{module}")
-
-
-@functools.cache
-def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 _F16 = torch.float16
@@ -172,8 +167,7 @@ def _check_x(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
 
 
 def _triton_runs(x: torch.Tensor) -> bool:
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    return (x.is_cuda or interpreted) and _triton_installed()
+    return triton_runs_on(x.device)
 
 
 def quant_matmul(x: torch.Tensor, weight: QuantWeight, config=None) -> torch.Tensor:

@@ -26,12 +26,13 @@ Split-K is deterministic: each split writes float32 partials to a [split, M, N] 
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from flashtree.kernels import interpreted
 
 SKINNY_MAX_M = 64
 _H200_SMS = 132
@@ -74,10 +75,6 @@ def _sm_count(device: torch.device) -> int:
     return _H200_SMS
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _largest_divisor(count: int, limit: int) -> int:
     return max(s for s in range(1, max(1, min(limit, count)) + 1) if count % s == 0)
 
@@ -112,8 +109,8 @@ def choose_config(m: int, n: int, k: int, x_dtype: torch.dtype, device: torch.de
     The interpreter (triton 3.6) multiplies bf16 tl.dot operands as raw integers: there bf16 x gets
     a float32 dot instead (float16 x keeps the x_dtype dot).
     """
-    interpreted = _interpreted()
-    tensor_core = x_dtype == torch.float16 or (x_dtype == torch.bfloat16 and not interpreted)
+    interpreter = interpreted()
+    tensor_core = x_dtype == torch.float16 or (x_dtype == torch.bfloat16 and not interpreter)
     if m > SKINNY_MAX_M:
         dot = "x_dtype" if tensor_core else "tf32x3"
         return LaunchConfig(block_m=64, block_n=64, split_k=1, num_warps=4, dot=dot)
@@ -127,7 +124,7 @@ def choose_config(m: int, n: int, k: int, x_dtype: torch.dtype, device: torch.de
         block_k = default_block_k(k, tile_values, block_k)
         split_k = split_for(n, 64, k // block_k, _TILED_PROGRAMS_PER_SM * _sm_count(device),
                             _TILED_MAX_SPLIT_K)
-        dot = "x_dtype" if tensor_core else ("ieee" if interpreted else "tf32x3")
+        dot = "x_dtype" if tensor_core else ("ieee" if interpreter else "tf32x3")
         return LaunchConfig(block_m=block_m, block_n=64, split_k=split_k, num_warps=4, dot=dot,
                             block_k=block_k, num_stages=3)
     block_m = triton.next_power_of_2(m)

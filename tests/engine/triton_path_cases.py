@@ -1,0 +1,36 @@
+"""Run under TRITON_INTERPRET=1 (tests/engine/test_triton_path.py): the whole engine on the GPU code path --
+quantized weights through quant_matmul, graph-ready static steps through tree_attention, the fused
+gated-delta kernels -- on the CPU, printing tokens and logits for the parent test to compare with the
+torch path."""
+
+import json
+import sys
+
+import torch
+
+from flashtree.engine.cuda_graphs import GraphedForward
+from flashtree.engine.generate import Engine, GenerationConfig
+from flashtree.engine.loader import load_target
+from flashtree.models.layers import QuantLinear
+from tests.spec.test_lossless import random_draft
+
+PROMPT = [3, 17, 99, 250, 8, 41, 7]
+N_NEW = 12
+
+
+def run(path: str) -> dict:
+    torch.manual_seed(0)
+    target = load_target(path, device="cpu", dtype=torch.float32)
+    quantized = isinstance(target.model.layers[0].mlp.gate, QuantLinear)
+    logits = target.model.forward(torch.tensor(PROMPT), target.model.new_cache(64)).logits
+    tokens = {}
+    for mode in ("ar", "ddtree"):
+        engine = Engine(target, random_draft(target))
+        engine._graphs = GraphedForward(target.model, capture_graphs=False)
+        config = GenerationConfig(max_new_tokens=N_NEW, mode=mode, budget=6, ignore_eos=True)
+        tokens[mode] = engine.generate(PROMPT, config).token_ids
+    return {"quantized": quantized, "logits": logits.tolist(), "tokens": tokens}
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(sys.argv[1])))
