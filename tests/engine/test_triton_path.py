@@ -16,20 +16,24 @@ from flashtree.models.synthetic import tiny_config
 from tests.engine.triton_path_cases import N_NEW, PROMPT
 
 
-def test_gpu_code_path_in_the_interpreter_matches_the_torch_path(make_gguf):
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-3), ("bfloat16", 5e-2)])
+def test_gpu_code_path_in_the_interpreter_matches_the_torch_path(make_gguf, dtype, tol):
     pytest.importorskip("triton")
     path = make_gguf("triton-path", config=tiny_config(num_layers=4, gdn_v_heads=4), scheme="q8_0")
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root)])}
-    done = subprocess.run([sys.executable, "-m", "tests.engine.triton_path_cases", str(path)], cwd=root, env=env,
+    done = subprocess.run([sys.executable, "-m", "tests.engine.triton_path_cases", str(path), dtype], cwd=root, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     triton = json.loads(done.stdout)
     assert triton["quantized"]  # the weights really went through quant_matmul
 
-    target = load_target(path, device="cpu")
+    target = load_target(path, device="cpu")  # the float32 torch path is the reference for both
     reference = target.model.forward(torch.tensor(PROMPT), target.model.new_cache(64)).logits
     logits = torch.tensor(triton["logits"])
-    assert (logits - reference).abs().max() < 1e-3 * reference.abs().max()
-    expected = Engine(target).generate(PROMPT, GenerationConfig(max_new_tokens=N_NEW, ignore_eos=True)).token_ids
-    assert triton["tokens"] == {"ar": expected, "ddtree": expected}
+    assert (logits - reference).abs().max() < tol * reference.abs().max()
+    if dtype == "float32":
+        expected = Engine(target).generate(PROMPT, GenerationConfig(max_new_tokens=N_NEW, ignore_eos=True)).token_ids
+        assert triton["tokens"] == {"ar": expected, "ddtree": expected}
+    else:  # bf16 rounds differently on the two paths: the run completes and speculative equals its own AR
+        assert len(triton["tokens"]["ar"]) == N_NEW and triton["tokens"]["ddtree"] == triton["tokens"]["ar"]

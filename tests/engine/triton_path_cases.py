@@ -18,11 +18,11 @@ PROMPT = [3, 17, 99, 250, 8, 41, 7]
 N_NEW = 12
 
 
-def run(path: str) -> dict:
+def run(path: str, dtype: torch.dtype) -> dict:
     torch.manual_seed(0)
-    target = load_target(path, device="cpu", dtype=torch.float32)
+    target = load_target(path, device="cpu", dtype=dtype)
     quantized = isinstance(target.model.layers[0].mlp.gate, QuantLinear)
-    logits = target.model.forward(torch.tensor(PROMPT), target.model.new_cache(64)).logits
+    logits = target.model.forward(torch.tensor(PROMPT), target.model.new_cache(64)).logits.float()
     tokens = {}
     for mode in ("ar", "ddtree"):
         engine = Engine(target, random_draft(target))
@@ -33,4 +33,4 @@ def run(path: str) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(run(sys.argv[1])))
+    print(json.dumps(run(sys.argv[1], getattr(torch, sys.argv[2]))))
