@@ -25,7 +25,7 @@ import torch
 
 from flashtree.models.dflash import DFlashDraft, DraftConfig, build_target_layer_ids
 from flashtree.models.layers import Linear, QuantLinear
-from flashtree.spec.decode import _commit, make_tree, walk
+from flashtree.spec.decode import make_tree, walk
 from flashtree.spec.proposer import DFlashProposer
 
 VERIFY_BUDGETS = (15, 22, 32, 64)
@@ -229,7 +229,7 @@ def _commit_time(engine, cache, proposer, tree, capture, repeat: int) -> float:
         result = engine.step_forward(tree.tokens, cache, tree, capture, pad_to=23)
         _sync(device)
         start = time.perf_counter()
-        _commit(engine.target.model, cache, proposer, result.features, path)
+        engine.commit_step(cache, path, proposer, result.features)
         _sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)

@@ -28,7 +28,6 @@ def make_tree(mode: str, bonus: int, draft_logits: torch.Tensor, budget: int, to
 
 
 def speculative(engine, prompt_ids: list[int], config, out, stats, started: float) -> None:
-    model = engine.target.model
     proposer = _proposer(engine, config)
     sampler = engine.sampler(prompt_ids, config)
     cache = engine.new_cache(len(prompt_ids), config)
@@ -51,11 +50,7 @@ def speculative(engine, prompt_ids: list[int], config, out, stats, started: floa
             if out.push(token):  # an end-of-generation or stop inside the accepted path: emit up to it, no further
                 return
             sampler.record(token)
-        runner = engine.graph_runner()
-        if runner is not None:
-            runner.commit(cache, accepted, proposer, result.features)
-        else:
-            _commit(model, cache, proposer, result.features, accepted)
+        engine.commit_step(cache, accepted, proposer, result.features)
 
 
 def walk(tree: DraftTree, logits: torch.Tensor, sampler) -> tuple[list[int], int]:
@@ -80,13 +75,6 @@ def _path_counts(tree: DraftTree, ancestors: torch.Tensor, vocab: int) -> torch.
     below_root[:, 0] = 0
     one_hot = torch.nn.functional.one_hot(tree.tokens.to(ancestors.device), vocab).float()
     return below_root @ one_hot
-
-
-def _commit(model, cache, proposer: Proposer, features: torch.Tensor, accepted: list[int]) -> None:
-    path = torch.tensor(accepted, device=model.device)
-    positions = torch.arange(cache.length, cache.length + len(accepted), device=model.device)
-    model.commit(cache, path)
-    proposer.commit(features[path], positions)
 
 
 def _proposer(engine, config) -> Proposer:
