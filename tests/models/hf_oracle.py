@@ -13,6 +13,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from flashtree.models.qwen35_config import Qwen35Config
+from flashtree.train.convert import new_hf_model
 
 
 def _tiled_to_grouped_heads(hk: int, hv: int) -> np.ndarray:
@@ -36,25 +37,12 @@ def read_gguf_tensors(path) -> dict[str, np.ndarray]:
 
 
 def hf_model_from_gguf(path, config: Qwen35Config):
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
+    """transformers' Qwen3.5 holding the GGUF's weights as gguf's own dequantizer reads them, through this
+    oracle's own tensor mapping (the config translation is the project's: the engine does not use it)."""
     c = config
     tensors = read_gguf_tensors(path)
     tied = "output.weight" not in tensors
-    hf_config = Qwen3_5TextConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-        head_dim=c.head_dim, rms_norm_eps=c.rms_eps, linear_conv_kernel_dim=c.conv_kernel,
-        linear_key_head_dim=c.gdn_head_dim, linear_value_head_dim=c.gdn_head_dim,
-        linear_num_key_heads=c.gdn_qk_heads, linear_num_value_heads=c.gdn_v_heads,
-        layer_types=["linear_attention" if r else "full_attention" for r in c.recurrent_layers],
-        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta,
-                         "partial_rotary_factor": c.rope_dim / c.head_dim,
-                         "mrope_section": _mrope_section(c.rope_dim // 2), "mrope_interleaved": True},
-        tie_word_embeddings=tied, max_position_embeddings=c.context_length,
-    )
-    hf_config._attn_implementation = "eager"
-    model = Qwen3_5ForCausalLM(hf_config).float().eval()
+    model = new_hf_model(c, tied, attn_implementation="eager").eval()
     state = _hf_state_dict(tensors, c, tied)
     missing, unexpected = model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()}, strict=False)
     missing = [m for m in missing if not (tied and m == "lm_head.weight")]
@@ -62,12 +50,6 @@ def hf_model_from_gguf(path, config: Qwen35Config):
     if tied:
         model.tie_weights()
     return model
-
-
-def _mrope_section(half: int) -> list[int]:
-    a = (half + 2) // 3
-    b = (half - a + 1) // 2
-    return [a, b, half - a - b]
 
 
 def _hf_state_dict(t: dict[str, np.ndarray], c: Qwen35Config, tied: bool) -> dict[str, np.ndarray]:
