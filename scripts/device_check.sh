@@ -1,9 +1,6 @@
 #!/usr/bin/env bash
 # One device call: CUDA tests, then a synthetic benchmark. Carry .whl (gguf wheel); results under $OUT.
-set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:src:. PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source scripts/device_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py tests/formats/test_quants.py tests/spec/test_lossless.py "$@" 2>&1 | tee "$OUT/pytest.txt" | tail -15

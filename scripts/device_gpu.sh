@@ -2,10 +2,7 @@
 # One device call (carry .whl, made by scripts/fetch_device_wheels.sh): the GPU tests of every kernel and of the
 # graphed engine, the quant_matmul sweep, then `bench --steps` at the Qwen3.6-27B shape.
 # Each part has its own time limit so that a hang costs one part, not the call. Results under $OUT.
-set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:src:. PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source scripts/device_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 if [ "${TESTS:-1}" = 1 ]; then

@@ -2,10 +2,7 @@
 # One device call (carry .whl): long-context figures at the 27B shape. AR/verify steps after 1K and 64K
 # committed tokens (same run order, same process settings), 128K prefill, and peak memory at 256K with
 # TQ3_0 K/V. Results under $OUT.
-set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:src:. PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source scripts/device_env.sh
 run() {  # name, seconds, bench flags...
   name=$1; limit=$2; shift 2
   timeout "$limit" python3 -m flashtree.cli.main bench --synthetic qwen3.6-27b --scheme q4_k_m --device cuda --steps \

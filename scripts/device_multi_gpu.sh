@@ -1,10 +1,8 @@
 #!/usr/bin/env bash
 # One call on nvidia-h200-x2 (carry .whl, made by scripts/fetch_device_wheels.sh): placement tests, then
 # the synthetic 27B step benchmark on one GPU and per placement, with memory per GPU. Results under $OUT.
-set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:src:. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source scripts/device_env.sh
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/dist 2>&1 | tee "$OUT/pytest.txt" | tail -15
 for placement in "one:" "split:--layer-split 1,1" "draft1:--draft-device cuda:1"; do
