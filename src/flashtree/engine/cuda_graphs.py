@@ -153,11 +153,11 @@ class GraphedForward:
             self.steps.run(key, n + 2, fill, run)
         cache.pending.clear()
         cache.length += n
-        positions = torch.arange(start, start + n, device=features.device)
         if static_draft:
             proposer.cache.count += n
         else:
-            proposer.commit(features[torch.tensor(path, device=features.device)], positions)
+            proposer.commit(features[torch.tensor(path, device=features.device)],
+                            torch.arange(start, start + n, device=features.device))
 
     def release(self) -> None:
         """Drop every graph and the cache they were captured on."""

@@ -252,13 +252,13 @@ class _Attention(nn.Module):
         return self.o_proj(out.view(kv_heads * group, n, self.head_dim).transpose(0, 1).reshape(n, -1))
 
 
-class _QuantizedLinear(nn.Module):
-    """A bias-free nn.Linear whose weight is kept as GGUF blocks (kernels/quant_matmul)."""
+class _Q8Linear(nn.Module):
+    """A bias-free nn.Linear whose weight is kept as Q8_0 blocks (kernels/quant_matmul)."""
 
-    def __init__(self, weight: Tensor, qtype: GGMLQuantizationType):
+    def __init__(self, weight: Tensor):
         super().__init__()
-        raw = quantize_q8_0(weight.detach())  # the only type made on the device so far
-        self.quant = QuantWeight.from_gguf_bytes(raw, qtype, tuple(weight.shape))
+        raw = quantize_q8_0(weight.detach())
+        self.quant = QuantWeight.from_gguf_bytes(raw, GGMLQuantizationType.Q8_0, tuple(weight.shape))
         self.register_buffer("packed", self.quant.raw, persistent=False)  # counted and moved with the module
 
     def forward(self, x: Tensor) -> Tensor:
@@ -433,7 +433,7 @@ class DFlashDraft(nn.Module):
             for parent in (layer.self_attn, layer.mlp):
                 for name, child in list(parent.named_children()):
                     if isinstance(child, nn.Linear):
-                        setattr(parent, name, _QuantizedLinear(child.weight, GGMLQuantizationType.Q8_0))
+                        setattr(parent, name, _Q8Linear(child.weight))
         return self
 
     # ---- forward ----
