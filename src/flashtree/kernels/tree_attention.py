@@ -8,7 +8,7 @@ window=0, split=None)` -> [heads, T, D] in q.dtype, for the rows of a graphed `S
 * rows >= start + T (and >= kv_end) are garbage and never read;
 * window W > 0: query i (position positions[i]) sees a key at position p only if positions[i] - p < W
   (committed row r has position r, new node j position positions[j]).
-This is exactly `Step._graphed_mask` (see `graphed_mask`). GQA: query head h reads kv head h // (heads //
+The mask is `graphed_mask` (also what `Step` uses for a graphed step). GQA: query head h reads kv head h // (heads //
 kv_heads). Caches are [kv_heads, capacity, D] float (f32/f16/bf16) or uint8 [kv_heads, capacity,
 row_bytes] Q8_0/Q4_0/TQ3_0 blocks (kv_quant.py); kv types are anything `kv_quant.kv_type` takes (KVType or
 name), K and V independently.
@@ -68,15 +68,17 @@ _LOG2E = 1.4426950408889634
 
 def graphed_mask(start_t: torch.Tensor, visible: torch.Tensor, positions: torch.Tensor, kv_end: int,
                  window: int = 0) -> torch.Tensor:
-    """bool [T, kv_end], built exactly like `Step._graphed_mask`."""
+    """bool [T, kv_end] for a graphed step (models/step.py): row r < start is committed, row start + j is new
+    token j (seen by query i iff visible[i, j]), later rows are garbage; a window also hides keys
+    `window` or more positions behind the query."""
     n = positions.shape[0]
     rows = torch.arange(kv_end, device=positions.device)
-    rel = rows - start_t
+    rel = rows - start_t  # the row's index among the new tokens
     new = (rel >= 0) & (rel < n)
     node = rel.clamp(0, n - 1)
     mask = (rows < start_t)[None, :] | (visible[:, node] & new[None, :])
     if window > 0:
-        key_pos = torch.where(new, positions[node], rows)
+        key_pos = torch.where(new, positions[node], rows)  # committed row r holds position r
         mask = mask & (positions[:, None] - key_pos[None, :] < window)
     return mask
 

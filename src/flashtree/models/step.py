@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flashtree.kernels.tree_attention import graphed_mask
 from flashtree.models.layers import rope_tables
 
 
@@ -63,16 +64,7 @@ class Step:
         return mask
 
     def _graphed_mask(self, window: int) -> torch.Tensor:
-        n = self.positions.shape[0]
-        rows = torch.arange(self.kv_end, device=self.positions.device)
-        rel = rows - self.start_t  # row's index among the new tokens
-        new = (rel >= 0) & (rel < n)
-        node = rel.clamp(0, n - 1)
-        mask = (rows < self.start_t)[None, :] | (self.visible[:, node] & new[None, :])
-        if window > 0:
-            key_pos = torch.where(new, self.positions[node], rows)  # committed row r holds position r
-            mask = mask & (self.positions[:, None] - key_pos[None, :] < window)
-        return mask
+        return graphed_mask(self.start_t, self.visible, self.positions, self.kv_end, window)
 
     def to(self, device) -> "Step":
         """The same step with its tensors on `device` (a layer-split boundary, flashtree.dist)."""
