@@ -33,6 +33,20 @@ def recurrent(q, k, v, g, beta, state):
     return out, s
 
 
+def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
+    """Inclusive ancestor matrix bool [T, T] of a forest given as parents (-1 = a root): [i, j] is true iff
+    j is i or an ancestor of i. One vectorised step per tree level."""
+    n = parents.shape[0]
+    mask = torch.eye(n, dtype=torch.bool, device=parents.device)
+    rows = torch.arange(n, device=parents.device)
+    up = parents.clone()
+    while (up >= 0).any():
+        live = up >= 0
+        mask[rows[live], up[live]] = True
+        up = torch.where(live, parents[up.clamp(min=0)], up)
+    return mask
+
+
 def ancestor_chunk(q, k, v, g, beta, state, ancestors):
     """All tokens of one chunk at once; `ancestors[i, j]` is True iff j is i's ancestor or i itself.
 

@@ -49,16 +49,10 @@ _H200_SMS = 132
 
 def ancestors_from_parents(parents: torch.Tensor) -> torch.Tensor:
     """Inclusive ancestor matrix [T, T] (bool): row i is True at i and at every ancestor of i."""
-    plist = [int(p) for p in parents.tolist()]
-    n = len(plist)
-    anc = torch.zeros(n, n, dtype=torch.bool)
-    for i, p in enumerate(plist):
+    for i, p in enumerate(parents.tolist()):
         if p >= i or p < -1:
             raise FlashtreeError(f"parents[{i}] = {p}: a parent must come before its child (or be -1)")
-        if p >= 0:
-            anc[i] = anc[p]
-        anc[i, i] = True
-    return anc.to(parents.device)
+    return gated_delta.ancestor_matrix(parents)
 
 
 def _expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from flashtree.kernels.gated_delta import ancestor_matrix
+
 
 @dataclass(frozen=True, eq=False)
 class DraftTree:
@@ -51,16 +53,7 @@ class DraftTree:
 
     def ancestor_mask(self) -> Tensor:
         """bool [n+1, n+1]: [i, j] true iff j is i or an ancestor of i (the tree-attention visibility)."""
-        n = len(self)
-        mask = torch.eye(n, dtype=torch.bool)
-        rows = torch.arange(n)
-        up = self.parents.clone()
-        # One vectorised step per tree level instead of one per node.
-        while (up >= 0).any():
-            live = up >= 0
-            mask[rows[live], up[live]] = True
-            up = torch.where(live, self.parents[up.clamp(min=0)], up)
-        return mask
+        return ancestor_matrix(self.parents)
 
     def path_to(self, node: int) -> list[int]:
         """Indices from the root down to `node`."""
