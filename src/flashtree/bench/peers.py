@@ -15,11 +15,11 @@ Gated DeltaNet state of a hybrid target, so its output can drift from greedy dec
 from __future__ import annotations
 
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
+from flashtree.bench.steps import clock
 PEERS = ("hf-ar", "zlab-dflash")
 
 
@@ -62,11 +62,11 @@ def _hf_ar_row(target, dataset, prompts, max_tokens, ar_tokens) -> dict:
     outputs, seconds = [], 0.0
     for ids in prompts:
         inputs = torch.tensor([ids], device=target.device)
-        start = _now(target.device)
+        start = clock(target.device)
         with torch.inference_mode():
             out = target.generate(inputs, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
                                   attention_mask=torch.ones_like(inputs))
-        seconds += _now(target.device) - start
+        seconds += clock(target.device) - start
         outputs.append(out[0, len(ids):].tolist())
     return _row(dataset, "hf-ar", outputs, seconds, None, ar_tokens)
 
@@ -80,9 +80,9 @@ def _zlab_row(target, draft, dataset, prompts, max_tokens, ar_tokens) -> dict:
     try:
         for ids in prompts:
             calls[0] = 0
-            start = _now(target.device)
+            start = clock(target.device)
             out = dflash_generate(draft, target, torch.tensor([ids], device=target.device), max_tokens, None)
-            seconds += _now(target.device) - start
+            seconds += clock(target.device) - start
             outputs.append(out[0, len(ids):].tolist())
             steps += calls[0] - 1  # every target call after the prefill verifies one block
     finally:
@@ -99,9 +99,3 @@ def _row(dataset, mode, outputs, seconds, steps, ar_tokens) -> dict:
             "tokens_per_s": round(tokens / seconds, 2) if seconds else 0.0,
             "ms_per_step": round(1000 * seconds / max(steps or tokens, 1), 3),
             "identical_to_ar": sum(identical), "identical_per_prompt": identical}
-
-
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()

@@ -50,17 +50,17 @@ def timed(fn, device: torch.device, repeat: int = 10, warmup: int = 2) -> float:
         fn()
     times = []
     for _ in range(repeat):
-        _sync(device)
-        start = time.perf_counter()
+        start = clock(device)
         fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
+        times.append(clock(device) - start)
     return statistics.median(times)
 
 
-def _sync(device: torch.device) -> None:
+def clock(device: torch.device) -> float:
+    """perf_counter once `device` has finished its queued work."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def random_draft(target_config, device, dtype, seed: int = 0) -> DFlashDraft:
@@ -227,11 +227,9 @@ def _commit_time(engine, cache, proposer, tree, capture, repeat: int) -> float:
     times = []
     for _ in range(repeat):
         result = engine.step_forward(tree.tokens, cache, tree, capture, pad_to=23)
-        _sync(device)
-        start = time.perf_counter()
+        start = clock(device)
         engine.commit_step(cache, path, proposer, result.features)
-        _sync(device)
-        times.append(time.perf_counter() - start)
+        times.append(clock(device) - start)
     return statistics.median(times)
 
 
