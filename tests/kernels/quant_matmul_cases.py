@@ -21,6 +21,8 @@ M_VALUES = (1, 7, 16, 23, 64, 65)  # <= 64: the v2 tiled skinny path by default;
 # there (the bf16 tensor-core path runs in the GPU test); float16 x takes the x-dtype tensor-core dot
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ROUNDED_DTYPES = ("float16",)  # also compared with weights first rounded to x's dtype
+DENSE_M = 512  # _launch.DENSE_MIN_M: bf16/f16 prefill chunks dequantize the weight (v1 kernel, "store")
+DENSE_DTYPES = ("float16", "bfloat16")
 
 
 def case_ids() -> list[str]:
@@ -28,15 +30,19 @@ def case_ids() -> list[str]:
     ...-rounded-ulps: max |kernel - reference from weights rounded to x's dtype| in units of the
     output dtype's spacing (<= 1: only the final rounding differs);
     ...-{v1,v2}-...: explicit LaunchConfigs (v1: the chunked kernel; split: split-K > 1);
-    {type}-deterministic: 1.0 when two split-K calls give bit-identical results."""
+    {type}-deterministic: 1.0 when two split-K calls give bit-identical results;
+    {type}-m512-{dtype}: the dense prefill path (dequantize_dense + torch matmul); with one-hot x
+    (-onehot-rounded-ulps) the output is the dequantized weights themselves, in ulps of x's dtype."""
     ids = []
     for t in KERNELS:
         ids += [f"{t.name}-m{m}-{d}" for m in M_VALUES for d in DTYPES]
-        ids += [f"{t.name}-m{m}-{d}-rounded-ulps" for m in M_VALUES if m <= 64 for d in ROUNDED_DTYPES]
+        ids += [f"{t.name}-m{m}-{d}-rounded-ulps" for m in M_VALUES if 1 < m <= 64 for d in ROUNDED_DTYPES]
         ids += [f"{t.name}-m5-float32-v1-nosplit", f"{t.name}-m5-float32-v1-fma-split",
                 f"{t.name}-m16-float32-v1-tf32x3-split", f"{t.name}-m23-float16-v2-split",
                 f"{t.name}-m23-float16-v2-split-rounded-ulps", f"{t.name}-m3-float32-v2-split-bn32",
                 f"{t.name}-deterministic"]
+        ids += [f"{t.name}-m{DENSE_M}-{d}" for d in DENSE_DTYPES]
+        ids += [f"{t.name}-m{DENSE_M}-{d}-onehot-rounded-ulps" for d in DENSE_DTYPES]
     return ids
 
 
@@ -79,7 +85,7 @@ def main() -> None:
             x = torch.randn(m, k, generator=gen)
             for name, dtype in DTYPES.items():
                 errors[f"{qtype.name}-m{m}-{name}"] = relative_error(x.to(dtype), w)
-                if name in ROUNDED_DTYPES and m <= 64:
+                if name in ROUNDED_DTYPES and 1 < m <= 64:  # M = 1 (v1 fma) keeps float32 weights
                     errors[f"{qtype.name}-m{m}-{name}-rounded-ulps"] = rounded_weight_ulps(x.to(dtype), w)
         x5 = torch.randn(5, k, generator=gen)
         errors[f"{qtype.name}-m5-float32-v1-nosplit"] = relative_error(
@@ -99,6 +105,12 @@ def main() -> None:
         errors[f"{qtype.name}-m3-float32-v2-split-bn32"] = relative_error(torch.randn(3, k, generator=gen), w, bn32)
         first, second = quant_matmul(x23, w, split), quant_matmul(x23, w, split)
         errors[f"{qtype.name}-deterministic"] = float(torch.equal(first, second))
+        onehot = torch.nn.functional.one_hot(torch.arange(DENSE_M) % k, k).float()
+        for name in DENSE_DTYPES:
+            dtype = DTYPES[name]
+            errors[f"{qtype.name}-m{DENSE_M}-{name}"] = relative_error(
+                torch.randn(DENSE_M, k, generator=gen).to(dtype), w)
+            errors[f"{qtype.name}-m{DENSE_M}-{name}-onehot-rounded-ulps"] = rounded_weight_ulps(onehot.to(dtype), w)
     json.dump(errors, sys.stdout)
 
 

@@ -86,12 +86,16 @@ class CapturedSteps:
         except RuntimeError as exc:  # an op that cannot be captured: keep going eagerly, say so once
             print(f"flashtree: CUDA graph capture failed ({str(exc).splitlines()[0]}); "
                   "running the static steps eagerly", file=sys.stderr)
-            self.capture_graphs = False
             self.entries.clear()
+            self.capture_graphs = False
         return result
 
     def clear(self) -> None:
+        """Drop every graph. Their memory pool dies with the last of them and cannot be reopened
+        (the allocator asserts), so later captures get a fresh pool."""
         self.entries.clear()
+        if self.capture_graphs:
+            self.pool = torch.cuda.graph_pool_handle()
 
 
 class GraphedForward:

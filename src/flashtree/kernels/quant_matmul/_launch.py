@@ -37,9 +37,12 @@ from flashtree.kernels import interpreted
 SKINNY_MAX_M = 64
 _H200_SMS = 132
 _PROGRAMS_PER_SM = 24  # v1, measured: M = 1 needs ~20 resident programs/SM to keep loads in flight
-_TILED_PROGRAMS_PER_SM = 4  # v2 moves BLOCK_N * BLOCK_K values per step: fewer, bigger programs
+_TILED_PROGRAMS_PER_SM = 8  # v2, measured (sweep of 2026-11-29): ~8 programs/SM, split-K at most 8
 _MAX_SPLIT_K = 32
-_TILED_MAX_SPLIT_K = 16
+_TILED_MAX_SPLIT_K = 8
+# prefill chunks of at least this many rows (bf16/f16 x on CUDA): dequantize the weight once into a
+# dense temporary and multiply with cuBLAS, which beats v1's tiles once the dequantization is amortized
+DENSE_MIN_M = 512
 _TENSOR_CORE_DTYPES = (torch.bfloat16, torch.float16)
 DOTS = ("fma", "ieee", "tf32", "tf32x3", "x_dtype")
 
@@ -96,15 +99,20 @@ def default_block_k(k: int, tile_values: int, cap: int = 256) -> int:
 
 @functools.cache
 def choose_config(m: int, n: int, k: int, x_dtype: torch.dtype, device: torch.device,
-                  block_values: int, tile_values: int = 0, block_k: int = 256) -> LaunchConfig:
-    """Defaults for an H200 (tile_values = 0: the type has no v2 kernel; block_k: the type's default
-    BLOCK_K, lowered where a [64, 256] tile needs more than 255 registers per thread (ptxas, sm_90)).
+                  block_values: int, tile_values: int = 0, block_k: int = 256, tiled_block_n: int = 128,
+                  tiled_decode: bool = False) -> LaunchConfig:
+    """Defaults for an H200, from the sweep of 2026-11-29 (scripts/sweep_quant_matmul.py, in
+    docs/PERFORMANCE.md). tile_values = 0: the type has no v2 kernel; block_k: the type's default
+    BLOCK_K; tiled_block_n: the type's best v2 BLOCK_N (Q5_K 64, others 128); tiled_decode: v2 also
+    for M = 1 (Q6_K, where it beat v1; for Q4_K/Q5_K/Q8_0 v1's fma kernel was 1.5-2x faster).
 
-    M > 64 (prefill): v1, 64 x 64 tiles, tensor-core dot in x's dtype (tf32x3 for float32 x).
-    M <= 64 with a v2 kernel: v2, BLOCK_M = max(16, next power of two of M) so the weights are read
-    and dequantized once; BLOCK_N 64, BLOCK_K at most 128 and split-K (up to ~4 programs per SM)
-    independent of M, 3 pipeline stages; dot in x's dtype for bf16/f16, tf32x3 for float32 x. These are guesses from register counts, not measurements:
-    scripts/sweep_quant_matmul.py measures the alternatives.
+    M > 64 (prefill): v1, 64 x 64 tiles, tensor-core dot in x's dtype (tf32x3 for float32 x); long
+    prompts' chunks (M >= DENSE_MIN_M) skip this: see `launch`.
+    2 <= M <= 64 with a v2 kernel: v2, BLOCK_M = max(16, next power of two of M) so the weights are
+    read and dequantized once; BLOCK_K 128 and split-K (~8 programs per SM, at most 8) independent of
+    M, so every verify size sums K in one order; 3 pipeline stages; dot in x's dtype for bf16/f16,
+    tf32x3 for float32 x. M = 1 (decode) sums K in another order than verify: greedy speculative
+    output may then differ from greedy AR output at near-ties (docs/PERFORMANCE.md).
     Otherwise (v1 skinny): fma for M < 16, tf32x3 from 16, split-K up to ~24 programs per SM.
     The interpreter (triton 3.6) multiplies bf16 tl.dot operands as raw integers: there bf16 x gets
     a float32 dot instead (float16 x keeps the x_dtype dot).
@@ -114,24 +122,31 @@ def choose_config(m: int, n: int, k: int, x_dtype: torch.dtype, device: torch.de
     if m > SKINNY_MAX_M:
         dot = "x_dtype" if tensor_core else "tf32x3"
         return LaunchConfig(block_m=64, block_n=64, split_k=1, num_warps=4, dot=dot)
-    if tile_values and k % tile_values == 0:
+    if tile_values and k % tile_values == 0 and (m > 1 or tiled_decode):
         block_m = max(16, triton.next_power_of_2(m))
-        # BLOCK_K and split-K do not depend on M: every output row then sums the same K chunks in the
-        # same order for M = 1 and M = 23, so a verify row equals the decode row bit for bit and greedy
-        # speculative output stays the greedy AR output. BLOCK_K 256 would take ~200-250 registers per
-        # thread at BLOCK_M 32 (ptxas, sm_90) and spill as a float32 tile: 128 for every M.
-        block_k = min(block_k, 128)
-        block_k = default_block_k(k, tile_values, block_k)
-        split_k = split_for(n, 64, k // block_k, _TILED_PROGRAMS_PER_SM * _sm_count(device),
+        # BLOCK_K 256 would take ~200-250 registers per thread at BLOCK_M 32 (ptxas, sm_90) and spill
+        block_k = default_block_k(k, tile_values, min(block_k, 128))
+        split_k = split_for(n, tiled_block_n, k // block_k, _TILED_PROGRAMS_PER_SM * _sm_count(device),
                             _TILED_MAX_SPLIT_K)
         dot = "x_dtype" if tensor_core else ("ieee" if interpreter else "tf32x3")
-        return LaunchConfig(block_m=block_m, block_n=64, split_k=split_k, num_warps=4, dot=dot,
+        return LaunchConfig(block_m=block_m, block_n=tiled_block_n, split_k=split_k, num_warps=4, dot=dot,
                             block_k=block_k, num_stages=3)
     block_m = triton.next_power_of_2(m)
     block_n = 32 if block_m < 16 else 64
     split_k = split_for(n, block_n, k // block_values, _PROGRAMS_PER_SM * _sm_count(device), _MAX_SPLIT_K)
     return LaunchConfig(block_m=block_m, block_n=block_n, split_k=split_k, num_warps=4,
                         dot="fma" if block_m < 16 else "tf32x3")
+
+
+def dequantize_dense(weight_args: tuple, n: int, k: int, block_values: int, chunked,
+                     dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The dense [N, K] weight in `dtype`, written by the type's v1 kernel in DOT "store" mode (the
+    values its tensor-core dot would multiply): one program per 32 rows and quant block."""
+    out = torch.empty(n, k, dtype=dtype, device=device)
+    block_n, k_blocks = 32, k // block_values
+    chunked[(1, triton.cdiv(n, block_n), k_blocks)](out, *weight_args, out, 0, n, k, BLOCK_M=16, BLOCK_N=block_n,
+                                                    SPLIT_K=k_blocks, DOT="store", num_warps=4)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -149,17 +164,22 @@ def zero_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, 
 
 
 @triton.jit
-def dot_chunk(acc, x_ptr, offs_m, m_mask, k_offs, w, K, BLOCK_M: tl.constexpr, DOT: tl.constexpr):
+def dot_chunk(acc, x_ptr, offs_m, m_mask, offs_n, N, k_offs, w, K, BLOCK_M: tl.constexpr, DOT: tl.constexpr):
     """acc += x[offs_m, k_offs] @ w^T, w: [BLOCK_N, C] float32 dequantized values (see zero_acc).
     k_offs may be any permutation-like gather of K: the tiled kernels pair each plane's columns
-    with the x values of the same elements."""
-    x = tl.load(x_ptr + offs_m[:, None] * K + k_offs[None, :], mask=m_mask[:, None], other=0.0)
-    if DOT == "x_dtype":
-        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
-    elif DOT == "fma":
-        acc += x.to(tl.float32)[:, None, :] * w[None, :, :]
+    with the x values of the same elements. DOT "store" (`dequantize_dense`): x_ptr is a dense
+    [N, K] output and w is written to its rows offs_n, columns k_offs, in that tensor's dtype."""
+    if DOT == "store":
+        dense = x_ptr + offs_n[:, None].to(tl.int64) * K + k_offs[None, :]
+        tl.store(dense, w.to(x_ptr.dtype.element_ty), mask=(offs_n < N)[:, None])
     else:
-        acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision=DOT)
+        x = tl.load(x_ptr + offs_m[:, None] * K + k_offs[None, :], mask=m_mask[:, None], other=0.0)
+        if DOT == "x_dtype":
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+        elif DOT == "fma":
+            acc += x.to(tl.float32)[:, None, :] * w[None, :, :]
+        else:
+            acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision=DOT)
     return acc
 
 
@@ -186,12 +206,14 @@ def program_tiles(M, N, K: tl.constexpr, BLOCK_VALUES: tl.constexpr, BLOCK_M: tl
 
 @triton.jit
 def store_tile(out_ptr, acc, offs_m, offs_n, M, N, DOT: tl.constexpr):
-    """Store into out_ptr's dtype; split s (program_id 2) writes slice s of a [split, M, N] buffer."""
-    if DOT == "fma":
-        acc = tl.sum(acc, axis=2)
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    base = out_ptr + tl.program_id(2).to(tl.int64) * M * N
-    tl.store(base + offs_m[:, None] * N + offs_n[None, :], acc, mask=mask)
+    """Store into out_ptr's dtype; split s (program_id 2) writes slice s of a [split, M, N] buffer
+    (nothing for DOT "store": dot_chunk wrote the dequantized weights)."""
+    if DOT != "store":
+        if DOT == "fma":
+            acc = tl.sum(acc, axis=2)
+        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+        base = out_ptr + tl.program_id(2).to(tl.int64) * M * N
+        tl.store(base + offs_m[:, None] * N + offs_n[None, :], acc, mask=mask)
 
 
 @triton.jit
@@ -224,14 +246,21 @@ def check_config(config: LaunchConfig, k: int, block_values: int, tile_values: i
 
 def launch(x: torch.Tensor, weight_args: tuple, n: int, k: int, block_values: int, chunked,
            tiled=None, tile_values: int = 0, config: LaunchConfig | None = None,
-           block_k: int = 256) -> torch.Tensor:
+           block_k: int = 256, tiled_args: tuple | None = None, **tuning) -> torch.Tensor:
     """Run the type's kernel on x [M, K]: `chunked` (v1) or `tiled` (v2) per the config
-    (default: `choose_config`, with `block_k` the type's default BLOCK_K). Returns [M, N] in x's dtype."""
+    (default: `choose_config`, with `block_k` the type's default BLOCK_K and `tuning` its other
+    per-type defaults). `weight_args` go to the v1 kernel, `tiled_args` (default: the same) to v2. Without a config,
+    a prefill chunk of bf16/f16 x with M >= DENSE_MIN_M goes through `dequantize_dense` and
+    cuBLAS. Returns [M, N] in x's dtype."""
     m = x.shape[0]
     if tiled is None:
         tile_values = 0
-    config = config or choose_config(m, n, k, x.dtype, x.device, block_values, tile_values, block_k)
+    if config is None and m >= DENSE_MIN_M and x.dtype in _TENSOR_CORE_DTYPES:
+        return x @ dequantize_dense(weight_args, n, k, block_values, chunked, x.dtype, x.device).T
+    config = config or choose_config(m, n, k, x.dtype, x.device, block_values, tile_values, block_k, **tuning)
     check_config(config, k, block_values, tile_values)
+    if config.tiled and tiled_args is not None:
+        weight_args = tiled_args
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     dest = out if config.split_k == 1 else torch.empty(config.split_k, m, n, dtype=torch.float32,
                                                        device=x.device)

@@ -51,7 +51,7 @@ def _iq4_xs_kernel(x_ptr, qs_ptr, scales_l_ptr, scales_h_ptr, d_ptr, codebook_pt
             q = tl.load(qs_ptr + block[:, None] * 128 + 16 * r + lanes[None, :])
             for h in tl.static_range(2):
                 w = dl[:, None] * tl.load(codebook_ptr + ((q >> (4 * h)) & 0xF))
-                acc = dot_chunk(acc, x_ptr, offs_m, m_mask, b * 256 + 32 * r + 16 * h + lanes, w, K,
+                acc = dot_chunk(acc, x_ptr, offs_m, m_mask, offs_n, N, b * 256 + 32 * r + 16 * h + lanes, w, K,
                                 BLOCK_M, DOT)
     store_tile(out_ptr, acc, offs_m, offs_n, M, N, DOT)
 
@@ -87,7 +87,7 @@ def _iq4_xs_tiled(x_ptr, qs_ptr, scales_l_ptr, scales_h_ptr, d_ptr, codebook_ptr
         for h in tl.static_range(2):
             value = _codebook_lookup((q >> (4 * h)) & 0xF, _W0, _W1, _W2, _W3)
             w = dl[:, :, None] * value
-            acc = dot_chunk(acc, x_ptr, offs_m, m_mask, k0 + 16 * h + plane_elements,
+            acc = dot_chunk(acc, x_ptr, offs_m, m_mask, offs_n, N, k0 + 16 * h + plane_elements,
                             tl.reshape(w, (BLOCK_N, R * 16)), K, BLOCK_M, DOT)
     store_tile(out_ptr, acc, offs_m, offs_n, M, N, DOT)
 

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashtree.kernels.quant_matmul._launch import (choose_config, dot_chunk, launch, program_tiles,
+from flashtree.kernels.quant_matmul._launch import (dot_chunk, launch, program_tiles,
                                                     store_tile, zero_acc)
 
 TILE_VALUES = 64  # v2 BLOCK_K granularity: one 32-byte quant group (two sub-blocks)
@@ -61,7 +61,7 @@ def _q4_k_kernel(x_ptr, qs_ptr, scales_ptr, d_ptr, dmin_ptr, out_ptr, M, N, K: t
                 scale, minimum = k_scale_min(scales_ptr, block, 2 * g + h)
                 nibble = ((q >> (4 * h)) & 0xF).to(tl.float32)
                 w = (d * scale)[:, None] * nibble - (dmin * minimum)[:, None]
-                acc = dot_chunk(acc, x_ptr, offs_m, m_mask, b * 256 + 64 * g + 32 * h + lanes, w, K,
+                acc = dot_chunk(acc, x_ptr, offs_m, m_mask, offs_n, N, b * 256 + 64 * g + 32 * h + lanes, w, K,
                                 BLOCK_M, DOT)
     store_tile(out_ptr, acc, offs_m, offs_n, M, N, DOT)
 
@@ -127,7 +127,6 @@ def _plane_dot(acc, x, words, a16, c, shift: tl.constexpr, magic, DOT: tl.conste
 
 def matmul(x, fields, n, k, config=None):
     args = (fields["qs"], fields["scales"], fields["d"], fields["dmin"])
-    config = config or choose_config(x.shape[0], n, k, x.dtype, x.device, 256, TILE_VALUES)
-    if config.tiled:  # the tiled kernel reads the quants as int32 words; MAGIC: see _plane_dot
-        args = (fields["qs"].view(torch.int32), *args[1:], MAGIC_ONE)
-    return launch(x, args, n, k, 256, _q4_k_kernel, _q4_k_tiled, TILE_VALUES, config)
+    # the tiled kernel reads the quants as int32 words; MAGIC: see _plane_dot
+    tiled_args = (fields["qs"].view(torch.int32), *args[1:], MAGIC_ONE)
+    return launch(x, args, n, k, 256, _q4_k_kernel, _q4_k_tiled, TILE_VALUES, config, tiled_args=tiled_args)

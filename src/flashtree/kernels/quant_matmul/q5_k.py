@@ -41,7 +41,7 @@ def _q5_k_kernel(x_ptr, qs_ptr, qh_ptr, scales_ptr, d_ptr, dmin_ptr, out_ptr, M,
                 scale, minimum = k_scale_min(scales_ptr, block, sub)
                 value = ((q >> (4 * h)) & 0xF) | (((qh >> sub) & 1) << 4)
                 w = (d * scale)[:, None] * value.to(tl.float32) - (dmin * minimum)[:, None]
-                acc = dot_chunk(acc, x_ptr, offs_m, m_mask, b * 256 + 32 * sub + lanes, w, K,
+                acc = dot_chunk(acc, x_ptr, offs_m, m_mask, offs_n, N, b * 256 + 32 * sub + lanes, w, K,
                                 BLOCK_M, DOT)
     store_tile(out_ptr, acc, offs_m, offs_n, M, N, DOT)
 
@@ -73,11 +73,13 @@ def _q5_k_tiled(x_ptr, qs_ptr, qh_ptr, scales_ptr, d_ptr, dmin_ptr, out_ptr, M, 
             a, b = d * scale, dmin * minimum
             value = ((q >> (4 * h)) & 0xF) | (((qh >> sub[None, :, None]) & 1) << 4)
             w = small_uint_to_float(value) * a[:, :, None] - b[:, :, None]
-            acc = dot_chunk(acc, x_ptr, offs_m, m_mask, k0 + 32 * h + plane_elements,
+            acc = dot_chunk(acc, x_ptr, offs_m, m_mask, offs_n, N, k0 + 32 * h + plane_elements,
                             tl.reshape(w, (BLOCK_N, G * 32)), K, BLOCK_M, DOT)
     store_tile(out_ptr, acc, offs_m, offs_n, M, N, DOT)
 
 
 def matmul(x, fields, n, k, config=None):
     args = (fields["qs"], fields["qh"], fields["scales"], fields["d"], fields["dmin"])
-    return launch(x, args, n, k, 256, _q5_k_kernel, _q5_k_tiled, TILE_VALUES, config, DEFAULT_BLOCK_K)
+    # BLOCK_N 64: 128 was 10-30 % slower for Q5_K (sweep of 2026-11-29)
+    return launch(x, args, n, k, 256, _q5_k_kernel, _q5_k_tiled, TILE_VALUES, config, DEFAULT_BLOCK_K,
+                  tiled_block_n=64)

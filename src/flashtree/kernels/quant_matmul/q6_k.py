@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashtree.kernels.quant_matmul._launch import (choose_config, dot_chunk, launch, program_tiles,
+from flashtree.kernels.quant_matmul._launch import (dot_chunk, launch, program_tiles,
                                                     store_tile, zero_acc)
 
 TILE_VALUES = 128  # v2 BLOCK_K granularity: one half-block
@@ -47,7 +47,7 @@ def _q6_k_kernel(x_ptr, ql_ptr, qh_ptr, scales_ptr, d_ptr, out_ptr, M, N, K: tl.
                     q = ((ql >> (4 * h2)) & 0xF) | (((qh >> (2 * (2 * h2 + s))) & 3) << 4)
                     scale = tl.load(scales_ptr + block[:, None] * 16 + start // 16 + lanes[None, :] // 16)
                     w = (d[:, None] * scale.to(tl.float32)) * (q.to(tl.float32) - 32)
-                    acc = dot_chunk(acc, x_ptr, offs_m, m_mask, b * 256 + start + lanes, w, K,
+                    acc = dot_chunk(acc, x_ptr, offs_m, m_mask, offs_n, N, b * 256 + start + lanes, w, K,
                                     BLOCK_M, DOT)
     store_tile(out_ptr, acc, offs_m, offs_n, M, N, DOT)
 
@@ -122,7 +122,8 @@ def _plane_dot(acc, x, comb, a64, c, shift: tl.constexpr, magic, DOT: tl.constex
 
 def matmul(x, fields, n, k, config=None):
     args = (fields["ql"], fields["qh"], fields["scales"], fields["d"])
-    config = config or choose_config(x.shape[0], n, k, x.dtype, x.device, 256, TILE_VALUES)
-    if config.tiled:  # the tiled kernel reads ql and qh as int32 words; MAGIC: see _plane_dot
-        args = (fields["ql"].view(torch.int32), fields["qh"].view(torch.int32), *args[2:], MAGIC_ONE)
-    return launch(x, args, n, k, 256, _q6_k_kernel, _q6_k_tiled, TILE_VALUES, config)
+    # the tiled kernel reads ql and qh as int32 words; MAGIC: see _plane_dot
+    tiled_args = (fields["ql"].view(torch.int32), fields["qh"].view(torch.int32), *args[2:], MAGIC_ONE)
+    # v2 beat v1 at M = 1 for Q6_K (sweep of 2026-11-29)
+    return launch(x, args, n, k, 256, _q6_k_kernel, _q6_k_tiled, TILE_VALUES, config, tiled_args=tiled_args,
+                  tiled_decode=True)

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashtree.kernels.quant_matmul._launch import (choose_config, dot_chunk, launch, program_tiles,
+from flashtree.kernels.quant_matmul._launch import (dot_chunk, launch, program_tiles,
                                                     store_tile, zero_acc)
 
 TILE_VALUES = 32
@@ -33,7 +33,7 @@ def _q8_0_kernel(x_ptr, qs_ptr, d_ptr, out_ptr, M, N, K: tl.constexpr,
         d = tl.load(d_ptr + block).to(tl.float32)
         q = tl.load(qs_ptr + block[:, None] * 32 + lanes[None, :])
         w = d[:, None] * q.to(tl.float32)
-        acc = dot_chunk(acc, x_ptr, offs_m, m_mask, b * 32 + lanes, w, K, BLOCK_M, DOT)
+        acc = dot_chunk(acc, x_ptr, offs_m, m_mask, offs_n, N, b * 32 + lanes, w, K, BLOCK_M, DOT)
     store_tile(out_ptr, acc, offs_m, offs_n, M, N, DOT)
 
 
@@ -92,7 +92,7 @@ def _plane_dot(acc, x, words, a256, c, shift: tl.constexpr, magic, DOT: tl.const
 
 def matmul(x, fields, n, k, config=None):
     args = (fields["qs"], fields["d"])
-    config = config or choose_config(x.shape[0], n, k, x.dtype, x.device, 32, TILE_VALUES, DEFAULT_BLOCK_K)
-    if config.tiled:  # the tiled kernel reads the quants as int32 words; MAGIC: see _plane_dot
-        args = (fields["qs"].view(torch.int32), fields["d"], MAGIC_BIASED_ONE)
-    return launch(x, args, n, k, 32, _q8_0_kernel, _q8_0_tiled, TILE_VALUES, config, DEFAULT_BLOCK_K)
+    # the tiled kernel reads the quants as int32 words; MAGIC: see _plane_dot
+    tiled_args = (fields["qs"].view(torch.int32), fields["d"], MAGIC_BIASED_ONE)
+    return launch(x, args, n, k, 32, _q8_0_kernel, _q8_0_tiled, TILE_VALUES, config, DEFAULT_BLOCK_K,
+                  tiled_args=tiled_args)
