@@ -50,7 +50,8 @@ def add_parser(sub) -> None:
                    help="per-step costs against measured floors, prefill, replay end to end (bench/steps.py)")
     p.add_argument("--context", type=int, default=1024, help="--steps: committed tokens before the timed steps")
     p.add_argument("--repeat", type=int, default=20, help="--steps: timed repetitions per step (median)")
-    p.add_argument("--replay-al", type=float, default=5.17, help="--steps: acceptance length of the replay run")
+    p.add_argument("--replay-al", type=float, default=5.17,
+                   help="--steps: acceptance length of the replay run (0: no replay run)")
     p.add_argument("--prefill-lengths", type=_lengths, default=(1024, 13000),
                    help="--steps: comma-separated prompt lengths whose prefill is timed (default 1024,13000)")
     p.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per prefill forward")
