@@ -90,7 +90,7 @@ def model_path(args: dict, window: int, unrotated: bool = False) -> torch.Tensor
     if unrotated:
         keys = unrotate(keys) if kv_type(args["kv_type_k"]).rotated else keys
         values = unrotate(values) if kv_type(args["kv_type_v"]).rotated else values
-    return attn._attend(q, keys, values, step.attention_mask(0, window))
+    return attn._attend(q, keys, values, step, 0, window)
 
 
 def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from flashtree.engine.cache import AttentionKV
 from flashtree.formats.gguf_file import GGUFFile
@@ -67,16 +68,34 @@ class GatedAttention:
             lo = step.first_row(kv.window)
             keys = kv.type_k.dequantize(kv.k[:, lo : step.kv_end], q.dtype)  # rotated domain for TQ3_0
             values = kv.type_v.dequantize(kv.v[:, lo : step.kv_end], q.dtype)
-            out = self._attend(q, keys, values, step.attention_mask(lo, kv.window))  # [heads, n, hd]
+            out = self._attend(q, keys, values, step, lo, kv.window)  # [heads, n, hd]
         if kv.type_v.rotated:  # softmax(.) @ (R v) = R (softmax(.) @ v): rotate the output back
             out = unrotate(out)
         out = out.transpose(0, 1).reshape(n, -1) * torch.sigmoid(gate.float()).to(x.dtype)
         return self.out(out)
 
-    def _attend(self, q, keys, values, mask):
+    def _attend(self, q, keys, values, step: Step, lo: int, window: int):
+        if _plain_prefill(step, lo, window, q.shape[1]):
+            # a prompt chunk after the whole cache: causal aligned to the last key, which SDPA's fused
+            # (flash / memory-efficient) kernels take without a [T, kv] mask, and K/V shared by each
+            # query group instead of copied: at 256K context those copies would be ~6 GB per layer
+            return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype),
+                                                  attn_mask=causal_lower_right(q.shape[1], keys.shape[1]),
+                                                  scale=self.config.attention_scale, enable_gqa=True)
         # repeat_interleave copies K/V per query group; the broadcast-view variant saves that memory but
         # changed bf16 results on CUDA beyond the test tolerance (2026-11-29) and waits for a GPU check.
         group = self.config.num_heads // self.config.num_kv_heads
         keys = keys.to(q.dtype).repeat_interleave(group, dim=0)
         values = values.to(q.dtype).repeat_interleave(group, dim=0)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.config.attention_scale)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=step.attention_mask(lo, window),
+                                              scale=self.config.attention_scale)
+
+
+def _plain_prefill(step: Step, lo: int, window: int, queries: int) -> bool:
+    """A run of several new tokens that sees every committed row (no tree, window or graph padding)."""
+    return (queries > 1 and not step.is_tree and not step.graphed and lo == 0 and window == 0
+            and _SDPA_GQA)
+
+
+# torch >= 2.5 takes grouped K/V in scaled_dot_product_attention (enable_gqa); older torch copies them
+_SDPA_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
