@@ -157,6 +157,13 @@ def run_steps(args, engine, device_name: str) -> int:
     engine.prefill_prompt(cache, prompt, config, proposer)
     seconds = clock(device) - started  # includes the first calls' kernel compiles
     report["context_prefill"] = {"tokens": len(prompt), "s": round(seconds, 3), "tok_s": round(len(prompt) / seconds, 1)}
+    peaks = report["peak_memory_by_phase_GiB"] = {}  # the peak so far after each phase (main device)
+
+    def mark(phase: str) -> None:
+        if device.type == "cuda":
+            peaks[phase] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+
+    mark("context prefill")
     token = torch.tensor([prompt[-1]])
     ar = timed(lambda: engine.step_forward(token, cache), device, args.repeat)
     row("ar step", ar, roofline_s, tok_s=round(1 / ar, 1), GBps=round(report["weights_bytes_per_step"] / ar / 1e9, 1))
@@ -169,6 +176,7 @@ def run_steps(args, engine, device_name: str) -> int:
         verify = timed(lambda: engine.step_forward(tree.tokens, cache, tree, capture, pad_to=budget + 1), device,
                        args.repeat)
         row(f"verify budget {budget}", verify, roofline_s, vs_ar=round(verify / ar, 2))
+    mark("ar and verify steps")
     row("draft step", timed(lambda: proposer.propose(bonus, cache.length), device, args.repeat),
         draft_bytes / bandwidth)
     if device.type == "cuda":  # the same draft with its layers in Q8_0, reading the same context cache
@@ -178,6 +186,7 @@ def run_steps(args, engine, device_name: str) -> int:
         row("draft step (q8_0)", timed(lambda: q8_proposer.propose(bonus, cache.length), device, args.repeat),
             (_module_bytes(q8) + model.lm_head.nbytes) / bandwidth)
         del q8, q8_proposer
+        mark("draft steps (bf16, q8_0 copy)")
 
     tree = make_tree("ddtree", bonus, draft_logits, 22, config.topk)
     row("tree build (budget 22)", timed(lambda: make_tree("ddtree", bonus, draft_logits, 22, config.topk), device,
@@ -187,6 +196,7 @@ def run_steps(args, engine, device_name: str) -> int:
     row("walk", timed(lambda: walk(tree, result.logits, sampler), device, args.repeat))
     row("commit (depth-4 path)", _commit_time(engine, cache, proposer, tree, capture, args.repeat))
 
+    mark("tree, walk, commit")
     for length in args.prefill_lengths:
         if length + 8 > model.config.context_length:
             continue
@@ -197,8 +207,10 @@ def run_steps(args, engine, device_name: str) -> int:
                         warmup=0 if once else 1)
         row(f"prefill {length}", seconds, tok_s=round(length / seconds, 1))
 
+    mark("prefill rows")
     if args.replay_al > 0:  # 0 skips it (each of its three generations prefills the context again)
         report["replay"] = _replay(engine, draft, prompt, args, config)
+        mark("replay")
     if device.type == "cuda":  # every GPU this run touched (a layer split or a draft device adds some)
         report["peak_memory_GiB"] = {f"cuda:{i}": round(torch.cuda.max_memory_allocated(i) / 2**30, 2)
                                      for i in range(torch.cuda.device_count()) if torch.cuda.max_memory_allocated(i)}
@@ -286,4 +298,5 @@ def _print(report: dict) -> None:
               f"spec {rp['spec_tok_s']} tok/s  speedup {rp['speedup']}x  same as its record {rp['identical']} "
               f"({rp['same_prefix_tokens']}/{rp['tokens']} positions equal)  same as AR {rp['identical_to_ar']}")
     if "peak_memory_GiB" in report:
-        print(f"peak GPU memory: {report['peak_memory_GiB']} GiB")
+        print(f"peak GPU memory: {report['peak_memory_GiB']} GiB; peak so far after each phase: "
+              f"{report['peak_memory_by_phase_GiB']}")

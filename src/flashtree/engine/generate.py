@@ -253,7 +253,7 @@ class Engine:
         for start in range(0, len(prompt_ids), chunk):
             piece = torch.tensor(prompt_ids[start : start + chunk], dtype=torch.long)
             first = cache.length
-            result = model.forward(piece, cache, capture=capture, last_only=not capture)
+            result = model.forward(piece, cache, capture=capture, last_only=True)
             if on_features is not None:
                 on_features(result.features, torch.arange(first, cache.length, device=result.features.device))
         return result.logits[-1]

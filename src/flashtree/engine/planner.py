@@ -29,6 +29,7 @@ from pathlib import Path
 
 from flashtree.errors import FlashtreeError
 from flashtree.kernels.kv_quant import kv_type
+from flashtree.kernels.quant_matmul import DENSE_MIN_M
 from flashtree.models.qwen35_config import Qwen35Config
 
 GIB = 1024**3
@@ -159,9 +160,8 @@ def plan(req: PlanRequest) -> MemoryPlan:
 def _activations(req: PlanRequest, rows: int, b: int) -> int:
     c = req.config
     tk, tv = kv_type(req.cache_type_k), kv_type(req.cache_type_v)
-    capture = req.draft is not None
     m = max(min(req.prefill_chunk, req.ctx), req.budget + 1)  # largest forward
-    logit_rows = m if capture else req.budget + 1
+    logit_rows = req.budget + 1  # a prefill chunk computes the last token's logits only
     per_token = (6 * c.hidden_size + 3 * c.intermediate_size + 3 * c.num_heads * c.head_dim
                  + 3 * c.conv_dim + c.gdn_value_dim) * b + 4 * c.gdn_value_dim * 3
     logits = logit_rows * c.vocab_size * (4 + b)
@@ -169,12 +169,15 @@ def _activations(req: PlanRequest, rows: int, b: int) -> int:
     for t in (tk, tv):
         if t.name != req.dtype:  # a cache side stored in another type is dequantized per layer
             dequant += c.num_kv_heads * rows * c.head_dim * b
-    return m * per_token + logits + dequant
+    # prefill chunks of >= DENSE_MIN_M tokens multiply by one dequantized weight at a time (the FFN's largest)
+    dense_weight = c.intermediate_size * c.hidden_size * b if m >= DENSE_MIN_M else 0
+    return m * per_token + logits + dequant + dense_weight
 
 
 def _activation_note(req: PlanRequest) -> str:
     m = max(min(req.prefill_chunk, req.ctx), req.budget + 1)
-    return f"forward of {m} tokens + logits + one layer's K/V dequantized to {req.dtype}"
+    dense = ", one FFN weight dequantized" if m >= DENSE_MIN_M else ""
+    return f"forward of {m} tokens + verify logits + one layer's K/V dequantized to {req.dtype}{dense}"
 
 
 def max_ctx(req: PlanRequest, available: int) -> int:

@@ -72,6 +72,9 @@ KERNELS: dict[QType, QuantKernel] = {
 PLAIN_TYPES: dict[QType, torch.dtype] = {QType.F32: torch.float32, QType.F16: torch.float16,
                                          QType.BF16: torch.bfloat16}
 SUPPORTED_TYPES: tuple[QType, ...] = (*KERNELS, *PLAIN_TYPES)
+# prefill chunks of at least this many rows (bf16/f16 x): the weight is dequantized once into a dense
+# temporary and multiplied by cuBLAS, which beats v1's tiles once the dequantization is amortized
+DENSE_MIN_M = 512
 X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 

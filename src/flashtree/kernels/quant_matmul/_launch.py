@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from flashtree.kernels import interpreted
+from flashtree.kernels.quant_matmul import DENSE_MIN_M
 
 SKINNY_MAX_M = 64
 _H200_SMS = 132
@@ -40,9 +41,7 @@ _PROGRAMS_PER_SM = 24  # v1, measured: M = 1 needs ~20 resident programs/SM to k
 _TILED_PROGRAMS_PER_SM = 8  # v2, measured (sweep of 2026-11-29): ~8 programs/SM, split-K at most 8
 _MAX_SPLIT_K = 32
 _TILED_MAX_SPLIT_K = 8
-# prefill chunks of at least this many rows (bf16/f16 x on CUDA): dequantize the weight once into a
-# dense temporary and multiply with cuBLAS, which beats v1's tiles once the dequantization is amortized
-DENSE_MIN_M = 512
+
 _TENSOR_CORE_DTYPES = (torch.bfloat16, torch.float16)
 DOTS = ("fma", "ieee", "tf32", "tf32x3", "x_dtype")
 
