@@ -43,6 +43,8 @@ def case_ids() -> list[str]:
                 f"{t.name}-deterministic"]
         ids += [f"{t.name}-m{DENSE_M}-{d}" for d in DENSE_DTYPES]
         ids += [f"{t.name}-m{DENSE_M}-{d}-onehot-rounded-ulps" for d in DENSE_DTYPES]
+        if t == QType.Q4_K:  # the matrix-vector kernel, one x row per program
+            ids += [f"Q4_K-m{m}-{d}-gemv-split{s}" for m in (1, 3) for d in DTYPES for s in (1, 2)]
     return ids
 
 
@@ -105,6 +107,13 @@ def main() -> None:
         errors[f"{qtype.name}-m3-float32-v2-split-bn32"] = relative_error(torch.randn(3, k, generator=gen), w, bn32)
         first, second = quant_matmul(x23, w, split), quant_matmul(x23, w, split)
         errors[f"{qtype.name}-deterministic"] = float(torch.equal(first, second))
+        if qtype == QType.Q4_K:
+            for m in (1, 3):
+                xm = torch.randn(m, k, generator=gen)
+                for name, dtype in DTYPES.items():
+                    for s in (1, 2):
+                        gemv = LaunchConfig(block_m=1, block_n=32, split_k=s, num_warps=4, dot="gemv")
+                        errors[f"Q4_K-m{m}-{name}-gemv-split{s}"] = relative_error(xm.to(dtype), w, gemv)
         onehot = torch.nn.functional.one_hot(torch.arange(DENSE_M) % k, k).float()
         for name in DENSE_DTYPES:
             dtype = DTYPES[name]

@@ -18,6 +18,7 @@ from flashtree.kernels.quant_matmul._launch import (dot_chunk, launch, program_t
 from flashtree.kernels.quant_matmul.q4_k import TILE_VALUES, k_scale_min
 
 DEFAULT_BLOCK_K = 128  # at 256 a [64, 256] step needs ~255 registers per thread (ptxas, sm_90)
+TUNING = {"tiled_block_n": 64}  # choose_config: BLOCK_N 128 was 10-30 % slower for Q5_K (sweep of 2026-11-29)
 
 
 @triton.jit
@@ -80,6 +81,4 @@ def _q5_k_tiled(x_ptr, qs_ptr, qh_ptr, scales_ptr, d_ptr, dmin_ptr, out_ptr, M, 
 
 def matmul(x, fields, n, k, config=None):
     args = (fields["qs"], fields["qh"], fields["scales"], fields["d"], fields["dmin"])
-    # BLOCK_N 64: 128 was 10-30 % slower for Q5_K (sweep of 2026-11-29)
-    return launch(x, args, n, k, 256, _q5_k_kernel, _q5_k_tiled, TILE_VALUES, config, DEFAULT_BLOCK_K,
-                  tiled_block_n=64)
+    return launch(x, args, n, k, 256, _q5_k_kernel, _q5_k_tiled, TILE_VALUES, config, DEFAULT_BLOCK_K, **TUNING)

@@ -24,6 +24,7 @@ from flashtree.kernels.quant_matmul._launch import (dot_chunk, launch, program_t
 
 TILE_VALUES = 128  # v2 BLOCK_K granularity: one half-block
 MAGIC_ONE = 0x3F800000  # the bits of float32 1.0
+TUNING = {"tiled_decode": True}  # choose_config: v2 beat v1 at M = 1 for Q6_K (sweep of 2026-11-29)
 
 
 @triton.jit
@@ -124,6 +125,5 @@ def matmul(x, fields, n, k, config=None):
     args = (fields["ql"], fields["qh"], fields["scales"], fields["d"])
     # the tiled kernel reads ql and qh as int32 words; MAGIC: see _plane_dot
     tiled_args = (fields["ql"].view(torch.int32), fields["qh"].view(torch.int32), *args[2:], MAGIC_ONE)
-    # v2 beat v1 at M = 1 for Q6_K (sweep of 2026-11-29)
     return launch(x, args, n, k, 256, _q6_k_kernel, _q6_k_tiled, TILE_VALUES, config, tiled_args=tiled_args,
-                  tiled_decode=True)
+                  **TUNING)
