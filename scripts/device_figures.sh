@@ -5,7 +5,7 @@
 source scripts/device_env.sh
 bench() {  # name, seconds, bench flags...
   name=$1; limit=$2; shift 2
-  timeout "$limit" python3 -m flashtree.cli.main bench --synthetic qwen3.6-27b --scheme q4_k_m --device cuda \
+  timeout "$limit" python3 -m flashtree.cli.main bench --synthetic qwen3.6-27b --echo --scheme q4_k_m --device cuda \
       --out "$OUT/$name.json" "$@" > "$OUT/$name.txt" 2>&1
   echo "== $name (rc $?)"; tail -${TAIL:-16} "$OUT/$name.txt"
 }

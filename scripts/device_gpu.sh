@@ -13,10 +13,10 @@ fi
 if [ "${SWEEP:-1}" = 1 ]; then
   timeout "${SWEEP_TIMEOUT:-300}" python3 scripts/sweep_quant_matmul.py --out "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.txt" | tail -30
 fi
-timeout "${BENCH_TIMEOUT:-300}" python3 -m flashtree.cli.main bench --synthetic "${SHAPE:-qwen3.6-27b}" --scheme q4_k_m \
+timeout "${BENCH_TIMEOUT:-300}" python3 -m flashtree.cli.main bench --synthetic "${SHAPE:-qwen3.6-27b}" --echo --scheme q4_k_m \
     --device cuda --steps -n "${NGEN:-128}" --out "$OUT/steps.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/steps.txt" | tail -30
 if [ "${MULTI_TURN:-0}" = 1 ]; then  # prefix cache at the 27B shape: TTFT per turn, cache off vs on
-  timeout "${MULTI_TURN_TIMEOUT:-240}" python3 -m flashtree.cli.main bench --synthetic qwen3.6-27b --scheme q4_k_m \
+  timeout "${MULTI_TURN_TIMEOUT:-240}" python3 -m flashtree.cli.main bench --synthetic qwen3.6-27b --echo --scheme q4_k_m \
       --device cuda --multi-turn --out "$OUT/multi-turn.json" 2>&1 | tee "$OUT/multi-turn.txt" | tail -20
 fi
 if [ "${PEERS:-1}" = 1 ]; then  # the demo pair against our AR, transformers and the z-lab loop; a 0.8B-shape peer

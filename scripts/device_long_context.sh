@@ -5,7 +5,7 @@
 source scripts/device_env.sh
 run() {  # name, seconds, bench flags...
   name=$1; limit=$2; shift 2
-  timeout "$limit" python3 -m flashtree.cli.main bench --synthetic qwen3.6-27b --scheme q4_k_m --device cuda --steps \
+  timeout "$limit" python3 -m flashtree.cli.main bench --synthetic qwen3.6-27b --echo --scheme q4_k_m --device cuda --steps \
       -n 32 --repeat 10 --out "$OUT/$name.json" "$@" 2>&1 | tee "$OUT/$name.txt" | tail -14
 }
 run ctx1k 150 --context 1024 --prefill-lengths 1024

@@ -7,6 +7,6 @@ nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$OUT
 timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/dist 2>&1 | tee "$OUT/pytest.txt" | tail -15
 for placement in "one:" "split:--layer-split 1,1" "draft1:--draft-device cuda:1"; do
   name=${placement%%:*}; flags=${placement#*:}
-  timeout 240 python3 -m flashtree.cli.main bench --synthetic qwen3.6-27b --scheme q4_k_m --device cuda --steps \
+  timeout 240 python3 -m flashtree.cli.main bench --synthetic qwen3.6-27b --echo --scheme q4_k_m --device cuda --steps \
       -n 64 --repeat 10 $flags --out "$OUT/steps-$name.json" 2>&1 | tee "$OUT/steps-$name.txt" | tail -16
 done

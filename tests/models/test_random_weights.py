@@ -149,3 +149,33 @@ def test_bench_synthetic_multi_turn_raises_context(tmp_path):
                  "--system-tokens", "5000", "-n", "2", "--out", str(out)]) == 0
     # tiny's context is 4096: a 5000-token system prompt fits only because --multi-turn raised it
     assert shape_config("tiny").context_length < 5000 and out.is_file()
+
+
+def test_echo_model_predicts_its_current_token_decisively():
+    """The decisive benchmark model: greedy next token = current token, by many logit stds (a plain random
+    model's top two logits sit within a fraction of one), with the LM head stored as the scheme's."""
+    for config in (tiny_config(**K_DIMS), shape_config("qwen3.6-27b")):  # tensor tables only
+        plain, echo = RandomWeights(config, "q4_k_m"), RandomWeights(config, "q4_k_m", echo=True)
+        assert "output.weight" not in echo.tensors
+        assert echo.tensor("token_embd.weight").qtype == plain.tensor("output.weight").qtype
+        assert echo.tensor("token_embd.weight").nbytes == plain.tensor("output.weight").nbytes
+    # tiny's default width: with one 256-value block per row (K_DIMS) the block pool repeats whole rows
+    config = tiny_config()
+    plain, echo = RandomWeights(config, "q4_k_m"), RandomWeights(config, "q4_k_m", echo=True)
+    prompt = torch.randint(0, config.vocab_size, (48,), generator=torch.Generator().manual_seed(1))
+    for weights, decisive in ((plain, False), (echo, True)):
+        target = random_target(config, "q4_k_m", echo=weights.echo)
+        logits = target.model.forward(prompt, target.model.new_cache(64)).logits
+        top = logits.topk(2, dim=-1).values
+        margin = ((top[:, 0] - top[:, 1]) / logits.std(-1)).min().item()
+        assert torch.equal(logits.argmax(-1), prompt) == decisive
+        assert (margin > 1.0) == decisive
+
+
+def test_bench_echo_flag_builds_the_echo_model(tmp_path):
+    from flashtree.cli.main import main
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--synthetic", "tiny", "--echo", "--device", "cpu", "-n", "4", "--prompts", "1",
+                 "--out", str(out)]) == 0
+    assert "<random echo tiny" in json.loads(out.read_text())["model"]

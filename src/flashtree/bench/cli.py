@@ -31,6 +31,10 @@ def add_parser(sub) -> None:
     p.add_argument("--synthetic", choices=sorted(SHAPES),
                    help="random-weight model of this shape, built in memory, instead of --model")
     p.add_argument("--scheme", default="q8_0", help="quant scheme of the synthetic model (default q8_0)")
+    p.add_argument("--echo", action="store_true",
+                   help="--synthetic: a decisive model (its greedy next token is its current token, by a wide "
+                        "margin; same shapes, types and bytes read), so that replay acceptance and identity "
+                        "checks do not hinge on rounding")
     p.add_argument("--modes", default=None, help="comma-separated modes (default: ar plus the spec modes a draft allows)")
     p.add_argument("--dataset", action="append", default=None,
                    help="builtin (default), humaneval, or a chat-message .jsonl file; repeatable")
@@ -202,7 +206,7 @@ def _synthetic_engine(args, cache_options: dict, placement: dict):
             else parse_devices(None, n)
     device = resolve_device(str(devices[0]) if devices else args.device)
     print(f"building random {args.synthetic} ({args.scheme}) in memory on {device} ...")
-    target = random_target(config, scheme=args.scheme, device=device)
+    target = random_target(config, scheme=args.scheme, device=device, echo=args.echo)
     if devices:
         place_layers(target.model, devices, split)
     return engine_from_target(target, args.draft, spec=args.spec, budget=args.budget, topk=args.topk,

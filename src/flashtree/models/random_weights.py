@@ -40,6 +40,10 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 POOL_BLOCKS = 4096  # distinct quantized blocks per (quant type, scale)
+# `echo` models: the token embedding's scale over the unit Gaussian. The residual stream of 128 random
+# sublayers on normalized inputs grows to an rms of ~10; at 64 the embedding still points the final
+# hidden state at the current token's own (tied) LM-head row, by a margin no rounding can flip.
+ECHO_EMBED_SCALE = 64.0
 _CHUNK_BLOCKS = 1 << 22  # blocks (or float elements) generated per step: bounds the index temporaries
 _PLAIN = {QType.F32: torch.float32, QType.F16: torch.float16, QType.BF16: torch.bfloat16}
 
@@ -61,18 +65,28 @@ class RandomWeights:
     """Read-only, GGUF-like source of random qwen35 tensors on `device` (see the module docstring).
 
     `tensors`, `tensor(name)`, `raw(name)`, `path` and `get(key, default)` are what the model loader
-    uses of a `GGUFFile`. `qtypes` overrides the scheme's type of individual tensors."""
+    uses of a `GGUFFile`. `qtypes` overrides the scheme's type of individual tensors.
+
+    `echo`: a decisive model for benchmarks at real shapes. The LM head is tied to a token embedding
+    scaled by ECHO_EMBED_SCALE and stored in the type the scheme gives the LM head (so a step reads the
+    same bytes), so the greedy next token is always the current token, by a wide margin. Acceptance in
+    a replay and greedy identity then do not hinge on rounding, which on an ordinary random model
+    flips near-ties between differently shaped but equally valid computations; the price is that such
+    identity checks test bookkeeping (positions, rollback, cache restore), not numerics."""
 
     def __init__(self, config: Qwen35Config, scheme: str = "q4_k_m", device: str | torch.device = "cpu",
                  seed: int = 0, tied: bool = False, logit_scale: float = 4.0,
-                 qtypes: dict[str, QType] | None = None, pool_blocks: int = POOL_BLOCKS):
+                 qtypes: dict[str, QType] | None = None, pool_blocks: int = POOL_BLOCKS, echo: bool = False):
         self.config, self.scheme, self.seed = config, scheme, int(seed)
         self.device = torch.device(device)
-        self.tied, self.logit_scale, self.pool_blocks = tied, logit_scale, pool_blocks
-        self.path = f"<random {config.name} {scheme} seed {seed}>"
+        self.tied, self.logit_scale, self.pool_blocks, self.echo = tied or echo, logit_scale, pool_blocks, echo
+        kind = "echo " if echo else ""
+        self.path = f"<random {kind}{config.name} {scheme} seed {seed}>"
         self.metadata: dict[str, Any] = {}
-        shapes = tensor_shapes(config, tied)
+        shapes = tensor_shapes(config, self.tied)
         types = quant_types(shapes, scheme)
+        if echo:  # the tied head keeps the LM head's type of the scheme
+            types["token_embd.weight"] = quant_types(tensor_shapes(config, False), scheme)["output.weight"]
         types.update(qtypes or {})
         self.tensors: dict[str, TensorInfo] = {
             name: TensorInfo(name, QType(types[name]), tuple(shape), 0, bytes_for(types[name], shape))
@@ -116,6 +130,8 @@ class RandomWeights:
         std = init_std(name, info.shape)
         if std is not None and name == "output.weight" and not self.tied:
             std *= self.logit_scale  # as random_tensors: a sharper LM head
+        if std is not None and name == "token_embd.weight" and self.echo:
+            std *= ECHO_EMBED_SCALE
         return std
 
     def raw(self, name: str) -> torch.Tensor:
