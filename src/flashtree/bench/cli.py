@@ -79,11 +79,13 @@ def run(args: argparse.Namespace) -> int:
         engine = _synthetic_engine(args, cache_args(args), placement_args(args))
         model = engine.target.path
     else:
-        model = args.model
-        engine = load_engine(model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk,
+        model = args.model or "embedded demo pair"
+        engine = load_engine(args.model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk,
                              **cache_args(args), **placement_args(args))
     if args.prefill_chunk:
         engine.default_config = replace(engine.default_config, prefill_chunk=args.prefill_chunk)
+    if getattr(args, "ctx", None):  # e.g. a multi-turn session longer than the model's trained context
+        engine.default_config = replace(engine.default_config, ctx=args.ctx)
     args.prefill_chunk = engine.default_config.prefill_chunk
     if args.steps:
         from flashtree.bench.steps import run_steps
