@@ -302,6 +302,7 @@ def run_chat(args: argparse.Namespace) -> int:
     with console.status("loading the model..."):
         engine = load_engine(args.model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk,
                              progress=True, **cache_args(args), **placement_args(args))
+    engine.prefill_progress = True
     config = engine.config_for(max_new_tokens=args.max_tokens, ctx=args.ctx)
     apply_prefix_cache_args(engine, args)
     repl(ChatSession(engine, config, system=args.system, thinking=not args.no_think), terminal_lines(), console)

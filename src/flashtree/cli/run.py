@@ -32,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
 
     engine = load_engine(args.model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk,
                          progress=not args.json, **cache_args(args), **placement_args(args))
+    engine.prefill_progress = not args.json
     prompt_ids = engine.encode_prompt(prompt, raw=args.raw, system=args.system, enable_thinking=args.think)
     config = engine.config_for(max_new_tokens=args.max_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
                                ctx=args.ctx, sampling=sampling)

@@ -15,6 +15,7 @@ from flashtree.errors import FlashtreeError
 from flashtree.models.step import Step
 
 MODES = ("ar", "chain", "ddtree")
+PROGRESS_MIN_TOKENS = 8192  # prompts this long show a prefill progress bar where the CLI asks for one
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,7 @@ class Engine:
         self.use_cuda_graphs = True  # decode and verify steps replay CUDA graphs (single-device CUDA targets)
         self._graphs = None  # the GraphedForward, made on first use
         self._kept_cache = None  # (options, cache): reused across requests so captured graphs stay valid
+        self.prefill_progress = False  # a progress bar (stderr) for prompts of PROGRESS_MIN_TOKENS and more
 
     def config_for(self, **overrides) -> GenerationConfig:
         """The engine's defaults (mode, budget, ...) with per-request values on top."""
@@ -250,13 +252,27 @@ class Engine:
         to `on_features(features, positions)` as soon as they exist, so nothing grows with the prompt but
         the KV cache (a 256K prompt's features would be ~12 GiB at the 27B shape)."""
         model = self.target.model
+        bar = self.prefill_bar(len(prompt_ids))
         for start in range(0, len(prompt_ids), chunk):
             piece = torch.tensor(prompt_ids[start : start + chunk], dtype=torch.long)
             first = cache.length
             result = model.forward(piece, cache, capture=capture, last_only=True)
             if on_features is not None:
                 on_features(result.features, torch.arange(first, cache.length, device=result.features.device))
+            if bar is not None:
+                bar.update(piece.shape[0])
+        if bar is not None:
+            bar.close()
         return result.logits[-1]
+
+    def prefill_bar(self, tokens: int):
+        """A tqdm bar over `tokens` prompt tokens (stderr, gone when closed), or None: only when the CLI
+        asked for progress (`prefill_progress`) and the prompt is long."""
+        if not self.prefill_progress or tokens < PROGRESS_MIN_TOKENS:
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=tokens, desc="prefill", unit="tok", unit_scale=True, leave=False)
 
     def sampler(self, prompt_ids: list[int], config: GenerationConfig) -> Sampler:
         model = self.target.model

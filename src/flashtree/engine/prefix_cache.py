@@ -344,13 +344,18 @@ class PrefixCache:
         points = sorted(points | {n})
         chunk = config.prefill_chunk
         pos = start
+        bar = engine.prefill_bar(n - start)
         for point in points:
             while pos < point:
                 end = min((pos // chunk + 1) * chunk, point)  # chunks aligned to absolute multiples of `chunk`
                 commit = proposer.commit if proposer is not None else None
                 logits = engine.prefill(cache, prompt_ids[pos:end], end - pos, capture, commit)  # one chunk
+                if bar is not None:
+                    bar.update(end - pos)
                 pos = end
             session.pending.append(self._snapshot(session))
+        if bar is not None:
+            bar.close()
         self._session = session
         return logits
 
