@@ -21,7 +21,8 @@ from flashtree.formats.gguf_file import GGUFFile
 from flashtree.kernels import triton_runs_on
 from flashtree.kernels.kv_quant import rotate, unrotate
 from flashtree.kernels.tree_attention import MAX_TREE_QUERIES, tree_attention
-from flashtree.models.layers import Linear, apply_rope, load_weight, rms_norm
+from flashtree.kernels.rms_norm import rms_norm
+from flashtree.models.layers import Linear, apply_rope, load_weight
 from flashtree.models.qwen35_config import Qwen35Config
 from flashtree.models.step import Step
 

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from flashtree.engine.cache import DeltaNetState, TreeScratch
 from flashtree.formats.gguf_file import GGUFFile
 from flashtree.kernels import gated_delta, gated_delta_fla, gated_delta_triton, triton_runs_on
-from flashtree.models.layers import Linear, load_weight, rms_norm
+from flashtree.kernels.rms_norm import rms_norm
+from flashtree.models.layers import Linear, load_weight
 from flashtree.models.qwen35_config import Qwen35Config
 from flashtree.models.step import Step
 

@@ -25,12 +25,6 @@ def load_weight(gguf: GGUFFile, name: str, shape: tuple[int, ...], dtype: torch.
     return dequantize(raw, info.qtype, info.shape, dtype=dtype)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """GGUF norms already hold the final multiplier (the converter folded HF's 1 + w into them)."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
-
-
 class Linear:
     """y = x W^T with W dequantized at load (the CPU path, and types without a GPU kernel)."""
 

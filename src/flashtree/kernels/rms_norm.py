@@ -1,0 +1,53 @@
+"""RMSNorm: y = x / sqrt(mean(x^2) + eps) * w over the last dimension, in float32, y in x's dtype
+(the target's GGUF norm weights already hold the final multiplier: the converter folded HF's 1 + w in).
+
+PyTorch spends about seven kernels on it (cast, square, mean, add, rsqrt, two products, cast back) and
+a 27B decode step calls it ~300 times (the block norms, the per-head q/k norms of attention and the
+DeltaNet output norm): ~2000 tiny launches per step, several milliseconds even inside a CUDA graph.
+The Triton kernel is one launch, one program per row. `rms_norm` runs it where Triton runs (CUDA, or
+the CPU interpreter) and the torch reference elsewhere; both sum the squares in float32, so they
+differ only in summation order (within float32 rounding).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashtree.kernels import triton_runs_on
+
+try:  # the kernel needs triton; the reference does not
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is a dependency where kernels run
+    triton = None
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D] (any float dtype; rows may be strided, the last dimension contiguous), weight [D]."""
+    if triton is None or not triton_runs_on(x.device) or x.stride(-1) != 1:
+        return rms_norm_reference(x, weight, eps)
+    dim = x.shape[-1]
+    rows = x.reshape(-1, dim)  # a view for the strided per-head slices the model passes
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), dim, eps,
+                                           BLOCK=triton.next_power_of_2(dim), num_warps=4 if dim <= 1024 else 8)
+    return out.reshape(x.shape)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, row_stride, D, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < D
+        x = tl.load(x_ptr + row * row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * D + cols, (x * inv * w).to(out_ptr.dtype.element_ty), mask=mask)
