@@ -2,8 +2,9 @@
 """GPU diagnosis in one device call: which fused path disagrees with the torch reference, and where
 the time of a 27B-shaped step goes.
 
-    python3 scripts/diagnose_gpu.py --out $OUT/diagnose.json [--parts agree,profile]
+    python3 scripts/diagnose_gpu.py --out $OUT/diagnose.json [--parts fla,agree,profile]
 
+fla: fla-core's chunked gated delta rule against the torch reference at the 27B head sizes, by decay.
 agree: a 4-layer model of the 27B widths (3 Gated DeltaNet + 1 attention), random Q4_K_M weights on the
   GPU. The reference is the torch path (dense weights, torch attention and DeltaNet, no fla); each
   variant turns on one fused piece (quantized Triton matmuls, fla prefill, Triton DeltaNet, the graphed
@@ -119,6 +120,31 @@ def agree(report: dict) -> None:
             print(f"{str(dtype)[6:]:9} {name:16} {json.dumps(cmp)}", flush=True)
 
 
+def fla(report: dict) -> None:
+    """fla-core's chunked prefill against the torch reference, by decay strength (synthetic models decay
+    up to ~5 per token; fla's chunk kernels factor exp(cumsum g) and use TF32 dots on float32 inputs)."""
+    from flashtree.kernels import gated_delta
+
+    report["fla"] = {}
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    for t in (100, 1000):
+        for decay in (0.1, 1.0, 5.0, 20.0):
+            h, d = 48, 128
+            q = torch.nn.functional.normalize(torch.randn(t, h, d, generator=gen, device=DEVICE), dim=-1) * d**-0.5
+            k = torch.nn.functional.normalize(torch.randn(t, h, d, generator=gen, device=DEVICE), dim=-1)
+            v = torch.randn(t, h, d, generator=gen, device=DEVICE)
+            g = -torch.rand(t, h, generator=gen, device=DEVICE) * decay
+            beta = torch.rand(t, h, generator=gen, device=DEVICE)
+            state = torch.randn(h, d, d, generator=gen, device=DEVICE) * 0.1
+            o_ref, s_ref = gated_delta.chunked(q, k, v, g, beta, state)
+            o, s = gated_delta_fla.chunked(q, k, v, g, beta, state)
+            row = {"o_rel_err": float((o - o_ref).abs().max() / o_ref.abs().max()),
+                   "state_rel_err": float((s - s_ref).abs().max() / s_ref.abs().max()),
+                   "finite": bool(torch.isfinite(o).all() and torch.isfinite(s).all())}
+            report["fla"][f"T{t} decay{decay}"] = row
+            print(f"fla T={t:5} decay {decay:5}: {json.dumps(row)}", flush=True)
+
+
 def profile(report: dict) -> None:
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
@@ -166,12 +192,12 @@ def profile(report: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--parts", default="agree,profile")
+    parser.add_argument("--parts", default="fla,agree,profile")
     args = parser.parse_args()
     report: dict = {}
     for part in args.parts.split(","):
         try:
-            {"agree": agree, "profile": profile}[part](report)
+            {"fla": fla, "agree": agree, "profile": profile}[part](report)
         except Exception:  # noqa: BLE001 - keep what the other part finds
             import traceback
             traceback.print_exc()
