@@ -1,17 +1,31 @@
 #!/usr/bin/env bash
-# One device call (carry .whl) for the figures of #6, #7 and #9 at the Qwen3.6-27B shape, each part with
-# its own limit: steps at 1K context (+ 1K/13K prefill, replay), prefix-cache TTFT per turn, steps at 64K
-# context (+ 128K prefill), peak memory with 262K context in TQ3_0. Results under $OUT; last, one table.
+# One device call (carry .whl) for the figures of #6, #7 and #9 at the Qwen3.6-27B shape (the decisive
+# `--echo` model: same shapes, types and bytes as a real Q4_K_M model), each part with its own limit.
+# PARTS picks and orders them (default: steps-1k multi-turn steps-64k steps-256k-tq3, ~560 s), e.g.
+#   PARTS="diagnose sweep steps-1k" bash scripts/device_figures.sh      (~330 s)
+#   PARTS="multi-turn steps-64k" ...;  PARTS="steps-256k-tq3" LIMIT_256K=400 ...
+# Results under $OUT; each part prints its table's tail.
 source scripts/device_env.sh
 bench() {  # name, seconds, bench flags...
   name=$1; limit=$2; shift 2
   timeout "$limit" python3 -m flashtree.cli.main bench --synthetic qwen3.6-27b --echo --scheme q4_k_m --device cuda \
       --out "$OUT/$name.json" "$@" > "$OUT/$name.txt" 2>&1
-  echo "== $name (rc $?)"; tail -${TAIL:-16} "$OUT/$name.txt"
+  echo "== $name (rc $?)"; tail -${TAIL:-18} "$OUT/$name.txt"
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-bench steps-1k 200 --steps -n 128 --repeat 10 --context 1024 --prefill-chunk 2048 --prefill-lengths 1024,13000
-TAIL=12 bench multi-turn 110 --multi-turn -n 32
-bench steps-64k 170 --steps -n 32 --repeat 10 --context 65536 --prefill-chunk 2048 --prefill-lengths 131072
-TAIL=4 bench steps-256k-tq3 110 --steps -n 16 --repeat 5 --context 262000 --prefill-chunk 2048 \
-    --prefill-lengths 1024 -ctk tq3_0 -ctv tq3_0
+for part in ${PARTS:-steps-1k multi-turn steps-64k steps-256k-tq3}; do
+  case $part in
+    diagnose) timeout 150 python3 scripts/diagnose_gpu.py --parts fla,agree --out "$OUT/diagnose.json" \
+                  > "$OUT/diagnose.txt" 2>&1; echo "== diagnose (rc $?)"; tail -30 "$OUT/diagnose.txt" ;;
+    sweep) timeout 150 python3 scripts/sweep_quant_matmul.py --types Q4_K,Q6_K --budget-s 100 \
+               --out "$OUT/sweep.json" > "$OUT/sweep.txt" 2>&1; echo "== sweep (rc $?)"; tail -24 "$OUT/sweep.txt" ;;
+    steps-1k) bench steps-1k 200 --steps -n 128 --repeat 10 --context 1024 --prefill-chunk 2048 \
+                  --prefill-lengths 1024,13000 ;;
+    multi-turn) TAIL=12 bench multi-turn 110 --multi-turn -n 32 ;;
+    steps-64k) bench steps-64k "${LIMIT_64K:-200}" --steps -n 32 --repeat 10 --replay-al 0 --context 65536 \
+                   --prefill-chunk 2048 --prefill-lengths 131072 ;;
+    steps-256k-tq3) bench steps-256k-tq3 "${LIMIT_256K:-300}" --steps -n 8 --repeat 3 --replay-al 0 \
+                        --context 262000 --prefill-lengths 1024 -ctk tq3_0 -ctv tq3_0 ;;
+    *) echo "unknown part $part" ;;
+  esac
+done
