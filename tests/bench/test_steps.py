@@ -38,3 +38,23 @@ def test_replay_proposer_hits_the_requested_acceptance_length():
         result = engine.generate(prompt, GenerationConfig(max_new_tokens=60, mode="ddtree", ignore_eos=True))
         assert result.token_ids == reference
         assert abs(result.stats.acceptance_length - al) < 0.35, (al, result.stats.acceptance_length)
+
+
+def test_replay_through_the_static_graph_ready_path():
+    """As on CUDA: the target's static steps and the draft's static block pass and commit (run eagerly
+    here), with the replay proposer standing in for the draft."""
+    from flashtree.engine.cuda_graphs import GraphedForward
+
+    target = random_target(shape_config("tiny"), scheme="f32", device="cpu")
+    prompt = list(range(5, 25))
+    engine = Engine(target)
+    engine._graphs = GraphedForward(target.model, capture_graphs=False)
+    reference = engine.generate(prompt, GenerationConfig(max_new_tokens=60, ignore_eos=True)).token_ids
+    inner = DFlashProposer(target.model, random_draft(target.config, "cpu", torch.float32), 256, capture_graphs=False)
+    static_commits, commit_static = [], inner.commit_static
+    inner.commit_static = lambda *args: (static_commits.append(args), commit_static(*args))
+    engine.draft = ReplayProposer(inner, prompt + reference, 4.0)
+    result = engine.generate(prompt, GenerationConfig(max_new_tokens=60, mode="ddtree", ignore_eos=True))
+    assert result.token_ids == reference
+    assert abs(result.stats.acceptance_length - 4.0) < 0.35
+    assert len(static_commits) == result.stats.steps - 1  # every step but the last committed the static way

@@ -89,7 +89,7 @@ def test_draft_context_ring_wraps(target, draft):
 def test_restored_draft_context_equals_a_fresh_prefill(target, draft, window):
     """The draft's context cache after a hit is the one an unbroken prefill builds (the seed's other bug:
     a restore that leaves the draft's feature mirror stale)."""
-    from flashtree.spec.decode import _proposer
+    from flashtree.spec.decode import proposer_for
 
     rng = random.Random(9)
     plain, cached = engines(target, draft, "ddtree", interval=32)
@@ -99,7 +99,7 @@ def test_restored_draft_context_equals_a_fresh_prefill(target, draft, window):
     follow = prompt + answer + words(rng, target.config.vocab_size, 9)
 
     def draft_context(engine):
-        proposer = _proposer(engine, run)
+        proposer = proposer_for(engine, run)
         cache = target.model.new_cache(engine.context_size(len(follow), run))
         engine.prefill_prompt(cache, follow, run, proposer)
         return proposer.cache

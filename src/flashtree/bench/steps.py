@@ -25,7 +25,7 @@ import torch
 
 from flashtree.models.dflash import DFlashDraft, DraftConfig, build_target_layer_ids
 from flashtree.models.layers import Linear, QuantLinear
-from flashtree.spec.decode import make_tree, walk
+from flashtree.spec.decode import make_tree, proposer_for, walk
 from flashtree.spec.proposer import DFlashProposer
 
 VERIFY_BUDGETS = (15, 22, 32, 64)
@@ -105,6 +105,18 @@ class ReplayProposer:
     def commit(self, features: torch.Tensor, positions: torch.Tensor) -> None:
         self.inner.commit(features, positions)
 
+    # the inner proposer's static (graph-ready) commit, so the engine commits as with a real draft
+    @property
+    def steps(self):
+        return self.inner.steps
+
+    @property
+    def cache(self):
+        return self.inner.cache
+
+    def commit_static(self, features: torch.Tensor, positions: torch.Tensor, count: torch.Tensor) -> None:
+        self.inner.commit_static(features, positions, count)
+
     @torch.inference_mode()
     def propose(self, bonus: int, position: int) -> torch.Tensor:
         logits = self.inner.propose(bonus, position)
@@ -151,7 +163,7 @@ def run_steps(args, engine, device_name: str) -> int:
 
     prompt = _prompt(model.config.vocab_size, args.context)
     config = engine.config_for(mode="ddtree", max_new_tokens=args.max_tokens + 64 * args.repeat, ignore_eos=True)
-    proposer = DFlashProposer(model, draft, config.draft_window)
+    proposer = proposer_for(engine, config)  # as the engine's own loop builds it (graph-ready on CUDA)
     cache = engine.new_cache(len(prompt), config)
     started = clock(device)
     engine.prefill_prompt(cache, prompt, config, proposer)
@@ -181,7 +193,7 @@ def run_steps(args, engine, device_name: str) -> int:
         draft_bytes / bandwidth)
     if device.type == "cuda":  # the same draft with its layers in Q8_0, reading the same context cache
         q8 = copy.deepcopy(draft).quantize_layers("q8_0")
-        q8_proposer = DFlashProposer(model, q8, config.draft_window)
+        q8_proposer = DFlashProposer(model, q8, config.draft_window, capture_graphs=_captures(proposer))
         q8_proposer.cache = proposer.cache
         row("draft step (q8_0)", timed(lambda: q8_proposer.propose(bonus, cache.length), device, args.repeat),
             (_module_bytes(q8) + model.lm_head.nbytes) / bandwidth)
@@ -218,6 +230,11 @@ def run_steps(args, engine, device_name: str) -> int:
     Path(args.out).write_text(json.dumps(report, indent=2))
     _print(report)
     return 0
+
+
+def _captures(proposer) -> bool | None:
+    """The graph setting of `proposer`'s static block pass (None: it has none), for a sibling proposer."""
+    return proposer.steps.capture_graphs if getattr(proposer, "steps", None) is not None else None
 
 
 def _module_bytes(module: torch.nn.Module) -> int:
@@ -264,7 +281,8 @@ def _replay(engine, draft, prompt: list[int], args, config) -> dict:
     ar = engine.generate(prompt, replace(base, mode="ar"))
     engine.draft = draft
     record = engine.generate(prompt, base)
-    inner = DFlashProposer(engine.target.model, draft, config.draft_window)
+    record_proposer = proposer_for(engine, base)
+    inner = DFlashProposer(engine.target.model, draft, config.draft_window, capture_graphs=_captures(record_proposer))
     engine.draft = ReplayProposer(inner, prompt + record.token_ids, args.replay_al)
     spec = engine.generate(prompt, base)
     engine.draft = draft

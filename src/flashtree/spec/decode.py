@@ -28,7 +28,7 @@ def make_tree(mode: str, bonus: int, draft_logits: torch.Tensor, budget: int, to
 
 
 def speculative(engine, prompt_ids: list[int], config, out, stats, started: float) -> None:
-    proposer = _proposer(engine, config)
+    proposer = proposer_for(engine, config)
     sampler = engine.sampler(prompt_ids, config)
     cache = engine.new_cache(len(prompt_ids), config)
     logits = engine.prefill_prompt(cache, prompt_ids, config, proposer)
@@ -77,7 +77,9 @@ def _path_counts(tree: DraftTree, ancestors: torch.Tensor, vocab: int) -> torch.
     return below_root @ one_hot
 
 
-def _proposer(engine, config) -> Proposer:
+def proposer_for(engine, config) -> Proposer:
+    """The engine's proposer for a request: the draft itself, or a DFlashProposer over it (graph-ready and
+    kept across requests where the target's steps replay CUDA graphs)."""
     draft = engine.draft
     if not hasattr(draft, "forward_block"):
         return draft
