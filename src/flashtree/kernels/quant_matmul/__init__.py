@@ -8,12 +8,14 @@ bytes) break alignment, and a row's quants are contiguous across blocks. `quant_
 type's Triton kernel on CUDA (or on CPU under TRITON_INTERPRET=1), else a torch
 dequantize-then-matmul. F32/F16/BF16 weights go to torch.
 
-Numerics (see `_launch.py` for the kernels): by default, M <= 64 rows of bf16/f16 x take the v2
+Numerics (see `_launch.py` for the kernels): by default, 2-64 rows of bf16/f16 x take the v2
 "tiled" kernel, which dequantizes each weight tile once per program and ROUNDS THE WEIGHTS TO x's
 DTYPE (bf16: 8 significant bits) before a tensor-core `tl.dot` with float32 accumulation, exactly
-as a dense bf16/f16 model stores its weights; the prefill path (M > 64) does the same. Against a
-float32 dequantization the error is that weight rounding plus the final rounding of the output to
-x's dtype; float32 x keeps float32 weights (tf32x3 dot, ~float32 error). Results are deterministic:
+as a dense bf16/f16 model stores its weights; the prefill paths (M > 64: v1 with the same dot;
+M >= DENSE_MIN_M: the weight dequantized to x's dtype, then cuBLAS) do the same. A single row
+(decode) takes v1's float32 multiply-adds with float32 weights, except for Q6_K. Against a float32
+dequantization the error is that weight rounding plus the final rounding of the output to x's
+dtype; float32 x keeps float32 weights (tf32x3 dot, ~float32 error). Results are deterministic:
 split-K partials are summed in a fixed order, never with atomics.
 """
 

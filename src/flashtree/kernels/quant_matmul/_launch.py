@@ -3,9 +3,10 @@ and the launcher that turns a packed weight into kernel arguments.
 
 Every kernel computes out[M, N] = x[M, K] @ W[N, K]^T with grid (M tiles, N tiles, split-K): a
 program owns BLOCK_N weight rows and BLOCK_M rows of x and walks its share of K, so each weight
-byte is read once per M tile (once in total for M <= 64). Two kernel shapes per type:
+byte is read once per M tile (once in total for M <= 64). Two kernel shapes per type (and, for
+Q4_K, an experimental matrix-vector kernel, `dot="gemv"`):
 
-* v2, "tiled" (`LaunchConfig.block_k > 0`, the skinny default): each step loads BLOCK_K values of
+* v2, "tiled" (`LaunchConfig.block_k > 0`, the default for 2-64 rows): each step loads BLOCK_K values of
   every row as a few wide contiguous byte tiles ("planes", e.g. Q4_K's low and high nibbles),
   dequantizes each tile ONCE, with the scales unpacked once per 16/32-value sub-block, and feeds
   it to `tl.dot` against the x tile padded to BLOCK_M >= 16 rows. Where it pays (Q4_K, Q6_K,
@@ -17,7 +18,9 @@ byte is read once per M tile (once in total for M <= 64). Two kernel shapes per 
   with float32 accumulation, so the cost is flat in M up to BLOCK_M; float32 x keeps float32
   weights (tf32x3 or ieee dot).
 * v1, "chunked" (`block_k == 0`): 16/32-value chunks dequantized in float32, multiplied by
-  per-lane FMAs ("fma") or tl.dot; kept for comparison and for the prefill path (M > 64).
+  per-lane FMAs ("fma", the measured-fastest decode kernel for one row) or tl.dot (prefill chunks of
+  65-511 rows); in DOT "store" mode it writes the dequantized weight instead (`dequantize_dense`,
+  for prefill chunks of DENSE_MIN_M rows and more, which then multiply with cuBLAS).
 
 Split-K is deterministic: each split writes float32 partials to a [split, M, N] scratch and
 `_sum_splits` adds them in split order (no atomics), so a call's result is bit-identical run to run.
