@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from flashtree.engine.cache import DeltaNetState, TreeScratch
 from flashtree.formats.gguf_file import GGUFFile
 from flashtree.kernels import gated_delta, gated_delta_fla, gated_delta_triton, triton_runs_on
+from flashtree.kernels.deltanet_conv import conv_qkv
 from flashtree.kernels.rms_norm import rms_norm
 from flashtree.models.layers import Linear, load_weight
 from flashtree.models.qwen35_config import Qwen35Config
@@ -50,10 +51,8 @@ class GatedDeltaNet:
         n = x.shape[0]
         conv_inputs = self.qkv(x)
         parents = step.parents if step.is_tree else torch.arange(-1, n - 1, device=x.device)
-        mixed = F.silu(self._conv(conv_inputs, parents, state.conv))
-        q, k, v = mixed.split([c.gdn_key_dim, c.gdn_key_dim, c.gdn_value_dim], dim=-1)
-        q, k = self._expand_qk(q.reshape(n, c.gdn_qk_heads, -1), k.reshape(n, c.gdn_qk_heads, -1))
-        v = v.reshape(n, c.gdn_v_heads, c.gdn_head_dim).float()
+        q, k, v = conv_qkv(conv_inputs, parents, state.conv, self.conv_weight, c.gdn_qk_heads, c.gdn_v_heads,
+                           c.gdn_head_dim)
         beta = torch.sigmoid(self.beta(x).float())
         g = self.decay_rate * F.softplus(self.alpha(x).float() + self.dt_bias)
 
@@ -77,28 +76,6 @@ class GatedDeltaNet:
                 state.ssm.copy_(ssm)  # in place: a captured CUDA graph keeps reading these buffers
             state.conv.copy_(torch.cat([state.conv, conv_inputs.to(state.conv.dtype)])[-(c.conv_kernel - 1):])
         return self._output(o, x), scratch
-
-    def _conv(self, inputs: torch.Tensor, parents: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
-        """Depthwise causal conv where each token's window is [its kernel-1 ancestors ; itself]."""
-        history = conv_state.shape[0]
-        buffer = torch.cat([conv_state.to(inputs.dtype), inputs])
-        # previous[e] for every buffer row: state rows chain backwards, a node points at its parent
-        # (or at the newest state row when its parent is the committed prefix).
-        node_prev = torch.where(parents < 0, history - 1, parents + history)
-        state_prev = (torch.arange(history, device=inputs.device) - 1).clamp(min=0)
-        previous = torch.cat([state_prev, node_prev])
-        cols = [torch.arange(history, history + inputs.shape[0], device=inputs.device)]
-        for _ in range(history):
-            cols.append(previous[cols[-1]])
-        windows = buffer[torch.stack(cols[::-1], dim=1)]  # [T, kernel, conv_dim], oldest first
-        return (windows.float() * self.conv_weight.t()[None]).sum(1).to(inputs.dtype)
-
-    def _expand_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        c = self.config
-        q = q.float() * torch.rsqrt(q.float().pow(2).sum(-1, keepdim=True) + 1e-6) * c.gdn_head_dim**-0.5
-        k = k.float() * torch.rsqrt(k.float().pow(2).sum(-1, keepdim=True) + 1e-6)
-        repeats = c.gdn_v_heads // c.gdn_qk_heads
-        return q.repeat(1, repeats, 1), k.repeat(1, repeats, 1)  # tiled: v head h uses q/k head h % Hk
 
     def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         c = self.config

@@ -1,0 +1,124 @@
+"""The Gated DeltaNet's input stage in one launch: the tree-aware causal depthwise conv over the qkv
+projection, SiLU, then q and k L2-normalised (q also scaled by head_dim^-0.5) and tiled to the value
+heads (v head h uses q/k head h % Hk, the GGUF's order), v as float32.
+
+In PyTorch this is ~30 small kernels per layer (window gathers, the conv product and sum, casts, SiLU,
+two norms, two repeats); at 48 DeltaNet layers that is ~1500 launches per decode or verify step. The
+Triton kernel is one program per (token, head-sized channel block). A token's conv window is itself
+and its kernel-1 nearest ancestors: the parent chain in a tree (parents[i] < 0: the committed prefix,
+whose last inputs are the conv state's rows), the previous tokens in a run. Both forms round where the
+model does (the conv sum to the activation dtype, SiLU in it), so they differ only in float32
+summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from flashtree.kernels import triton_runs_on
+
+try:  # the kernel needs triton; the reference does not
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is a dependency where kernels run
+    triton = None
+
+EPS = 1e-6
+
+
+def conv_qkv_reference(inputs: torch.Tensor, parents: torch.Tensor, conv_state: torch.Tensor,
+                       conv_weight: torch.Tensor, qk_heads: int, v_heads: int,
+                       head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """inputs [T, conv_dim] (the qkv projection, activation dtype), parents [T] int64, conv_state
+    [kernel-1, conv_dim] (oldest first), conv_weight [conv_dim, kernel] (last tap: the token itself).
+    Returns q, k [T, v_heads, head_dim] and v [T, v_heads, head_dim], float32."""
+    n, key_dim = inputs.shape[0], qk_heads * head_dim
+    mixed = F.silu(_conv(inputs, parents, conv_state, conv_weight))
+    q, k, v = mixed.split([key_dim, key_dim, v_heads * head_dim], dim=-1)
+    q, k = q.reshape(n, qk_heads, head_dim).float(), k.reshape(n, qk_heads, head_dim).float()
+    q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + EPS) * head_dim**-0.5
+    k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + EPS)
+    repeats = v_heads // qk_heads
+    return q.repeat(1, repeats, 1), k.repeat(1, repeats, 1), v.reshape(n, v_heads, head_dim).float()
+
+
+def _conv(inputs: torch.Tensor, parents: torch.Tensor, conv_state: torch.Tensor,
+          conv_weight: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal conv where each token's window is [its kernel-1 ancestors ; itself]."""
+    history = conv_state.shape[0]
+    buffer = torch.cat([conv_state.to(inputs.dtype), inputs])
+    # previous[e] for every buffer row: state rows chain backwards, a node points at its parent
+    # (or at the newest state row when its parent is the committed prefix).
+    node_prev = torch.where(parents < 0, history - 1, parents + history)
+    state_prev = (torch.arange(history, device=inputs.device) - 1).clamp(min=0)
+    previous = torch.cat([state_prev, node_prev])
+    cols = [torch.arange(history, history + inputs.shape[0], device=inputs.device)]
+    for _ in range(history):
+        cols.append(previous[cols[-1]])
+    windows = buffer[torch.stack(cols[::-1], dim=1)]  # [T, kernel, conv_dim], oldest first
+    return (windows.float() * conv_weight.t()[None]).sum(1).to(inputs.dtype)
+
+
+def conv_qkv(inputs: torch.Tensor, parents: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor,
+             qk_heads: int, v_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`conv_qkv_reference`'s result; the Triton kernel where Triton runs (a 4-tap conv, power-of-two
+    head_dim), else the reference."""
+    n, conv_dim = inputs.shape
+    if (triton is None or not triton_runs_on(inputs.device) or conv_weight.shape[1] != 4 or n == 0
+            or head_dim & (head_dim - 1) or conv_dim != (2 * qk_heads + v_heads) * head_dim):
+        return conv_qkv_reference(inputs, parents, conv_state, conv_weight, qk_heads, v_heads, head_dim)
+    inputs, conv_state = inputs.contiguous(), conv_state.contiguous()
+    q = torch.empty(n, v_heads, head_dim, dtype=torch.float32, device=inputs.device)
+    k, v = torch.empty_like(q), torch.empty_like(q)
+    _conv_qkv_kernel[(n, conv_dim // head_dim)](
+        inputs, parents.to(torch.int64).contiguous(), conv_state, conv_weight.contiguous(), q, k, v, conv_dim,
+        head_dim**-0.5, EPS, HK=qk_heads, HV=v_heads, D=head_dim, num_warps=4)
+    return q, k, v
+
+
+if triton is not None:
+
+    @triton.jit
+    def _window_row(inputs_ptr, state_ptr, e, cols, conv_dim, HISTORY: tl.constexpr):
+        """Row e of [conv state (rounded to the activation dtype) ; inputs], as float32."""
+        from_state = e < HISTORY
+        state_row = tl.load(state_ptr + e * conv_dim + cols, mask=from_state & (cols >= 0), other=0.0)
+        input_row = tl.load(inputs_ptr + (e - HISTORY).to(tl.int64) * conv_dim + cols, mask=(~from_state) & (cols >= 0),
+                            other=0.0)
+        state_row = state_row.to(inputs_ptr.dtype.element_ty).to(tl.float32)
+        return tl.where(from_state, state_row, input_row.to(tl.float32))
+
+    @triton.jit
+    def _previous(parents_ptr, e, HISTORY: tl.constexpr):
+        """The buffer row before row e in e's window (see the reference's `previous`)."""
+        is_node = e >= HISTORY
+        parent = tl.load(parents_ptr + tl.where(is_node, e - HISTORY, 0))
+        return tl.where(is_node, tl.where(parent < 0, HISTORY - 1, parent + HISTORY), tl.maximum(e - 1, 0))
+
+    @triton.jit
+    def _conv_qkv_kernel(inputs_ptr, parents_ptr, state_ptr, w_ptr, q_ptr, k_ptr, v_ptr, conv_dim, scale, eps,
+                         HK: tl.constexpr, HV: tl.constexpr, D: tl.constexpr):
+        token = tl.program_id(0)
+        block = tl.program_id(1)  # D channels: q head `block`, k head `block - HK` or v head `block - 2 HK`
+        cols = block * D + tl.arange(0, D)
+        e0 = token + 3  # the token's own row in [state (3 rows) ; inputs]
+        e1 = _previous(parents_ptr, e0, 3)
+        e2 = _previous(parents_ptr, e1, 3)
+        e3 = _previous(parents_ptr, e2, 3)
+        # oldest tap first, as the reference sums
+        acc = _window_row(inputs_ptr, state_ptr, e3, cols, conv_dim, 3) * tl.load(w_ptr + cols * 4)
+        acc += _window_row(inputs_ptr, state_ptr, e2, cols, conv_dim, 3) * tl.load(w_ptr + cols * 4 + 1)
+        acc += _window_row(inputs_ptr, state_ptr, e1, cols, conv_dim, 3) * tl.load(w_ptr + cols * 4 + 2)
+        acc += _window_row(inputs_ptr, state_ptr, e0, cols, conv_dim, 3) * tl.load(w_ptr + cols * 4 + 3)
+        dtype = inputs_ptr.dtype.element_ty
+        x = acc.to(dtype).to(tl.float32)
+        x = (x * tl.sigmoid(x)).to(dtype).to(tl.float32)  # SiLU in the activation dtype
+        inv_norm = tl.rsqrt(tl.sum(x * x, axis=0) + eps)
+        offs = tl.arange(0, D)
+        base = token.to(tl.int64) * HV * D
+        for r in tl.static_range(HV // HK):  # tiled: q/k head h serves value heads h, h + HK, ...
+            tl.store(q_ptr + base + (block + r * HK) * D + offs, x * inv_norm * scale, mask=(block < HK) & (offs >= 0))
+            tl.store(k_ptr + base + (block - HK + r * HK) * D + offs, x * inv_norm,
+                     mask=(block >= HK) & (block < 2 * HK) & (offs >= 0))
+        tl.store(v_ptr + base + (block - 2 * HK) * D + offs, x, mask=(block >= 2 * HK) & (offs >= 0))

@@ -1,0 +1,44 @@
+"""Runs the deltanet_conv interpreter cases in one process (TRITON_INTERPRET=1 must be set before triton
+is imported, so test_deltanet_conv.py launches this file as a subprocess). Prints one JSON object: case
+id -> max |kernel - reference| / max |reference| over q, k and v."""
+
+import json
+import os
+import sys
+
+import torch
+
+from flashtree.kernels.deltanet_conv import conv_qkv, conv_qkv_reference
+
+HK, HV, D = 2, 6, 32
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PARENTS = {
+    "decode": [-1],
+    "run": [-1, 0, 1, 2, 3, 4, 5],  # a prompt chunk or a chain
+    "tree": [-1, 0, 0, 1, 1, 2, -1, 6, 3],  # branches, and a second root on the committed prefix
+}
+
+
+def case_ids() -> list[str]:
+    return [f"{shape}-{d}" for shape in PARENTS for d in DTYPES]
+
+
+def main() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    gen = torch.Generator().manual_seed(0)
+    conv_dim = (2 * HK + HV) * D
+    weight = torch.randn(conv_dim, 4, generator=gen) * 0.5
+    result = {}
+    for name, parents in PARENTS.items():
+        parents = torch.tensor(parents)
+        inputs = torch.randn(len(parents), conv_dim, generator=gen)
+        state = torch.randn(3, conv_dim, generator=gen)
+        for dname, dtype in DTYPES.items():
+            args = (inputs.to(dtype), parents, state, weight, HK, HV, D)
+            got, want = conv_qkv(*args), conv_qkv_reference(*args)
+            result[f"{name}-{dname}"] = max(((g - w).abs().max() / w.abs().max()).item() for g, w in zip(got, want))
+    json.dump(result, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
