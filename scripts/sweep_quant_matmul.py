@@ -5,7 +5,7 @@
 
 For each type, shape (5120x5120, 17408x5120, 5120x17408; Q6_K also the 248320x5120 LM head) and
 M in {1, 16, 23, 32, 64}, times the v2 tiled kernel over a bounded candidate list (BLOCK_N, BLOCK_K,
-num_warps, num_stages, two split-K targets) and, for Q4_K at M = 1, the gemv kernel, plus the current default (`choose_config`) and the v1
+num_warps, num_stages, two split-K targets) and, for Q4_K and Q6_K at M = 1, the gemv kernels, plus the current default (`choose_config`) and the v1
 default (the old fma/tf32x3 path) for comparison, and prints the best config per point with GB/s
 and the fraction of the measured read bandwidth (`x.sum()` over a 4 GiB bf16 tensor: read-only
 bytes / time, no copy).
@@ -100,7 +100,7 @@ def candidates(name: str, n: int, k: int, m: int, device: torch.device, smoke: b
         for target in SPLIT_TARGETS:
             split = split_for(n, block_n, k // block_k, target * sms, _TILED_MAX_SPLIT_K)
             configs.append(LaunchConfig(block_m, block_n, split, warps, dot, block_k, stages))
-    if m <= 4 and hasattr(module, "_q4_k_gemv"):  # the matrix-vector kernel (one program per x row)
+    if m <= 4 and (hasattr(module, "_q4_k_gemv") or hasattr(module, "_q6_k_gemv")):  # matrix-vector kernels
         for block_n in (8, 16, 32, 64):
             for warps in (2, 4):
                 for target in (8, 24):

@@ -82,10 +82,10 @@ if triton is not None:
     @triton.jit
     def _window_row(inputs_ptr, state_ptr, e, cols, conv_dim, HISTORY: tl.constexpr):
         """Row e of [conv state (rounded to the activation dtype) ; inputs], as float32."""
-        from_state = e < HISTORY
-        state_row = tl.load(state_ptr + e * conv_dim + cols, mask=from_state & (cols >= 0), other=0.0)
-        input_row = tl.load(inputs_ptr + (e - HISTORY).to(tl.int64) * conv_dim + cols, mask=(~from_state) & (cols >= 0),
-                            other=0.0)
+        row = e.to(tl.int64) + tl.zeros_like(cols).to(tl.int64)  # the row per lane: masks stay vectors
+        from_state = row < HISTORY
+        state_row = tl.load(state_ptr + row * conv_dim + cols, mask=from_state, other=0.0)
+        input_row = tl.load(inputs_ptr + (row - HISTORY) * conv_dim + cols, mask=row >= HISTORY, other=0.0)
         state_row = state_row.to(inputs_ptr.dtype.element_ty).to(tl.float32)
         return tl.where(from_state, state_row, input_row.to(tl.float32))
 
@@ -117,8 +117,9 @@ if triton is not None:
         inv_norm = tl.rsqrt(tl.sum(x * x, axis=0) + eps)
         offs = tl.arange(0, D)
         base = token.to(tl.int64) * HV * D
+        lane_block = block + tl.zeros_like(offs)  # per lane, so the store masks are vectors
         for r in tl.static_range(HV // HK):  # tiled: q/k head h serves value heads h, h + HK, ...
-            tl.store(q_ptr + base + (block + r * HK) * D + offs, x * inv_norm * scale, mask=(block < HK) & (offs >= 0))
+            tl.store(q_ptr + base + (block + r * HK) * D + offs, x * inv_norm * scale, mask=lane_block < HK)
             tl.store(k_ptr + base + (block - HK + r * HK) * D + offs, x * inv_norm,
-                     mask=(block >= HK) & (block < 2 * HK) & (offs >= 0))
-        tl.store(v_ptr + base + (block - 2 * HK) * D + offs, x, mask=(block >= 2 * HK) & (offs >= 0))
+                     mask=(lane_block >= HK) & (lane_block < 2 * HK))
+        tl.store(v_ptr + base + (block - 2 * HK) * D + offs, x, mask=lane_block >= 2 * HK)

@@ -4,7 +4,7 @@ and the launcher that turns a packed weight into kernel arguments.
 Every kernel computes out[M, N] = x[M, K] @ W[N, K]^T with grid (M tiles, N tiles, split-K): a
 program owns BLOCK_N weight rows and BLOCK_M rows of x and walks its share of K, so each weight
 byte is read once per M tile (once in total for M <= 64). Two kernel shapes per type (and, for
-Q4_K, an experimental matrix-vector kernel, `dot="gemv"`):
+Q4_K and Q6_K, an experimental matrix-vector kernel, `dot="gemv"`):
 
 * v2, "tiled" (`LaunchConfig.block_k > 0`, the default for 2-64 rows): each step loads BLOCK_K values of
   every row as a few wide contiguous byte tiles ("planes", e.g. Q4_K's low and high nibbles),
@@ -55,7 +55,7 @@ class LaunchConfig:
     "fma": float32 multiply-adds into per-lane partial sums (v1 only; x tiles under 16 rows);
     "ieee" / "tf32x3" / "tf32": tl.dot in float32 (x upcast), exact FMA, three TF32 passes (~float32
     error) or one; "x_dtype": weights rounded to x's bf16/f16 for plain tensor-core tl.dot;
-    "gemv": the type's matrix-vector kernel (Q4_K so far; block_m 1, block_k 0): one program per x
+    "gemv": the type's matrix-vector kernel (Q4_K and Q6_K; block_m 1, block_k 0): one program per x
     row, a whole 256-value block of every weight row per step as contiguous words, float32
     multiply-adds into per-lane partial sums (an experiment for the sweep, not a default yet).
 
@@ -236,7 +236,7 @@ def check_config(config: LaunchConfig, k: int, block_values: int, tile_values: i
     if config.dot not in DOTS:
         raise ValueError(f"dot={config.dot!r} is not one of {DOTS}")
     if config.dot == "gemv" and (not has_gemv or config.tiled or config.block_m != 1):
-        raise ValueError("dot='gemv' needs a type with a gemv kernel (Q4_K), block_k 0 and block_m 1")
+        raise ValueError("dot='gemv' needs a type with a gemv kernel (Q4_K, Q6_K), block_k 0 and block_m 1")
     if config.tiled:
         if not tile_values:
             raise ValueError("this type has no tiled (block_k > 0) kernel")
