@@ -76,26 +76,33 @@ class GatedAttention:
         return self.out(out)
 
     def _attend(self, q, keys, values, step: Step, lo: int, window: int):
-        if _plain_prefill(step, lo, window, q.shape[1]):
-            # a prompt chunk after the whole cache: causal aligned to the last key, which SDPA's fused
-            # (flash / memory-efficient) kernels take without a [T, kv] mask, and K/V shared by each
-            # query group instead of copied: at 256K context those copies would be ~6 GB per layer
-            return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype),
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
+        if _plain_prefill(step, lo, window, q, keys, values):
+            # a prompt chunk after the whole cache: causal aligned to the last key, which the fused flash
+            # kernel takes without a [T, kv] mask, and K/V shared by each query group instead of copied:
+            # at 256K context those copies would be ~6 GB per layer
+            return F.scaled_dot_product_attention(q[None], keys[None], values[None],
                                                   attn_mask=causal_lower_right(q.shape[1], keys.shape[1]),
-                                                  scale=self.config.attention_scale, enable_gqa=True)
+                                                  scale=self.config.attention_scale, enable_gqa=True)[0]
         # repeat_interleave copies K/V per query group; the broadcast-view variant saves that memory but
         # changed bf16 results on CUDA beyond the test tolerance (2026-11-29) and waits for a GPU check.
         group = self.config.num_heads // self.config.num_kv_heads
-        keys = keys.to(q.dtype).repeat_interleave(group, dim=0)
-        values = values.to(q.dtype).repeat_interleave(group, dim=0)
+        keys = keys.repeat_interleave(group, dim=0)
+        values = values.repeat_interleave(group, dim=0)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=step.attention_mask(lo, window),
                                               scale=self.config.attention_scale)
 
 
-def _plain_prefill(step: Step, lo: int, window: int, queries: int) -> bool:
-    """A run of several new tokens that sees every committed row (no tree, window or graph padding)."""
-    return (queries > 1 and not step.is_tree and not step.graphed and lo == 0 and window == 0
-            and _SDPA_GQA)
+def _plain_prefill(step: Step, lo: int, window: int, q, keys, values) -> bool:
+    """A run of several new tokens that sees every committed row (no tree, window or graph padding), on
+    the CPU or where CUDA's flash kernel takes it: elsewhere (float32, old GPUs) PyTorch would build the
+    lower-right mask and, with grouped K/V, fall back to materialising every attention score."""
+    if not (q.shape[1] > 1 and not step.is_tree and not step.graphed and lo == 0 and window == 0 and _SDPA_GQA):
+        return False
+    if q.device.type != "cuda":
+        return True
+    params = torch.backends.cuda.SDPAParams(q[None], keys[None], values[None], None, 0.0, False, True)
+    return torch.backends.cuda.can_use_flash_attention(params, False)
 
 
 # torch >= 2.5 takes grouped K/V in scaled_dot_product_attention (enable_gqa); older torch copies them
