@@ -92,7 +92,20 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _store(t: torch.Tensor, host: bool) -> torch.Tensor:
-    return t.to("cpu", copy=True) if host else t.clone()
+    """A snapshot copy of `t`: on the device, or in host RAM. From a GPU the host copy goes to pinned
+    memory without blocking: stream order runs it before any later kernel changes `t`, and the host
+    never reads it (restores copy it back in the same order), so the request's prefill does not wait."""
+    if not host:
+        return t.clone()
+    if not t.is_cuda:
+        return t.to("cpu", copy=True)
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return out.copy_(t, non_blocking=True)
+
+
+def _load(dst: torch.Tensor, saved: torch.Tensor) -> None:
+    """Restore a `_store` copy into `dst` (asynchronously from pinned host memory: stream-ordered)."""
+    dst.copy_(saved, non_blocking=saved.device.type == "cpu" and dst.is_cuda and saved.is_pinned())
 
 
 @dataclass
@@ -134,9 +147,9 @@ def _restore_rows(cache, saved: _Rows, length: int) -> None:
         for name, (dim, copy) in saved.layers[index].items():
             dst = fields[name]
             if dim is None:
-                dst.copy_(copy)
+                _load(dst, copy)
             elif length > saved.base:
-                dst.narrow(dim, saved.base, length - saved.base).copy_(copy.narrow(dim, 0, length - saved.base))
+                _load(dst.narrow(dim, saved.base, length - saved.base), copy.narrow(dim, 0, length - saved.base))
 
 
 def _copy_recurrent(cache, host: bool) -> dict[int, dict[str, torch.Tensor]]:
@@ -148,7 +161,7 @@ def _restore_recurrent(cache, saved: dict[int, dict[str, torch.Tensor]]) -> None
     for i, state in cache.deltanet.items():
         fields = _tensor_fields(state)
         for name, t in saved[i].items():
-            fields[name].copy_(t)
+            _load(fields[name], t)
 
 
 class _DraftOps:
@@ -177,9 +190,9 @@ class _DraftOps:
     def restore(self, saved: dict) -> None:
         n = saved["positions"].shape[0]
         self.cache.reset()
-        self.cache.keys[:, :, :n].copy_(saved["keys"])
-        self.cache.values[:, :, :n].copy_(saved["values"])
-        self.cache.positions[:n].copy_(saved["positions"])
+        _load(self.cache.keys[:, :, :n], saved["keys"])
+        _load(self.cache.values[:, :, :n], saved["values"])
+        _load(self.cache.positions[:n], saved["positions"])
         self.cache.count = saved["count"]
 
 
