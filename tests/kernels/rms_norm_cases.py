@@ -8,14 +8,15 @@ import sys
 
 import torch
 
-from flashtree.kernels.rms_norm import rms_norm, rms_norm_reference
+from flashtree.kernels.rms_norm import gated_rms_norm, gated_rms_norm_reference, rms_norm, rms_norm_reference
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SHAPES = {"rows": (5, 5120), "heads": (3, 4, 256), "one": (1, 96)}
 
 
 def case_ids() -> list[str]:
-    return [f"{shape}-{d}" for shape in SHAPES for d in DTYPES] + [f"strided-{d}" for d in DTYPES]
+    return ([f"{shape}-{d}" for shape in SHAPES for d in DTYPES] + [f"strided-{d}" for d in DTYPES]
+            + [f"gated-{d}" for d in DTYPES])
 
 
 def ulps(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -40,6 +41,12 @@ def main() -> None:
     for name, dtype in DTYPES.items():
         q = qg.to(dtype)[:, :, 0]
         result[f"strided-{name}"] = ulps(rms_norm(q, w, 1e-6), rms_norm_reference(q, w, 1e-6))
+    # the DeltaNet output: float32 rows, a gate in the activation dtype, the output in it too
+    o = torch.randn(5, 6, 32, generator=gen)
+    w = 1 + 0.1 * torch.randn(32, generator=gen)
+    for name, dtype in DTYPES.items():
+        z = torch.randn(5, 6, 32, generator=gen).to(dtype)
+        result[f"gated-{name}"] = ulps(gated_rms_norm(o, w, 1e-6, z, dtype), gated_rms_norm_reference(o, w, 1e-6, z, dtype))
     json.dump(result, sys.stdout)
 
 

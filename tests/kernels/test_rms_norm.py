@@ -15,9 +15,9 @@ def interpreter_ulps():
 
 @pytest.mark.parametrize("case", cases.case_ids())
 def test_triton_kernel_matches_reference(interpreter_ulps, case):
-    # both work in float32: summation order and rsqrt's last bits (seen: 3 float32 ulps), then for
-    # bf16/f16 outputs at most the final rounding
-    assert interpreter_ulps[case] <= (4.0 if case.endswith("float32") else 1.0)
+    # both work in float32: summation order and the last bits of rsqrt and sigmoid (seen: 3 and 4 float32
+    # ulps), then for bf16/f16 outputs at most the final rounding
+    assert interpreter_ulps[case] <= (8.0 if case.endswith("float32") else 1.0)
 
 
 def test_torch_path_is_the_reference_on_cpu():

@@ -3,7 +3,8 @@
 
 PyTorch spends about seven kernels on it (cast, square, mean, add, rsqrt, two products, cast back) and
 a 27B decode step calls it ~300 times (the block norms, the per-head q/k norms of attention and the
-DeltaNet output norm): ~2000 tiny launches per step, several milliseconds even inside a CUDA graph.
+DeltaNet output norm, fused here with its SiLU gate): ~2000 tiny launches per step, several
+milliseconds even inside a CUDA graph.
 The Triton kernel is one launch, one program per row. `rms_norm` runs it where Triton runs (CUDA, or
 the CPU interpreter) and the torch reference elsewhere; both sum the squares in float32, so they
 differ only in summation order (within float32 rounding).
@@ -12,6 +13,7 @@ differ only in summation order (within float32 rounding).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from flashtree.kernels import triton_runs_on
 
@@ -27,27 +29,57 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 
 
+def gated_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor,
+                             out_dtype: torch.dtype) -> torch.Tensor:
+    """The Gated DeltaNet's output norm: rms_norm(x) * SiLU(gate) in float32, then `out_dtype`."""
+    return (rms_norm_reference(x, weight, eps) * F.silu(gate.float())).to(out_dtype)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., D] (any float dtype; rows may be strided, the last dimension contiguous), weight [D]."""
-    if triton is None or not triton_runs_on(x.device) or x.stride(-1) != 1:
+    if not _runs(x):
         return rms_norm_reference(x, weight, eps)
+    return _launch(x, weight, eps, None, x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    """`gated_rms_norm_reference` in one launch where Triton runs (gate: x's shape, any float dtype)."""
+    if not (_runs(x) and gate.shape == x.shape and gate.stride(-1) == 1):
+        return gated_rms_norm_reference(x, weight, eps, gate, out_dtype)
+    return _launch(x, weight, eps, gate, out_dtype)
+
+
+def _runs(x: torch.Tensor) -> bool:
+    return triton is not None and triton_runs_on(x.device) and x.stride(-1) == 1
+
+
+def _launch(x, weight, eps, gate, out_dtype) -> torch.Tensor:
     dim = x.shape[-1]
     rows = x.reshape(-1, dim)  # a view for the strided per-head slices the model passes
-    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    gates = rows if gate is None else gate.reshape(-1, dim)
+    out = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
     if rows.shape[0]:
-        _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), dim, eps,
-                                           BLOCK=triton.next_power_of_2(dim), num_warps=4 if dim <= 1024 else 8)
+        _rms_norm_kernel[(rows.shape[0],)](rows, weight, gates, out, rows.stride(0), gates.stride(0), dim, eps,
+                                           HAS_GATE=gate is not None, BLOCK=triton.next_power_of_2(dim),
+                                           num_warps=4 if dim <= 1024 else 8)
     return out.reshape(x.shape)
 
 
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, row_stride, D, eps, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, w_ptr, gate_ptr, out_ptr, row_stride, gate_stride, D, eps,
+                         HAS_GATE: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < D
         x = tl.load(x_ptr + row * row_stride + cols, mask=mask, other=0.0).to(tl.float32)
         inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * D + cols, (x * inv * w).to(out_ptr.dtype.element_ty), mask=mask)
+        y = x * inv * w
+        if HAS_GATE:
+            y = y.to(x_ptr.dtype.element_ty).to(tl.float32)  # the reference's rms_norm returns x's dtype
+            g = tl.load(gate_ptr + row * gate_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            y = y * (g * tl.sigmoid(g))
+        tl.store(out_ptr + row * D + cols, y.to(out_ptr.dtype.element_ty), mask=mask)

@@ -14,7 +14,7 @@ from flashtree.engine.cache import DeltaNetState, TreeScratch
 from flashtree.formats.gguf_file import GGUFFile
 from flashtree.kernels import gated_delta, gated_delta_fla, gated_delta_triton, triton_runs_on
 from flashtree.kernels.deltanet_conv import conv_qkv
-from flashtree.kernels.rms_norm import rms_norm
+from flashtree.kernels.rms_norm import gated_rms_norm
 from flashtree.models.layers import Linear, load_weight
 from flashtree.models.qwen35_config import Qwen35Config
 from flashtree.models.step import Step
@@ -80,9 +80,8 @@ class GatedDeltaNet:
     def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         c = self.config
         n = x.shape[0]
-        z = self.z(x).view(n, c.gdn_v_heads, c.gdn_head_dim).float()
-        gated = rms_norm(o, self.norm, c.rms_eps) * F.silu(z)
-        return self.out(gated.reshape(n, -1).to(x.dtype))
+        z = self.z(x).view(n, c.gdn_v_heads, c.gdn_head_dim)
+        return self.out(gated_rms_norm(o, self.norm, c.rms_eps, z, x.dtype).reshape(n, -1))
 
 
 def commit_layers(layers: list[tuple[GatedDeltaNet, DeltaNetState, TreeScratch]], path: torch.Tensor) -> None:
