@@ -149,6 +149,9 @@ def test_bench_synthetic_multi_turn_raises_context(tmp_path):
                  "--system-tokens", "5000", "-n", "2", "--out", str(out)]) == 0
     # tiny's context is 4096: a 5000-token system prompt fits only because --multi-turn raised it
     assert shape_config("tiny").context_length < 5000 and out.is_file()
+    rows = json.loads(out.read_text())["rows"]
+    assert rows[1]["cached_tokens"] > 5000 and all(r["identical"] for r in rows)
+    assert all(0 < r["forwards_on_s"] <= r["ttft_on_s"] for r in rows)  # the cached TTFT, split
 
 
 def test_echo_model_predicts_its_current_token_decisively():
