@@ -193,7 +193,7 @@ def run_steps(args, engine, device_name: str) -> int:
         draft_bytes / bandwidth)
     if device.type == "cuda":  # the same draft with its layers in Q8_0, reading the same context cache
         q8 = copy.deepcopy(draft).quantize_layers("q8_0")
-        q8_proposer = DFlashProposer(model, q8, config.draft_window, capture_graphs=_captures(proposer))
+        q8_proposer = DFlashProposer(model, q8, config.draft_window, capture_graphs=_captures(engine))
         q8_proposer.cache = proposer.cache
         row("draft step (q8_0)", timed(lambda: q8_proposer.propose(bonus, cache.length), device, args.repeat),
             (_module_bytes(q8) + model.lm_head.nbytes) / bandwidth)
@@ -232,9 +232,10 @@ def run_steps(args, engine, device_name: str) -> int:
     return 0
 
 
-def _captures(proposer) -> bool | None:
-    """The graph setting of `proposer`'s static block pass (None: it has none), for a sibling proposer."""
-    return proposer.steps.capture_graphs if getattr(proposer, "steps", None) is not None else None
+def _captures(engine) -> bool | None:
+    """How `proposer_for` builds the engine's draft passes (None: eager, no graph runner), for a sibling."""
+    runner = engine.graph_runner()
+    return None if runner is None else runner.steps.capture_graphs
 
 
 def _module_bytes(module: torch.nn.Module) -> int:
@@ -281,8 +282,7 @@ def _replay(engine, draft, prompt: list[int], args, config) -> dict:
     ar = engine.generate(prompt, replace(base, mode="ar"))
     engine.draft = draft
     record = engine.generate(prompt, base)
-    record_proposer = proposer_for(engine, base)
-    inner = DFlashProposer(engine.target.model, draft, config.draft_window, capture_graphs=_captures(record_proposer))
+    inner = DFlashProposer(engine.target.model, draft, config.draft_window, capture_graphs=_captures(engine))
     engine.draft = ReplayProposer(inner, prompt + record.token_ids, args.replay_al)
     spec = engine.generate(prompt, base)
     engine.draft = draft
@@ -312,7 +312,7 @@ def _print(report: dict) -> None:
     print(f"context prefill: {cp['tokens']} tokens in {cp['s']} s ({cp['tok_s']} tok/s, first-call compiles included)")
     rp = report.get("replay")
     if rp:
-            print(f"replay e2e (AL target {rp['al_target']}): AL {rp['al']}  AR {rp['ar_tok_s']} tok/s  "
+        print(f"replay e2e (AL target {rp['al_target']}): AL {rp['al']}  AR {rp['ar_tok_s']} tok/s  "
               f"spec {rp['spec_tok_s']} tok/s  speedup {rp['speedup']}x  same as its record {rp['identical']} "
               f"({rp['same_prefix_tokens']}/{rp['tokens']} positions equal)  same as AR {rp['identical_to_ar']}")
     if "peak_memory_GiB" in report:

@@ -252,27 +252,23 @@ class Engine:
         to `on_features(features, positions)` as soon as they exist, so nothing grows with the prompt but
         the KV cache (a 256K prompt's features would be ~12 GiB at the 27B shape)."""
         model = self.target.model
-        bar = self.prefill_bar(len(prompt_ids))
-        for start in range(0, len(prompt_ids), chunk):
-            piece = torch.tensor(prompt_ids[start : start + chunk], dtype=torch.long)
-            first = cache.length
-            result = model.forward(piece, cache, capture=capture, last_only=True)
-            if on_features is not None:
-                on_features(result.features, torch.arange(first, cache.length, device=result.features.device))
-            if bar is not None:
+        with self.prefill_bar(len(prompt_ids)) as bar:
+            for start in range(0, len(prompt_ids), chunk):
+                piece = torch.tensor(prompt_ids[start : start + chunk], dtype=torch.long)
+                first = cache.length
+                result = model.forward(piece, cache, capture=capture, last_only=True)
+                if on_features is not None:
+                    on_features(result.features, torch.arange(first, cache.length, device=result.features.device))
                 bar.update(piece.shape[0])
-        if bar is not None:
-            bar.close()
         return result.logits[-1]
 
     def prefill_bar(self, tokens: int):
-        """A tqdm bar over `tokens` prompt tokens (stderr, gone when closed), or None: only when the CLI
-        asked for progress (`prefill_progress`) and the prompt is long."""
-        if not self.prefill_progress or tokens < PROGRESS_MIN_TOKENS:
-            return None
+        """A tqdm bar over `tokens` prompt tokens (stderr, gone when closed), drawn only when the CLI asked
+        for progress (`prefill_progress`) and the prompt is long."""
         from tqdm import tqdm
 
-        return tqdm(total=tokens, desc="prefill", unit="tok", unit_scale=True, leave=False)
+        return tqdm(total=tokens, desc="prefill", unit="tok", unit_scale=True, leave=False,
+                    disable=not self.prefill_progress or tokens < PROGRESS_MIN_TOKENS)
 
     def sampler(self, prompt_ids: list[int], config: GenerationConfig) -> Sampler:
         model = self.target.model

@@ -357,18 +357,15 @@ class PrefixCache:
         points = sorted(points | {n})
         chunk = config.prefill_chunk
         pos = start
-        bar = engine.prefill_bar(n - start)
-        for point in points:
-            while pos < point:
-                end = min((pos // chunk + 1) * chunk, point)  # chunks aligned to absolute multiples of `chunk`
-                commit = proposer.commit if proposer is not None else None
-                logits = engine.prefill(cache, prompt_ids[pos:end], end - pos, capture, commit)  # one chunk
-                if bar is not None:
+        with engine.prefill_bar(n - start) as bar:
+            for point in points:
+                while pos < point:
+                    end = min((pos // chunk + 1) * chunk, point)  # chunks aligned to absolute multiples of `chunk`
+                    commit = proposer.commit if proposer is not None else None
+                    logits = engine.prefill(cache, prompt_ids[pos:end], end - pos, capture, commit)  # one chunk
                     bar.update(end - pos)
-                pos = end
-            session.pending.append(self._snapshot(session))
-        if bar is not None:
-            bar.close()
+                    pos = end
+                session.pending.append(self._snapshot(session))
         self._session = session
         return logits
 

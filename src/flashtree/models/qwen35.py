@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from flashtree.engine.cache import TargetCache
 from flashtree.errors import FlashtreeError
 from flashtree.formats.gguf_file import GGUFFile
+from flashtree.kernels.rms_norm import rms_norm
 from flashtree.models.attention import GatedAttention
 from flashtree.models.deltanet import GatedDeltaNet, commit_layers
-from flashtree.kernels.rms_norm import rms_norm
 from flashtree.models.layers import Linear, QuantizedEmbedding, load_weight
 from flashtree.models.qwen35_config import Qwen35Config
 from flashtree.models.step import Step
