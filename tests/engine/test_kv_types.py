@@ -184,3 +184,20 @@ def test_prefix_cache_with_quantized_rows(target):
         assert cached.generate(conversation, config).token_ids == expected
         conversation = conversation + expected + [7, 8, 9]
     assert cached.prefix_cache.stats.hits == 1  # the q8_0 turn cannot reuse tq3_0/q4_0 rows
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "bf16", "q8_0", "q4_0", "tq3_0"])
+def test_prefix_cache_hits_are_exact_with_every_kv_type(target, kv_type):
+    from flashtree.engine.prefix_cache import PrefixCache
+
+    rng = np.random.default_rng(6)
+    draft = random_draft(target)
+    plain, cached = Engine(target, draft), Engine(target, draft)
+    cached.prefix_cache = PrefixCache(interval=32)
+    config = _config(mode="ddtree", budget=8, prefill_chunk=16, cache_type_k=kv_type, cache_type_v=kv_type)
+    conversation = rng.integers(0, target.config.vocab_size, 40).tolist()
+    for _ in range(3):
+        expected = plain.generate(conversation, config).token_ids
+        assert cached.generate(conversation, config).token_ids == expected
+        conversation = conversation + expected + [7, 8, 9]
+    assert cached.prefix_cache.stats.hits == 2
