@@ -2,7 +2,7 @@
 # One device call (carry .whl) for the figures of #6, #7 and #9 at the Qwen3.6-27B shape (the decisive
 # `--echo` model: same shapes, types and bytes as a real Q4_K_M model), each part with its own limit.
 # PARTS picks and orders them (default: steps-1k multi-turn steps-64k steps-256k-tq3, ~560 s), e.g.
-#   PARTS="diagnose sweep steps-1k" bash scripts/device_figures.sh      (~330 s)
+#   PARTS="tests diagnose sweep steps-1k" bash scripts/device_figures.sh      (~330 s)
 #   PARTS="multi-turn steps-64k" ...;  PARTS="steps-256k-tq3" LIMIT_256K=400 ...
 # Results under $OUT; each part prints its table's tail.
 source scripts/device_env.sh
@@ -15,10 +15,15 @@ bench() {  # name, seconds, bench flags...
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 for part in ${PARTS:-steps-1k multi-turn steps-64k steps-256k-tq3}; do
   case $part in
+    tests) timeout "${LIMIT_TESTS:-150}" python3 -m pytest -q -p no:cacheprovider -p no:warnings -m gpu tests \
+               > "$OUT/pytest.txt" 2>&1; echo "== gpu tests (rc $?)"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.txt" | tail -25 ;;
     diagnose) timeout 150 python3 scripts/diagnose_gpu.py --parts fla,agree --out "$OUT/diagnose.json" \
                   > "$OUT/diagnose.txt" 2>&1; echo "== diagnose (rc $?)"; tail -30 "$OUT/diagnose.txt" ;;
     sweep) timeout 150 python3 scripts/sweep_quant_matmul.py --types Q4_K,Q6_K --budget-s 100 \
                --out "$OUT/sweep.json" > "$OUT/sweep.txt" 2>&1; echo "== sweep (rc $?)"; tail -24 "$OUT/sweep.txt" ;;
+    sweep-attention) timeout "${LIMIT_SWEEP_ATTN:-150}" python3 scripts/sweep_tree_attention.py --budget-s "${BUDGET_SWEEP_ATTN:-120}" \
+               --out "$OUT/sweep_attention.json" > "$OUT/sweep_attention.txt" 2>&1
+               echo "== sweep-attention (rc $?)"; tail -10 "$OUT/sweep_attention.txt" ;;
     steps-1k) bench steps-1k 200 --steps -n 128 --repeat 10 --context 1024 --prefill-chunk 2048 \
                   --prefill-lengths 1024,13000 ;;
     multi-turn) TAIL=12 bench multi-turn 110 --multi-turn -n 32 ;;

@@ -46,10 +46,11 @@ def tree(n: int, seed: int = 0):
 
 
 def inputs(cache: str, n: int, group: int, q_dtype=torch.float32, start=None, garbage: str = "nan", seed: int = 0,
-           cache_v: str | None = None, kv_end: int = KV_END, head_dim: int | None = None):
+           cache_v: str | None = None, kv_end: int = KV_END, head_dim: int | None = None, causal: bool = False):
     """Keyword arguments of tree_attention: random q and caches, rows >= start + n filled with garbage
     ("nan": NaN floats / 0xFF bytes, which decode to a NaN fp16 scale / norm; "finite": large finite values).
-    head_dim defaults to HEAD_DIM, or TQ3_HEAD_DIM when either side is TQ3_0."""
+    head_dim defaults to HEAD_DIM, or TQ3_HEAD_DIM when either side is TQ3_0. `causal`: the new tokens are a
+    run (a prefill chunk), not a tree."""
     g = torch.Generator().manual_seed(seed * 1000 + n * 10 + group)
     start = STARTS[n] if start is None else start
     if head_dim is None:
@@ -65,7 +66,10 @@ def inputs(cache: str, n: int, group: int, q_dtype=torch.float32, start=None, ga
         else:
             c[:, start + n:] = t.quantize(50 * torch.randn(KV_HEADS, CAPACITY - start - n, head_dim, generator=g))
         caches.append(c)
-    _, depths, visible = tree(n, seed)
+    if causal:
+        depths, visible = torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril()
+    else:
+        _, depths, visible = tree(n, seed)
     return dict(q=q, k_cache=caches[0], v_cache=caches[1], kv_type_k=cache, kv_type_v=cache_v or cache,
                 start_t=torch.tensor([start]), visible=visible, positions=start + depths, kv_end=kv_end,
                 scale=head_dim ** -0.5)
@@ -137,6 +141,11 @@ def _cases():
     cases["f32-t5-g4-start0-float32"] = (dict(cache="f32", n=5, group=4, start=0), 0, forced, "reference")
     cases["f32-t23-g1-noGarbage-float32"] = (dict(cache="f32", n=23, group=1, start=KV_END - 23), WINDOW,
                                              dict(split=5, block_rows=32), "reference")
+    for cache in ("q8_0", "tq3_0"):  # a prefill chunk longer than any tree, over a quantized cache
+        cases[f"{cache}-prefill-t80-g4-w0-float32"] = (dict(cache=cache, n=80, group=4, start=12, causal=True), 0,
+                                                       forced, "reference")
+    cases["q4_0-prefill-t80-g4-w9-float32"] = (dict(cache="q4_0", n=80, group=4, start=12, causal=True), WINDOW,
+                                               {}, "reference")
     return cases
 
 

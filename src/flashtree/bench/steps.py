@@ -97,6 +97,7 @@ class ReplayProposer:
         self.inner, self.reference, self.al = inner, reference, al
         self.block_size, self.capture_layers = inner.block_size, inner.capture_layers
         self.credit = 0.0
+        self.nonfinite_rows = 0  # draft rows with inf/NaN logits (reported: the draft's own numerics)
 
     def start(self) -> None:
         self.inner.start()
@@ -120,6 +121,10 @@ class ReplayProposer:
     @torch.inference_mode()
     def propose(self, bonus: int, position: int) -> torch.Tensor:
         logits = self.inner.propose(bonus, position)
+        self.nonfinite_rows += int((~torch.isfinite(logits).all(-1)).sum())
+        # a random draft fed a decisive model's large features may overflow bf16: bounded values keep
+        # the forced entries decisive and the tree's log-softmax finite
+        logits = torch.nan_to_num(logits).clamp_(-1e3, 1e3)
         self.credit += self.al - 1
         correct = min(int(self.credit), logits.shape[0])
         self.credit -= correct
@@ -283,7 +288,7 @@ def _replay(engine, draft, prompt: list[int], args, config) -> dict:
     engine.draft = draft
     record = engine.generate(prompt, base)
     inner = DFlashProposer(engine.target.model, draft, config.draft_window, capture_graphs=_captures(engine))
-    engine.draft = ReplayProposer(inner, prompt + record.token_ids, args.replay_al)
+    replay = engine.draft = ReplayProposer(inner, prompt + record.token_ids, args.replay_al)
     spec = engine.generate(prompt, base)
     engine.draft = draft
     same = sum(a == b for a, b in zip(record.token_ids, spec.token_ids))
@@ -291,7 +296,8 @@ def _replay(engine, draft, prompt: list[int], args, config) -> dict:
             "ar_tok_s": round(ar.stats.tokens_per_s, 1), "spec_tok_s": round(spec.stats.tokens_per_s, 1),
             "speedup": round(spec.stats.tokens_per_s / ar.stats.tokens_per_s, 2) if ar.stats.tokens_per_s else 0.0,
             "identical": record.token_ids == spec.token_ids, "same_prefix_tokens": same, "tokens": len(ar.token_ids),
-            "identical_to_ar": ar.token_ids == spec.token_ids, "spec_stats": spec.stats.as_dict()}
+            "identical_to_ar": ar.token_ids == spec.token_ids, "draft_nonfinite_rows": replay.nonfinite_rows,
+            "spec_stats": spec.stats.as_dict()}
 
 
 def _print_header(report: dict) -> None:
@@ -314,7 +320,8 @@ def _print(report: dict) -> None:
     if rp:
         print(f"replay e2e (AL target {rp['al_target']}): AL {rp['al']}  AR {rp['ar_tok_s']} tok/s  "
               f"spec {rp['spec_tok_s']} tok/s  speedup {rp['speedup']}x  same as its record {rp['identical']} "
-              f"({rp['same_prefix_tokens']}/{rp['tokens']} positions equal)  same as AR {rp['identical_to_ar']}")
+              f"({rp['same_prefix_tokens']}/{rp['tokens']} positions equal)  same as AR {rp['identical_to_ar']}"
+              f"  draft rows not finite {rp['draft_nonfinite_rows']}")
     if "peak_memory_GiB" in report:
         print(f"peak GPU memory: {report['peak_memory_GiB']} GiB; peak so far after each phase: "
               f"{report['peak_memory_by_phase_GiB']}")

@@ -57,7 +57,8 @@ except ImportError:  # pragma: no cover - the torch reference serves
 _H200_SMS = 132
 _PROGRAMS_PER_SM = 2
 _MAX_SPLITS = 128
-MAX_TREE_QUERIES = 64  # tokens per call (a tree of budget <= 63 plus its root)
+MAX_TREE_QUERIES = 64  # tokens of a graphed step (a tree of budget <= 63 plus its root)
+MAX_QUERIES = 4096  # tokens of any call (a prefill chunk over a quantized cache): bounds the [T, T] mask
 _MAX_GROUP = 8
 _KINDS = {"f32": 0, "f16": 0, "bf16": 0, "q8_0": 1, "q4_0": 2, "tq3_0": 3}  # kernel's KIND per cache type
 _LOG2E = 1.4426950408889634
@@ -299,8 +300,8 @@ def _check(q, k_cache, v_cache, tk, tv, start_t, visible, positions, kv_end):
     kv_heads = k_cache.shape[0]
     if heads % kv_heads or v_cache.shape[0] != kv_heads:
         raise FlashtreeError(f"{heads} query heads are not a multiple of {kv_heads} kv heads")
-    if heads // kv_heads > _MAX_GROUP or n > MAX_TREE_QUERIES:
-        raise FlashtreeError(f"tree_attention handles T <= {MAX_TREE_QUERIES} and GQA groups <= {_MAX_GROUP}, "
+    if heads // kv_heads > _MAX_GROUP or n > MAX_QUERIES:
+        raise FlashtreeError(f"tree_attention handles T <= {MAX_QUERIES} and GQA groups <= {_MAX_GROUP}, "
                              f"got T={n}, group={heads // kv_heads}")
     for name, cache, t in (("k", k_cache, tk), ("v", v_cache, tv)):
         dtype, width = (t.dtype, d) if hasattr(t, "dtype") else (torch.uint8, t.row_bytes(d))
@@ -314,11 +315,11 @@ def _check(q, k_cache, v_cache, tk, tv, start_t, visible, positions, kv_end):
 
 
 def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, positions, kv_end, scale,
-                   window=0, split=None, *, block_rows=None, block_m=None, num_warps=None):
+                   window=0, split=None, *, block_rows=None, block_m=None, num_warps=None, num_stages=None):
     """Attention of q [heads, T, D] (after RoPE) over cache rows [0, kv_end) of a graphed step; see the
     module docstring for the mask. -> [heads, T, D] in q.dtype. `split` forces the number of splits,
-    `block_rows` (BLOCK_N, K/V rows per step), `block_m` (query rows per program) and `num_warps` override
-    the launch defaults. Falls back to `tree_attention_reference` where the Triton path does not apply."""
+    `block_rows` (BLOCK_N, K/V rows per step), `block_m` (query rows per program), `num_warps` and
+    `num_stages` (software pipelining of the row loop) override the launch defaults. Falls back to `tree_attention_reference` where the Triton path does not apply."""
     tk, tv = kv_type(kv_type_k), kv_type(kv_type_v)
     _check(q, k_cache, v_cache, tk, tv, start_t, visible, positions, kv_end)
     if not _triton_supports(q, tk, tv):
@@ -353,7 +354,7 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
         PRECISION=None if low_precision else "ieee",  # float32: exact FMA dots (bf16/f16: tensor cores)
         HAS_WINDOW=window > 0, BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits,
         FIXED_TRIPS=interpreter, TRIPS=triton.cdiv(triton.cdiv(kv_end, splits), block_n) if interpreter else 0,
-        num_warps=num_warps)
+        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}))
     if splits > 1:
         _combine_kernel[(heads * n,)](part, lse, out, heads * n, D=d, SPLITS=splits,
                                       SPLITS_P2=triton.next_power_of_2(splits), num_warps=4 if d >= 128 else 1)

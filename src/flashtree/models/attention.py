@@ -19,8 +19,8 @@ from torch.nn.attention.bias import causal_lower_right
 from flashtree.engine.cache import AttentionKV
 from flashtree.formats.gguf_file import GGUFFile
 from flashtree.kernels import triton_runs_on
-from flashtree.kernels.kv_quant import rotate, unrotate
-from flashtree.kernels.tree_attention import MAX_TREE_QUERIES, tree_attention
+from flashtree.kernels.kv_quant import FloatKV, rotate, unrotate
+from flashtree.kernels.tree_attention import MAX_QUERIES, MAX_TREE_QUERIES, tree_attention
 from flashtree.kernels.rms_norm import rms_norm
 from flashtree.models.layers import Linear, apply_rope, load_weight
 from flashtree.models.qwen35_config import Qwen35Config
@@ -62,9 +62,9 @@ class GatedAttention:
         q = q.transpose(0, 1)
         if kv.type_k.rotated:  # R orthogonal: (Rq).(Rk) = q.k, so K is used as stored
             q = rotate(q)
-        if step.graphed and triton_runs_on(q.device) and n <= MAX_TREE_QUERIES:  # reads the cache in place
-            out = tree_attention(q, kv.k, kv.v, kv.type_k, kv.type_v, step.start_t, step.visible, step.positions,
-                                 step.kv_end, c.attention_scale, kv.window)
+        if _reads_cache_in_place(step, kv, q):
+            out = tree_attention(q, kv.k, kv.v, kv.type_k, kv.type_v, step.start_tensor(), step.visible,
+                                 step.positions, step.kv_end, c.attention_scale, kv.window)
         else:
             lo = step.first_row(kv.window)
             keys = kv.type_k.dequantize(kv.k[:, lo : step.kv_end], q.dtype)  # rotated domain for TQ3_0
@@ -91,6 +91,18 @@ class GatedAttention:
         values = values.repeat_interleave(group, dim=0)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=step.attention_mask(lo, window),
                                               scale=self.config.attention_scale)
+
+
+def _reads_cache_in_place(step: Step, kv: AttentionKV, q) -> bool:
+    """The Triton kernel reads the cache as stored: every graphed step (its masks and padding are the
+    kernel's), and eager runs over a quantized cache, which otherwise dequantize every row per chunk (a
+    256K-token TQ3_0 prefill would move terabytes). Eager float caches keep SDPA's flash kernel."""
+    if not triton_runs_on(q.device):
+        return False
+    if step.graphed:
+        return q.shape[1] <= MAX_TREE_QUERIES
+    quantized = not (isinstance(kv.type_k, FloatKV) and isinstance(kv.type_v, FloatKV))
+    return quantized and q.shape[1] <= MAX_QUERIES
 
 
 def _plain_prefill(step: Step, lo: int, window: int, q, keys, values) -> bool:

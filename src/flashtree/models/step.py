@@ -42,6 +42,14 @@ class Step:
     def graphed(self) -> bool:
         return self.start_t is not None
 
+    def start_tensor(self) -> torch.Tensor:
+        """int64 [1] committed length on the device: `start_t` when graphed, else made once per forward."""
+        if self.start_t is not None:
+            return self.start_t
+        if "start" not in self._memo:
+            self._memo["start"] = torch.tensor([self.start], device=self.positions.device)
+        return self._memo["start"]
+
     def first_row(self, window: int) -> int:
         """The lowest cache row any query of this step can see: every query sits at position >= start,
         so a window hides the rows below start - window + 1 (a graphed step masks them instead)."""

@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""Launch settings of kernels/tree_attention.py at the Qwen3.6-27B attention shape (24 query heads, 4 KV
+heads, head_dim 256), on the GPU: for each case (tokens per call, committed rows, cache type) the
+(BLOCK_M, BLOCK_N, warps, stages, splits) points, in a fixed random order as far as the budget allows, are
+timed with CUDA events and checked against the default launch's output; the table gives each case's
+default and best points, time and K/V read bandwidth.
+
+    python3 scripts/sweep_tree_attention.py --out $OUT/sweep_attention.json [--budget-s 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from flashtree.kernels.kv_quant import kv_type  # noqa: E402
+from flashtree.kernels.tree_attention import choose_splits, tree_attention  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM = 24, 4, 256
+CASES = [  # (tokens per call, committed rows, cache type)
+    (23, 65536, "f16"), (23, 1024, "f16"), (1, 65536, "f16"), (65, 65536, "f16"), (23, 65536, "tq3_0"),
+    (23, 65536, "q8_0"), (512, 65536, "tq3_0"),
+]
+GRID = dict(block_m=(16, 32, 64), block_rows=(16, 32, 64), num_warps=(4, 8), num_stages=(1, 2, 3),
+            split_scale=(0.5, 1, 2))
+
+
+def inputs(n: int, committed: int, cache: str) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    t = kv_type(cache)
+    kv = [t.quantize(torch.randn(KV_HEADS, committed + n, HEAD_DIM, device="cuda", generator=g)) for _ in range(2)]
+    visible = torch.ones(n, n, dtype=torch.bool, device="cuda").tril()
+    return dict(q=torch.randn(HEADS, n, HEAD_DIM, device="cuda", generator=g, dtype=torch.bfloat16),
+                k_cache=kv[0], v_cache=kv[1], kv_type_k=cache, kv_type_v=cache,
+                start_t=torch.tensor([committed], device="cuda"), visible=visible,
+                positions=torch.arange(committed, committed + n, device="cuda"), kv_end=committed + n,
+                scale=HEAD_DIM ** -0.5)
+
+
+def timed(fn, repeat: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeat):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeat * 1e3  # microseconds
+
+
+def sweep_case(n: int, committed: int, cache: str, deadline: float) -> dict:
+    args = inputs(n, committed, cache)
+    kv_bytes = 2 * args["k_cache"][:, : committed + n].numel() * args["k_cache"].element_size()
+    reference = tree_attention(**args)
+    default_us = timed(lambda: tree_attention(**args))
+    group_rows = HEADS // KV_HEADS * n
+    points = []
+    grid = list(itertools.product(*GRID.values()))
+    random.Random(0).shuffle(grid)  # a budget cut short still samples the whole space
+    for block_m, rows, warps, stages, scale in grid:
+        if time.time() > deadline:
+            break
+        m_tiles = -(-group_rows // block_m)
+        splits = max(1, round(scale * choose_splits(committed + n, KV_HEADS, m_tiles, group_rows, block_rows=rows)))
+        launch = dict(block_m=block_m, block_rows=rows, num_warps=warps, num_stages=stages, split=splits)
+        try:
+            out = tree_attention(**args, **launch)
+            error = ((out.float() - reference.float()).abs().max() / reference.float().abs().max()).item()
+            us = timed(lambda: tree_attention(**args, **launch))
+        except Exception as exc:  # noqa: BLE001 - out of shared memory / registers: not a candidate
+            points.append({**launch, "error": str(exc).splitlines()[0][:120]})
+            continue
+        points.append({**launch, "us": round(us, 1), "rel_error": error})
+    good = [p for p in points if "us" in p and p["rel_error"] < 2e-2]
+    best = min(good, key=lambda p: p["us"]) if good else None
+    return {"tokens": n, "committed": committed, "cache": cache, "kv_bytes": kv_bytes, "default_us": round(default_us, 1),
+            "default_GBps": round(kv_bytes / default_us / 1e3, 1), "best": best,
+            "best_GBps": round(kv_bytes / best["us"] / 1e3, 1) if best else None, "points": points}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--budget-s", type=float, default=100.0)
+    args = parser.parse_args()
+    results = []
+    per_case = args.budget_s / len(CASES)
+    for i, case in enumerate(CASES):
+        results.append(sweep_case(*case, deadline=time.time() + per_case))
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    print(f"{'T':>4} {'rows':>7} {'cache':>6} {'default us':>11} {'GB/s':>7} {'best us':>9} {'GB/s':>7}  best point")
+    for r in results:
+        b = r["best"] or {}
+        point = {k: b[k] for k in ("block_m", "block_rows", "num_warps", "num_stages", "split") if k in b}
+        print(f"{r['tokens']:>4} {r['committed']:>7} {r['cache']:>6} {r['default_us']:>11} {r['default_GBps']:>7} "
+              f"{b.get('us', '-'):>9} {r['best_GBps'] or '-':>7}  {point}  ({len(r['points'])} points)")
+
+
+if __name__ == "__main__":
+    main()
