@@ -28,7 +28,7 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k steps-256k-tq3}; do
                   --prefill-lengths 1024,13000 ;;
     multi-turn) TAIL=12 bench multi-turn 110 --multi-turn -n 32 ;;
     steps-64k) bench steps-64k "${LIMIT_64K:-200}" --steps -n 32 --repeat 10 --replay-al 0 --context 65536 \
-                   --prefill-chunk 2048 --prefill-lengths 131072 ;;
+                   --prefill-chunk 2048 --prefill-lengths "${PREFILL_64K:-131072}" ;;
     steps-256k-tq3) bench steps-256k-tq3 "${LIMIT_256K:-300}" --steps -n 8 --repeat 3 --replay-al 0 \
                         --context 262000 --prefill-lengths 1024 -ctk tq3_0 -ctv tq3_0 ;;
     *) echo "unknown part $part" ;;

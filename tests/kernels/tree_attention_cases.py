@@ -141,10 +141,10 @@ def _cases():
     cases["f32-t5-g4-start0-float32"] = (dict(cache="f32", n=5, group=4, start=0), 0, forced, "reference")
     cases["f32-t23-g1-noGarbage-float32"] = (dict(cache="f32", n=23, group=1, start=KV_END - 23), WINDOW,
                                              dict(split=5, block_rows=32), "reference")
-    for cache in ("q8_0", "tq3_0"):  # a prefill chunk longer than any tree, over a quantized cache
-        cases[f"{cache}-prefill-t80-g4-w0-float32"] = (dict(cache=cache, n=80, group=4, start=12, causal=True), 0,
+    for cache in ("q8_0", "tq3_0"):  # a short prefill chunk (a causal run, not a tree) over a quantized cache
+        cases[f"{cache}-prefill-t40-g4-w0-float32"] = (dict(cache=cache, n=40, group=4, start=40, causal=True), 0,
                                                        forced, "reference")
-    cases["q4_0-prefill-t80-g4-w9-float32"] = (dict(cache="q4_0", n=80, group=4, start=12, causal=True), WINDOW,
+    cases["q4_0-prefill-t40-g4-w9-float32"] = (dict(cache="q4_0", n=40, group=4, start=40, causal=True), WINDOW,
                                                {}, "reference")
     return cases
 

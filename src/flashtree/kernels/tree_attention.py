@@ -57,10 +57,9 @@ except ImportError:  # pragma: no cover - the torch reference serves
 _H200_SMS = 132
 _PROGRAMS_PER_SM = 2
 _MAX_SPLITS = 128
-MAX_TREE_QUERIES = 64  # tokens of a graphed step (a tree of budget <= 63 plus its root)
-MAX_QUERIES = 4096  # tokens of any call (a prefill chunk over a quantized cache): bounds the [T, T] mask
+MAX_TREE_QUERIES = 64  # tokens per call (a tree of budget <= 63 plus its root, or a short prefill chunk)
 _MAX_GROUP = 8
-_KINDS = {"f32": 0, "f16": 0, "bf16": 0, "q8_0": 1, "q4_0": 2, "tq3_0": 3}  # kernel's KIND per cache type
+KV_KINDS = {"f32": 0, "f16": 0, "bf16": 0, "q8_0": 1, "q4_0": 2, "tq3_0": 3}  # kernel's KIND per cache type
 _LOG2E = 1.4426950408889634
 
 
@@ -122,7 +121,7 @@ if triton is not None:
         return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
-    def _load_rows(base, rows, row_ok, stride_r, D: tl.constexpr, KIND: tl.constexpr, OP: tl.constexpr):
+    def load_rows(base, rows, row_ok, stride_r, D: tl.constexpr, KIND: tl.constexpr, OP: tl.constexpr):
         """[BLOCK_N, D] values of cache rows `rows` (zeros where not row_ok), in the dot operand dtype OP.
         KIND 0: float rows; 1: Q8_0 (34-byte blocks: fp16 d, 32 int8); 2: Q4_0 (18-byte blocks: fp16 d,
         16 bytes, byte j = q[j] | q[j + 16] << 4, value (q - 8) * d); 3: TQ3_0 (14-byte blocks: fp16 group
@@ -165,7 +164,7 @@ if triton is not None:
         """One BLOCK_N chunk of rows [r0, min(r0 + BLOCK_N, my_hi)): scores, mask, online-softmax update."""
         rows = r0 + tl.arange(0, BLOCK_N)
         row_ok = rows < my_hi
-        k = _load_rows(k_base, rows, row_ok, stride_kr, D, KIND_K, OP)
+        k = load_rows(k_base, rows, row_ok, stride_kr, D, KIND_K, OP)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
         rel = rows - start
         new = (rel >= 0) & row_ok
@@ -182,7 +181,7 @@ if triton is not None:
         p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _load_rows(v_base, rows, row_ok, stride_vr, D, KIND_V, OP)
+        v = load_rows(v_base, rows, row_ok, stride_vr, D, KIND_V, OP)
         acc = acc * alpha[:, None] + tl.dot(p.to(OP), v, input_precision=PRECISION)
         m_i = m_new
         return m_i, l_i, acc
@@ -283,14 +282,18 @@ def choose_splits(kv_end: int, kv_heads: int, m_tiles: int, group_rows: int, sms
     return max(1, min(wanted, math.ceil(kv_end / min_rows), _MAX_SPLITS))
 
 
+def supported_head_dim(d: int, t: KVType) -> bool:
+    """`load_rows` takes a whole row as one tl.arange(0, D) tile, so D must be a power of two (>= 32, the
+    Q8_0/Q4_0 block); TQ3_0 rows also need whole 128-value groups (D = 128, 256, 512, ...)."""
+    return d >= 32 and d & (d - 1) == 0 and not (t.name == "tq3_0" and d % TQ3_GROUP)
+
+
 def _triton_supports(q, tk: KVType, tv: KVType) -> bool:
-    """The kernel takes a whole row as one tl.arange(0, D) tile, so D must be a power of two (>= 32, the
-    Q8_0/Q4_0 block); TQ3_0 rows also need whole 128-value groups (D = 128, 256, 512, ...). Other head dims
-    (e.g. 96, 384), unknown kv types, and CPU tensors without the interpreter go to the torch reference."""
+    """Other head dims (e.g. 96, 384), unknown kv types, and CPU tensors without the interpreter go to the
+    torch reference."""
     d = q.shape[-1]
-    tq3 = "tq3_0" in (tk.name, tv.name)
-    return (triton is not None and triton_runs_on(q.device) and tk.name in _KINDS and tv.name in _KINDS
-            and d >= 32 and d & (d - 1) == 0 and not (tq3 and d % TQ3_GROUP))
+    return (triton is not None and triton_runs_on(q.device) and tk.name in KV_KINDS and tv.name in KV_KINDS
+            and supported_head_dim(d, tk) and supported_head_dim(d, tv))
 
 
 def _check(q, k_cache, v_cache, tk, tv, start_t, visible, positions, kv_end):
@@ -300,8 +303,8 @@ def _check(q, k_cache, v_cache, tk, tv, start_t, visible, positions, kv_end):
     kv_heads = k_cache.shape[0]
     if heads % kv_heads or v_cache.shape[0] != kv_heads:
         raise FlashtreeError(f"{heads} query heads are not a multiple of {kv_heads} kv heads")
-    if heads // kv_heads > _MAX_GROUP or n > MAX_QUERIES:
-        raise FlashtreeError(f"tree_attention handles T <= {MAX_QUERIES} and GQA groups <= {_MAX_GROUP}, "
+    if heads // kv_heads > _MAX_GROUP or n > MAX_TREE_QUERIES:
+        raise FlashtreeError(f"tree_attention handles T <= {MAX_TREE_QUERIES} and GQA groups <= {_MAX_GROUP}, "
                              f"got T={n}, group={heads // kv_heads}")
     for name, cache, t in (("k", k_cache, tk), ("v", v_cache, tv)):
         dtype, width = (t.dtype, d) if hasattr(t, "dtype") else (torch.uint8, t.row_bytes(d))
@@ -331,10 +334,13 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise FlashtreeError("tree_attention needs unit stride along head_dim (q and both caches)")
     block_m = block_m or min(64, max(16, triton.next_power_of_2(group * n)))
-    block_n = block_rows or (64 if d <= 128 else 32)
+    # head_dim 256 with a full query tile: short row chunks and 4 warps keep the [64, 256] accumulator out
+    # of local memory (H200 sweep, scripts/sweep_tree_attention.py: 545 -> 332 us for 23 tokens at 64K rows)
+    wide = d >= 256 and block_m >= 64
+    block_n = block_rows or (64 if d <= 128 else 16 if wide else 32)
     m_tiles = triton.cdiv(group * n, block_m)
     splits = split or choose_splits(kv_end, kv_heads, m_tiles, group * n, _sm_count(q.device), block_n)
-    num_warps = num_warps or (4 if block_m * d <= 16 * 256 else 8)
+    num_warps = num_warps or (4 if block_m * d <= 16 * 256 or wide else 8)
     interpreter = interpreted()
     low_precision = q.dtype in (torch.bfloat16, torch.float16) and not interpreter
     op = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[q.dtype] if low_precision else tl.float32
@@ -350,7 +356,7 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
         positions, out, part, lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         n, kv_end, heads, float(scale) * _LOG2E, int(window),
-        G=group, D=d, KIND_K=_KINDS[tk.name], KIND_V=_KINDS[tv.name], OP=op,
+        G=group, D=d, KIND_K=KV_KINDS[tk.name], KIND_V=KV_KINDS[tv.name], OP=op,
         PRECISION=None if low_precision else "ieee",  # float32: exact FMA dots (bf16/f16: tensor cores)
         HAS_WINDOW=window > 0, BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits,
         FIXED_TRIPS=interpreter, TRIPS=triton.cdiv(triton.cdiv(kv_end, splits), block_n) if interpreter else 0,

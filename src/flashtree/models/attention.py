@@ -19,8 +19,9 @@ from torch.nn.attention.bias import causal_lower_right
 from flashtree.engine.cache import AttentionKV
 from flashtree.formats.gguf_file import GGUFFile
 from flashtree.kernels import triton_runs_on
+from flashtree.kernels.kv_dequant import dequantize_kv
 from flashtree.kernels.kv_quant import FloatKV, rotate, unrotate
-from flashtree.kernels.tree_attention import MAX_QUERIES, MAX_TREE_QUERIES, tree_attention
+from flashtree.kernels.tree_attention import MAX_TREE_QUERIES, tree_attention
 from flashtree.kernels.rms_norm import rms_norm
 from flashtree.models.layers import Linear, apply_rope, load_weight
 from flashtree.models.qwen35_config import Qwen35Config
@@ -67,8 +68,8 @@ class GatedAttention:
                                  step.positions, step.kv_end, c.attention_scale, kv.window)
         else:
             lo = step.first_row(kv.window)
-            keys = kv.type_k.dequantize(kv.k[:, lo : step.kv_end], q.dtype)  # rotated domain for TQ3_0
-            values = kv.type_v.dequantize(kv.v[:, lo : step.kv_end], q.dtype)
+            keys = dequantize_kv(kv.k[:, lo : step.kv_end], kv.type_k, q.dtype)  # rotated domain for TQ3_0
+            values = dequantize_kv(kv.v[:, lo : step.kv_end], kv.type_v, q.dtype)
             out = self._attend(q, keys, values, step, lo, kv.window)  # [heads, n, hd]
         if kv.type_v.rotated:  # softmax(.) @ (R v) = R (softmax(.) @ v): rotate the output back
             out = unrotate(out)
@@ -94,15 +95,12 @@ class GatedAttention:
 
 
 def _reads_cache_in_place(step: Step, kv: AttentionKV, q) -> bool:
-    """The Triton kernel reads the cache as stored: every graphed step (its masks and padding are the
-    kernel's), and eager runs over a quantized cache, which otherwise dequantize every row per chunk (a
-    256K-token TQ3_0 prefill would move terabytes). Eager float caches keep SDPA's flash kernel."""
-    if not triton_runs_on(q.device):
+    """The Triton kernel reads the cache as stored for every graphed step (its masks and padding are the
+    kernel's) and for short eager runs over a quantized cache. Longer chunks are dequantized once
+    (`dequantize_kv`) into SDPA's flash kernel: at hundreds of queries the tree kernel is ~10x slower."""
+    if not triton_runs_on(q.device) or q.shape[1] > MAX_TREE_QUERIES:
         return False
-    if step.graphed:
-        return q.shape[1] <= MAX_TREE_QUERIES
-    quantized = not (isinstance(kv.type_k, FloatKV) and isinstance(kv.type_v, FloatKV))
-    return quantized and q.shape[1] <= MAX_QUERIES
+    return step.graphed or not (isinstance(kv.type_k, FloatKV) and isinstance(kv.type_v, FloatKV))
 
 
 def _plain_prefill(step: Step, lo: int, window: int, q, keys, values) -> bool:
