@@ -93,8 +93,8 @@ def test_errors_name_the_problem():
         tree_attention(**{**args, "kv_end": cases.CAPACITY + 1})
     with pytest.raises(FlashtreeError, match="not a multiple of 2 kv heads"):
         tree_attention(**{**args, "q": args["q"][:7]})
-    with pytest.raises(FlashtreeError, match="T <= 64"):
-        tree_attention(**{**args, "q": torch.zeros(8, 65, 64)})
+    with pytest.raises(FlashtreeError, match="T <= 128"):
+        tree_attention(**{**args, "q": torch.zeros(8, 129, 64)})
     with pytest.raises(FlashtreeError, match="visible must be"):
         tree_attention(**{**args, "visible": args["visible"][:4]})
 

@@ -149,6 +149,8 @@ def run_steps(args, engine, device_name: str) -> int:
     report["read_bandwidth_GBps"] = round(bandwidth / 1e9, 1)
     if device.type == "cuda":
         report["memory_after_load_GiB"] = round(torch.cuda.memory_allocated(device) / 2**30, 2)
+        for i in range(torch.cuda.device_count()):  # peaks from here on: not the build's or the probe's buffers
+            torch.cuda.reset_peak_memory_stats(i)
     roofline_s = report["weights_bytes_per_step"] / bandwidth
     draft_device = torch.device(args.draft_device) if getattr(args, "draft_device", None) else device
     draft = engine.draft if isinstance(engine.draft, DFlashDraft) else random_draft(model.config, draft_device, dtype)
@@ -193,7 +195,7 @@ def run_steps(args, engine, device_name: str) -> int:
         verify = timed(lambda: engine.step_forward(tree.tokens, cache, tree, capture, pad_to=budget + 1), device,
                        args.repeat)
         row(f"verify budget {budget}", verify, roofline_s, vs_ar=round(verify / ar, 2))
-    mark("ar and verify steps")
+        mark(f"ar and verify up to budget {budget}")
     row("draft step", timed(lambda: proposer.propose(bonus, cache.length), device, args.repeat),
         draft_bytes / bandwidth)
     if device.type == "cuda":  # the same draft with its layers in Q8_0, reading the same context cache

@@ -57,7 +57,7 @@ except ImportError:  # pragma: no cover - the torch reference serves
 _H200_SMS = 132
 _PROGRAMS_PER_SM = 2
 _MAX_SPLITS = 128
-MAX_TREE_QUERIES = 64  # tokens per call (a tree of budget <= 63 plus its root, or a short prefill chunk)
+MAX_TREE_QUERIES = 128  # tokens per call (a tree of budget <= 127 plus its root, or a short prefill chunk)
 _MAX_GROUP = 8
 KV_KINDS = {"f32": 0, "f16": 0, "bf16": 0, "q8_0": 1, "q4_0": 2, "tq3_0": 3}  # kernel's KIND per cache type
 _LOG2E = 1.4426950408889634
