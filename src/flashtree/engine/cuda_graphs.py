@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flashtree.kernels import on_device
 from flashtree.models.qwen35 import ForwardOutput
 from flashtree.models.step import Step
 
@@ -123,9 +124,10 @@ class GraphedForward:
         start = cache.length
         # a tree verify only writes scratch rows: replaying it is harmless, and its outputs (logits,
         # features, DeltaNet scratch) stay the graph's buffers, which the commit graphs then read
-        result, pending = self.steps.run(key, 4 * size + 1 + size * size,
-                                         lambda host: self._fill(host, tokens, start, tree, size),
-                                         lambda packed: self._run(key, packed, cache), idempotent=tree is not None)
+        with on_device(self.model.device):
+            result, pending = self.steps.run(key, 4 * size + 1 + size * size,
+                                             lambda host: self._fill(host, tokens, start, tree, size),
+                                             lambda packed: self._run(key, packed, cache), idempotent=tree is not None)
         if tree is not None:
             self.verify_key = key
         cache.pending.clear()
@@ -153,7 +155,7 @@ class GraphedForward:
             host[n] = start
             host[n + 1] = proposer.cache.count if static_draft else 0
 
-        with torch.inference_mode():
+        with torch.inference_mode(), on_device(self.model.device):
             self.steps.run(key, n + 2, fill, run)
         cache.pending.clear()
         cache.length += n

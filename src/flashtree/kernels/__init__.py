@@ -6,6 +6,7 @@ Where a Triton kernel runs: on CUDA tensors, and on CPU tensors under Triton's i
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -24,3 +25,11 @@ def interpreted() -> bool:
 
 def triton_runs_on(device: torch.device | str) -> bool:
     return triton_installed() and (torch.device(device).type == "cuda" or interpreted())
+
+
+def on_device(device: torch.device | str) -> contextlib.AbstractContextManager:
+    """Triton launches its kernels on the *current* CUDA device, whatever device the tensors live on: work on
+    a second GPU (a layer split's later stages, the draft on its own GPU) runs inside this context, or its
+    kernels would read another GPU's memory (an illegal address without peer access)."""
+    device = torch.device(device)
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from flashtree.engine.cache import TargetCache
 from flashtree.errors import FlashtreeError
 from flashtree.formats.gguf_file import GGUFFile
+from flashtree.kernels import on_device
 from flashtree.kernels.rms_norm import rms_norm
 from flashtree.models.attention import GatedAttention
 from flashtree.models.deltanet import GatedDeltaNet, commit_layers
@@ -122,7 +124,8 @@ class Qwen35Model:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden.to(self.output_norm.device)
-        return self.lm_head(rms_norm(hidden, self.output_norm, self.config.rms_eps)).float().to(self.device)
+        with on_device(hidden.device):
+            return self.lm_head(rms_norm(hidden, self.output_norm, self.config.rms_eps)).float().to(self.device)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: TargetCache, step: Step | None = None,
@@ -134,7 +137,8 @@ class Qwen35Model:
         n = tokens.shape[0]
         cache.reserve(n)
         step = step or Step.sequence(cache.length, n, self.device)
-        result = self.run(tokens, cache, step, capture, last_only)
+        with on_device(self.device):
+            result = self.run(tokens, cache, step, capture, last_only)
         if not step.is_tree:
             cache.length += n
         return result
@@ -151,7 +155,8 @@ class Qwen35Model:
             if layer.index in self.boundaries:  # layer split: the hidden state hops to the next device
                 device = self.boundaries[layer.index]
                 h, step = h.to(device), step.to(device)
-            h = layer(h, step, cache)
+            with on_device(h.device) if self.boundaries else contextlib.nullcontext():
+                h = layer(h, step, cache)
             if layer.index in wanted:
                 captured[layer.index] = h
         features = torch.cat([captured[i].to(self.device) for i in capture], dim=-1) if capture else None
@@ -161,7 +166,8 @@ class Qwen35Model:
     @torch.inference_mode()
     def commit(self, cache: TargetCache, path: torch.Tensor) -> None:
         """Keep the accepted tree nodes `path` (node indices, root first) as the next committed tokens."""
-        self.run_commit(cache, path.to(self.device), torch.tensor([cache.length], device=self.device))
+        with on_device(self.device):
+            self.run_commit(cache, path.to(self.device), torch.tensor([cache.length], device=self.device))
         cache.pending.clear()
         cache.length += path.shape[0]
 
@@ -183,7 +189,8 @@ class Qwen35Model:
                 for side in (kv.k, kv.v):
                     side.index_copy_(1, rows, side.index_select(1, start + path))
         for device, layers in recurrent.items():
-            commit_layers(layers, path.to(device))
+            with on_device(device):
+                commit_layers(layers, path.to(device))
 
     def _check_tokens(self, tokens: torch.Tensor) -> None:
         if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size):

@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 from flashtree.engine.cuda_graphs import CapturedSteps, bucket_rows
+from flashtree.kernels import on_device
 from flashtree.models.dflash import DFlashDraft
 
 
@@ -46,7 +47,8 @@ class DFlashProposer:
         self.cache.reset()
 
     def commit(self, features: torch.Tensor, positions: torch.Tensor) -> None:
-        self.draft.append_context(self.cache, features.to(self.device, self.target.dtype), positions)
+        with on_device(self.device):
+            self.draft.append_context(self.cache, features.to(self.device, self.target.dtype), positions)
 
     def commit_static(self, features: torch.Tensor, positions: torch.Tensor, count: torch.Tensor) -> None:
         """`commit` as a device-only function (`count`: int64 [1] positions appended so far); the
@@ -58,14 +60,17 @@ class DFlashProposer:
         if self.steps is not None:
             rows = bucket_rows(max(self.cache.length, 1), self.cache.max_context)
             length = self.cache.length
-            return self.steps.run((rows,), 3, lambda host: host.copy_(torch.tensor([bonus, position, length])),
-                                  lambda packed: self._static_block(packed, rows))
+            with on_device(self.device):
+                return self.steps.run((rows,), 3, lambda host: host.copy_(torch.tensor([bonus, position, length])),
+                                      lambda packed: self._static_block(packed, rows))
         block = torch.full((self.block_size,), self.draft.config.mask_token_id, dtype=torch.long)
         block[0] = bonus
         embeddings = self.target.embed_tokens(block).to(self.device)
-        hidden = self.draft.forward_block(self.cache, embeddings, position)
+        with on_device(self.device):
+            hidden = self.draft.forward_block(self.cache, embeddings, position)
         head = self.target.lm_head  # on the target's last device: the hidden states go there, the logits come back
-        return head(hidden[1:].to(head.device, self.target.dtype)).float().to(self.target.device)
+        with on_device(head.device):
+            return head(hidden[1:].to(head.device, self.target.dtype)).float().to(self.target.device)
 
     def _static_block(self, packed: torch.Tensor, rows: int) -> torch.Tensor:
         """The block pass as a function of device inputs [bonus, position, context length] only."""
