@@ -12,7 +12,7 @@ steps() {  # name, seconds, extra flags
   echo "== $name (rc $?)"; tail -${TAIL:-16} "$OUT/steps-$name.txt"
 }
 if [ "${LONG_256K:-1}" = 1 ]; then  # plain (untied) random model: a real file's layout and bytes
-  CUDA_VISIBLE_DEVICES=1 TAIL=20 steps 256k-tq3 "${LIMIT_256K:-300}" --context 262000 --prefill-chunk 384 \
+  CUDA_VISIBLE_DEVICES=1 TAIL=20 steps 256k-tq3 "${LIMIT_256K:-300}" --context 262000 --prefill-chunk 512 \
       --prefill-lengths 1024 -ctk tq3_0 -ctv tq3_0 > "$OUT/long.log" 2>&1 &
 fi
 timeout "${LIMIT_TESTS:-120}" python3 -m pytest -q -p no:cacheprovider -p no:warnings -m gpu tests/dist \

@@ -122,8 +122,8 @@ class ReplayProposer:
     def propose(self, bonus: int, position: int) -> torch.Tensor:
         logits = self.inner.propose(bonus, position)
         self.nonfinite_rows += int((~torch.isfinite(logits).all(-1)).sum())
-        # a random draft fed a decisive model's large features may overflow bf16: bounded values keep
-        # the forced entries decisive and the tree's log-softmax finite
+        # a random draft fed the echo model's large features gives logits far beyond 1e4 (H200, 27B shape:
+        # AL 1.0 until these were bounded), and may overflow: bounded values keep the forced ones decisive
         logits = torch.nan_to_num(logits).clamp_(-1e3, 1e3)
         self.credit += self.al - 1
         correct = min(int(self.credit), logits.shape[0])
