@@ -10,7 +10,8 @@ import torch
 from flashtree.cli.main import build_parser, main
 from flashtree.engine.generate import Engine, GenerationConfig
 from flashtree.engine.loader import load_target
-from flashtree.engine.planner import PlanRequest, kv_bytes_per_token, max_ctx, parse_size, plan, target_from_preset
+from flashtree.engine.planner import (PlanRequest, kv_bytes_per_token, max_ctx, parse_size, per_device, plan,
+                                      target_from_preset)
 from flashtree.errors import FlashtreeError
 from flashtree.models.synthetic import tiny_config
 from tests.spec.test_lossless import OracleProposer, random_draft
@@ -94,8 +95,8 @@ def test_cli_run_with_quantized_cache(target, capsys):
 
 
 def _request(ctx=262144, k="tq3_0", v="tq3_0", **kw):
-    config, weights, embed, dense, draft = target_from_preset("qwen3.6-27b")
-    return PlanRequest(config, weights, embed, draft, ctx, k, v, dense_params=dense, **kw)
+    config, weights, embed, dense, draft, layers = target_from_preset("qwen3.6-27b")
+    return PlanRequest(config, weights, embed, draft, ctx, k, v, dense_params=dense, layer_bytes=layers, **kw)
 
 
 def test_kv_bytes_match_the_spec_table():
@@ -167,6 +168,43 @@ def test_plan_command_reads_a_gguf_and_a_draft_dir(target, tmp_path, capsys):
     assert info["lines"]["target weights"] > 0 and info["fits"] and info["target_weights_dequantized"] > 0
     assert main(["plan", "-m", str(target.path), "--ctx", "1024", "--gpu-memory", "1MiB"]) == 1
     assert main(["plan", "-m", str(target.path), "-ctk", "tq3_0", "--ctx", "64", "--json"]) == 0  # head_dim 128 ok
+
+
+def test_per_device_shares_add_up_and_follow_the_placement():
+    req = _request(ctx=65536, k="f16", v="f16")
+    p = plan(req)
+    one = per_device(p, [64])
+    assert len(one) == 1 and one[0] == {name: b for name, b, _ in p.lines}  # one GPU: the plan itself
+
+    split = per_device(p, [32, 32], draft_device=1)
+    for name in ("target weights", "KV cache", "DeltaNet state", "tree buffers", "draft weights"):
+        assert split[0][name] + split[1][name] == p.bytes_of(name), name
+    assert split[0]["KV cache"] == split[1]["KV cache"]  # attention every 4th layer: 8 of 16 per half
+    assert split[0]["draft weights"] == 0 and split[1]["draft context ring"] == p.bytes_of("draft context ring")
+    head = req.weight_bytes - req.embed_bytes - sum(req.layer_bytes)
+    assert split[0]["target weights"] == req.embed_bytes + sum(req.layer_bytes[:32])
+    assert split[1]["target weights"] == sum(req.layer_bytes[32:]) + head
+    # each GPU runs its own layers' intermediates; the logits exist on the last GPU and the first
+    assert split[0]["activations (estimate)"] == split[1]["activations (estimate)"] == p.bytes_of("activations (estimate)")
+
+    draft_gpu = per_device(p, [64], draft_device=1)  # the draft on a GPU of its own
+    assert draft_gpu[1]["target weights"] == draft_gpu[1]["KV cache"] == 0
+    assert sum(draft_gpu[1].values()) == sum(p.bytes_of(n) for n in ("draft weights", "draft context ring",
+                                                                       "prefill feature capture"))
+    with pytest.raises(FlashtreeError, match="does not cover the 64 layers"):
+        per_device(p, [32, 31])
+
+
+def test_plan_command_per_gpu(capsys):
+    args = ["plan", "--synthetic", "qwen3.6-27b", "--ctx", "65536", "--layer-split", "1,1", "--draft-device", "cuda:1"]
+    assert main(args + ["--gpu-memory", "16GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "layers per GPU [32, 32]" in out and "cuda:0" in out and "cuda:1" in out
+    assert main(args + ["--gpu-memory", "12GiB"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: does not fit: cuda:1 needs") and "cuda:0" not in err
+    assert main(args[:-2] + ["--draft-device", "cpu"]) == 1
+    assert "plan a GPU as cuda:N" in capsys.readouterr().err
 
 
 def test_prefix_cache_with_quantized_rows(target):

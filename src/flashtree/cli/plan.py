@@ -3,9 +3,11 @@
     flashtree plan --model T.gguf [--draft DIR] --ctx 262144 --cache-type-k tq3_0 --cache-type-v tq3_0 \
         --budget 22 [--gpu-memory 24GiB]
     flashtree plan --synthetic qwen3.6-27b --ctx 262144 -ctk tq3_0 -ctv tq3_0 --gpu-memory 24GiB
+    flashtree plan --synthetic qwen3.6-27b --ctx 65536 --layer-split 1,1 --draft-device cuda:1 --gpu-memory 16GiB
 
 Refuses (exit 1, one line) a configuration that does not fit in --gpu-memory, or in the CUDA
-device's memory when a device is present and no --gpu-memory is given.
+device's memory when a device is present and no --gpu-memory is given. With `--layer-split` or
+`--draft-device` the budget is shown per GPU (`engine.planner.per_device`) and each GPU must fit.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from flashtree.engine.planner import (SYNTHETIC, DraftShape, PlanRequest, fmt_bytes, max_ctx, parse_size, plan,
-                                      target_from_gguf, target_from_preset)
+from flashtree.engine.planner import (SYNTHETIC, DraftShape, PlanRequest, fmt_bytes, max_ctx, parse_size, per_device,
+                                      plan, target_from_gguf, target_from_preset)
 from flashtree.errors import FlashtreeError
 
 
@@ -36,24 +38,29 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="bf16", choices=("bf16", "f16", "f32"), help="compute dtype (default bf16)")
     p.add_argument("--gpu-memory", default=None,
                    help="memory to fit in, e.g. 24GiB or 24GB (default: the CUDA device's, if any)")
+    p.add_argument("--layer-split", default=None, metavar="A,B,...",
+                   help="layers per GPU as proportions or counts (as `run --layer-split`): plan each GPU")
+    p.add_argument("--draft-device", default=None, metavar="cuda:N",
+                   help="the GPU the draft, its ring and the prefill capture go to (as `run --draft-device`)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=run)
 
 
 def build_request(args: argparse.Namespace) -> PlanRequest:
     if args.synthetic:
-        config, weights, embed, dense, draft = target_from_preset(args.synthetic)
+        config, weights, embed, dense, draft, layers = target_from_preset(args.synthetic)
         if args.draft:
             draft = DraftShape.from_dir(args.draft)
     else:
-        config, weights, embed, dense = target_from_gguf(args.model)
+        config, weights, embed, dense, layers = target_from_gguf(args.model)
         draft = DraftShape.from_dir(args.draft) if args.draft else None
     if args.no_draft:
         draft = None
     if args.budget < 1 or args.draft_window < 1 or args.prefill_chunk < 1:
         raise FlashtreeError("--budget, --draft-window and --prefill-chunk must be >= 1")
     return PlanRequest(config, weights, embed, draft, args.ctx or config.context_length, args.cache_type_k,
-                       args.cache_type_v, args.budget, args.draft_window, args.prefill_chunk, args.dtype, dense)
+                       args.cache_type_v, args.budget, args.draft_window, args.prefill_chunk, args.dtype, dense,
+                       layers)
 
 
 def available_memory(text: str | None) -> tuple[int | None, str]:
@@ -70,9 +77,28 @@ def available_memory(text: str | None) -> tuple[int | None, str]:
     return None, "none given"
 
 
+def placement(args: argparse.Namespace, num_layers: int) -> tuple[list[int], int] | None:
+    """(layers per GPU, the draft's GPU index) when a placement flag is given, else None."""
+    from flashtree.dist.placement import layer_counts, parse_split
+
+    if args.layer_split is None and args.draft_device is None:
+        return None
+    counts = layer_counts(num_layers, parse_split(args.layer_split)) if args.layer_split else [num_layers]
+    draft_gpu = 0
+    if args.draft_device is not None:
+        name, _, index = args.draft_device.partition(":")
+        if name != "cuda" or not index.isdigit():
+            raise FlashtreeError(f"--draft-device {args.draft_device!r}: plan a GPU as cuda:N (e.g. cuda:1)")
+        draft_gpu = int(index)
+    return counts, draft_gpu
+
+
 def run(args: argparse.Namespace) -> int:
     req = build_request(args)
     result = plan(req)
+    placed = placement(args, req.config.num_layers)
+    if placed is not None:
+        return run_per_device(args, result, *placed)
     available, source = available_memory(args.gpu_memory)
     fits_to = max_ctx(req, available) if available is not None else None
     c = req.config
@@ -95,4 +121,28 @@ def run(args: argparse.Namespace) -> int:
             f"does not fit: ctx {req.ctx} with K {req.cache_type_k} / V {req.cache_type_v} needs {fmt_bytes(result.total)} "
             f"(weights {fmt_bytes(result.bytes_of('target weights'))}, KV {fmt_bytes(result.bytes_of('KV cache'))}) "
             f"but {fmt_bytes(available)} is available; largest ctx that fits: {fits_to}")
+    return 0
+
+
+def run_per_device(args: argparse.Namespace, result, counts: list[int], draft_gpu: int) -> int:
+    req, c = result.request, result.request.config
+    devices = per_device(result, counts, draft_gpu)
+    totals = [sum(d.values()) for d in devices]
+    available, source = available_memory(args.gpu_memory)
+    if args.json:
+        print(json.dumps({"model": c.name, "ctx": req.ctx, "layer_counts": counts, "draft_gpu": draft_gpu,
+                          "devices": [{"lines": d, "total": t} for d, t in zip(devices, totals)],
+                          "available_per_gpu": available}, indent=2))
+    else:
+        print(f"{c.name}: ctx {req.ctx}, K {req.cache_type_k} / V {req.cache_type_v}, budget {req.budget}, "
+              f"layers per GPU {counts}, draft on cuda:{draft_gpu if req.draft else '-'}, compute {req.dtype}")
+        print(f"{'':<26}" + "".join(f"{f'cuda:{i}':>12}" for i in range(len(devices))))
+        for name in devices[0]:
+            print(f"{name:<26}" + "".join(f"{fmt_bytes(d[name]):>12}" for d in devices))
+        print(f"{'total':<26}" + "".join(f"{fmt_bytes(t):>12}" for t in totals))
+        if available is not None:
+            print(f"{'available per GPU':<26}{fmt_bytes(available):>12}  (from {source})")
+    over = [f"cuda:{i} needs {fmt_bytes(t)}" for i, t in enumerate(totals) if available is not None and t > available]
+    if over:
+        raise FlashtreeError(f"does not fit: {', '.join(over)} but each GPU has {fmt_bytes(available)}")
     return 0

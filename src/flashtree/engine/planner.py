@@ -26,6 +26,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 from flashtree.errors import FlashtreeError
 from flashtree.kernels.kv_quant import kv_type
@@ -85,6 +86,7 @@ class PlanRequest:
     prefill_chunk: int = 512
     dtype: str = "bf16"  # compute dtype of activations, draft weights and float state
     dense_params: int = 0  # target parameters outside token_embd (for the dequantized-at-load note)
+    layer_bytes: tuple[int, ...] = ()  # stored bytes of each layer's tensors (blk.i.*): a layer split's shares
 
 
 @dataclass
@@ -158,20 +160,26 @@ def plan(req: PlanRequest) -> MemoryPlan:
 
 
 def _activations(req: PlanRequest, rows: int, b: int) -> int:
+    return sum(_activation_parts(req, rows, b).values())
+
+
+def _activation_parts(req: PlanRequest, rows: int, b: int) -> dict[str, int]:
+    """forward: hidden, MLP and projection intermediates of the largest forward; logits; dequant: one
+    attention layer's K/V in the compute dtype; dense: one FFN weight dequantized for a long chunk."""
     c = req.config
     tk, tv = kv_type(req.cache_type_k), kv_type(req.cache_type_v)
     m = max(min(req.prefill_chunk, req.ctx), req.budget + 1)  # largest forward
     logit_rows = req.budget + 1  # a prefill chunk computes the last token's logits only
     per_token = (6 * c.hidden_size + 3 * c.intermediate_size + 3 * c.num_heads * c.head_dim
                  + 3 * c.conv_dim + c.gdn_value_dim) * b + 4 * c.gdn_value_dim * 3
-    logits = logit_rows * c.vocab_size * (4 + b)
     dequant = 0
     for t in (tk, tv):
         if t.name != req.dtype:  # a cache side stored in another type is dequantized per layer
             dequant += c.num_kv_heads * rows * c.head_dim * b
     # prefill chunks of >= DENSE_MIN_M tokens multiply by one dequantized weight at a time (the FFN's largest)
     dense_weight = c.intermediate_size * c.hidden_size * b if m >= DENSE_MIN_M else 0
-    return m * per_token + logits + dequant + dense_weight
+    return {"forward": m * per_token, "logits": logit_rows * c.vocab_size * (4 + b), "dequant": dequant,
+            "dense": dense_weight}
 
 
 def _activation_note(req: PlanRequest) -> str:
@@ -194,14 +202,52 @@ def max_ctx(req: PlanRequest, available: int) -> int:
     return lo * 256
 
 
+def per_device(result: MemoryPlan, counts: Sequence[int], draft_device: int = 0) -> list[dict[str, int]]:
+    """`result`'s lines shared out over the devices of a layer split (`counts`: layers per device, in
+    order; the embedding on the first device, the output norm and LM head on the last, as
+    `dist.placement` places them) with the draft, its ring and the prefill capture on device
+    `draft_device` (which may be past the split's devices: a draft on a GPU of its own). Every device
+    running layers needs its own forward intermediates; the logits are made on the last device and
+    copied to the first."""
+    req = result.request
+    c = req.config
+    if sum(counts) != c.num_layers or any(n < 1 for n in counts):
+        raise FlashtreeError(f"layer split {list(counts)} does not cover the {c.num_layers} layers, one or more each")
+    if len(req.layer_bytes) != c.num_layers:
+        raise FlashtreeError("this plan has no per-layer weight sizes, so it cannot be split over devices")
+    stage = [d for d, n in enumerate(counts) for _ in range(n)]
+    devices = [dict.fromkeys((name for name, _, _ in result.lines), 0)
+               for _ in range(max(len(counts), draft_device + 1))]
+    last = len(counts) - 1
+    weights = devices[0]["target weights"] = req.embed_bytes
+    for i, nbytes in enumerate(req.layer_bytes):
+        devices[stage[i]]["target weights"] += nbytes
+    devices[last]["target weights"] += req.weight_bytes - weights - sum(req.layer_bytes)  # output norm and head
+    for name in ("KV cache", "DeltaNet state", "tree buffers"):
+        if name in devices[0]:
+            owners = [stage[i] for i in (c.attention_layers if name == "KV cache" else c.deltanet_layers)]
+            for owner in owners:
+                devices[owner][name] += result.bytes_of(name) // len(owners)
+    for name in ("draft weights", "draft context ring", "prefill feature capture"):
+        if name in devices[0]:
+            devices[draft_device][name] = result.bytes_of(name)
+    parts = _activation_parts(req, req.ctx + req.budget + 2, DTYPE_BYTES[req.dtype])
+    attention_owners = {stage[i] for i in c.attention_layers}
+    for d in range(len(counts)):
+        devices[d]["activations (estimate)"] = (parts["forward"] + parts["dense"]
+                                                + (parts["dequant"] if d in attention_owners else 0)
+                                                + (parts["logits"] if d in (0, last) else 0))
+    return devices
+
+
 # ----------------------------------------------------------------------------------------------
 # Shapes from a GGUF (metadata + tensor table only) or from a synthetic preset
 # ----------------------------------------------------------------------------------------------
 
 
-def target_from_gguf(path: str | Path) -> tuple[Qwen35Config, int, int, int]:
+def target_from_gguf(path: str | Path) -> tuple[Qwen35Config, int, int, int, tuple[int, ...]]:
     """(config, stored bytes of the tensors the trunk uses, token_embd bytes, parameters outside
-    token_embd), reading no weights."""
+    token_embd, stored bytes per layer), reading no weights."""
     from flashtree.engine.loader import read_config
     from flashtree.formats.gguf_file import GGUFFile
 
@@ -211,7 +257,15 @@ def target_from_gguf(path: str | Path) -> tuple[Qwen35Config, int, int, int]:
     used = [t for t in gguf.tensors.values() if not t.name.startswith("blk.") or t.name.startswith(trunk)]
     embed = gguf.tensors["token_embd.weight"].nbytes
     dense = sum(math.prod(t.shape) for t in used if t.name != "token_embd.weight")
-    return config, sum(t.nbytes for t in used), embed, dense
+    return config, sum(t.nbytes for t in used), embed, dense, _layer_bytes({t.name: t.nbytes for t in used}, config)
+
+
+def _layer_bytes(sizes: dict[str, int], config: Qwen35Config) -> tuple[int, ...]:
+    per_layer = [0] * config.num_layers
+    for name, nbytes in sizes.items():
+        if name.startswith("blk."):
+            per_layer[int(name.split(".")[1])] += nbytes
+    return tuple(per_layer)
 
 
 SYNTHETIC = {
@@ -231,7 +285,7 @@ SYNTHETIC = {
 }
 
 
-def target_from_preset(name: str) -> tuple[Qwen35Config, int, int, int, DraftShape]:
+def target_from_preset(name: str) -> tuple[Qwen35Config, int, int, int, DraftShape, tuple[int, ...]]:
     from flashtree.formats.quant_mix import quant_types
     from flashtree.formats.quants import bytes_for
     from flashtree.models.dflash import DraftConfig
@@ -248,7 +302,7 @@ def target_from_preset(name: str) -> tuple[Qwen35Config, int, int, int, DraftSha
     sizes = {n: bytes_for(types[n], s) for n, s in shapes.items()}
     draft = DraftShape.from_config(DraftConfig.from_json(preset["draft"]))
     dense = sum(math.prod(s) for n, s in shapes.items() if n != "token_embd.weight")
-    return config, sum(sizes.values()), sizes["token_embd.weight"], dense, draft
+    return config, sum(sizes.values()), sizes["token_embd.weight"], dense, draft, _layer_bytes(sizes, config)
 
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
@@ -280,5 +334,5 @@ def fmt_bytes(n: int) -> str:
     return _gib(n)
 
 
-__all__ = ["DraftShape", "PlanRequest", "MemoryPlan", "plan", "max_ctx", "kv_bytes_per_token", "target_from_gguf",
+__all__ = ["DraftShape", "PlanRequest", "MemoryPlan", "plan", "per_device", "max_ctx", "kv_bytes_per_token", "target_from_gguf",
            "target_from_preset", "parse_size", "fmt_bytes", "SYNTHETIC", "GIB"]
