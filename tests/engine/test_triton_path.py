@@ -36,8 +36,6 @@ def test_gpu_code_path_in_the_interpreter_matches_the_torch_path(make_gguf, dtyp
         expected = Engine(target).generate(PROMPT, GenerationConfig(max_new_tokens=N_NEW, ignore_eos=True)).token_ids
         q8 = GenerationConfig(max_new_tokens=N_NEW, ignore_eos=True, cache_type_k="q8_0", cache_type_v="q8_0")
         expected_q8 = Engine(target).generate(PROMPT, q8).token_ids
-        assert triton["tokens"] == {"ar": expected, "ddtree": expected, "ar-q8_0": expected_q8, "ddtree-q8_0": expected_q8}
+        assert triton["tokens"] == {"ar": expected, "ddtree": expected, "ddtree-q8_0": expected_q8}
     else:  # bf16 rounds differently on the two paths: the run completes and speculative equals its own AR
-        tokens = triton["tokens"]
-        assert len(tokens["ar"]) == N_NEW and tokens["ddtree"] == tokens["ar"]
-        assert len(tokens["ar-q8_0"]) == N_NEW and tokens["ddtree-q8_0"] == tokens["ar-q8_0"]
+        assert len(triton["tokens"]["ar"]) == N_NEW and triton["tokens"]["ddtree"] == triton["tokens"]["ar"]
