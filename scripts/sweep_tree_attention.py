@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Launch settings of kernels/tree_attention.py at the Qwen3.6-27B attention shape (24 query heads, 4 KV
 heads, head_dim 256), on the GPU: for each case (tokens per call, committed rows, cache type) the
-(BLOCK_M, BLOCK_N, warps, stages, splits) points, in a fixed random order as far as the budget allows, are
+(BLOCK_M, BLOCK_N, warps, stages, splits, blockwise decode) points, in a fixed random order as far as the budget allows, are
 timed with CUDA events and checked against the default launch's output; the table gives each case's
 default and best points, time and K/V read bandwidth.
 
@@ -31,7 +31,7 @@ CASES = [  # (tokens per call, committed rows, cache type)
     (23, 65536, "q8_0"), (512, 65536, "tq3_0"),
 ]
 GRID = dict(block_m=(16, 32, 64), block_rows=(16, 32, 64), num_warps=(4, 8), num_stages=(1, 2, 3),
-            split_scale=(0.5, 1, 2))
+            split_scale=(0.5, 1, 2), blockwise=(False, True))
 
 
 def inputs(n: int, committed: int, cache: str) -> dict:
@@ -67,12 +67,15 @@ def sweep_case(n: int, committed: int, cache: str, deadline: float) -> dict:
     points = []
     grid = list(itertools.product(*GRID.values()))
     random.Random(0).shuffle(grid)  # a budget cut short still samples the whole space
-    for block_m, rows, warps, stages, scale in grid:
+    for block_m, rows, warps, stages, scale, blockwise in grid:
+        if blockwise and cache in ("f16", "bf16"):
+            continue  # float rows have no blocks
         if time.time() > deadline:
             break
         m_tiles = -(-group_rows // block_m)
         splits = max(1, round(scale * choose_splits(committed + n, KV_HEADS, m_tiles, group_rows, block_rows=rows)))
-        launch = dict(block_m=block_m, block_rows=rows, num_warps=warps, num_stages=stages, split=splits)
+        launch = dict(block_m=block_m, block_rows=rows, num_warps=warps, num_stages=stages, split=splits,
+                      blockwise=blockwise)
         try:
             out = tree_attention(**args, **launch)
             error = ((out.float() - reference.float()).abs().max() / reference.float().abs().max()).item()
@@ -101,7 +104,7 @@ def main() -> None:
     print(f"{'T':>4} {'rows':>7} {'cache':>6} {'default us':>11} {'GB/s':>7} {'best us':>9} {'GB/s':>7}  best point")
     for r in results:
         b = r["best"] or {}
-        point = {k: b[k] for k in ("block_m", "block_rows", "num_warps", "num_stages", "split") if k in b}
+        point = {k: b[k] for k in ("block_m", "block_rows", "num_warps", "num_stages", "split", "blockwise") if k in b}
         print(f"{r['tokens']:>4} {r['committed']:>7} {r['cache']:>6} {r['default_us']:>11} {r['default_GBps']:>7} "
               f"{b.get('us', '-'):>9} {r['best_GBps'] or '-':>7}  {point}  ({len(r['points'])} points)")
 

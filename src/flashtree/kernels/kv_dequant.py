@@ -2,7 +2,8 @@
 
 `dequantize_kv(rows, kv_type, dtype)` -> [heads, n, head_dim] in `dtype`, the same values as
 `kv_type.dequantize(rows, dtype)` (the torch reference): each block is decoded in float32 by the same
-`load_rows` the tree-attention kernel reads the cache with, then rounded once to `dtype`. The reference
+`load_rows` the tree-attention kernel reads the cache with (block by block: this kernel holds no
+accumulator, so the decode's registers are free), then rounded once to `dtype`. The reference
 builds int64 indices and float32 copies of every value (about 6 GB at 256K rows of one TQ3_0 layer);
 this writes only the output. Float caches, head dims the decoder cannot tile and CPU tensors without the
 interpreter take the reference.
@@ -35,7 +36,7 @@ if triton is not None:
         head = tl.program_id(0).to(tl.int64)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         ok = rows < n_rows
-        x = load_rows(src_ptr + head * stride_h, rows, ok, stride_r, D, KIND, OP)
+        x = load_rows(src_ptr + head * stride_h, rows, ok, stride_r, D, KIND, OP, True)
         offs = (head * n_rows + rows.to(tl.int64))[:, None] * D + tl.arange(0, D)[None, :]
         tl.store(out_ptr + offs, x, mask=ok[:, None])
 

@@ -121,50 +121,86 @@ if triton is not None:
         return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
-    def load_rows(base, rows, row_ok, stride_r, D: tl.constexpr, KIND: tl.constexpr, OP: tl.constexpr):
+    def load_rows(base, rows, row_ok, stride_r, D: tl.constexpr, KIND: tl.constexpr, OP: tl.constexpr,
+                  BLOCKWISE: tl.constexpr):
         """[BLOCK_N, D] values of cache rows `rows` (zeros where not row_ok), in the dot operand dtype OP.
         KIND 0: float rows; 1: Q8_0 (34-byte blocks: fp16 d, 32 int8); 2: Q4_0 (18-byte blocks: fp16 d,
         16 bytes, byte j = q[j] | q[j + 16] << 4, value (q - 8) * d); 3: TQ3_0 (14-byte blocks: fp16 group
         norm, qs[8] low index bits 2(j%4) of byte j/4, signs[4] high bit j%8 of byte j/8; value = norm *
-        C[low | hi << 2], C = +levels then -levels, exactly `TQ3_0.dequantize`: rotated domain, no rotation here)."""
-        d = tl.arange(0, D)
+        C[low | hi << 2], C = +levels then -levels, exactly `TQ3_0.dequantize`: rotated domain, no rotation here).
+        Quantized rows decode per value or, with BLOCKWISE, per block (the same values)."""
         row_ptrs = base + rows.to(tl.int64)[:, None] * stride_r
-        ok = row_ok[:, None]
         if KIND == 0:
-            x = tl.load(row_ptrs + d[None, :], mask=ok, other=0.0).to(tl.float32)
-        elif KIND == 1:
-            blk = d // 32
+            x = tl.load(row_ptrs + tl.arange(0, D)[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+        elif BLOCKWISE:
+            x = _decode_blockwise(row_ptrs, row_ok, rows.shape[0], D, KIND)
+        else:
+            x = _decode_per_value(row_ptrs, row_ok, D, KIND)
+        return x.to(OP)
+
+    @triton.jit
+    def _decode_per_value(row_ptrs, row_ok, D: tl.constexpr, KIND: tl.constexpr):
+        """Each value gathers its own bytes: each byte is loaded 4-8 times and each scale 32 times, but the
+        values come out in the [rows, D] layout with no register reshapes."""
+        d = tl.arange(0, D)
+        blk = d // 32
+        j = d % 32
+        ok = row_ok[:, None]
+        if KIND == 1:
             scale = _fp16_at(row_ptrs, (blk * 34)[None, :], ok)
-            qv = tl.load(row_ptrs + (blk * 34 + 2 + d % 32)[None, :], mask=ok, other=0)
+            qv = tl.load(row_ptrs + (blk * 34 + 2 + j)[None, :], mask=ok, other=0)
             x = qv.to(tl.int8, bitcast=True).to(tl.float32) * scale
         elif KIND == 2:
-            blk = d // 32
-            j = d % 32
             scale = _fp16_at(row_ptrs, (blk * 18)[None, :], ok)
             byte = tl.load(row_ptrs + (blk * 18 + 2 + j % 16)[None, :], mask=ok, other=0).to(tl.int32)
             nib = (byte >> ((j // 16) * 4)[None, :]) & 15
             x = (nib.to(tl.float32) - 8.0) * scale
         else:
-            blk = d // 32
-            j = d % 32
             scale = _fp16_at(row_ptrs, (blk * 14)[None, :], ok)  # the group's norm, repeated in each block
             qs = tl.load(row_ptrs + (blk * 14 + 2 + j // 4)[None, :], mask=ok, other=0).to(tl.int32)
             sg = tl.load(row_ptrs + (blk * 14 + 10 + j // 8)[None, :], mask=ok, other=0).to(tl.int32)
-            low = (qs >> ((j % 4) * 2)[None, :]) & 3
-            neg = (sg >> (j % 8)[None, :]) & 1
-            odd = (low & 1) != 0  # a two-level select tree: a linear where-chain spilled registers on sm_90
-            level = tl.where((low & 2) != 0, tl.where(odd, TQ3_C3, TQ3_C2), tl.where(odd, TQ3_C1, TQ3_C0))
-            x = tl.where(neg != 0, -level, level) * scale
-        return x.to(OP)
+            x = _tq3_values((qs >> ((j % 4) * 2)[None, :]) & 3, (sg >> (j % 8)[None, :]) & 1) * scale
+        return x
+
+    @triton.jit
+    def _decode_blockwise(row_ptrs, row_ok, BN: tl.constexpr, D: tl.constexpr, KIND: tl.constexpr):
+        """Rows read as [rows, blocks, bytes]: every byte and scale loaded once, then spread to its values
+        in registers and reshaped to [rows, D]."""
+        NB: tl.constexpr = D // 32
+        block_ptrs = row_ptrs[:, :, None] + tl.arange(0, NB)[None, :, None] * (34 if KIND == 1 else 18 if KIND == 2 else 14)
+        ok = row_ok[:, None, None]
+        scale = _fp16_at(block_ptrs, 0, ok)  # [rows, blocks, 1]
+        if KIND == 1:
+            qv = tl.load(block_ptrs + 2 + tl.arange(0, 32)[None, None, :], mask=ok, other=0)
+            x = qv.to(tl.int8, bitcast=True).to(tl.float32) * scale
+        elif KIND == 2:
+            byte = tl.load(block_ptrs + 2 + tl.arange(0, 16)[None, None, :], mask=ok, other=0).to(tl.int32)
+            nib = (byte[:, :, None, :] >> (tl.arange(0, 2) * 4)[None, None, :, None]) & 15  # [.., half, 16]
+            x = (tl.reshape(nib, (BN, NB, 32)).to(tl.float32) - 8.0) * scale
+        else:
+            qs = tl.load(block_ptrs + 2 + tl.arange(0, 8)[None, None, :], mask=ok, other=0).to(tl.int32)
+            sg = tl.load(block_ptrs + 10 + tl.arange(0, 4)[None, None, :], mask=ok, other=0).to(tl.int32)
+            low = tl.reshape((qs[:, :, :, None] >> (tl.arange(0, 4) * 2)[None, None, None, :]) & 3, (BN, NB, 32))
+            neg = tl.reshape((sg[:, :, :, None] >> tl.arange(0, 8)[None, None, None, :]) & 1, (BN, NB, 32))
+            x = _tq3_values(low, neg) * scale
+        return tl.reshape(x, (BN, D))
+
+    @triton.jit
+    def _tq3_values(low, neg):
+        """The unit-norm TQ3_0 value of 2 index bits `low` and a sign bit `neg`."""
+        odd = (low & 1) != 0  # a two-level select tree: a linear where-chain spilled registers on sm_90
+        level = tl.where((low & 2) != 0, tl.where(odd, TQ3_C3, TQ3_C2), tl.where(odd, TQ3_C1, TQ3_C0))
+        return tl.where(neg != 0, -level, level)
 
     @triton.jit
     def _chunk(q, k_base, v_base, vis_ptr, pos_ptr, r0, my_hi, start, T, window, tok, qpos, m_ok, m_i, l_i, acc,
                stride_kr, stride_vr, scale_log2, D: tl.constexpr, KIND_K: tl.constexpr, KIND_V: tl.constexpr,
-               OP: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+               OP: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCKWISE: tl.constexpr):
         """One BLOCK_N chunk of rows [r0, min(r0 + BLOCK_N, my_hi)): scores, mask, online-softmax update."""
         rows = r0 + tl.arange(0, BLOCK_N)
         row_ok = rows < my_hi
-        k = load_rows(k_base, rows, row_ok, stride_kr, D, KIND_K, OP)
+        k = load_rows(k_base, rows, row_ok, stride_kr, D, KIND_K, OP, BLOCKWISE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
         rel = rows - start
         new = (rel >= 0) & row_ok
@@ -181,7 +217,7 @@ if triton is not None:
         p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = load_rows(v_base, rows, row_ok, stride_vr, D, KIND_V, OP)
+        v = load_rows(v_base, rows, row_ok, stride_vr, D, KIND_V, OP, BLOCKWISE)
         acc = acc * alpha[:, None] + tl.dot(p.to(OP), v, input_precision=PRECISION)
         m_i = m_new
         return m_i, l_i, acc
@@ -192,7 +228,7 @@ if triton is not None:
                                T, kv_end, heads, scale_log2, window,
                                G: tl.constexpr, D: tl.constexpr, KIND_K: tl.constexpr, KIND_V: tl.constexpr,
                                OP: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, BLOCKWISE: tl.constexpr,
                                FIXED_TRIPS: tl.constexpr, TRIPS: tl.constexpr):
         kvh = tl.program_id(0)
         split = tl.program_id(2)
@@ -227,12 +263,12 @@ if triton is not None:
                 if r0 < my_hi:
                     m_i, l_i, acc = _chunk(q, k_base, v_base, vis_ptr, pos_ptr, r0, my_hi, start, T, window, tok, qpos,
                                            m_ok, m_i, l_i, acc, stride_kr, stride_vr, scale_log2, D, KIND_K, KIND_V,
-                                           OP, PRECISION, HAS_WINDOW, BLOCK_N)
+                                           OP, PRECISION, HAS_WINDOW, BLOCK_N, BLOCKWISE)
         else:
             for r0 in range(my_lo, my_hi, BLOCK_N):
                 m_i, l_i, acc = _chunk(q, k_base, v_base, vis_ptr, pos_ptr, r0, my_hi, start, T, window, tok, qpos,
                                        m_ok, m_i, l_i, acc, stride_kr, stride_vr, scale_log2, D, KIND_K, KIND_V,
-                                       OP, PRECISION, HAS_WINDOW, BLOCK_N)
+                                       OP, PRECISION, HAS_WINDOW, BLOCK_N, BLOCKWISE)
 
         has = l_i > 0
         o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -318,11 +354,13 @@ def _check(q, k_cache, v_cache, tk, tv, start_t, visible, positions, kv_end):
 
 
 def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, positions, kv_end, scale,
-                   window=0, split=None, *, block_rows=None, block_m=None, num_warps=None, num_stages=None):
+                   window=0, split=None, *, block_rows=None, block_m=None, num_warps=None, num_stages=None,
+                   blockwise=False):
     """Attention of q [heads, T, D] (after RoPE) over cache rows [0, kv_end) of a graphed step; see the
     module docstring for the mask. -> [heads, T, D] in q.dtype. `split` forces the number of splits,
     `block_rows` (BLOCK_N, K/V rows per step), `block_m` (query rows per program), `num_warps` and
-    `num_stages` (software pipelining of the row loop) override the launch defaults. Falls back to `tree_attention_reference` where the Triton path does not apply."""
+    `num_stages` (software pipelining of the row loop) override the launch defaults; `blockwise` decodes
+    quantized rows block by block (`load_rows`; a sweep candidate, not measured yet). Falls back to `tree_attention_reference` where the Triton path does not apply."""
     tk, tv = kv_type(kv_type_k), kv_type(kv_type_v)
     _check(q, k_cache, v_cache, tk, tv, start_t, visible, positions, kv_end)
     if not _triton_supports(q, tk, tv):
@@ -358,7 +396,7 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
         n, kv_end, heads, float(scale) * _LOG2E, int(window),
         G=group, D=d, KIND_K=KV_KINDS[tk.name], KIND_V=KV_KINDS[tv.name], OP=op,
         PRECISION=None if low_precision else "ieee",  # float32: exact FMA dots (bf16/f16: tensor cores)
-        HAS_WINDOW=window > 0, BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits,
+        HAS_WINDOW=window > 0, BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits, BLOCKWISE=blockwise,
         FIXED_TRIPS=interpreter, TRIPS=triton.cdiv(triton.cdiv(kv_end, splits), block_n) if interpreter else 0,
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}))
     if splits > 1:
