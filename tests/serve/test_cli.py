@@ -40,7 +40,7 @@ def test_engine_factory_applies_flags(monkeypatch):
     monkeypatch.setattr(loader, "load_engine", lambda *a, **k: calls.append((a, k)) or Loaded())
     args = parse(["--model", "m.gguf", "--draft", "d", "--budget", "8", "--ctx", "2048", "--max-tokens", "99"])
     engine = engine_factory(args)()
-    assert calls == [(("m.gguf", "d", "auto"), {"spec": None, "budget": 8, "topk": 8, "progress": True})]
+    assert calls == [(("m.gguf", "d", "auto"), {"spec": None, "budget": 8, "topk": 8, "progress": True, "ctx": 2048})]
     assert (engine.default_config.max_new_tokens, engine.default_config.ctx) == (99, 2048)
 
 

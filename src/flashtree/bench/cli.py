@@ -73,7 +73,7 @@ def _lengths(text: str) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from flashtree.cli.main import cache_args, placement_args
+    from flashtree.cli.main import cache_args, memory_args, placement_args
 
     if args.synthetic:
         engine = _synthetic_engine(args, cache_args(args), placement_args(args))
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         model = args.model or "embedded demo pair"
         engine = load_engine(args.model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk,
-                             **cache_args(args), **placement_args(args))
+                             **cache_args(args), **placement_args(args), **memory_args(args))
     if args.prefill_chunk:
         engine.default_config = replace(engine.default_config, prefill_chunk=args.prefill_chunk)
     if getattr(args, "ctx", None):  # e.g. a multi-turn session longer than the model's trained context

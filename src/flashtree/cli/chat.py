@@ -295,13 +295,13 @@ def add_chat_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    from flashtree.cli.main import cache_args, placement_args
+    from flashtree.cli.main import cache_args, memory_args, placement_args
     from flashtree.engine.loader import load_engine
 
     console = Console()
     with console.status("loading the model..."):
         engine = load_engine(args.model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk,
-                             progress=True, **cache_args(args), **placement_args(args))
+                             progress=True, **cache_args(args), **placement_args(args), **memory_args(args))
     engine.prefill_progress = True
     config = engine.config_for(max_new_tokens=args.max_tokens, ctx=args.ctx)
     apply_prefix_cache_args(engine, args)

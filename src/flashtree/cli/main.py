@@ -34,6 +34,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="device of the draft and its context cache, e.g. cuda:1 (default: the target's)")
     parser.add_argument("-tp", "--tensor-parallel", "--tensor-parallel-size", dest="tensor_parallel", type=int,
                         default=1, metavar="N", help="shard the target over N GPUs, one process each (default 1)")
+    parser.add_argument("--gpu-memory", default=None, metavar="SIZE",
+                        help="memory per GPU to plan for, e.g. 24GiB (default: each GPU's free memory); checked at load")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="no CUDA graphs: launch every kernel of a step from Python (vLLM's flag; for debugging)")
 
@@ -51,6 +53,12 @@ def placement_args(args: argparse.Namespace) -> dict:
     defaults = {"gpus": None, "layer_split": None, "draft_device": None, "tensor_parallel": 1, "enforce_eager": False}
     options = {key: getattr(args, key, default) for key, default in defaults.items()}
     return {key: value for key, value in options.items() if value is not None and value != defaults[key]}
+
+
+def memory_args(args: argparse.Namespace) -> dict:
+    """`--ctx` and `--gpu-memory` for the load-time memory check of `load_engine`, where set."""
+    options = {"ctx": getattr(args, "ctx", None), "gpu_memory": getattr(args, "gpu_memory", None)}
+    return {k: v for k, v in options.items() if v is not None}
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

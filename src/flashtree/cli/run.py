@@ -28,10 +28,10 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     sampling = sampling_from_args(args)  # validated before the model loads
-    from flashtree.cli.main import cache_args, placement_args
+    from flashtree.cli.main import cache_args, memory_args, placement_args
 
     engine = load_engine(args.model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk,
-                         progress=not args.json, **cache_args(args), **placement_args(args))
+                         progress=not args.json, **cache_args(args), **placement_args(args), **memory_args(args))
     engine.prefill_progress = not args.json
     prompt_ids = engine.encode_prompt(prompt, raw=args.raw, system=args.system, enable_thinking=args.think)
     config = engine.config_for(max_new_tokens=args.max_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos,

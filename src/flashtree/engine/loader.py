@@ -106,12 +106,14 @@ def load_engine(model: str | Path | None = None, draft: str | Path | None = None
                 spec: str | None = None, budget: int = 22, topk: int = 8, progress: bool = False,
                 cache_type_k: str | None = None, cache_type_v: str | None = None, attn_window: int = 0,
                 gpus: int | None = None, layer_split: str | None = None, draft_device: str | None = None,
-                tensor_parallel: int = 1, devices=None, enforce_eager: bool = False):
+                tensor_parallel: int = 1, devices=None, enforce_eager: bool = False, ctx: int | None = None,
+                gpu_memory: str | None = None):
     """Target (+ draft) ready to generate. No model means the embedded demo pair. The KV cache options
     become the engine's default GenerationConfig (checked before any weight is loaded).
     Placement (flashtree.dist, docs/MULTI_GPU.md): `gpus` / `layer_split` split the target's layers over
     devices (`devices` overrides cuda:0..N-1), `draft_device` puts the draft on its own device, and
-    `tensor_parallel` > 1 shards the target over the ranks of the initialized process group."""
+    `tensor_parallel` > 1 shards the target over the ranks of the initialized process group. On CUDA the
+    memory plan (`ctx` tokens, each GPU's free memory or the `gpu_memory` cap) is checked before loading."""
     from flashtree.engine.generate import GenerationConfig
 
     if model is None:
@@ -126,6 +128,9 @@ def load_engine(model: str | Path | None = None, draft: str | Path | None = None
     GenerationConfig(**cache_options)  # a bad KV type or window fails here, before loading
     from flashtree.dist.placement import load_placed_target
 
+    if not tensor_parallel or tensor_parallel == 1:  # a TP rank's share is not planned yet
+        _check_memory(model, draft, device, gpus, layer_split, devices, draft_device, ctx, gpu_memory, budget,
+                      cache_options)
     target = load_placed_target(model, device, progress, gpus, layer_split, tensor_parallel, devices)
     engine = engine_from_target(target, draft, spec=spec, budget=budget, topk=topk, draft_device=draft_device,
                                 enforce_eager=enforce_eager, **cache_options)
@@ -134,6 +139,25 @@ def load_engine(model: str | Path | None = None, draft: str | Path | None = None
 
         return serve_ranks(engine)
     return engine
+
+
+def _check_memory(model, draft, device, gpus, layer_split, devices, draft_device, ctx, gpu_memory, budget,
+                  cache_options) -> None:
+    """The placement `load_placed_target` will make, planned and checked against the GPUs' memory."""
+    from flashtree.dist.placement import parse_devices, parse_split
+    from flashtree.engine.memory_check import check_memory
+
+    split = parse_split(layer_split) if isinstance(layer_split, str) else layer_split
+    n = len(split) if split is not None else (gpus or 1)
+    if n > 1:
+        if devices is None and device is not None and torch.device(device).type == "cpu":
+            return  # a split over "cpu" stages
+        targets = parse_devices(devices, n)
+        split = split if split is not None else [1.0] * n
+    else:
+        targets = [resolve_device(device)]
+    check_memory(model, draft, targets, split, torch.device(draft_device) if draft_device else None, ctx, gpu_memory,
+                 budget, cache_options["cache_type_k"], cache_options["cache_type_v"])
 
 
 def engine_from_target(target: Target, draft: str | Path | None = None, spec: str | None = None, budget: int = 22,

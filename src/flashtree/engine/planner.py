@@ -240,6 +240,22 @@ def per_device(result: MemoryPlan, counts: Sequence[int], draft_device: int = 0)
     return devices
 
 
+def refusal(result: MemoryPlan, counts: Sequence[int], draft_device: int, available: Sequence[int],
+            names: Sequence[str]) -> str | None:
+    """Why `result`, placed as `per_device` places it (`names[i]` the device of share i), does not fit
+    `available[i]` bytes on each device; None when it fits."""
+    shares = per_device(result, counts, draft_device)
+    over = [f"{name} needs {fmt_bytes(sum(share.values()))} of {fmt_bytes(free)} "
+            f"(weights {fmt_bytes(share['target weights'])}, KV {fmt_bytes(share['KV cache'])})"
+            for name, share, free in zip(names, shares, available) if sum(share.values()) > free]
+    if not over:
+        return None
+    r = result.request
+    return (f"does not fit: ctx {r.ctx} with K {r.cache_type_k} / V {r.cache_type_v}: {'; '.join(over)}. "
+            f"Try a smaller --ctx, -ctk/-ctv q8_0, q4_0 or tq3_0, or --layer-split / --draft-device "
+            f"(`flashtree plan` shows the budget line by line)")
+
+
 # ----------------------------------------------------------------------------------------------
 # Shapes from a GGUF (metadata + tensor table only) or from a synthetic preset
 # ----------------------------------------------------------------------------------------------
@@ -334,5 +350,5 @@ def fmt_bytes(n: int) -> str:
     return _gib(n)
 
 
-__all__ = ["DraftShape", "PlanRequest", "MemoryPlan", "plan", "per_device", "max_ctx", "kv_bytes_per_token", "target_from_gguf",
+__all__ = ["DraftShape", "PlanRequest", "MemoryPlan", "plan", "per_device", "refusal", "max_ctx", "kv_bytes_per_token", "target_from_gguf",
            "target_from_preset", "parse_size", "fmt_bytes", "SYNTHETIC", "GIB"]

@@ -46,11 +46,11 @@ def engine_factory(args: argparse.Namespace):
     """Loads the engine on call, with the request defaults the flags set."""
 
     def load():
-        from flashtree.cli.main import cache_args, placement_args
+        from flashtree.cli.main import cache_args, memory_args, placement_args
         from flashtree.engine.loader import load_engine
 
         engine = load_engine(args.model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk,
-                             progress=True, **cache_args(args), **placement_args(args))
+                             progress=True, **cache_args(args), **placement_args(args), **memory_args(args))
         engine.default_config = engine.config_for(max_new_tokens=args.max_tokens, ctx=args.ctx)
         apply_prefix_cache_args(engine, args)
         return engine

@@ -1,0 +1,54 @@
+"""The memory planner's check at load time: before any weight is read, a configuration whose plan does not
+fit the GPUs it would use (their free memory, or a `--gpu-memory` cap per GPU) is refused with the numbers.
+
+Only CUDA devices are checked (the CPU path dequantizes at load and has no fixed device memory). Without
+`--ctx` the check assumes DEFAULT_CTX tokens of context (a request sizes its own cache later), so it
+catches what cannot work at all, not what a long request would need.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from flashtree.engine.planner import DraftShape, PlanRequest, parse_size, plan, refusal, target_from_gguf
+from flashtree.errors import FlashtreeError
+
+DEFAULT_CTX = 4096
+
+
+def check_memory(model: str | Path, draft: str | Path | None, target_devices: list[torch.device],
+                 split: list[float] | None, draft_device: torch.device | None, ctx: int | None,
+                 gpu_memory: str | None, budget: int, cache_type_k: str | None, cache_type_v: str | None) -> None:
+    """Raise FlashtreeError when the plan of `model` (+ `draft`) over `target_devices` (its layers split
+    by `split`, counts or proportions as `--layer-split` takes them, or all on the one device) with the
+    draft on `draft_device` does not fit."""
+    from flashtree.dist.placement import layer_counts
+
+    devices = list(target_devices)
+    draft_dev = draft_device if draft_device is not None else devices[0]
+    if draft is not None and draft_dev not in devices:
+        devices.append(draft_dev)
+    if not any(d.type == "cuda" for d in devices):
+        return
+    config, weights, embed, dense, layers = target_from_gguf(model)
+    shape = DraftShape.from_dir(draft) if draft is not None else None
+    context = ctx or min(DEFAULT_CTX, config.context_length)
+    req = PlanRequest(config, weights, embed, shape, context, cache_type_k or "bf16", cache_type_v or "bf16", budget,
+                      dense_params=dense, layer_bytes=layers)
+    cap = parse_size(gpu_memory) if gpu_memory is not None else None
+    available = [cap if cap is not None else _free(d) for d in devices]
+    counts = layer_counts(config.num_layers, split) if split is not None else [config.num_layers]
+    problem = refusal(plan(req), counts, devices.index(draft_dev),
+                      available, [str(d) for d in devices])
+    if problem is not None:
+        source = "--gpu-memory" if cap is not None else "free GPU memory"
+        raise FlashtreeError(f"{problem}; memory from {source}" + ("" if ctx else f", at ctx {context} (no --ctx given)"))
+
+
+def _free(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1 << 62  # the CPU is not budgeted
+    free, _ = torch.cuda.mem_get_info(device)
+    return free
