@@ -132,7 +132,7 @@ def _q4_k_gemv(x_ptr, qs_ptr, scales_ptr, d_ptr, dmin_ptr, MAGIC, out_ptr, M, N,
             a16 = a16[:, :, None]
             for t in tl.static_range(4):
                 x = tl.load(x_row + b * 256 + 32 * h + t + x_offs).to(tl.float32)  # [4, 8]
-                shift: tl.constexpr = 8 * t + 4 * h
+                shift = 8 * t + 4 * h  # constexpr (t, h are): a compile-time branch below
                 if shift <= 19:
                     bits = (words << (19 - shift)) & 0x780000
                 else:
