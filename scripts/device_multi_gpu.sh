@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on nvidia-h200-x2 (carry .whl, made by scripts/fetch_device_wheels.sh): placement tests (and the
-# GPU kernel tests), the synthetic 27B step benchmark on one GPU and per placement with memory per GPU and,
+# GPU kernel tests), the synthetic 27B step benchmark on one GPU and per placement (layer split, draft
+# on cuda:1, tensor parallel 2) with memory per GPU and,
 # meanwhile on GPU 1, the 262K-token TQ3_0 memory run of #7 (LONG_256K=0 skips it). Results under $OUT.
 source scripts/device_env.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -23,3 +24,5 @@ wait
 cat "$OUT/long.log" 2>/dev/null
 steps split 150 --echo --prefill-lengths 1024 --layer-split 1,1
 steps draft1 150 --echo --prefill-lengths 1024 --draft-device cuda:1
+# tensor parallel: every rank builds its shard (dense bf16, as TP shards are today) and runs the bench in step
+steps tp2 200 --echo --prefill-lengths 1024 -tp 2

@@ -186,11 +186,34 @@ def _device_name(engine) -> str:
     return torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})"
 
 
+def _synthetic_tp_engine(args, config, cache_options: dict, placement: dict):
+    """This rank's shard of the random model (every rank builds the same weights and keeps its share, as
+    dist.tp shards a file) and a plain engine over it: the benchmark runs on every rank in lock step."""
+    import torch.distributed as dist
+
+    from flashtree.dist.tp import init_from_env, load_tp_model
+    from flashtree.engine.loader import default_dtype, engine_from_target
+    from flashtree.errors import FlashtreeError
+    from flashtree.models.random_weights import random_source, target_of
+
+    if placement.get("layer_split") or placement.get("gpus") or placement.get("draft_device"):
+        raise FlashtreeError("--tensor-parallel does not combine with --gpus / --layer-split / --draft-device")
+    device = init_from_env(args.device)
+    if dist.get_world_size() != placement["tensor_parallel"]:
+        raise FlashtreeError(f"--tensor-parallel {placement['tensor_parallel']} but the process group has "
+                             f"{dist.get_world_size()} ranks")
+    print(f"building random {args.synthetic} ({args.scheme}), rank {dist.get_rank()}'s shard on {device} ...")
+    config, weights, spec = random_source(config, args.scheme, device, echo=args.echo)
+    # each layer is generated and dequantized on the rank's own device: the host path is minutes at 27B
+    model = load_tp_model(weights, config, device, default_dtype(device), host=device)
+    return engine_from_target(target_of(weights, config, model, spec), args.draft, spec=args.spec, budget=args.budget,
+                              topk=args.topk, enforce_eager=placement.get("enforce_eager", False), **cache_options)
+
+
 def _synthetic_engine(args, cache_options: dict, placement: dict):
     """The engine over a random-weight model of shape `args.synthetic`, built in device memory (no file)."""
     from flashtree.dist.placement import parse_devices, parse_split, place_layers
     from flashtree.engine.loader import engine_from_target, resolve_device
-    from flashtree.errors import FlashtreeError
     from flashtree.models.random_weights import random_target, shape_config
 
     overrides = {}
@@ -199,7 +222,7 @@ def _synthetic_engine(args, cache_options: dict, placement: dict):
                                           2 * args.system_tokens + 8192)
     config = shape_config(args.synthetic, **overrides)
     if placement.get("tensor_parallel", 1) > 1:
-        raise FlashtreeError("--synthetic does not combine with --tensor-parallel yet; pass a --model file")
+        return _synthetic_tp_engine(args, config, cache_options, placement)
     split = parse_split(placement["layer_split"]) if placement.get("layer_split") else None
     n = len(split) if split is not None else placement.get("gpus") or 1
     devices = None

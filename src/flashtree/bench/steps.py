@@ -143,8 +143,11 @@ def run_steps(args, engine, device_name: str) -> int:
     model = engine.target.model
     device = model.device
     dtype = model.dtype
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    ranks = torch.distributed.get_world_size() if distributed else 1
     report: dict = {"date": time.strftime("%Y-%m-%d"), "device": device_name, "model": str(engine.target.path),
-                    "weights_bytes_per_step": weight_bytes(model), "cuda_graphs": engine.graph_runner() is not None}
+                    "weights_bytes_per_step": weight_bytes(model), "cuda_graphs": engine.graph_runner() is not None,
+                    "tensor_parallel": ranks}
     bandwidth = read_bandwidth(device)
     report["read_bandwidth_GBps"] = round(bandwidth / 1e9, 1)
     if device.type == "cuda":
@@ -234,9 +237,16 @@ def run_steps(args, engine, device_name: str) -> int:
         report["peak_memory_GiB"] = {f"cuda:{i}": round(torch.cuda.max_memory_allocated(i) / 2**30, 2)
                                      for i in range(torch.cuda.device_count()) if torch.cuda.max_memory_allocated(i)}
     report["rows"] = rows
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    if _writes_results():
+        Path(args.out).write_text(json.dumps(report, indent=2))
     _print(report)
     return 0
+
+
+def _writes_results() -> bool:
+    """Rank 0 of a tensor-parallel benchmark (every rank runs it), or the only process."""
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized()) or \
+        torch.distributed.get_rank() == 0
 
 
 def _captures(engine) -> bool | None:
@@ -303,7 +313,9 @@ def _replay(engine, draft, prompt: list[int], args, config) -> dict:
 
 
 def _print_header(report: dict) -> None:
-    print(f"device: {report['device']}   model: {report['model']}   CUDA graphs: {report['cuda_graphs']}")
+    print(f"device: {report['device']}   model: {report['model']}   CUDA graphs: {report['cuda_graphs']}"
+          + (f"   tensor parallel: {report['tensor_parallel']} ranks, rank 0's shard below"
+             if report["tensor_parallel"] > 1 else ""))
     print(f"weights read per step: {report['weights_bytes_per_step'] / 1e9:.2f} GB   "
           f"read bandwidth: {report['read_bandwidth_GBps']} GB/s"
           + (f"   GPU memory after load: {report['memory_after_load_GiB']} GiB" if "memory_after_load_GiB" in report else ""))

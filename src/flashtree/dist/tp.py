@@ -134,15 +134,16 @@ def shard_head(weight: torch.Tensor, vocab: int, rank: int, world: int, group=No
     return VocabParallelHead(part.contiguous(), vocab, group)
 
 
-def load_tp_model(gguf, config, device, dtype, group=None, progress=None):
-    """The rank's shard of the target: each layer dequantized on the host, split, then moved to `device`."""
+def load_tp_model(gguf, config, device, dtype, group=None, progress=None, host=None):
+    """The rank's shard of the target: each layer dequantized on the `host` (default the CPU, so no GPU
+    ever holds more than a layer beyond its share), split, then moved to `device`."""
     from flashtree.dist.placement import move_layer
     from flashtree.models.layers import QuantizedEmbedding, load_weight
     from flashtree.models.qwen35 import DecoderLayer, Qwen35Model
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     local = local_config(config, world)
-    host = torch.device("cpu")
+    host = torch.device("cpu") if host is None else torch.device(host)
     d, vocab = config.hidden_size, config.vocab_size
     embed = QuantizedEmbedding.load(gguf, "token_embd.weight", vocab, d, dtype, device)
     head_name = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
@@ -307,13 +308,23 @@ def serve_ranks(engine):
 def run_rank(args, argv) -> int:
     """The CLI under `--tensor-parallel N`: without RANK in the environment, start N ranks running `argv`
     (flashtree.dist.launch); rank 0 runs the command; any other rank only loads the same engine and
-    follows rank 0 (it never reads stdin, binds a port or prints)."""
-    if getattr(args, "synthetic", None):
-        raise FlashtreeError("--synthetic does not combine with --tensor-parallel")
+    follows rank 0 (it never reads stdin, binds a port or prints). `bench --synthetic` is SPMD instead:
+    every rank runs the whole benchmark in lock step (it calls the model outside `generate`), rank 0
+    alone prints and writes the results."""
+    if getattr(args, "synthetic", None) and getattr(args, "command", None) != "bench":
+        raise FlashtreeError("--synthetic with --tensor-parallel is for `flashtree bench` only")
     if "RANK" not in os.environ:
         from flashtree.dist.launch import spawn_ranks
 
         return spawn_ranks(argv, args.tensor_parallel)
+    if getattr(args, "synthetic", None):
+        if os.environ["RANK"] != "0":
+            sys.stdout = open(os.devnull, "w")
+        try:
+            return args.handler(args) or 0
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
     if os.environ["RANK"] == "0":
         return args.handler(args) or 0
     from flashtree.cli.main import cache_args, placement_args

@@ -199,20 +199,35 @@ def random_target(shape: str | Qwen35Config, scheme: str = "q4_k_m", device: str
     """A `Target` with random weights built in memory on `device` (no file): the model of a named shape
     (`SHAPES`) or config, and the synthetic tokenizer padded to its vocabulary (as `write_synthetic_gguf`
     does). `weight_options` go to `RandomWeights` (tied, logit_scale, qtypes, pool_blocks)."""
-    from flashtree.engine.loader import (Target, _progress_bar, check_tensor_types, default_dtype, resolve_device,
-                                         tokenizer_and_template)
-    from flashtree.formats.tokenizer import pad_vocab
+    from flashtree.engine.loader import _progress_bar, default_dtype, resolve_device
     from flashtree.models.qwen35 import Qwen35Model
+
+    dev = resolve_device(None if device == "auto" else device)
+    config, weights, spec = random_source(shape, scheme, dev, seed, tokenizer, **weight_options)
+    model = Qwen35Model.load(weights, config, dev, dtype or default_dtype(dev),
+                             progress=_progress_bar(config) if progress else None)
+    return target_of(weights, config, model, spec)
+
+
+def random_source(shape: str | Qwen35Config, scheme: str, device: torch.device, seed: int = 0, tokenizer=None,
+                  **weight_options) -> tuple[Qwen35Config, RandomWeights, Any]:
+    """(config, weights, tokenizer spec) of `random_target`, before any model is built from them (a
+    tensor-parallel rank builds only its shard: flashtree.dist.tp.load_tp_model)."""
+    from flashtree.engine.loader import check_tensor_types
+    from flashtree.formats.tokenizer import pad_vocab
 
     config = shape_config(shape) if isinstance(shape, str) else shape
     spec = tokenizer or synthetic_tokenizer()
     if config.vocab_size < len(spec.tokens):
         config = replace(config, vocab_size=len(spec.tokens))
-    spec = pad_vocab(spec, config.vocab_size)
-    dev = resolve_device(None if device == "auto" else device)
-    weights = RandomWeights(config, scheme, dev, seed=seed, **weight_options)
+    weights = RandomWeights(config, scheme, device, seed=seed, **weight_options)
     check_tensor_types(weights, config)
-    model = Qwen35Model.load(weights, config, dev, dtype or default_dtype(dev),
-                             progress=_progress_bar(config) if progress else None)
+    return config, weights, pad_vocab(spec, config.vocab_size)
+
+
+def target_of(weights: RandomWeights, config: Qwen35Config, model, spec):
+    """The `Target` of a model built from `weights` (its tokenizer and chat template from `spec`)."""
+    from flashtree.engine.loader import Target, tokenizer_and_template
+
     tok, template = tokenizer_and_template(spec)
     return Target(Path(weights.path), weights, config, model, tok, template)
