@@ -15,8 +15,11 @@ bench() {  # name, seconds, bench flags... (ECHO= builds the plain random model:
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 for part in ${PARTS:-steps-1k multi-turn steps-64k steps-256k-tq3}; do
   case $part in
-    tests) timeout "${LIMIT_TESTS:-150}" python3 -m pytest -q -p no:cacheprovider -p no:warnings -m gpu tests \
-               > "$OUT/pytest.txt" 2>&1; echo "== gpu tests (rc $?)"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.txt" | tail -25 ;;
+    # the engine's GPU tests first (greedy identity, graphs), then kernels at real sizes; slowest listed
+    tests) timeout "${LIMIT_TESTS:-150}" python3 -m pytest -q -p no:cacheprovider -p no:warnings -m gpu --durations=12 \
+               tests/engine tests/spec tests/kernels tests/models tests/formats tests/dist tests/bench tests/cli \
+               tests/serve tests/train \
+               > "$OUT/pytest.txt" 2>&1; echo "== gpu tests (rc $?)"; grep -E "^(FAILED|ERROR)|passed|failed|s call" "$OUT/pytest.txt" | tail -30 ;;
     diagnose) timeout 150 python3 scripts/diagnose_gpu.py --parts fla,agree --out "$OUT/diagnose.json" \
                   > "$OUT/diagnose.txt" 2>&1; echo "== diagnose (rc $?)"; tail -30 "$OUT/diagnose.txt" ;;
     sweep) timeout 150 python3 scripts/sweep_quant_matmul.py --types Q4_K,Q6_K --budget-s 100 \
