@@ -24,5 +24,5 @@ wait
 cat "$OUT/long.log" 2>/dev/null
 steps split 150 --echo --prefill-lengths 1024 --layer-split 1,1
 steps draft1 150 --echo --prefill-lengths 1024 --draft-device cuda:1
-# tensor parallel: every rank builds its shard (dense bf16, as TP shards are today) and runs the bench in step
+# tensor parallel: every rank builds its quantized shard on its GPU and runs the bench in lock step
 steps tp2 200 --echo --prefill-lengths 1024 -tp 2

@@ -42,9 +42,10 @@ def test_rank_env_turns_nvlink_multicast_off():
 
 def test_two_gloo_ranks_match_one_process(make_gguf, tmp_path, monkeypatch):
     gguf = make_gguf("spec", config=tiny_config(num_layers=4, gdn_v_heads=4))
+    quantized = make_gguf("spec-q8", config=tiny_config(num_layers=4, gdn_v_heads=4), scheme="q8_0")
     path = os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])
     monkeypatch.setenv("PYTHONPATH", path)
-    code = launch.spawn_ranks([str(gguf), str(tmp_path)], 2, module="tests.dist.tp_worker")
+    code = launch.spawn_ranks([str(gguf), str(tmp_path), str(quantized)], 2, module="tests.dist.tp_worker")
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)
                if (tmp_path / f"rank{r}.json").exists()]
     errors = [r.get("error") for r in reports if "error" in r]
@@ -52,6 +53,11 @@ def test_two_gloo_ranks_match_one_process(make_gguf, tmp_path, monkeypatch):
     for report in reports:
         assert report["cache_kv_heads"] == 1  # each rank caches only its own KV heads
         assert report["forward_max_diff"] < 1e-3, report  # float sums split over ranks
+        # Q8_0 shards kept as blocks: column-parallel and row-parallel ones with whole 32-value blocks, the
+        # DeltaNet output (16-column head runs) dense; the same logits as one process
+        kinds = report["quantized"]["kinds"]
+        assert kinds["QuantLinear"] and kinds["RowParallelQuantLinear"] and kinds["RowParallelLinear"], kinds
+        assert kinds["QuantLinear head"] == 1 and report["quantized"]["max_diff"] < 1e-3, report["quantized"]
     checks = dict((name, ok) for name, ok in reports[0]["checks"])
     assert checks == {"ar": True, "ddtree": True, "chain": True, "oracle": True, "cancel": True}, checks
     assert dict(reports[1]["checks"]) == {"oracle": True}

@@ -2,11 +2,14 @@
 
 Checks, on every rank: forward (prefill, tree verify, commit, decode) logits and features equal to the
 single-process model's; greedy AR / DDTree generation through TensorParallelEngine equal to one process;
-an SPMD oracle-draft run; a cancellation that keeps the ranks in lock step. Writes rank<r>.json."""
+an SPMD oracle-draft run; a cancellation that keeps the ranks in lock step; with a second (Q8_0) file, the
+forward of shards kept as GGUF blocks. Writes rank<r>.json."""
 
+import collections
 import json
 import sys
 import traceback
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -41,7 +44,26 @@ def forward_trace(model):
     return [a.logits, a.features, b.logits, b.features, c.logits, c.features]
 
 
-def main(gguf: str, out: str) -> None:
+def quantized_shards(gguf: str) -> dict:
+    """`gguf` loaded with its weights kept as GGUF blocks, as on a GPU (the CPU multiplies through
+    quant_matmul's reference), and sharded block-wise: forward max diff against one process, and which
+    kinds of linear the shards became (blocks where the columns are whole blocks, dense elsewhere)."""
+    from flashtree.engine.loader import read_config
+    from flashtree.formats.gguf_file import GGUFFile
+    from flashtree.models import layers
+
+    file = GGUFFile(gguf)
+    config, _ = read_config(file)
+    with mock.patch.object(layers, "keeps_quantized", lambda qtype, device: True):
+        model = tp.load_tp_model(file, config, torch.device("cpu"), torch.float32)
+    kinds = collections.Counter(type(value).__name__ for layer in model.layers for part in (layer.mixer, layer.mlp)
+                                for value in vars(part).values() if isinstance(value, (layers.Linear, layers.QuantLinear)))
+    kinds[type(model.lm_head.inner).__name__ + " head"] += 1
+    ours, theirs = forward_trace(model), forward_trace(load_target(gguf, device="cpu").model)
+    return {"max_diff": max(float((x - y).abs().max()) for x, y in zip(ours, theirs)), "kinds": dict(kinds)}
+
+
+def main(gguf: str, out: str, quantized_gguf: str | None = None) -> None:
     report = {}
     try:
         target = tp.load_tp_target(gguf, 2, "cpu")
@@ -51,6 +73,8 @@ def main(gguf: str, out: str) -> None:
         ours, theirs = forward_trace(target.model), forward_trace(ref.model)
         report["forward_max_diff"] = max(float((x - y).abs().max()) for x, y in zip(ours, theirs))
         report["cache_kv_heads"] = target.model.config.num_kv_heads
+        if quantized_gguf:
+            report["quantized"] = quantized_shards(quantized_gguf)
 
         draft = random_draft(ref, seed=0)
         reference = Engine(ref, draft)
@@ -99,4 +123,4 @@ def main(gguf: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:4])

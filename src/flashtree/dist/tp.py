@@ -12,7 +12,9 @@ Per layer and rank (W ranks):
 Each row-parallel linear ends in one all_reduce (two per layer). The LM head is vocab-parallel: every rank
 computes its slice of the vocabulary and an all_gather assembles the logits on every rank. The embedding,
 the norms and the draft are replicated. The cache holds only the rank's heads (the model's config is the
-rank-local one; `model.full_config` keeps the file's).
+rank-local one; `model.full_config` keeps the file's). On a GPU the shards stay quantized: rows and whole
+blocks of columns of the GGUF blocks, selected as stored; a row-parallel shard whose head runs split a
+block (e.g. 128-value DeltaNet heads in 256-value K-quant blocks) is dequantized to the compute dtype.
 
 Ranks stay in lock step by running the same engine code on the same inputs: rank 0 serves requests
 through `TensorParallelEngine`, which broadcasts each request (and, once per emitted token, the
@@ -31,35 +33,63 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from flashtree.dist import CHILD_ENV
 from flashtree.errors import FlashtreeError
-from flashtree.models.layers import Linear
+from flashtree.formats.quants import GGML_QUANT_SIZES
+from flashtree.kernels.quant_matmul import QuantWeight
+from flashtree.models.layers import Linear, QuantLinear
 
 
-class RowParallelLinear(Linear):
-    """x_shard W_shard^T summed over the ranks (input features split, output complete)."""
+class _AllReduced:
+    """Mixin: the linear's output summed over the ranks (its input features are split)."""
 
-    def __init__(self, weight: torch.Tensor, group=None):
-        super().__init__(weight)
-        self.group = group
+    group = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = super().__call__(x)
         dist.all_reduce(y, group=self.group)
         return y
 
 
-class VocabParallelHead(Linear):
-    """Rows [r V', (r+1) V') of the LM head (V' = ceil(V / W), the last shard zero-padded); all_gather."""
+class RowParallelLinear(_AllReduced, Linear):
+    """x_shard W_shard^T summed over the ranks (input features split, output complete), dense weight."""
 
-    def __init__(self, weight: torch.Tensor, vocab: int, group=None):
-        super().__init__(weight)
-        self.vocab, self.group = vocab, group
+
+class RowParallelQuantLinear(_AllReduced, QuantLinear):
+    """The same with the shard's GGUF blocks kept quantized on the GPU."""
+
+
+def row_parallel(linear: Linear | QuantLinear, group=None):
+    """`linear` (a rank's column shard) as a row-parallel linear of its own kind."""
+    kind = RowParallelQuantLinear if isinstance(linear, QuantLinear) else RowParallelLinear
+    out = kind.__new__(kind)
+    out.__dict__.update(vars(linear))
+    out.group = group
+    return out
+
+
+class VocabParallelHead:
+    """Rows [r V', (r+1) V') of the LM head (V' = ceil(V / W), the last shard zero-padded): the rank's
+    slice of the logits, then an all_gather."""
+
+    def __init__(self, inner: Linear | QuantLinear, vocab: int, group=None):
+        self.inner, self.vocab, self.group = inner, vocab, group
+
+    @property
+    def device(self) -> torch.device:
+        return self.inner.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes
+
+    def to(self, device) -> "VocabParallelHead":
+        self.inner = self.inner.to(device)
+        return self
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        part = F.linear(x, self.weight).contiguous()
+        part = self.inner(x).contiguous()
         parts = [torch.empty_like(part) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(parts, part, group=self.group)
         return torch.cat(parts, dim=-1)[..., : self.vocab]
@@ -90,16 +120,51 @@ def deltanet_heads(config, rank: int, world: int) -> tuple[torch.Tensor, torch.T
 
 def _rows(weight: torch.Tensor, heads: torch.Tensor, size: int) -> torch.Tensor:
     """Rows of the given heads (each head `size` consecutive rows), in the given order."""
-    index = (heads[:, None] * size + torch.arange(size)[None]).reshape(-1).to(weight.device)
-    return weight.index_select(0, index).contiguous()
+    return weight.index_select(0, _index(heads, size).to(weight.device)).contiguous()
+
+
+def _index(heads: torch.Tensor, size: int) -> torch.Tensor:
+    return (heads[:, None] * size + torch.arange(size)[None]).reshape(-1)
+
+
+def shard(linear: Linear | QuantLinear, heads: torch.Tensor, size: int, dim: int,
+          dtype: torch.dtype = torch.bfloat16) -> Linear | QuantLinear:
+    """The output rows (dim 0) or input columns (dim 1) of the given heads, each `size` consecutive ones,
+    in the given order. A QuantLinear stays quantized -- its GGUF blocks selected as stored, bit for bit --
+    where every selected run of columns is made of whole blocks; otherwise the dense sub-matrix (in
+    `dtype`, the model's compute dtype, for a QuantLinear)."""
+    index = _index(heads, size)
+    if isinstance(linear, QuantLinear):
+        quant = _select_blocks(linear.quant, index, dim)
+        if quant is not None:
+            return QuantLinear(quant)
+        linear = Linear(linear.quant.dequantize(dtype))
+    weight = linear.weight
+    return Linear(weight.index_select(dim, index.to(weight.device)).contiguous())
+
+
+def _select_blocks(quant: QuantWeight, index: torch.Tensor, dim: int) -> QuantWeight | None:
+    block, type_size = GGML_QUANT_SIZES[quant.qtype]
+    n, k = quant.shape
+    blocks = quant.gguf_bytes().view(n, k // block, type_size)
+    if dim == 0:
+        return QuantWeight.from_gguf_bytes(blocks[index.to(blocks.device)].reshape(-1), quant.qtype, (len(index), k))
+    if len(index) % block:
+        return None
+    runs = index.view(-1, block)
+    if not bool(((runs[:, 0] % block == 0) & (runs == runs[:, :1] + torch.arange(block)).all(1)).all()):
+        return None
+    picked = blocks[:, (runs[:, 0] // block).to(blocks.device)]
+    return QuantWeight.from_gguf_bytes(picked.reshape(-1), quant.qtype, (n, len(index)))
 
 
 def _chunk(n: int, rank: int, world: int) -> torch.Tensor:
     return torch.arange(rank * n // world, (rank + 1) * n // world)
 
 
-def shard_layer(layer, full, local, rank: int, world: int, group=None) -> None:
-    """Replace a DecoderLayer's weights with this rank's shard (in place)."""
+def shard_layer(layer, full, local, rank: int, world: int, group=None, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Replace a DecoderLayer's weights with this rank's shard (in place; `dtype`: the compute dtype of
+    any shard that cannot stay quantized)."""
     from flashtree.models.deltanet import GatedDeltaNet
 
     m = layer.mixer
@@ -108,35 +173,44 @@ def shard_layer(layer, full, local, rank: int, world: int, group=None) -> None:
         dh, hk = full.gdn_head_dim, full.gdn_qk_heads
         # conv channels: [q heads | k heads | v heads], dh channels each
         conv_heads = torch.cat([qk, hk + qk, 2 * hk + v])
-        m.qkv = Linear(_rows(m.qkv.weight, conv_heads, dh))
+        m.qkv = shard(m.qkv, conv_heads, dh, 0, dtype)
         m.conv_weight = _rows(m.conv_weight, conv_heads, dh)
-        m.z = Linear(_rows(m.z.weight, v, dh))
-        m.beta, m.alpha = Linear(_rows(m.beta.weight, v, 1)), Linear(_rows(m.alpha.weight, v, 1))
+        m.z = shard(m.z, v, dh, 0, dtype)
+        m.beta, m.alpha = shard(m.beta, v, 1, 0, dtype), shard(m.alpha, v, 1, 0, dtype)
         m.decay_rate, m.dt_bias = m.decay_rate[v].contiguous(), m.dt_bias[v].contiguous()
-        m.out = RowParallelLinear(_rows(m.out.weight.t(), v, dh).t().contiguous(), group)
+        m.out = row_parallel(shard(m.out, v, dh, 1, dtype), group)
     else:
         heads, kv = _chunk(full.num_heads, rank, world), _chunk(full.num_kv_heads, rank, world)
         hd = full.head_dim
-        m.q = Linear(_rows(m.q.weight, heads, 2 * hd))  # per head: [query ; gate]
-        m.k, m.v = Linear(_rows(m.k.weight, kv, hd)), Linear(_rows(m.v.weight, kv, hd))
-        m.out = RowParallelLinear(_rows(m.out.weight.t(), heads, hd).t().contiguous(), group)
+        m.q = shard(m.q, heads, 2 * hd, 0, dtype)  # per head: [query ; gate]
+        m.k, m.v = shard(m.k, kv, hd, 0, dtype), shard(m.v, kv, hd, 0, dtype)
+        m.out = row_parallel(shard(m.out, heads, hd, 1, dtype), group)
     m.config = local
     mlp, cols = layer.mlp, _chunk(full.intermediate_size, rank, world)
-    mlp.gate, mlp.up = Linear(_rows(mlp.gate.weight, cols, 1)), Linear(_rows(mlp.up.weight, cols, 1))
-    mlp.down = RowParallelLinear(_rows(mlp.down.weight.t(), cols, 1).t().contiguous(), group)
+    mlp.gate, mlp.up = shard(mlp.gate, cols, 1, 0, dtype), shard(mlp.up, cols, 1, 0, dtype)
+    mlp.down = row_parallel(shard(mlp.down, cols, 1, 1, dtype), group)
 
 
-def shard_head(weight: torch.Tensor, vocab: int, rank: int, world: int, group=None) -> VocabParallelHead:
+def shard_head(head: Linear | QuantLinear, vocab: int, rank: int, world: int, group=None,
+               dtype: torch.dtype = torch.bfloat16) -> VocabParallelHead:
     per = -(-vocab // world)
-    part = weight[rank * per : min((rank + 1) * per, vocab)]
-    if part.shape[0] < per:
-        part = torch.cat([part, part.new_zeros(per - part.shape[0], part.shape[1])])
-    return VocabParallelHead(part.contiguous(), vocab, group)
+    rows = torch.arange(rank * per, min((rank + 1) * per, vocab))
+    part = shard(head, rows, 1, 0, dtype)
+    missing = per - len(rows)
+    if missing:  # zero rows: zero bytes decode to zero in every GGUF type (zero scales)
+        if isinstance(part, QuantLinear):
+            zeros = torch.zeros(missing, part.quant.gguf_bytes().shape[1], dtype=torch.uint8, device=part.device)
+            raw = torch.cat([part.quant.gguf_bytes(), zeros]).reshape(-1)
+            part = QuantLinear(QuantWeight.from_gguf_bytes(raw, part.quant.qtype, (per, part.quant.shape[1])))
+        else:
+            part = Linear(torch.cat([part.weight, part.weight.new_zeros(missing, part.weight.shape[1])]))
+    return VocabParallelHead(part, vocab, group)
 
 
 def load_tp_model(gguf, config, device, dtype, group=None, progress=None, host=None):
-    """The rank's shard of the target: each layer dequantized on the `host` (default the CPU, so no GPU
-    ever holds more than a layer beyond its share), split, then moved to `device`."""
+    """The rank's shard of the target: each layer loaded on the `host` (default the CPU), split, then moved
+    to `device`. Loaded on a GPU, weights with a quantized kernel stay GGUF blocks and their shards too
+    (`shard`); on the CPU they are dequantized first, so the shards are dense."""
     from flashtree.dist.placement import move_layer
     from flashtree.models.layers import QuantizedEmbedding, load_weight
     from flashtree.models.qwen35 import DecoderLayer, Qwen35Model
@@ -147,13 +221,11 @@ def load_tp_model(gguf, config, device, dtype, group=None, progress=None, host=N
     d, vocab = config.hidden_size, config.vocab_size
     embed = QuantizedEmbedding.load(gguf, "token_embd.weight", vocab, d, dtype, device)
     head_name = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
-    head = Linear.load(gguf, head_name, vocab, d, dtype, host)
-    lm_head = shard_head(head.weight, vocab, rank, world, group)
-    lm_head.weight = lm_head.weight.to(device)
+    lm_head = shard_head(Linear.load(gguf, head_name, vocab, d, dtype, host), vocab, rank, world, group, dtype).to(device)
     layers = []
     for i in range(config.num_layers):
         layer = DecoderLayer.load(gguf, i, config, dtype, host)
-        shard_layer(layer, config, local, rank, world, group)
+        shard_layer(layer, config, local, rank, world, group, dtype)
         move_layer(layer, device)
         layers.append(layer)
         if progress is not None:
@@ -202,7 +274,9 @@ def load_tp_target(path, world: int, device: str | None = None, progress: bool =
     if spec is None:
         raise FlashtreeError(f"{gguf.path}: no tokenizer in the file (tokenizer.ggml.tokens missing)")
     show = progress and dist.get_rank() == 0
-    model = load_tp_model(gguf, config, dev, default_dtype(dev), progress=_progress_bar(config) if show else None)
+    # on a GPU each layer is loaded there, still quantized, and sharded block-wise (host copies would be dense)
+    model = load_tp_model(gguf, config, dev, default_dtype(dev), progress=_progress_bar(config) if show else None,
+                          host=dev if dev.type == "cuda" else None)
     template = None
     if spec.chat_template:
         template = ChatTemplate(spec.chat_template, eos_token=_token_text(spec, spec.eos_token_id))
