@@ -10,8 +10,8 @@ import torch
 from flashtree.cli.main import build_parser, main
 from flashtree.engine.generate import Engine, GenerationConfig
 from flashtree.engine.loader import load_target
-from flashtree.engine.planner import (PlanRequest, kv_bytes_per_token, max_ctx, parse_size, per_device, plan,
-                                      target_from_preset)
+from flashtree.engine.planner import (PlanRequest, kv_bytes_per_token, max_ctx, parse_size, per_device, per_rank,
+                                      plan, target_from_preset)
 from flashtree.errors import FlashtreeError
 from flashtree.models.synthetic import tiny_config
 from tests.spec.test_lossless import OracleProposer, random_draft
@@ -195,6 +195,18 @@ def test_per_device_shares_add_up_and_follow_the_placement():
         per_device(p, [32, 31])
 
 
+def test_per_rank_splits_what_tensor_parallel_splits():
+    req = _request(ctx=65536, k="f16", v="f16")
+    p = plan(req)
+    rank = per_rank(p, 2)
+    assert rank["target weights"] == req.embed_bytes + (req.weight_bytes - req.embed_bytes) // 2
+    assert rank["KV cache"] * 2 == p.bytes_of("KV cache") and rank["DeltaNet state"] * 2 == p.bytes_of("DeltaNet state")
+    for whole in ("draft weights", "draft context ring", "activations (estimate)"):  # replicas / upper bound
+        assert rank[whole] == p.bytes_of(whole)
+    with pytest.raises(FlashtreeError, match="4 KV heads"):
+        per_rank(p, 8)
+
+
 def test_plan_command_per_gpu(capsys):
     args = ["plan", "--synthetic", "qwen3.6-27b", "--ctx", "65536", "--layer-split", "1,1", "--draft-device", "cuda:1"]
     assert main(args + ["--gpu-memory", "16GiB"]) == 0
@@ -205,6 +217,10 @@ def test_plan_command_per_gpu(capsys):
     assert err.startswith("error: does not fit: cuda:1 needs") and "cuda:0" not in err
     assert main(args[:-2] + ["--draft-device", "cpu"]) == 1
     assert "plan a GPU as cuda:N" in capsys.readouterr().err
+    tp = ["plan", "--synthetic", "qwen3.6-27b", "--ctx", "65536", "-tp", "2", "--gpu-memory", "16GiB"]
+    assert main(tp) == 0  # planned in this process: no ranks are started
+    assert "tensor parallel 2" in capsys.readouterr().out
+    assert main(tp + ["--layer-split", "1,1"]) == 1
 
 
 def test_prefix_cache_with_quantized_rows(target):

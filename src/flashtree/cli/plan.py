@@ -16,7 +16,7 @@ import argparse
 import json
 
 from flashtree.engine.planner import (SYNTHETIC, DraftShape, PlanRequest, fmt_bytes, max_ctx, parse_size, per_device,
-                                      plan, target_from_gguf, target_from_preset)
+                                      per_rank, plan, target_from_gguf, target_from_preset)
 from flashtree.errors import FlashtreeError
 
 
@@ -42,6 +42,9 @@ def add_parser(sub) -> None:
                    help="layers per GPU as proportions or counts (as `run --layer-split`): plan each GPU")
     p.add_argument("--draft-device", default=None, metavar="cuda:N",
                    help="the GPU the draft, its ring and the prefill capture go to (as `run --draft-device`)")
+    # dest "ranks": a plan starts no processes (`main` spawns ranks for `tensor_parallel`)
+    p.add_argument("-tp", "--tensor-parallel", dest="ranks", type=int, default=1, metavar="N",
+                   help="plan one rank of N-way tensor parallel (as `run -tp N`)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=run)
 
@@ -96,9 +99,16 @@ def placement(args: argparse.Namespace, num_layers: int) -> tuple[list[int], int
 def run(args: argparse.Namespace) -> int:
     req = build_request(args)
     result = plan(req)
+    if args.ranks > 1:
+        if args.layer_split or args.draft_device:
+            raise FlashtreeError("--tensor-parallel does not combine with --layer-split / --draft-device")
+        return show_devices(args, result, [per_rank(result, args.ranks)] * args.ranks,
+                            f"tensor parallel {args.ranks} (one rank per GPU)")
     placed = placement(args, req.config.num_layers)
     if placed is not None:
-        return run_per_device(args, result, *placed)
+        counts, draft_gpu = placed
+        return show_devices(args, result, per_device(result, counts, draft_gpu),
+                            f"layers per GPU {counts}, draft on cuda:{draft_gpu if req.draft else '-'}")
     available, source = available_memory(args.gpu_memory)
     fits_to = max_ctx(req, available) if available is not None else None
     c = req.config
@@ -124,18 +134,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_per_device(args: argparse.Namespace, result, counts: list[int], draft_gpu: int) -> int:
+def show_devices(args: argparse.Namespace, result, devices: list[dict], placement_text: str) -> int:
+    """The plan as one column per GPU; refuses (naming them) the GPUs that do not fit."""
     req, c = result.request, result.request.config
-    devices = per_device(result, counts, draft_gpu)
     totals = [sum(d.values()) for d in devices]
     available, source = available_memory(args.gpu_memory)
     if args.json:
-        print(json.dumps({"model": c.name, "ctx": req.ctx, "layer_counts": counts, "draft_gpu": draft_gpu,
+        print(json.dumps({"model": c.name, "ctx": req.ctx, "placement": placement_text,
                           "devices": [{"lines": d, "total": t} for d, t in zip(devices, totals)],
                           "available_per_gpu": available}, indent=2))
     else:
         print(f"{c.name}: ctx {req.ctx}, K {req.cache_type_k} / V {req.cache_type_v}, budget {req.budget}, "
-              f"layers per GPU {counts}, draft on cuda:{draft_gpu if req.draft else '-'}, compute {req.dtype}")
+              f"{placement_text}, compute {req.dtype}")
         print(f"{'':<26}" + "".join(f"{f'cuda:{i}':>12}" for i in range(len(devices))))
         for name in devices[0]:
             print(f"{name:<26}" + "".join(f"{fmt_bytes(d[name]):>12}" for d in devices))

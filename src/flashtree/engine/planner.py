@@ -240,6 +240,22 @@ def per_device(result: MemoryPlan, counts: Sequence[int], draft_device: int = 0)
     return devices
 
 
+def per_rank(result: MemoryPlan, world: int) -> dict[str, int]:
+    """One rank's share of `result` under tensor parallel over `world` ranks (`dist.tp`): the layers' and
+    the LM head's weights, the KV cache, the DeltaNet state and the tree buffers split; the embedding, the
+    draft (a replica per rank), its ring and the prefill capture whole. The activations are not split (an
+    upper bound: the logits, the hidden states and the dequantized K/V of a chunk stay whole)."""
+    req = result.request
+    if world < 1 or req.config.num_kv_heads % world:
+        raise FlashtreeError(f"tensor parallel {world} needs the {req.config.num_kv_heads} KV heads to divide evenly")
+    share = {name: nbytes for name, nbytes, _ in result.lines}
+    share["target weights"] = req.embed_bytes + (req.weight_bytes - req.embed_bytes) // world
+    for name in ("KV cache", "DeltaNet state", "tree buffers"):
+        if name in share:
+            share[name] //= world
+    return share
+
+
 def refusal(result: MemoryPlan, counts: Sequence[int], draft_device: int, available: Sequence[int],
             names: Sequence[str]) -> str | None:
     """Why `result`, placed as `per_device` places it (`names[i]` the device of share i), does not fit
@@ -350,5 +366,5 @@ def fmt_bytes(n: int) -> str:
     return _gib(n)
 
 
-__all__ = ["DraftShape", "PlanRequest", "MemoryPlan", "plan", "per_device", "refusal", "max_ctx", "kv_bytes_per_token", "target_from_gguf",
+__all__ = ["DraftShape", "PlanRequest", "MemoryPlan", "plan", "per_device", "per_rank", "refusal", "max_ctx", "kv_bytes_per_token", "target_from_gguf",
            "target_from_preset", "parse_size", "fmt_bytes", "SYNTHETIC", "GIB"]
