@@ -51,7 +51,8 @@ def case_ids() -> list[str]:
         for t in (1, 4, 17):
             ids.append(f"recurrent-d{d}-t{t}")
     ids += ["recurrent-d32-t17-gqa", "recurrent-d64-t4-bv32", "recurrent-d32-t5-strided",
-            "recurrent-d32-t6-strong", "recurrent-d32-three-calls", "recurrent-d64x32-t4"]
+            "recurrent-d32-t6-strong", "recurrent-d32-three-calls", "recurrent-d64x32-t4",
+            "recurrent-d32-t9-rows", "recurrent-d64-t17-rows-gqa"]
     ids += [f"tree-d32-{name}" for name in TREES]
     ids += ["tree-d64-random64", "tree-d64-chain64-strong", "tree-d32-random17-gqa",
             "tree-d64-random17-bv32-bk32", "tree-d32-random17-strided", "tree-d64x32-random17",
@@ -89,7 +90,12 @@ def recurrent_case(case: str) -> dict:
     q, k, v, g, beta, state = args
     ref_state = state.clone()
     ref = recurrent_step_reference(q, k, v, g, beta, ref_state)
-    if "three" in case:  # three single-token calls equal one call over the sequence
+    if "rows" in case:  # a path of rows read in place equals the recurrence over the gathered rows
+        path = torch.tensor([0, 2, 3, t - 1])
+        ref_state = state.clone()
+        ref = recurrent_step_reference(q[path], k[path], v[path], g[path], beta[path], ref_state)
+        out = recurrent_step(q, k, v, g, beta, state, rows=path)
+    elif "three" in case:  # three single-token calls equal one call over the sequence
         out = torch.cat([recurrent_step(q[i:i + 1], k[i:i + 1], v[i:i + 1], g[i:i + 1], beta[i:i + 1], state)
                          for i in range(t)])
     else:

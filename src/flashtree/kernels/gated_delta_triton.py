@@ -120,25 +120,33 @@ def _default_block_v(heads: int, dv: int) -> int:
 # ---------------------------------------------------------------------------------------------
 # public API
 
-def recurrent_step(q, k, v, g, beta, state, block_v: int | None = None, num_warps: int = 4) -> torch.Tensor:
+def recurrent_step(q, k, v, g, beta, state, block_v: int | None = None, num_warps: int = 4,
+                   rows: torch.Tensor | None = None) -> torch.Tensor:
     """T >= 1 tokens in sequence: S <- exp(g) S; u = beta (v - S^T k); S <- S + k u^T; o = S^T q.
 
     q, k [T, Hk, dk]; v [T, H, dv]; g, beta [T, H]; state float32 [H, dk, dv], updated in place
-    (any strides). Returns o [T, H, dv] float32.
+    (any strides). Returns o [T, H, dv] float32. `rows` (int64 [T'], on the state's device): the
+    recurrence runs over those rows of q, k, v, g, beta in that order, read in place (a verified tree's
+    accepted path, without gathering five tensors first); o is then [T', H, dv].
     """
     _check(q, k, v, g, beta, state)
+    if rows is not None and (rows.dim() != 1 or rows.dtype not in (torch.int64, torch.int32)):
+        raise FlashtreeError(f"rows must be an int64 [T] index, got {rows.dtype} {tuple(rows.shape)}")
     if triton is None or not triton_runs_on(state.device):
+        if rows is not None:
+            q, k, v, g, beta = (x.index_select(0, rows) for x in (q, k, v, g, beta))
         return recurrent_step_reference(q, k, v, g, beta, state)
-    q, k, v, out = _prepared(q, k, v)
-    t, hk, dk = q.shape
-    _, h, dv = v.shape
+    q, k, v, out = _prepared(q, k, v, rows)
+    _, hk, dk = q.shape
+    t, h, dv = out.shape
     if t == 0:
         return out
     block_v = block_v or _default_block_v(h, dv)
     if dv % block_v:
         raise FlashtreeError(f"block_v = {block_v} must divide dv = {dv}")
-    _recurrent_kernel[(h, dv // block_v)](q, k, v, g, beta, state, out, t, hk, *_strides(q, k, v, g, beta, state, out),
-                                          DK=dk, BLOCK_V=block_v, num_warps=num_warps)
+    _recurrent_kernel[(h, dv // block_v)](q, k, v, g, beta, state, out, rows if rows is not None else out, t, hk,
+                                          *_strides(q, k, v, g, beta, state, out),
+                                          DK=dk, BLOCK_V=block_v, HAS_ROWS=rows is not None, num_warps=num_warps)
     return out
 
 
@@ -174,10 +182,12 @@ def tree_verify(q, k, v, g, beta, state, parents, block_v: int | None = None, bl
     return out
 
 
-def _prepared(q, k, v) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v with unit-stride rows, and the float32 output [T, H, dv] the kernels write."""
+def _prepared(q, k, v, rows=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v with unit-stride rows, and the float32 output [T, H, dv] the kernels write (T: the rows
+    read, all of them or `rows`)."""
     _pow2_dims(q.shape[-1], v.shape[-1])
-    out = torch.empty(q.shape[0], v.shape[1], v.shape[2], dtype=torch.float32, device=v.device)
+    t = q.shape[0] if rows is None else rows.shape[0]
+    out = torch.empty(t, v.shape[1], v.shape[2], dtype=torch.float32, device=v.device)
     return (*(_last_dim_contiguous(x) for x in (q, k, v)), out)
 
 
@@ -194,10 +204,10 @@ def _strides(q, k, v, g, beta, state, out) -> tuple[int, ...]:
 if triton is not None:
 
     @triton.jit
-    def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, o_ptr, T, HK,
+    def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, o_ptr, rows_ptr, T, HK,
                           sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, sb_t, sb_h,
                           ss_h, ss_k, ss_v, so_t, so_h,
-                          DK: tl.constexpr, BLOCK_V: tl.constexpr):
+                          DK: tl.constexpr, BLOCK_V: tl.constexpr, HAS_ROWS: tl.constexpr):
         h = tl.program_id(0)
         hq = h % HK
         cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -206,11 +216,14 @@ if triton is not None:
         s = tl.load(s_ptrs)  # [DK, BLOCK_V], kept in registers over the token loop
         t = 0
         while t < T:  # a while loop: the interpreter cannot iterate range() over a runtime bound
-            kt = tl.load(k_ptr + t * sk_t + hq * sk_h + dk).to(tl.float32)
-            qt = tl.load(q_ptr + t * sq_t + hq * sq_h + dk).to(tl.float32)
-            vt = tl.load(v_ptr + t * sv_t + h * sv_h + cols).to(tl.float32)
-            gt = tl.load(g_ptr + t * sg_t + h * sg_h).to(tl.float32)
-            bt = tl.load(beta_ptr + t * sb_t + h * sb_h).to(tl.float32)
+            r = t
+            if HAS_ROWS:  # token t of the recurrence is input row rows[t]
+                r = tl.load(rows_ptr + t)
+            kt = tl.load(k_ptr + r * sk_t + hq * sk_h + dk).to(tl.float32)
+            qt = tl.load(q_ptr + r * sq_t + hq * sq_h + dk).to(tl.float32)
+            vt = tl.load(v_ptr + r * sv_t + h * sv_h + cols).to(tl.float32)
+            gt = tl.load(g_ptr + r * sg_t + h * sg_h).to(tl.float32)
+            bt = tl.load(beta_ptr + r * sb_t + h * sb_h).to(tl.float32)
             s = s * tl.exp(gt)
             predicted = tl.sum(s * kt[:, None], axis=0)
             u = bt * (vt - predicted)

@@ -91,10 +91,10 @@ def commit_layers(layers: list[tuple[GatedDeltaNet, DeltaNetState, TreeScratch]]
     kernel = layers[0][0].config.conv_kernel
     for _, state, scratch in layers:
         state.conv.copy_(torch.cat([state.conv, scratch.conv_inputs[path].to(state.conv.dtype)])[-(kernel - 1):])
-    if triton_runs_on(path.device):  # one in-place kernel launch per layer, no stacking of the 3 MiB states
+    if triton_runs_on(path.device):  # one in-place launch per layer reading the path's rows where they are
         for _, state, scratch in layers:
-            gated_delta_triton.recurrent_step(scratch.q[path], scratch.k[path], scratch.v[path], scratch.g[path],
-                                              scratch.beta[path], state.ssm)
+            gated_delta_triton.recurrent_step(scratch.q, scratch.k, scratch.v, scratch.g, scratch.beta, state.ssm,
+                                              rows=path)
         return
     heads = [state.ssm.shape[0] for _, state, _ in layers]
 

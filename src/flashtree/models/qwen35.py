@@ -176,18 +176,18 @@ class Qwen35Model:
         Accepted K/V rows move from the tree's scratch rows into place; DeltaNet layers rerun the
         recurrence over the path (batched per device)."""
         recurrent: dict[torch.device, list] = {}  # DeltaNet layers per device, committed together below
+        rows, source = start + torch.arange(path.shape[0], device=path.device), start + path  # shared by the layers
         for layer in self.layers:
             if layer.index in self.boundaries:
                 device = self.boundaries[layer.index]
-                path, start = path.to(device), start.to(device)
+                path, rows, source = path.to(device), rows.to(device), source.to(device)
             if layer.is_recurrent:
                 entry = (layer.mixer, cache.deltanet[layer.index], cache.pending[layer.index])
                 recurrent.setdefault(path.device, []).append(entry)
             else:
                 kv = cache.attention[layer.index]
-                rows = start + torch.arange(path.shape[0], device=path.device)
                 for side in (kv.k, kv.v):
-                    side.index_copy_(1, rows, side.index_select(1, start + path))
+                    side.index_copy_(1, rows, side.index_select(1, source))
         for device, layers in recurrent.items():
             with on_device(device):
                 commit_layers(layers, path.to(device))
