@@ -128,7 +128,9 @@ def load_engine(model: str | Path | None = None, draft: str | Path | None = None
     GenerationConfig(**cache_options)  # a bad KV type or window fails here, before loading
     from flashtree.dist.placement import load_placed_target
 
-    if not tensor_parallel or tensor_parallel == 1:  # a TP rank's share is not planned yet
+    if tensor_parallel and tensor_parallel > 1:
+        _check_rank_memory(model, draft, device, tensor_parallel, ctx, gpu_memory, budget, cache_options)
+    else:
         _check_memory(model, draft, device, gpus, layer_split, devices, draft_device, ctx, gpu_memory, budget,
                       cache_options)
     target = load_placed_target(model, device, progress, gpus, layer_split, tensor_parallel, devices)
@@ -139,6 +141,19 @@ def load_engine(model: str | Path | None = None, draft: str | Path | None = None
 
         return serve_ranks(engine)
     return engine
+
+
+def _check_rank_memory(model, draft, device, world, ctx, gpu_memory, budget, cache_options) -> None:
+    """This rank's share of tensor parallel, checked on the GPU the rank will use (LOCAL_RANK, as
+    `dist.tp.init_from_env` picks it) before any weight is read."""
+    import os
+
+    from flashtree.engine.memory_check import check_rank_memory
+
+    if not torch.cuda.is_available() or (device not in (None, "auto") and not str(device).startswith("cuda")):
+        return
+    check_rank_memory(model, draft, torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))), world, ctx,
+                      gpu_memory, budget, cache_options["cache_type_k"], cache_options["cache_type_v"])
 
 
 def _check_memory(model, draft, device, gpus, layer_split, devices, draft_device, ctx, gpu_memory, budget,

@@ -1,7 +1,8 @@
 """The memory planner's check at load time: before any weight is read, a configuration whose plan does not
 fit the GPUs it would use (their free memory, or a `--gpu-memory` cap per GPU) is refused with the numbers.
 
-Only CUDA devices are checked (the CPU path dequantizes at load and has no fixed device memory). Without
+Only CUDA devices are checked (the CPU path dequantizes at load and has no fixed device memory); a
+tensor-parallel rank checks its own share on its own GPU (`check_rank_memory`). Without
 `--ctx` the check assumes DEFAULT_CTX tokens of context (a request sizes its own cache later), so it
 catches what cannot work at all, not what a long request would need.
 """
@@ -12,10 +13,34 @@ from pathlib import Path
 
 import torch
 
-from flashtree.engine.planner import DraftShape, PlanRequest, parse_size, plan, refusal, target_from_gguf
+from flashtree.engine.planner import (DraftShape, PlanRequest, fmt_bytes, parse_size, per_rank, plan, refusal,
+                                     target_from_gguf)
 from flashtree.errors import FlashtreeError
 
 DEFAULT_CTX = 4096
+
+
+def check_rank_memory(model: str | Path, draft: str | Path | None, device: torch.device, world: int,
+                      ctx: int | None, gpu_memory: str | None, budget: int, cache_type_k: str | None,
+                      cache_type_v: str | None) -> None:
+    """Raise FlashtreeError when one rank's share of `world`-way tensor parallel does not fit `device`."""
+    if device.type != "cuda":
+        return
+    req = _request(model, draft, ctx, budget, cache_type_k, cache_type_v)
+    need = sum(per_rank(plan(req), world).values())
+    free = parse_size(gpu_memory) if gpu_memory is not None else _free(device)
+    if need > free:
+        source = "--gpu-memory" if gpu_memory is not None else "free GPU memory"
+        raise FlashtreeError(f"does not fit: one rank of tensor parallel {world} needs {fmt_bytes(need)} on {device} "
+                             f"but {fmt_bytes(free)} is available ({source}, ctx {req.ctx}); try more ranks, a "
+                             f"smaller --ctx or -ctk/-ctv q8_0, q4_0 or tq3_0 (`flashtree plan ... -tp {world}`)")
+
+
+def _request(model, draft, ctx, budget, cache_type_k, cache_type_v) -> PlanRequest:
+    config, weights, embed, dense, layers = target_from_gguf(model)
+    shape = DraftShape.from_dir(draft) if draft is not None else None
+    return PlanRequest(config, weights, embed, shape, ctx or min(DEFAULT_CTX, config.context_length),
+                       cache_type_k or "bf16", cache_type_v or "bf16", budget, dense_params=dense, layer_bytes=layers)
 
 
 def check_memory(model: str | Path, draft: str | Path | None, target_devices: list[torch.device],
@@ -32,11 +57,8 @@ def check_memory(model: str | Path, draft: str | Path | None, target_devices: li
         devices.append(draft_dev)
     if not any(d.type == "cuda" for d in devices):
         return
-    config, weights, embed, dense, layers = target_from_gguf(model)
-    shape = DraftShape.from_dir(draft) if draft is not None else None
-    context = ctx or min(DEFAULT_CTX, config.context_length)
-    req = PlanRequest(config, weights, embed, shape, context, cache_type_k or "bf16", cache_type_v or "bf16", budget,
-                      dense_params=dense, layer_bytes=layers)
+    req = _request(model, draft, ctx, budget, cache_type_k, cache_type_v)
+    config, context = req.config, req.ctx
     cap = parse_size(gpu_memory) if gpu_memory is not None else None
     available = [cap if cap is not None else _free(d) for d in devices]
     counts = layer_counts(config.num_layers, split) if split is not None else [config.num_layers]
