@@ -48,7 +48,7 @@ def test_cli_refuses_before_loading(make_gguf, capsys):
 def test_tensor_parallel_rank_checks_its_share(make_gguf):
     path = make_gguf("memcheck", config=tiny_config(num_layers=4, gdn_v_heads=4))
     args = dict(draft=None, world=2, ctx=1024, budget=22, cache_type_k=None, cache_type_v=None)
-    with pytest.raises(FlashtreeError, match=r"one rank of tensor parallel 2 needs .* on cuda:1 but 1.0 KiB"):
+    with pytest.raises(FlashtreeError, match=r"one rank of tensor parallel 2 needs .* on cuda:1 but 0.0 MiB is available \(--gpu-memory"):
         check_rank_memory(path, device=torch.device("cuda:1"), gpu_memory="1KiB", **args)
     check_rank_memory(path, device=torch.device("cuda:1"), gpu_memory="1GiB", **args)
     check_rank_memory(path, device=torch.device("cpu"), gpu_memory="1KiB", **args)  # CPU ranks: not budgeted
