@@ -2,7 +2,7 @@
 # One call on nvidia-h200-x2 (carry .whl, made by scripts/fetch_device_wheels.sh): placement tests (and the
 # GPU kernel tests), the synthetic 27B step benchmark on one GPU and per placement (layer split, draft
 # on cuda:1, tensor parallel 2) with memory per GPU and,
-# meanwhile on GPU 1, the 262K-token TQ3_0 memory run of #7 (LONG_256K=0 skips it). Results under $OUT.
+# with LONG_256K=1, meanwhile on GPU 1, the 262K-token TQ3_0 memory run of #7. Results under $OUT.
 source scripts/device_env.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -12,7 +12,7 @@ steps() {  # name, seconds, extra flags
       --steps -n 32 --repeat 5 --replay-al 0 --out "$OUT/steps-$name.json" > "$OUT/steps-$name.txt" 2>&1
   echo "== $name (rc $?)"; tail -${TAIL:-16} "$OUT/steps-$name.txt"
 }
-if [ "${LONG_256K:-1}" = 1 ]; then  # plain (untied) random model: a real file's layout and bytes
+if [ "${LONG_256K:-0}" = 1 ]; then  # plain (untied) random model: a real file's layout and bytes
   CUDA_VISIBLE_DEVICES=1 TAIL=20 steps 256k-tq3 "${LIMIT_256K:-300}" --context 262000 --prefill-chunk 512 \
       --prefill-lengths 1024 -ctk tq3_0 -ctv tq3_0 > "$OUT/long.log" 2>&1 &
 fi
