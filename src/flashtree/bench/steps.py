@@ -143,8 +143,7 @@ def run_steps(args, engine, device_name: str) -> int:
     model = engine.target.model
     device = model.device
     dtype = model.dtype
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    ranks = torch.distributed.get_world_size() if distributed else 1
+    _, ranks = _rank_and_world()
     report: dict = {"date": time.strftime("%Y-%m-%d"), "device": device_name, "model": str(engine.target.path),
                     "weights_bytes_per_step": weight_bytes(model), "cuda_graphs": engine.graph_runner() is not None,
                     "tensor_parallel": ranks}
@@ -237,16 +236,17 @@ def run_steps(args, engine, device_name: str) -> int:
         report["peak_memory_GiB"] = {f"cuda:{i}": round(torch.cuda.max_memory_allocated(i) / 2**30, 2)
                                      for i in range(torch.cuda.device_count()) if torch.cuda.max_memory_allocated(i)}
     report["rows"] = rows
-    if _writes_results():
+    if _rank_and_world()[0] == 0:  # a tensor-parallel benchmark runs on every rank: rank 0 writes
         Path(args.out).write_text(json.dumps(report, indent=2))
     _print(report)
     return 0
 
 
-def _writes_results() -> bool:
-    """Rank 0 of a tensor-parallel benchmark (every rank runs it), or the only process."""
-    return not (torch.distributed.is_available() and torch.distributed.is_initialized()) or \
-        torch.distributed.get_rank() == 0
+def _rank_and_world() -> tuple[int, int]:
+    """(this rank, ranks) of a tensor-parallel benchmark, (0, 1) for a single process."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
 
 
 def _captures(engine) -> bool | None:

@@ -99,6 +99,26 @@ def describe(model) -> str:
     return ", ".join(parts) if parts else f"all layers on {model.device}"
 
 
+def resolve_placement(device=None, gpus: int | None = None, layer_split: str | Sequence[float] | None = None,
+                      devices=None) -> tuple[list[torch.device] | None, list[float] | None]:
+    """(the split's stage devices, its layer proportions or counts) for the placement options of
+    `load_engine`, or (None, None) for a single device."""
+    split = parse_split(layer_split) if isinstance(layer_split, str) else layer_split
+    n = len(split) if split is not None else (gpus or 1)
+    if gpus is not None and split is not None and gpus != len(split):
+        raise FlashtreeError(f"--gpus {gpus} but --layer-split has {len(split)} entries")
+    if n <= 1 and devices is None:
+        return None, None
+    if devices is None and device is not None and torch.device(device).type == "cpu":
+        devices = ["cpu"] * n  # a split over "cpu" stages: placement and boundaries without GPUs
+    devs = parse_devices(devices, n)
+    if devices is not None and split is None:
+        n = len(devs)
+    if len(devs) != n:
+        raise FlashtreeError(f"{len(devs)} devices given for a split over {n}")
+    return devs, split
+
+
 def load_placed_target(path, device=None, progress: bool = False, gpus: int | None = None,
                        layer_split: str | Sequence[float] | None = None, tensor_parallel: int = 1, devices=None):
     """`load_target` plus the placement options of `load_engine`."""
@@ -110,19 +130,9 @@ def load_placed_target(path, device=None, progress: bool = False, gpus: int | No
         from flashtree.dist.tp import load_tp_target
 
         return load_tp_target(path, tensor_parallel, device, progress=progress)
-    split = parse_split(layer_split) if isinstance(layer_split, str) else layer_split
-    n = len(split) if split is not None else (gpus or 1)
-    if gpus is not None and split is not None and gpus != len(split):
-        raise FlashtreeError(f"--gpus {gpus} but --layer-split has {len(split)} entries")
-    if n <= 1 and devices is None:
+    devs, split = resolve_placement(device, gpus, layer_split, devices)
+    if devs is None:
         return load_target(path, device, progress=progress)
-    if devices is None and device is not None and torch.device(device).type == "cpu":
-        devices = ["cpu"] * n  # a split over "cpu" stages: placement and boundaries without GPUs
-    devs = parse_devices(devices, n)
-    if devices is not None and split is None:
-        n = len(devs)
-    if len(devs) != n:
-        raise FlashtreeError(f"{len(devs)} devices given for a split over {n}")
     # load on the host, then move each layer to its device: no device ever holds more than its share
     target = load_target(path, "cpu", dtype=default_dtype(devs[0]), progress=progress)
     place_layers(target.model, devs, split)

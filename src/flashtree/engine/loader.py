@@ -159,19 +159,15 @@ def _check_rank_memory(model, draft, device, world, ctx, gpu_memory, budget, cac
 def _check_memory(model, draft, device, gpus, layer_split, devices, draft_device, ctx, gpu_memory, budget,
                   cache_options) -> None:
     """The placement `load_placed_target` will make, planned and checked against the GPUs' memory."""
-    from flashtree.dist.placement import parse_devices, parse_split
+    from flashtree.dist.placement import resolve_placement
     from flashtree.engine.memory_check import check_memory
 
-    split = parse_split(layer_split) if isinstance(layer_split, str) else layer_split
-    n = len(split) if split is not None else (gpus or 1)
-    if n > 1:
-        if devices is None and device is not None and torch.device(device).type == "cpu":
-            return  # a split over "cpu" stages
-        targets = parse_devices(devices, n)
-        split = split if split is not None else [1.0] * n
-    else:
-        targets = [resolve_device(device)]
-    check_memory(model, draft, targets, split, torch.device(draft_device) if draft_device else None, ctx, gpu_memory,
+    stages, split = resolve_placement(device, gpus, layer_split, devices)
+    if stages is None:
+        stages = [resolve_device(device)]
+    elif split is None:
+        split = [1.0] * len(stages)
+    check_memory(model, draft, stages, split, torch.device(draft_device) if draft_device else None, ctx, gpu_memory,
                  budget, cache_options["cache_type_k"], cache_options["cache_type_v"])
 
 

@@ -28,9 +28,8 @@ def check_rank_memory(model: str | Path, draft: str | Path | None, device: torch
         return
     req = _request(model, draft, ctx, budget, cache_type_k, cache_type_v)
     need = sum(per_rank(plan(req), world).values())
-    free = parse_size(gpu_memory) if gpu_memory is not None else _free(device)
+    (free,), source = _available([device], gpu_memory)
     if need > free:
-        source = "--gpu-memory" if gpu_memory is not None else "free GPU memory"
         raise FlashtreeError(f"does not fit: one rank of tensor parallel {world} needs {fmt_bytes(need)} on {device} "
                              f"but {fmt_bytes(free)} is available ({source}, ctx {req.ctx}); try more ranks, a "
                              f"smaller --ctx or -ctk/-ctv q8_0, q4_0 or tq3_0 (`flashtree plan ... -tp {world}`)")
@@ -59,18 +58,16 @@ def check_memory(model: str | Path, draft: str | Path | None, target_devices: li
         return
     req = _request(model, draft, ctx, budget, cache_type_k, cache_type_v)
     config, context = req.config, req.ctx
-    cap = parse_size(gpu_memory) if gpu_memory is not None else None
-    available = [cap if cap is not None else _free(d) for d in devices]
+    available, source = _available(devices, gpu_memory)
     counts = layer_counts(config.num_layers, split) if split is not None else [config.num_layers]
-    problem = refusal(plan(req), counts, devices.index(draft_dev),
-                      available, [str(d) for d in devices])
+    problem = refusal(plan(req), counts, devices.index(draft_dev), available, [str(d) for d in devices])
     if problem is not None:
-        source = "--gpu-memory" if cap is not None else "free GPU memory"
         raise FlashtreeError(f"{problem}; memory from {source}" + ("" if ctx else f", at ctx {context} (no --ctx given)"))
 
 
-def _free(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1 << 62  # the CPU is not budgeted
-    free, _ = torch.cuda.mem_get_info(device)
-    return free
+def _available(devices: list[torch.device], gpu_memory: str | None) -> tuple[list[int], str]:
+    """Bytes each device may use (the --gpu-memory cap, or its free memory; the CPU is not budgeted) and
+    where that figure comes from."""
+    if gpu_memory is not None:
+        return [parse_size(gpu_memory)] * len(devices), "--gpu-memory"
+    return [torch.cuda.mem_get_info(d)[0] if d.type == "cuda" else 1 << 62 for d in devices], "free GPU memory"
