@@ -23,7 +23,7 @@ from flashtree.models.random_weights import SHAPES
 
 
 def add_parser(sub) -> None:
-    from flashtree.cli.main import add_model_args, add_sampling_args
+    from flashtree.cli.main import add_model_args, add_sampling_args, int_range
 
     p = sub.add_parser("bench", help="benchmark decoding modes (table + JSON)")
     add_model_args(p)
@@ -38,15 +38,15 @@ def add_parser(sub) -> None:
     p.add_argument("--modes", default=None, help="comma-separated modes (default: ar plus the spec modes a draft allows)")
     p.add_argument("--dataset", action="append", default=None,
                    help="builtin (default), humaneval, or a chat-message .jsonl file; repeatable")
-    p.add_argument("--prompts", type=int, default=len(BUILTIN), help="prompts per dataset")
+    p.add_argument("--prompts", type=int_range(1), default=len(BUILTIN), help="prompts per dataset")
     p.add_argument("--think", action="store_true", help="render prompts with thinking on (default off)")
-    p.add_argument("-n", "--max-tokens", type=int, default=128)
+    p.add_argument("-n", "--max-tokens", type=int_range(1), default=128)
     p.add_argument("--out", default="bench.json", help="JSON output path")
     p.add_argument("--multi-turn", action="store_true",
                    help="time to first token per turn of a chat with a long system prompt, prefix cache off vs on")
-    p.add_argument("--turns", type=int, default=5, help="--multi-turn: chat turns (default 5)")
-    p.add_argument("--system-tokens", type=int, default=8192, help="--multi-turn: system prompt size (default 8192)")
-    p.add_argument("--prefix-cache-interval", type=int, default=1024,
+    p.add_argument("--turns", type=int_range(1), default=5, help="--multi-turn: chat turns (default 5)")
+    p.add_argument("--system-tokens", type=int_range(1), default=8192, help="--multi-turn: system prompt size (default 8192)")
+    p.add_argument("--prefix-cache-interval", type=int_range(1), default=1024,
                    help="--multi-turn: snapshot interval inside long prompts (default 1024)")
     p.add_argument("--peers", action="store_true",
                    help="add rows for transformers greedy generate and the z-lab dflash loop on the same prompts")

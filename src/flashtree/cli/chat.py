@@ -284,11 +284,13 @@ def terminal_lines(input=None, output=None) -> Iterator[str]:
 
 def add_chat_parser(subparsers) -> argparse.ArgumentParser:
     """Chat flags only; the model flags are added by the caller."""
+    from flashtree.cli.main import int_range
+
     p = subparsers.add_parser("chat", help="chat with the model in the terminal",
                               description="Interactive chat; type /help inside for commands.")
     p.add_argument("--system", help="system prompt")
     p.add_argument("--no-think", action="store_true", help="start with thinking off (/think on|off switches)")
-    p.add_argument("--max-tokens", type=int, default=4096, help="longest reply in tokens (default 4096)")
+    p.add_argument("--max-tokens", type=int_range(1), default=4096, help="longest reply in tokens (default 4096)")
     add_prefix_cache_args(p)
     p.set_defaults(handler=run_chat)
     return p

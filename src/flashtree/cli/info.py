@@ -6,6 +6,7 @@ import argparse
 import json
 from collections import Counter
 
+from flashtree.cli.main import int_range
 from flashtree.engine.loader import check_tensor_types, read_config
 from flashtree.formats.gguf_file import GGUFFile
 from flashtree.formats.quants import type_name
@@ -17,7 +18,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("info", help="describe a GGUF model: architecture, sizes, quant types, memory")
     p.add_argument("path", help="model GGUF")
     p.add_argument("--tensors", action="store_true", help="list every tensor with its type and shape")
-    p.add_argument("--ctx", type=int, default=4096, help="context size for the KV memory estimate (default 4096)")
+    p.add_argument("--ctx", type=int_range(1), default=4096, help="context size for the KV memory estimate (default 4096)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=run)
 

@@ -9,30 +9,47 @@ from flashtree import __version__
 from flashtree.errors import FlashtreeError
 
 
+def int_range(low: int, high: int | None = None):
+    """An argparse type: an integer in [low, high] (no upper bound when `high` is None), so a bad count
+    is refused by name before any weight loads."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bounds = f">= {low}" if high is None else f"from {low} to {high}"
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {value}")
+        return value
+
+    return parse
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     """Flags shared by every command that loads a model (names follow llama.cpp / vLLM)."""
     parser.add_argument("-m", "--model", help="target GGUF (default: the embedded demo model)")
     parser.add_argument("--draft", help="DFlash draft directory (config.json + model.safetensors)")
     parser.add_argument("--spec", choices=("ar", "chain", "ddtree"), default=None,
                         help="decoding mode (default: ddtree when a draft is given, else ar)")
-    parser.add_argument("--budget", type=int, default=22, help="DDTree node budget (default 22)")
-    parser.add_argument("--topk", type=int, default=8, help="DDTree candidates per depth (default 8)")
+    parser.add_argument("--budget", type=int_range(1), default=22, help="DDTree node budget (default 22)")
+    parser.add_argument("--topk", type=int_range(1), default=8, help="DDTree candidates per depth (default 8)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    parser.add_argument("-c", "--ctx", type=int, default=None, help="context size in tokens (default: fit the request)")
+    parser.add_argument("-c", "--ctx", type=int_range(2), default=None, help="context size in tokens (default: fit the request)")
     parser.add_argument("-ctk", "--cache-type-k", default=None, metavar="TYPE",
                         help="K cache type: f16, bf16, f32, q8_0, q4_0, tq3_0 (default: the model dtype)")
     parser.add_argument("-ctv", "--cache-type-v", default=None, metavar="TYPE",
                         help="V cache type: f16, bf16, f32, q8_0, q4_0, tq3_0 (default: the model dtype)")
-    parser.add_argument("--attn-window", type=int, default=0, metavar="N",
+    parser.add_argument("--attn-window", type=int_range(0), default=0, metavar="N",
                         help="sliding-window attention over the last N positions; changes output (default 0 = full)")
     # placement over several devices (flashtree.dist, docs/MULTI_GPU.md)
-    parser.add_argument("--gpus", type=int, default=None, metavar="N",
+    parser.add_argument("--gpus", type=int_range(1), default=None, metavar="N",
                         help="split the target's layers evenly over N GPUs (cuda:0..N-1)")
     parser.add_argument("--layer-split", default=None, metavar="A,B,...",
                         help="layers per GPU as proportions or counts, e.g. 1,1 or 20,44 (llama.cpp -ts style)")
     parser.add_argument("--draft-device", default=None, metavar="DEV",
                         help="device of the draft and its context cache, e.g. cuda:1 (default: the target's)")
-    parser.add_argument("-tp", "--tensor-parallel", "--tensor-parallel-size", dest="tensor_parallel", type=int,
+    parser.add_argument("-tp", "--tensor-parallel", "--tensor-parallel-size", dest="tensor_parallel", type=int_range(1),
                         default=1, metavar="N", help="shard the target over N GPUs, one process each (default 1)")
     parser.add_argument("--gpu-memory", default=None, metavar="SIZE",
                         help="memory per GPU to plan for, e.g. 24GiB (default: each GPU's free memory); checked at load")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from flashtree.cli.main import int_range
 from flashtree.engine.planner import (SYNTHETIC, DraftShape, PlanRequest, fmt_bytes, max_ctx, parse_size, per_device,
                                       per_rank, plan, target_from_gguf, target_from_preset)
 from flashtree.errors import FlashtreeError
@@ -28,13 +29,13 @@ def add_parser(sub) -> None:
                         help="a known model shape instead of a file (includes its DFlash draft unless --no-draft)")
     p.add_argument("--draft", help="DFlash draft directory (config.json is read)")
     p.add_argument("--no-draft", action="store_true", help="plan without a draft (autoregressive)")
-    p.add_argument("-c", "--ctx", type=int, default=None, help="context size in tokens (default: the model's)")
+    p.add_argument("-c", "--ctx", type=int_range(2), default=None, help="context size in tokens (default: the model's)")
     p.add_argument("-ctk", "--cache-type-k", default="f16", metavar="TYPE",
                    help="K cache type: f16, bf16, f32, q8_0, q4_0, tq3_0 (default f16)")
     p.add_argument("-ctv", "--cache-type-v", default="f16", metavar="TYPE", help="V cache type (default f16)")
-    p.add_argument("--budget", type=int, default=22, help="DDTree node budget (default 22)")
-    p.add_argument("--draft-window", type=int, default=4096, help="draft context positions (default 4096)")
-    p.add_argument("--prefill-chunk", type=int, default=512, help="prefill chunk in tokens (default 512)")
+    p.add_argument("--budget", type=int_range(1), default=22, help="DDTree node budget (default 22)")
+    p.add_argument("--draft-window", type=int_range(1), default=4096, help="draft context positions (default 4096)")
+    p.add_argument("--prefill-chunk", type=int_range(1), default=512, help="prefill chunk in tokens (default 512)")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "f16", "f32"), help="compute dtype (default bf16)")
     p.add_argument("--gpu-memory", default=None,
                    help="memory to fit in, e.g. 24GiB or 24GB (default: the CUDA device's, if any)")
@@ -43,7 +44,7 @@ def add_parser(sub) -> None:
     p.add_argument("--draft-device", default=None, metavar="cuda:N",
                    help="the GPU the draft, its ring and the prefill capture go to (as `run --draft-device`)")
     # dest "ranks": a plan starts no processes (`main` spawns ranks for `tensor_parallel`)
-    p.add_argument("-tp", "--tensor-parallel", dest="ranks", type=int, default=1, metavar="N",
+    p.add_argument("-tp", "--tensor-parallel", dest="ranks", type=int_range(1), default=1, metavar="N",
                    help="plan one rank of N-way tensor parallel (as `run -tp N`)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=run)
@@ -59,8 +60,6 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
         draft = DraftShape.from_dir(args.draft) if args.draft else None
     if args.no_draft:
         draft = None
-    if args.budget < 1 or args.draft_window < 1 or args.prefill_chunk < 1:
-        raise FlashtreeError("--budget, --draft-window and --prefill-chunk must be >= 1")
     return PlanRequest(config, weights, embed, draft, args.ctx or config.context_length, args.cache_type_k,
                        args.cache_type_v, args.budget, args.draft_window, args.prefill_chunk, args.dtype, dense,
                        layers)

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from flashtree.cli.main import add_model_args, add_sampling_args, sampling_from_args
+from flashtree.cli.main import add_model_args, add_sampling_args, int_range, sampling_from_args
 from flashtree.engine.loader import load_engine
 
 
@@ -15,7 +15,7 @@ def add_parser(sub) -> None:
     p.add_argument("prompt", help="the prompt text (use - to read it from stdin)")
     add_model_args(p)
     add_sampling_args(p)
-    p.add_argument("-n", "--max-tokens", type=int, default=256, help="maximum new tokens (default 256)")
+    p.add_argument("-n", "--max-tokens", type=int_range(0), default=256, help="maximum new tokens (default 256)")
     p.add_argument("--raw", action="store_true", help="plain completion: do not apply the chat template")
     p.add_argument("--system", help="system prompt for the chat template")
     p.add_argument("--think", action="store_true", help="let the model think first (enable_thinking)")

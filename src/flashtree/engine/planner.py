@@ -88,6 +88,13 @@ class PlanRequest:
     dense_params: int = 0  # target parameters outside token_embd (for the dequantized-at-load note)
     layer_bytes: tuple[int, ...] = ()  # stored bytes of each layer's tensors (blk.i.*): a layer split's shares
 
+    def __post_init__(self) -> None:
+        counts = {"ctx": (self.ctx, 2), "budget": (self.budget, 1), "draft_window": (self.draft_window, 1),
+                  "prefill_chunk": (self.prefill_chunk, 1)}
+        for name, (value, low) in counts.items():
+            if value < low:
+                raise FlashtreeError(f"{name} must be >= {low}, got {value}")
+
 
 @dataclass
 class MemoryPlan:

@@ -28,17 +28,17 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         checks = [
-            (self.temperature >= 0, "temperature must be >= 0"),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (self.top_k >= 0, "top_k must be >= 0"),
-            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
-            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
-            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+            ("temperature", self.temperature >= 0, ">= 0"),
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_k", self.top_k >= 0, ">= 0"),
+            ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
+            ("repetition_penalty", self.repetition_penalty > 0, "> 0"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
         ]
-        for ok, message in checks:
+        for name, ok, bounds in checks:
             if not ok:
-                raise FlashtreeError(f"{message} (got {self})")
+                raise FlashtreeError(f"{name} must be {bounds}, got {getattr(self, name)}")
 
     @property
     def greedy(self) -> bool:

@@ -8,14 +8,8 @@ import logging
 import os
 from pathlib import Path
 
+from flashtree.cli.main import int_range
 from flashtree.engine.prefix_cache import add_prefix_cache_args, apply_prefix_cache_args
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -24,13 +18,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="serve an OpenAI-compatible HTTP API",
                               description="Serve the model over an OpenAI-compatible HTTP API (see docs/SERVING.md).")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--port", type=int_range(1, 65535), default=8000, help="port (default 8000)")
     p.add_argument("--api-key", default=os.environ.get("FLASHTREE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: $FLASHTREE_API_KEY)")
     p.add_argument("--served-model-name", help="model id clients send and /v1/models lists (default: file stem)")
-    p.add_argument("--max-tokens", type=_positive_int, default=4096,
+    p.add_argument("--max-tokens", type=int_range(1), default=4096,
                    help="completion length when a request sets none (default 4096)")
-    p.add_argument("--max-queued-requests", type=_positive_int, default=16,
+    p.add_argument("--max-queued-requests", type=int_range(1), default=16,
                    help="requests that may wait while one generates; more get 503 (default 16)")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds from arrival before a request's generation is stopped (default 600)")

@@ -7,6 +7,7 @@ import json
 import sys
 from dataclasses import fields, replace
 
+from flashtree.cli.main import int_range
 from flashtree.errors import FlashtreeError
 
 
@@ -16,15 +17,15 @@ def add_parser(sub) -> None:
 
     t = tsub.add_parser("target", help="train a small qwen35 model from scratch on Python source; write target.gguf")
     t.add_argument("--out", required=True, help="output directory (target.gguf, target-train.json)")
-    t.add_argument("--steps", type=int, default=2000)
+    t.add_argument("--steps", type=int_range(1), default=2000)
     t.add_argument("--time-budget", type=float, default=None, help="stop training after this many seconds")
-    t.add_argument("--batch-size", type=int, default=32)
-    t.add_argument("--seq-len", type=int, default=512)
+    t.add_argument("--batch-size", type=int_range(1), default=32)
+    t.add_argument("--seq-len", type=int_range(2), default=512)
     t.add_argument("--lr", type=float, default=2e-3)
     t.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     t.add_argument("--source", action="append", default=None,
                    help="folder of .py files to train on (repeatable; default: stdlib + site-packages)")
-    t.add_argument("--max-chars", type=int, default=20_000_000, help="corpus size cap in characters")
+    t.add_argument("--max-chars", type=int_range(1), default=20_000_000, help="corpus size cap in characters")
     t.add_argument("--scheme", default="q4_k_m", help="GGUF quant mix: q4_k_m (default), q8_0, f16, f32")
     t.add_argument("--shape", default=None,
                    help='JSON overrides of the model shape, e.g. \'{"hidden_size": 512, "num_layers": 12}\'')
@@ -34,23 +35,23 @@ def add_parser(sub) -> None:
     d = tsub.add_parser("draft", help="train a DFlash draft for a qwen35 GGUF target (z-lab format output)")
     d.add_argument("--target", required=True, help="target GGUF")
     d.add_argument("--out", required=True, help="output directory (config.json, model.safetensors)")
-    d.add_argument("--steps", type=int, default=1000)
+    d.add_argument("--steps", type=int_range(1), default=1000)
     d.add_argument("--time-budget", type=float, default=None, help="stop training after this many seconds")
-    d.add_argument("--prompts", type=int, default=512, help="number of prompts whose responses the target writes")
-    d.add_argument("--max-new-tokens", type=int, default=192)
-    d.add_argument("--max-chars", type=int, default=8_000_000,
+    d.add_argument("--prompts", type=int_range(1), default=512, help="number of prompts whose responses the target writes")
+    d.add_argument("--max-new-tokens", type=int_range(1), default=192)
+    d.add_argument("--max-chars", type=int_range(1), default=8_000_000,
                    help="characters of Python source read for prompts (about 600 instruction pairs per 1M)")
     d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy responses (default)")
     d.add_argument("--generator", choices=("hf", "engine"), default="hf",
                    help="batched transformers model with the GGUF's weights (hf) or flashtree's engine")
     d.add_argument("--features", choices=("engine", "hf"), default="engine",
                    help="target features from flashtree's forward (engine) or batched through transformers (hf)")
-    d.add_argument("--layers", type=int, default=2, help="draft decoder layers")
-    d.add_argument("--feature-layers", type=int, default=3, help="target layers whose outputs condition the draft")
-    d.add_argument("--block-size", type=int, default=16)
-    d.add_argument("--batch-size", type=int, default=8)
-    d.add_argument("--gen-batch-size", type=int, default=64, help="prompts per batch when the target writes responses")
-    d.add_argument("--anchors", type=int, default=32, help="blocks per sequence per step")
+    d.add_argument("--layers", type=int_range(1), default=2, help="draft decoder layers")
+    d.add_argument("--feature-layers", type=int_range(1), default=3, help="target layers whose outputs condition the draft")
+    d.add_argument("--block-size", type=int_range(2), default=16)
+    d.add_argument("--batch-size", type=int_range(1), default=8)
+    d.add_argument("--gen-batch-size", type=int_range(1), default=64, help="prompts per batch when the target writes responses")
+    d.add_argument("--anchors", type=int_range(1), default=32, help="blocks per sequence per step")
     d.add_argument("--lr", type=float, default=1e-3)
     d.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     d.add_argument("--seed", type=int, default=0)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from flashtree.cli.main import int_range
 from flashtree.train.corpus import build_corpus
 from flashtree.train.draft import DraftTrainConfig, train_draft
 from flashtree.train.target import TINY_SHAPE, TargetShape, TrainConfig, train_target
@@ -33,9 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--deadline", type=float, default=480, help="seconds for the whole run")
     p.add_argument("--target-budget", type=float, default=210, help="seconds of target training")
-    p.add_argument("--max-chars", type=int, default=48_000_000)
-    p.add_argument("--prompts", type=int, default=8192)
-    p.add_argument("--max-new-tokens", type=int, default=160)
+    p.add_argument("--max-chars", type=int_range(1), default=48_000_000)
+    p.add_argument("--prompts", type=int_range(1), default=8192)
+    p.add_argument("--max-new-tokens", type=int_range(1), default=160)
     p.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
     args = p.parse_args(argv)
     start = time.perf_counter()

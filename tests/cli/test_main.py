@@ -1,0 +1,42 @@
+import pytest
+
+from flashtree.cli.main import main
+from flashtree.engine.planner import PlanRequest, target_from_preset
+from flashtree.engine.sampling import SamplingParams
+from flashtree.errors import FlashtreeError
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "hi", "--budget", "0"], "argument --budget: must be >= 1, got 0"),
+    (["run", "hi", "-n", "-1"], "argument -n/--max-tokens: must be >= 0, got -1"),
+    (["run", "hi", "--ctx", "1"], "argument -c/--ctx: must be >= 2, got 1"),
+    (["run", "hi", "--topk", "many"], "argument --topk: expected an integer, got 'many'"),
+    (["serve", "--port", "99999"], "argument --port: must be from 1 to 65535, got 99999"),
+    (["plan", "--synthetic", "qwen3.6-27b", "-tp", "0"], "argument -tp/--tensor-parallel: must be >= 1, got 0"),
+    (["bench", "--prompts", "0"], "argument --prompts: must be >= 1, got 0"),
+    (["train", "target", "--out", "x", "--steps", "0"], "argument --steps: must be >= 1, got 0"),
+    (["info", "x.gguf", "--ctx", "0"], "argument --ctx: must be >= 1, got 0"),
+])
+def test_bad_counts_are_refused_by_name_while_parsing(argv, message, capsys):
+    """argparse exits (code 2) before any handler runs, so no weight is read for a bad count."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_plan_request_checks_its_counts():
+    config, weights, embed, dense, draft, layers = target_from_preset("qwen3.6-27b")
+    with pytest.raises(FlashtreeError, match="prefill_chunk must be >= 1, got 0"):
+        PlanRequest(config, weights, embed, draft, 4096, prefill_chunk=0)
+    with pytest.raises(FlashtreeError, match="ctx must be >= 2, got 1"):
+        PlanRequest(config, weights, embed, draft, 1)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("temperature", -1.0, "temperature must be >= 0, got -1.0"),
+    ("top_p", 0.0, r"top_p must be in \(0, 1\], got 0.0"),
+    ("presence_penalty", 3.0, r"presence_penalty must be in \[-2, 2\], got 3.0"),
+])
+def test_sampling_errors_name_the_field_and_value(field, value, message):
+    with pytest.raises(FlashtreeError, match=message):
+        SamplingParams(**{field: value})
