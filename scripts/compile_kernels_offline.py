@@ -90,7 +90,16 @@ def _machine_code_facts(cubin: bytes) -> dict:
     loads = collections.Counter(word for line in code for word in line.split() if word.startswith("LDG"))
     regs, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
     return {"regs": int(regs.group(1)) if regs else None, "stack": int(stack.group(1)) if stack else None,
-            "instructions": len(code), "global loads": dict(loads)}
+            "instructions": len(code), "global loads": dict(loads), "main loop": _main_loop(sass)}
+
+
+def _main_loop(sass: str) -> int | None:
+    """Instructions in the largest loop body (a branch back to an earlier address; SASS instructions
+    are 16 bytes), i.e. what one step of a kernel's K loop issues per warp; None without a loop."""
+    bodies = [(int(here, 16) - int(target, 16)) // 16 + 1
+              for here, target in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?P\d\s+)?BRA\s+0x([0-9a-f]+)", sass)
+              if int(target, 16) < int(here, 16)]
+    return max(bodies, default=None)
 
 
 def _intercept() -> None:
@@ -119,6 +128,59 @@ def quant_matmul() -> None:
         if hasattr(module, "_" + QType(qtype).name.lower() + "_gemv"):
             module.matmul(torch.zeros(1, k, dtype=torch.bfloat16), weight.fields(), n, k,
                           LaunchConfig(block_m=1, block_n=32, split_k=1, num_warps=4, dot="gemv"))
+
+
+# H200 SXM: 132 SMs at up to 1.98 GHz, each issuing at most 4 warp-instructions per cycle (one per
+# scheduler); read bandwidth measured 4.15 TB/s (h200-ceilings.md)
+H200_WARP_ISSUE_PER_S = 132 * 4 * 1.98e9
+H200_READ_BYTES_PER_S = 4.15e12
+DECODE_SHAPES = ((17408, 5120), (5120, 17408))  # the 27B FFN matrices: gate/up, down
+decode_steps: dict[tuple, tuple[str, int, int]] = {}  # result key -> (type, shape, weight bytes per warp per step)
+
+
+def decode_issue_bound() -> None:
+    """The 1-row (decode) launches at the 27B FFN shapes with the H200 defaults (and the gemv variants):
+    each K-loop step reads one quant block (v2: BLOCK_K values) of each of the program's BLOCK_N rows, so
+    the main loop's instruction count per weight byte bounds the kernel by issue rate alone."""
+    from flashtree.formats.quants import GGML_QUANT_SIZES, QType
+    from flashtree.kernels.quant_matmul import KERNELS, QuantWeight, _launch
+    from flashtree.kernels.quant_matmul._launch import LaunchConfig
+
+    _launch._sm_count = lambda device: 132
+    for qtype in KERNELS:
+        block, size = GGML_QUANT_SIZES[qtype]
+        module = KERNELS[qtype].load()
+        for n, k in DECODE_SHAPES:
+            weight = QuantWeight.from_gguf_bytes(torch.zeros(n * (k // block) * size, dtype=torch.uint8), qtype, (n, k))
+            configs = [None]
+            if hasattr(module, "_" + QType(qtype).name.lower() + "_gemv"):
+                configs.append(LaunchConfig(block_m=1, block_n=32, split_k=1, num_warps=4, dot="gemv"))
+            for config in configs:
+                before = set(results)
+                module.matmul(torch.zeros(1, k, dtype=torch.bfloat16), weight.fields(), n, k, config)
+                for key in set(results) - before:
+                    setting = dict(key[1]) | dict(key[2])
+                    if "BLOCK_N" in setting:  # a weight tile: v1 and gemv step one block per row, v2 BLOCK_K values
+                        values = int(setting.get("BLOCK_K", block))
+                        per_warp = int(setting["BLOCK_N"]) * size * values // block // int(setting["num_warps"])
+                        decode_steps[key] = (QType(qtype).name, f"{n}x{k}", per_warp)
+
+
+def _print_issue_bound() -> None:
+    if not decode_steps:
+        return
+    print("\ndecode (M=1) kernels: main-loop instructions per weight byte; issue-rate bound on the H200 "
+          f"({H200_WARP_ISSUE_PER_S / 1e12:.3f} T warp-instr/s vs {H200_READ_BYTES_PER_S / 1e12:.2f} TB/s read)")
+    print(f"{'type':<7} {'shape':<11} {'kernel':<14} {'loop instr':>10} {'bytes/warp':>10} {'instr/byte':>10} "
+          f"{'issue/read time':>15} {'max % of roofline':>17}")
+    for key, (qtype, shape, per_warp) in sorted(decode_steps.items(), key=lambda item: item[1]):
+        loop = results[key].get("main loop")
+        if loop is None:
+            print(f"{qtype:<7} {shape:<11} {key[0]:<14} {'no loop':>10}")
+            continue
+        ratio = (loop / per_warp) * H200_READ_BYTES_PER_S / H200_WARP_ISSUE_PER_S
+        print(f"{qtype:<7} {shape:<11} {key[0]:<14} {loop:>10} {per_warp:>10} {loop / per_warp:>10.3f} "
+              f"{ratio:>15.2f} {min(100.0, 100 / ratio):>16.0f}%")
 
 
 def tree_attention() -> None:
@@ -165,7 +227,7 @@ def gated_delta() -> None:
         gated_delta_triton.tree_verify(q, k, v, g, beta, state, torch.arange(n) - 1)
 
 
-PARTS = {"quant_matmul": quant_matmul, "tree_attention": tree_attention, "kv_dequant": kv_dequant,
+PARTS = {"quant_matmul": quant_matmul, "decode_issue_bound": decode_issue_bound, "tree_attention": tree_attention, "kv_dequant": kv_dequant,
          "norms_and_conv": norms_and_conv, "gated_delta": gated_delta}
 
 
@@ -190,6 +252,7 @@ def main() -> None:
             print(f"ok   {name:<26} regs {facts['regs']:>3} stack {facts['stack']:>4} instr {facts['instructions']:>5}  "
                   f"loads {facts['global loads']}  {setting}")
     print(f"{len(results)} kernel variants compiled for sm_90, {failed} failed")
+    _print_issue_bound()
     sys.exit(1 if failed else 0)
 
 
