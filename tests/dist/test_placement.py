@@ -86,3 +86,29 @@ def test_layer_split_with_the_prefix_cache(gguf, single):
     prompt = list(range(10, 70))
     for p in (prompt, prompt + [5, 6, 7], prompt[:40] + [9]):  # the later ones reuse cached prefixes
         assert split.generate(p, config).token_ids == Engine(single).generate(p, config).token_ids
+
+
+@pytest.mark.parametrize("mode", ["chain", "ddtree"])
+def test_draft_on_its_own_device_prefetches_the_next_block(gguf, single, expected, tmp_path, monkeypatch, mode):
+    """With a draft device of its own, each commit starts the next block pass before the target's commit
+    (two "devices" = the CPU here: `overlaps` forced on); output is unchanged and each step's block pass
+    runs once, not again in `propose`."""
+    from flashtree.spec.proposer import DFlashProposer
+
+    draft_dir = tmp_path / "draft"
+    random_draft(single).save(draft_dir)
+    engine = load_engine(gguf, draft_dir, "cpu", spec=mode, budget=15, topk=4, draft_device="cpu")
+    monkeypatch.setattr(DFlashProposer, "overlaps", property(lambda self: True))
+    passes, prefetches = [], []
+    real_block, real_prefetch = DFlashProposer._block_hidden, DFlashProposer.prefetch
+    monkeypatch.setattr(DFlashProposer, "_block_hidden", lambda self, *a: passes.append(a) or real_block(self, *a))
+    monkeypatch.setattr(DFlashProposer, "prefetch", lambda self, *a: prefetches.append(a) or real_prefetch(self, *a))
+    config = engine.config_for(max_new_tokens=N_NEW, ignore_eos=True)
+    for prompt, want in zip(PROMPTS, expected):
+        passes.clear(), prefetches.clear()
+        result = engine.generate(prompt, config)
+        assert result.token_ids == want
+        # one prefetch per commit (the last step may end inside its path, before committing); the block
+        # passes: the first after the prefill, then only the prefetched ones
+        assert result.stats.steps - 1 <= len(prefetches) <= result.stats.steps and result.stats.steps > 2
+        assert len(passes) == 1 + len(prefetches)

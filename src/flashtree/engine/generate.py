@@ -225,16 +225,21 @@ class Engine:
             step = Step.tree(cache.length, tree.parents.to(dev), tree.depths.to(dev), tree.ancestor_mask().to(dev))
         return model.forward(tokens, cache, step=step, capture=capture)
 
-    def commit_step(self, cache, accepted: list[int], proposer, features: torch.Tensor) -> None:
-        """Keep the accepted nodes (root first) of the last verify, and give the proposer their features."""
+    def commit_step(self, cache, accepted: list[int], proposer, features: torch.Tensor,
+                    next_bonus: int | None = None) -> None:
+        """Keep the accepted nodes (root first) of the last verify, and give the proposer their features.
+        A draft on a device of its own is given them first and starts on the block after `next_bonus`,
+        so both devices work while the target commits."""
         runner = self.graph_runner()
         if runner is not None:
             return runner.commit(cache, accepted, proposer, features)
         model = self.target.model
         path = torch.tensor(accepted, device=model.device)
         positions = torch.arange(cache.length, cache.length + len(accepted), device=model.device)
-        model.commit(cache, path)
         proposer.commit(features[path], positions)
+        if next_bonus is not None and getattr(proposer, "overlaps", False):
+            proposer.prefetch(next_bonus, cache.length + len(accepted))
+        model.commit(cache, path)
 
     def prefill_prompt(self, cache, prompt_ids: list[int], config: GenerationConfig, proposer=None) -> torch.Tensor:
         """Fill the fresh `cache` with the prompt (through the prefix cache when there is one) and start

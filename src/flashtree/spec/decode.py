@@ -50,7 +50,7 @@ def speculative(engine, prompt_ids: list[int], config, out, stats, started: floa
             if out.push(token):  # an end-of-generation or stop inside the accepted path: emit up to it, no further
                 return
             sampler.record(token)
-        engine.commit_step(cache, accepted, proposer, result.features)
+        engine.commit_step(cache, accepted, proposer, result.features, next_bonus=bonus)
 
 
 def walk(tree: DraftTree, logits: torch.Tensor, sampler) -> tuple[list[int], int]:

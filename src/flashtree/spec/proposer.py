@@ -42,9 +42,17 @@ class DFlashProposer:
         self.cache = draft.new_cache(window, device=self.device, dtype=target_model.dtype)
         same_device = self.device == target_model.device == target_model.lm_head.device
         self.steps = CapturedSteps(self.device, capture_graphs) if capture_graphs is not None and same_device else None
+        self._prefetched: tuple[tuple[int, int], torch.Tensor] | None = None  # (bonus, position), block hidden
+
+    @property
+    def overlaps(self) -> bool:
+        """The draft has a device of its own (--draft-device): its next block pass can run while the
+        target's device commits the last verify (`Engine.commit_step` then calls `prefetch`)."""
+        return self.device != self.target.device
 
     def start(self) -> None:
         self.cache.reset()
+        self._prefetched = None
 
     def commit(self, features: torch.Tensor, positions: torch.Tensor) -> None:
         with on_device(self.device):
@@ -63,14 +71,26 @@ class DFlashProposer:
             with on_device(self.device):
                 return self.steps.run((rows,), 3, lambda host: host.copy_(torch.tensor([bonus, position, length])),
                                       lambda packed: self._static_block(packed, rows))
+        pending, self._prefetched = self._prefetched, None
+        hidden = pending[1] if pending is not None and pending[0] == (bonus, position) else \
+            self._block_hidden(bonus, position)
+        head = self.target.lm_head  # on the target's last device: the hidden states go there, the logits come back
+        with on_device(head.device):
+            return head(hidden[1:].to(head.device, self.target.dtype)).float().to(self.target.device)
+
+    @torch.inference_mode()
+    def prefetch(self, bonus: int, position: int) -> None:
+        """Launch the block pass that `propose(bonus, position)` will need, without waiting for it, so the
+        draft's device works on it while the target's device commits. Only the head's matmul stays for
+        `propose`: run here, it would make the target's device wait for the draft before its commit."""
+        self._prefetched = ((bonus, position), self._block_hidden(bonus, position))
+
+    def _block_hidden(self, bonus: int, position: int) -> torch.Tensor:
         block = torch.full((self.block_size,), self.draft.config.mask_token_id, dtype=torch.long)
         block[0] = bonus
         embeddings = self.target.embed_tokens(block).to(self.device)
         with on_device(self.device):
-            hidden = self.draft.forward_block(self.cache, embeddings, position)
-        head = self.target.lm_head  # on the target's last device: the hidden states go there, the logits come back
-        with on_device(head.device):
-            return head(hidden[1:].to(head.device, self.target.dtype)).float().to(self.target.device)
+            return self.draft.forward_block(self.cache, embeddings, position)
 
     def _static_block(self, packed: torch.Tensor, rows: int) -> torch.Tensor:
         """The block pass as a function of device inputs [bonus, position, context length] only."""
