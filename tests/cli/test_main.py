@@ -16,12 +16,34 @@ from flashtree.errors import FlashtreeError
     (["bench", "--prompts", "0"], "argument --prompts: must be >= 1, got 0"),
     (["train", "target", "--out", "x", "--steps", "0"], "argument --steps: must be >= 1, got 0"),
     (["info", "x.gguf", "--ctx", "0"], "argument --ctx: must be >= 1, got 0"),
+    (["run", "hi", "--gpu-memory", "lots"], "argument --gpu-memory: cannot read memory size 'lots'"),
 ])
 def test_bad_counts_are_refused_by_name_while_parsing(argv, message, capsys):
     """argparse exits (code 2) before any handler runs, so no weight is read for a bad count."""
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--device", "tpu"], "unknown device 'tpu'; use cpu, cuda, cuda:N or auto"),
+    (["--device", "cuda:x"], "unknown device 'cuda:x'"),
+    (["--draft-device", "banana"], "unknown device 'banana'"),
+    (["--draft-device", "cuda:99"], "device 'cuda:99' requested but"),
+])
+def test_bad_devices_are_one_line_errors(flags, message, capsys):
+    assert main(["run", "hi", "-n", "1", *flags]) == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_gpus_without_cuda_devices_say_how_many_there_are(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    assert main(["run", "hi", "--gpus", "2"]) == 1
+    assert "a split over 2 devices needs 2 CUDA devices; this machine has 0" in capsys.readouterr().err
 
 
 def test_plan_request_checks_its_counts():

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from flashtree.engine.loader import resolve_device
 from flashtree.models.dflash import DFlashDraft, DraftConfig, build_target_layer_ids
 from flashtree.models.layers import Linear, QuantLinear
 from flashtree.spec.decode import make_tree, proposer_for, walk
@@ -154,7 +155,7 @@ def run_steps(args, engine, device_name: str) -> int:
         for i in range(torch.cuda.device_count()):  # peaks from here on: not the build's or the probe's buffers
             torch.cuda.reset_peak_memory_stats(i)
     roofline_s = report["weights_bytes_per_step"] / bandwidth
-    draft_device = torch.device(args.draft_device) if getattr(args, "draft_device", None) else device
+    draft_device = resolve_device(args.draft_device) if getattr(args, "draft_device", None) else device
     draft = engine.draft if isinstance(engine.draft, DFlashDraft) else random_draft(model.config, draft_device, dtype)
     engine.draft = draft
     draft_bytes = _module_bytes(draft) + model.lm_head.nbytes

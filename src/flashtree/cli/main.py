@@ -26,6 +26,17 @@ def int_range(low: int, high: int | None = None):
     return parse
 
 
+def memory_size(text: str) -> str:
+    """An argparse type: a memory size such as 24GiB, checked while parsing (kept as text)."""
+    from flashtree.engine.planner import parse_size
+
+    try:
+        parse_size(text)
+    except FlashtreeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     """Flags shared by every command that loads a model (names follow llama.cpp / vLLM)."""
     parser.add_argument("-m", "--model", help="target GGUF (default: the embedded demo model)")
@@ -51,7 +62,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="device of the draft and its context cache, e.g. cuda:1 (default: the target's)")
     parser.add_argument("-tp", "--tensor-parallel", "--tensor-parallel-size", dest="tensor_parallel", type=int_range(1),
                         default=1, metavar="N", help="shard the target over N GPUs, one process each (default 1)")
-    parser.add_argument("--gpu-memory", default=None, metavar="SIZE",
+    parser.add_argument("--gpu-memory", type=memory_size, default=None, metavar="SIZE",
                         help="memory per GPU to plan for, e.g. 24GiB (default: each GPU's free memory); checked at load")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="no CUDA graphs: launch every kernel of a step from Python (vLLM's flag; for debugging)")

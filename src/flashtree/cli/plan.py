@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from flashtree.cli.main import int_range
+from flashtree.cli.main import int_range, memory_size
 from flashtree.engine.planner import (SYNTHETIC, DraftShape, PlanRequest, fmt_bytes, max_ctx, parse_size, per_device,
                                       per_rank, plan, target_from_gguf, target_from_preset)
 from flashtree.errors import FlashtreeError
@@ -37,7 +37,7 @@ def add_parser(sub) -> None:
     p.add_argument("--draft-window", type=int_range(1), default=4096, help="draft context positions (default 4096)")
     p.add_argument("--prefill-chunk", type=int_range(1), default=512, help="prefill chunk in tokens (default 512)")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "f16", "f32"), help="compute dtype (default bf16)")
-    p.add_argument("--gpu-memory", default=None,
+    p.add_argument("--gpu-memory", type=memory_size, default=None,
                    help="memory to fit in, e.g. 24GiB or 24GB (default: the CUDA device's, if any)")
     p.add_argument("--layer-split", default=None, metavar="A,B,...",
                    help="layers per GPU as proportions or counts (as `run --layer-split`): plan each GPU")

@@ -48,8 +48,10 @@ def parse_devices(spec: str | Sequence[str] | None, n: int) -> list[torch.device
             raise FlashtreeError(f"a split over {n} devices needs {n} CUDA devices; "
                                  f"this machine has {torch.cuda.device_count() if torch.cuda.is_available() else 0}")
         return [torch.device("cuda", i) for i in range(n)]
+    from flashtree.engine.loader import resolve_device
+
     names = spec.split(",") if isinstance(spec, str) else list(spec)
-    return [torch.device(x.strip() if isinstance(x, str) else x) for x in names]
+    return [resolve_device(x.strip() if isinstance(x, str) else x) for x in names]
 
 
 def place_layers(model, devices: Sequence[str | torch.device], split: Sequence[float] | None = None):
@@ -109,7 +111,9 @@ def resolve_placement(device=None, gpus: int | None = None, layer_split: str | S
         raise FlashtreeError(f"--gpus {gpus} but --layer-split has {len(split)} entries")
     if n <= 1 and devices is None:
         return None, None
-    if devices is None and device is not None and torch.device(device).type == "cpu":
+    from flashtree.engine.loader import resolve_device
+
+    if devices is None and device not in (None, "auto") and resolve_device(device).type == "cpu":
         devices = ["cpu"] * n  # a split over "cpu" stages: placement and boundaries without GPUs
     devs = parse_devices(devices, n)
     if devices is not None and split is None:

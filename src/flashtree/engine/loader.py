@@ -26,12 +26,24 @@ class Target:
     chat_template: ChatTemplate | None
 
 
-def resolve_device(device: str | None) -> torch.device:
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """`auto` (or None): the first GPU if there is one, else the CPU; otherwise cpu, cuda or cuda:N, checked
+    against the GPUs this torch sees."""
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise FlashtreeError(f"device {device!r} requested but this torch has no CUDA device; use --device cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise FlashtreeError(f"unknown device {str(device)!r}; use cpu, cuda, cuda:N or auto")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise FlashtreeError(f"device {str(device)!r} requested but this torch has no CUDA device; use --device cpu")
+        if dev.index is not None and dev.index >= count:
+            raise FlashtreeError(f"device {str(device)!r} requested but this machine has {count} CUDA device(s): "
+                                 f"cuda:0 to cuda:{count - 1}")
     return dev
 
 
@@ -167,7 +179,7 @@ def _check_memory(model, draft, device, gpus, layer_split, devices, draft_device
         stages = [resolve_device(device)]
     elif split is None:
         split = [1.0] * len(stages)
-    check_memory(model, draft, stages, split, torch.device(draft_device) if draft_device else None, ctx, gpu_memory,
+    check_memory(model, draft, stages, split, resolve_device(draft_device) if draft_device else None, ctx, gpu_memory,
                  budget, cache_options["cache_type_k"], cache_options["cache_type_v"])
 
 
