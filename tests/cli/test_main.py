@@ -17,6 +17,7 @@ from flashtree.errors import FlashtreeError
     (["train", "target", "--out", "x", "--steps", "0"], "argument --steps: must be >= 1, got 0"),
     (["info", "x.gguf", "--ctx", "0"], "argument --ctx: must be >= 1, got 0"),
     (["run", "hi", "--gpu-memory", "lots"], "argument --gpu-memory: cannot read memory size 'lots'"),
+    (["bench", "--modes", "ar,bogus"], "argument --modes: unknown mode(s) bogus; choose from ar, chain, ddtree"),
 ])
 def test_bad_counts_are_refused_by_name_while_parsing(argv, message, capsys):
     """argparse exits (code 2) before any handler runs, so no weight is read for a bad count."""
@@ -35,6 +36,16 @@ def test_bad_devices_are_one_line_errors(flags, message, capsys):
     assert main(["run", "hi", "-n", "1", *flags]) == 1
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--synthetic", "tiny", "--model", "x.gguf"], "--synthetic tiny builds its own model"),
+    (["bench", "--spec", "ar", "--modes", "ar,ddtree", "-n", "2"], "--modes ar,ddtree needs a draft model"),
+    (["train", "target", "--out", "/proc/flashtree-out", "--steps", "1"], "--out /proc/flashtree-out: cannot create"),
+])
+def test_conflicting_or_impossible_requests_fail_before_the_work(argv, message, capsys):
+    assert main(argv) == 1
+    assert message in capsys.readouterr().err
 
 
 def test_gpus_without_cuda_devices_say_how_many_there_are(capsys):

@@ -362,6 +362,20 @@ def test_failed_load_reports_503(scripted):
         assert_error(client.get("/health"), 503, contains="no such file")
 
 
+def test_a_known_load_failure_is_logged_in_one_line(scripted, caplog):
+    def factory():
+        raise FlashtreeError("weights.gguf: truncated file")
+
+    with TestClient(build_app(factory, MODEL)) as client:
+        for _ in range(200):
+            if client.get("/health").json()["error"]["message"] != "Loading model":
+                break
+            threading.Event().wait(0.01)
+        assert_error(client.get("/health"), 503, contains="weights.gguf: truncated file")
+    failures = [r for r in caplog.records if "loading the model failed" in r.getMessage()]
+    assert failures and all(r.exc_info is None for r in failures)
+
+
 def test_metrics(client, scripted):
     scripted.script = "abc"
     chat(client, chat_template_kwargs={"enable_thinking": False})

@@ -44,11 +44,25 @@ def test_engine_factory_applies_flags(monkeypatch):
     assert (engine.default_config.max_new_tokens, engine.default_config.ctx) == (99, 2048)
 
 
-def test_run_serve_hands_the_app_to_uvicorn(monkeypatch):
+def test_run_serve_hands_the_app_to_uvicorn(monkeypatch, tmp_path):
     seen = {}
     monkeypatch.setattr("uvicorn.run", lambda app, **kw: seen.update(app=app, **kw))
-    args = parse(["--model", "/models/Qwen3.6-27B-Q4_K_M.gguf", "--port", "9001", "--api-key", "k"])
+    model = tmp_path / "Qwen3.6-27B-Q4_K_M.gguf"  # a real GGUF header: the server checks it before starting
+    model.symlink_to(loader.DEMO_TARGET)
+    args = parse(["--model", str(model), "--port", "9001", "--api-key", "k"])
     assert cli.run_serve(args) == 0
     assert (seen["host"], seen["port"]) == ("127.0.0.1", 9001)
     server = seen["app"].state.server
     assert (server.model_name, server.api_key, server.status) == ("Qwen3.6-27B-Q4_K_M", "k", "loading")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--model", "/nonexistent/model.gguf"], "/nonexistent/model.gguf: no such file"),
+    (["--draft", "/nonexistent-draft"], "/nonexistent-draft/config.json not found"),
+])
+def test_missing_files_fail_before_the_server_starts(flags, message, capsys, monkeypatch):
+    from flashtree.cli.main import main
+
+    monkeypatch.setattr("uvicorn.run", lambda *a, **k: pytest.fail("the server started"))
+    assert main(["serve", *flags]) == 1
+    assert message in capsys.readouterr().err

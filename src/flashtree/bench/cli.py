@@ -19,6 +19,7 @@ from flashtree.bench.datasets import BUILTIN, load_prompt_set
 from flashtree.bench.steps import weight_bytes
 from flashtree.engine.generate import MODES
 from flashtree.engine.loader import load_engine
+from flashtree.errors import FlashtreeError
 from flashtree.models.random_weights import SHAPES
 
 
@@ -35,7 +36,8 @@ def add_parser(sub) -> None:
                    help="--synthetic: a decisive model (its greedy next token is its current token, by a wide "
                         "margin; same shapes, types and bytes read), so that replay acceptance and identity "
                         "checks do not hinge on rounding")
-    p.add_argument("--modes", default=None, help="comma-separated modes (default: ar plus the spec modes a draft allows)")
+    p.add_argument("--modes", type=_modes, default=None,
+                   help="comma-separated modes: ar, chain, ddtree (default: ar plus the spec modes a draft allows)")
     p.add_argument("--dataset", action="append", default=None,
                    help="builtin (default), humaneval, or a chat-message .jsonl file; repeatable")
     p.add_argument("--prompts", type=int_range(1), default=len(BUILTIN), help="prompts per dataset")
@@ -62,6 +64,14 @@ def add_parser(sub) -> None:
     p.set_defaults(handler=run)
 
 
+def _modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {', '.join(unknown) or repr(text)}; choose from {', '.join(MODES)}")
+    return modes
+
+
 def _lengths(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(v) for v in text.split(","))
@@ -75,6 +85,8 @@ def _lengths(text: str) -> tuple[int, ...]:
 def run(args: argparse.Namespace) -> int:
     from flashtree.cli.main import cache_args, memory_args, placement_args
 
+    if args.synthetic and args.model:
+        raise FlashtreeError(f"--synthetic {args.synthetic} builds its own model: drop --model, or drop --synthetic")
     if args.synthetic:
         engine = _synthetic_engine(args, cache_args(args), placement_args(args))
         model = engine.target.path
@@ -95,8 +107,10 @@ def run(args: argparse.Namespace) -> int:
         from flashtree.bench.multi_turn import run_multi_turn
 
         return run_multi_turn(args, engine, str(model), _device_name(engine))
-    modes = args.modes.split(",") if args.modes else ["ar"] + (["chain", "ddtree"] if engine.draft is not None else [])
-    modes = ["ar"] + [m for m in dict.fromkeys(modes) if m in MODES and m != "ar"]  # AR is every row's baseline
+    modes = args.modes or ["ar"] + (["chain", "ddtree"] if engine.draft is not None else [])
+    if engine.draft is None and set(modes) - {"ar"}:
+        raise FlashtreeError(f"--modes {','.join(modes)} needs a draft model: pass --draft DIR or use --modes ar")
+    modes = ["ar"] + [m for m in dict.fromkeys(modes) if m != "ar"]  # AR is every row's baseline
     from flashtree.cli.main import sampling_from_args
 
     sampling = sampling_from_args(args)
@@ -193,7 +207,6 @@ def _synthetic_tp_engine(args, config, cache_options: dict, placement: dict):
 
     from flashtree.dist.tp import init_from_env, load_tp_model
     from flashtree.engine.loader import default_dtype, engine_from_target
-    from flashtree.errors import FlashtreeError
     from flashtree.models.random_weights import random_source, target_of
 
     if placement.get("layer_split") or placement.get("gpus") or placement.get("draft_device"):

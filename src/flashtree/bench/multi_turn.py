@@ -65,7 +65,7 @@ def system_prompt(engine, tokens: int) -> str:
 def run_multi_turn(args, engine: Engine, model_name: str, device: str) -> int:
     from flashtree.formats.chat_template import template_or_chatml
 
-    mode = args.modes.split(",")[0] if args.modes else ("ddtree" if engine.draft is not None else "ar")
+    mode = args.modes[0] if args.modes else ("ddtree" if engine.draft is not None else "ar")
     template = template_or_chatml(engine.target.chat_template)  # as the server
     system = system_prompt(engine, args.system_tokens)
     base = engine.config_for(max_new_tokens=args.max_tokens, mode=mode, ignore_eos=True)

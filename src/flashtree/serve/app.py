@@ -63,6 +63,9 @@ class Server:
     def _load(self) -> None:
         try:
             self._ready(self._factory())
+        except FlashtreeError as exc:  # a known problem: its message says what to do
+            log.error("loading the model failed: %s", exc)
+            self.load_error, self.status = str(exc), "failed"
         except Exception as exc:
             log.exception("loading the model failed")
             self.load_error, self.status = f"{type(exc).__name__}: {exc}", "failed"

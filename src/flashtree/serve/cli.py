@@ -59,11 +59,24 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def _check_files(args: argparse.Namespace) -> None:
+    """What can fail at once fails before the server starts (exit 1, one line): the model file's header and
+    the draft's config. The weights load behind /health (503 until ready; after a failed load too)."""
+    from flashtree.engine.planner import DraftShape
+    from flashtree.formats.gguf_file import GGUFFile
+
+    if args.model:
+        GGUFFile(args.model)
+    if args.draft:
+        DraftShape.from_dir(args.draft)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from flashtree.serve.app import build_app
 
+    _check_files(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if not _is_loopback(args.host) and not args.api_key:
         logging.getLogger("flashtree.serve").warning(

@@ -65,6 +65,20 @@ def _device(name: str) -> str:
     return str(resolve_device(name))
 
 
+def _writable_dir(path: str) -> str:
+    """`--out`, created and checked before any training, so a long run never fails at its save."""
+    import os
+    from pathlib import Path
+
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise FlashtreeError(f"--out {path}: cannot create it ({exc.strerror})") from None
+    if not os.access(path, os.W_OK):
+        raise FlashtreeError(f"--out {path}: not writable")
+    return path
+
+
 def run_target(args: argparse.Namespace) -> int:
     from flashtree.train.target import TargetShape, TrainConfig, train_target
 
@@ -78,8 +92,8 @@ def run_target(args: argparse.Namespace) -> int:
             raise FlashtreeError(f"--shape: {e} (keys: {known})") from e
     train = TrainConfig(steps=args.steps, time_budget_s=args.time_budget, batch_size=args.batch_size,
                         seq_len=args.seq_len, lr=args.lr, seed=args.seed)
-    result = train_target(args.out, shape, train, _device(args.device), roots=args.source, max_chars=args.max_chars,
-                          scheme=args.scheme, log=_log)
+    result = train_target(_writable_dir(args.out), shape, train, _device(args.device), roots=args.source,
+                          max_chars=args.max_chars, scheme=args.scheme, log=_log)
     print(json.dumps(result["summary"]["target"]))
     return 0
 
@@ -92,7 +106,7 @@ def run_draft(args: argparse.Namespace) -> int:
                            temperature=args.temperature, init_from=args.init, gen_batch_size=args.gen_batch_size,
                            generator=args.generator, feature_source=args.features, steps=args.steps, time_budget_s=args.time_budget,
                            batch_size=args.batch_size, anchors=args.anchors, lr=args.lr, seed=args.seed)
-    result = train_draft(args.target, args.out, cfg, _device(args.device), log=_log)
+    result = train_draft(args.target, _writable_dir(args.out), cfg, _device(args.device), log=_log)
     print(json.dumps(result["summary"]["draft"]))
     return 0
 
