@@ -350,15 +350,19 @@ def test_health_while_loading_and_after(scripted):
         assert chat(client).status_code == 200
 
 
+def _wait_for_the_load_to_end(client) -> None:
+    for _ in range(200):
+        if client.get("/health").json()["error"]["message"] != "Loading model":
+            return
+        threading.Event().wait(0.01)
+
+
 def test_failed_load_reports_503(scripted):
     def factory():
         raise RuntimeError("no such file")
 
     with TestClient(build_app(factory, MODEL)) as client:
-        for _ in range(200):
-            if client.get("/health").json()["error"]["message"] != "Loading model":
-                break
-            threading.Event().wait(0.01)
+        _wait_for_the_load_to_end(client)
         assert_error(client.get("/health"), 503, contains="no such file")
 
 
@@ -367,10 +371,7 @@ def test_a_known_load_failure_is_logged_in_one_line(scripted, caplog):
         raise FlashtreeError("weights.gguf: truncated file")
 
     with TestClient(build_app(factory, MODEL)) as client:
-        for _ in range(200):
-            if client.get("/health").json()["error"]["message"] != "Loading model":
-                break
-            threading.Event().wait(0.01)
+        _wait_for_the_load_to_end(client)
         assert_error(client.get("/health"), 503, contains="weights.gguf: truncated file")
     failures = [r for r in caplog.records if "loading the model failed" in r.getMessage()]
     assert failures and all(r.exc_info is None for r in failures)
