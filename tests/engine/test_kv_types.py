@@ -255,3 +255,19 @@ def test_prefix_cache_hits_are_exact_with_every_kv_type(target, kv_type):
         assert cached.generate(conversation, config).token_ids == expected
         conversation = conversation + expected + [7, 8, 9]
     assert cached.prefix_cache.stats.hits == 2
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_planned_weights_count_a_tied_head_twice(make_gguf, tied):
+    """The loader holds the embedding (row lookups) and the LM head (matmul layout) apart, so a tied head
+    (no output.weight in the file) is a second copy of token_embd on the GPU."""
+    from flashtree.engine.planner import target_from_gguf
+    from flashtree.formats.gguf_file import GGUFFile
+
+    path = make_gguf(f"plan-tied-{tied}", scheme="q8_0", tied=tied)
+    tensors = GGUFFile(path).tensors
+    assert ("output.weight" in tensors) != tied
+    _, weights, embed, _, _ = target_from_gguf(path)
+    stored = sum(t.nbytes for t in tensors.values())
+    assert embed == tensors["token_embd.weight"].nbytes
+    assert weights == stored + (embed if tied else 0)

@@ -4,7 +4,8 @@ weights are loaded.
 
 Every line is bytes the engine allocates or a stated estimate:
 
-* target weights: the GGUF tensors as stored (quantized): what CUDA keeps resident (`QuantLinear`);
+* target weights: the GGUF tensors as stored (quantized): what CUDA keeps resident (`QuantLinear`), a
+  tied LM head (no output.weight) counted twice, as the loader holds the embedding and the head apart;
   the CPU path, and types without a GPU kernel, dequantize at load (`dequantized_weights`).
 * draft weights: parameter count x the compute dtype (the loader casts the draft to it).
 * KV cache: attention layers x kv_heads x rows x (K row bytes + V row bytes), rows = ctx + budget + 2
@@ -75,7 +76,7 @@ class DraftShape:
 @dataclass(frozen=True)
 class PlanRequest:
     config: Qwen35Config
-    weight_bytes: int  # target tensors as stored
+    weight_bytes: int  # target tensors as the GPU holds them (stored bytes; a tied LM head counted twice)
     embed_bytes: int  # of which token_embd
     draft: DraftShape | None
     ctx: int
@@ -143,7 +144,7 @@ def plan(req: PlanRequest) -> MemoryPlan:
     out = MemoryPlan(req)
     add = out.lines.append
 
-    add(("target weights", req.weight_bytes, f"GGUF tensors as stored (token_embd {_gib(req.embed_bytes)})"))
+    add(("target weights", req.weight_bytes, f"GGUF tensors as the GPU holds them (token_embd {_gib(req.embed_bytes)})"))
     if req.draft is not None:
         add(("draft weights", req.draft.params * b, f"{req.draft.params / 1e9:.2f} B params x {req.dtype}"))
     per_token = kv_bytes_per_token(c, tk.name, tv.name)
@@ -285,8 +286,9 @@ def refusal(result: MemoryPlan, counts: Sequence[int], draft_device: int, availa
 
 
 def target_from_gguf(path: str | Path) -> tuple[Qwen35Config, int, int, int, tuple[int, ...]]:
-    """(config, stored bytes of the tensors the trunk uses, token_embd bytes, parameters outside
-    token_embd, stored bytes per layer), reading no weights."""
+    """(config, bytes of the tensors the trunk uses as the GPU holds them, token_embd bytes, parameters
+    outside token_embd, stored bytes per layer), reading no weights. A tied LM head (no output.weight) is
+    token_embd loaded a second time, re-laid for the matmul kernels: its bytes count twice."""
     from flashtree.engine.loader import read_config
     from flashtree.formats.gguf_file import GGUFFile
 
@@ -294,9 +296,13 @@ def target_from_gguf(path: str | Path) -> tuple[Qwen35Config, int, int, int, tup
     config, _ = read_config(gguf)
     trunk = tuple(f"blk.{i}." for i in range(config.num_layers))
     used = [t for t in gguf.tensors.values() if not t.name.startswith("blk.") or t.name.startswith(trunk)]
-    embed = gguf.tensors["token_embd.weight"].nbytes
+    embed_info = gguf.tensors["token_embd.weight"]
+    tied = "output.weight" not in gguf.tensors
     dense = sum(math.prod(t.shape) for t in used if t.name != "token_embd.weight")
-    return config, sum(t.nbytes for t in used), embed, dense, _layer_bytes({t.name: t.nbytes for t in used}, config)
+    weights = sum(t.nbytes for t in used)
+    if tied:
+        weights, dense = weights + embed_info.nbytes, dense + math.prod(embed_info.shape)
+    return config, weights, embed_info.nbytes, dense, _layer_bytes({t.name: t.nbytes for t in used}, config)
 
 
 def _layer_bytes(sizes: dict[str, int], config: Qwen35Config) -> tuple[int, ...]:
