@@ -56,7 +56,7 @@ class ScriptedEngine:
                 break
         stats.total_s = time.perf_counter() - started
         stats.new_tokens = len(out.token_ids)
-        result = GenerationResult(out.token_ids, out.text, out.finish_reason or "stop", stats)
+        result = GenerationResult(out.token_ids, out.text, out.finish_reason or "stop", stats, out.stop_string)
         self.results.append(result)
         return result
 

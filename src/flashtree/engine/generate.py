@@ -106,6 +106,7 @@ class GenerationResult:
     text: str
     finish_reason: str  # "stop" | "length" | "cancelled"
     stats: GenerationStats
+    stop_string: str | None = None  # which stop string ended it ("stop" without one: an end-of-generation token)
 
 
 class Engine:
@@ -169,7 +170,7 @@ class Engine:
                 self.prefix_cache.finish(list(prompt_ids) + out.token_ids)
         stats.total_s = time.perf_counter() - started
         stats.new_tokens = len(out.token_ids)
-        return GenerationResult(out.token_ids, out.text, out.finish_reason, stats)
+        return GenerationResult(out.token_ids, out.text, out.finish_reason, stats, out.stop_string)
 
     def new_token_room(self, prompt_len: int, config: GenerationConfig) -> int:
         """New tokens this request may generate: max_new_tokens, capped by the context (--ctx or the model's)."""

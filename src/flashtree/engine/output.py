@@ -21,6 +21,7 @@ class OutputTracker:
         self.token_ids: list[int] = []
         self.text = ""
         self.finish_reason: str | None = None
+        self.stop_string: str | None = None  # the stop string that ended generation, if one did
         self._emitted = 0
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
         if max_new_tokens <= 0:
@@ -60,10 +61,11 @@ class OutputTracker:
         return used
 
     def _cut_at_stop_string(self) -> bool:
-        hits = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
+        hits = [(i, s) for i, s in ((self.text.find(s), s) for s in self.stop) if i >= 0]
         if not hits:
             return False
-        self.text = self.text[: min(hits)]
+        cut, self.stop_string = min(hits)
+        self.text = self.text[:cut]
         return True
 
     def _finish(self, reason: str, flush: bool) -> None:

@@ -224,7 +224,8 @@ def _authorized(request: Request, server: Server = Depends(_server)) -> Server:
     header = request.headers.get("authorization", "")
     given = header[7:] if header.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
     if not secrets.compare_digest(given.strip().encode(), server.api_key.encode()):
-        raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer KEY'", code="invalid_api_key")
+        raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
+                       code="invalid_api_key")
     return server
 
 
@@ -375,4 +376,7 @@ def build_app(engine, model_name: str, api_key: str | None = None, queue_size: i
     install_error_handlers(app)
     app.include_router(public)
     app.include_router(api)
+    from flashtree.serve.anthropic import router as anthropic  # its routes use this module's dependencies
+
+    app.include_router(anthropic)
     return app

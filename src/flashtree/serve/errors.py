@@ -1,4 +1,5 @@
-"""OpenAI-shaped errors: every failure, ours or FastAPI's, leaves as `{"error": {message, type, param, code}}`."""
+"""OpenAI-shaped errors: every failure, ours or FastAPI's, leaves as `{"error": {message, type, param, code}}`;
+on Anthropic's routes (/v1/messages...) as Anthropic's `{"type": "error", "error": {type, message}}`."""
 
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ log = logging.getLogger("flashtree.serve")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
           405: "invalid_request_error", 503: "unavailable_error"}
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                    429: "rate_limit_error", 503: "overloaded_error"}
+ANTHROPIC_PREFIX = "/v1/messages"
 
 
 class APIError(Exception):
@@ -31,11 +36,18 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
+    def anthropic_body(self) -> dict:
+        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(self.status, "api_error"),
+                                           "message": self.message}}
+
+    def response(self, request: Request | None = None) -> JSONResponse:
+        """The error in the shape of the API `request` went to (OpenAI's unless an Anthropic route)."""
         headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
         if self.status == 401:
             headers["WWW-Authenticate"] = "Bearer"
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        anthropic = request is not None and request.url.path.startswith(ANTHROPIC_PREFIX)
+        return JSONResponse(self.anthropic_body() if anthropic else self.body(), status_code=self.status,
+                            headers=headers)
 
 
 def unsupported(param: str, message: str) -> APIError:
@@ -60,23 +72,23 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response(request)
 
     @app.exception_handler(FlashtreeError)
-    async def flashtree_error(_: Request, exc: FlashtreeError) -> JSONResponse:
+    async def flashtree_error(request: Request, exc: FlashtreeError) -> JSONResponse:
         # Raised for input the user can fix: a template that rejects the messages, token ids out of range.
-        return APIError(400, str(exc)).response()
+        return APIError(400, str(exc)).response(request)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_error(exc).response()
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc).response(request)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return APIError(exc.status_code, str(exc.detail)).response()
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail)).response(request)
 
     @app.exception_handler(Exception)
-    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
-        return APIError(500, f"internal error: {type(exc).__name__}").response()
+        return APIError(500, f"internal error: {type(exc).__name__}").response(request)
