@@ -64,7 +64,7 @@ def test_text_reply(client, scripted, stream):
     assert message["model"] == MODEL  # whatever name the client asked for, the served model answers
     assert message["content"] == [{"type": "text", "text": "Paris is sunny."}]
     assert message["stop_reason"] == "end_turn" and message["stop_sequence"] is None
-    assert message["usage"] == {"input_tokens": len(scripted.prompts[-1]),
+    assert message["usage"] == {"input_tokens": len(scripted.prompts[-1]), "cache_read_input_tokens": 0,
                                 "output_tokens": len(scripted.results[-1].token_ids)}
     assert decoded_prompt(scripted).endswith("</think>\n\n")  # no thinking unless asked for
 
@@ -155,3 +155,22 @@ def test_real_engine_stream_equals_non_stream(real_client):
     streamed = streamed_message(events(real_client.post("/v1/messages", json={**body, "stream": True})))
     assert streamed["content"] == whole["content"] and streamed["stop_reason"] == whole["stop_reason"]
     assert streamed["usage"] == whole["usage"]
+
+
+def test_prefix_cache_hits_are_reported_in_usage(tiny_engine):
+    """A second turn that repeats the first's prompt restores it from the prefix cache: both APIs say how
+    many prompt tokens were read from the cache rather than prefilled."""
+    from flashtree.engine.prefix_cache import PrefixCache
+
+    tiny_engine.prefix_cache = PrefixCache(interval=8)
+    system = "You are a helpful assistant who answers briefly. " * 4
+    first = [{"role": "user", "content": "Hi"}]
+    with TestClient(build_app(tiny_engine, MODEL)) as client:
+        body = {"max_tokens": 4, "system": system, "messages": first}
+        cold = client.post("/v1/messages", json=body).json()["usage"]
+        warm = client.post("/v1/messages", json=body).json()["usage"]
+        assert cold["cache_read_input_tokens"] == 0 and warm["cache_read_input_tokens"] > 0
+        assert warm["input_tokens"] + warm["cache_read_input_tokens"] == cold["input_tokens"]
+        openai = client.post("/v1/chat/completions", json={"max_tokens": 4, "messages": [
+            {"role": "system", "content": system}, *first], "chat_template_kwargs": {"enable_thinking": False}})
+        assert openai.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0

@@ -60,6 +60,7 @@ class GenerationConfig:
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, restored from the prefix cache instead of prefilled
     new_tokens: int = 0
     steps: int = 0  # target forwards after prefill (decode steps or verify steps)
     accepted: Counter = field(default_factory=Counter)  # committed tokens per verify step -> count
@@ -91,7 +92,8 @@ class GenerationStats:
 
     def as_dict(self) -> dict:
         return {
-            "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens, "steps": self.steps,
+            "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens, "new_tokens": self.new_tokens,
+            "steps": self.steps,
             "acceptance_length": round(self.acceptance_length, 4), "acceptance_rate": round(self.acceptance_rate, 4),
             "acceptance_histogram": {str(k): v for k, v in sorted(self.accepted.items())},
             "prefill_s": round(self.prefill_s, 6), "draft_s": round(self.draft_s, 6),
@@ -242,11 +244,12 @@ class Engine:
             proposer.prefetch(next_bonus, cache.length + len(accepted))
         model.commit(cache, path)
 
-    def prefill_prompt(self, cache, prompt_ids: list[int], config: GenerationConfig, proposer=None) -> torch.Tensor:
-        """Fill the fresh `cache` with the prompt (through the prefix cache when there is one) and start
-        `proposer` on it; returns the last position's logits."""
+    def prefill_prompt(self, cache, prompt_ids: list[int], config: GenerationConfig, proposer=None,
+                       stats: GenerationStats | None = None) -> torch.Tensor:
+        """Fill the fresh `cache` with the prompt (through the prefix cache when there is one; `stats` gets
+        how many prompt tokens it restored) and start `proposer` on it; returns the last position's logits."""
         if self.prefix_cache is not None:
-            return self.prefix_cache.prefill(self, cache, prompt_ids, config, proposer)
+            return self.prefix_cache.prefill(self, cache, prompt_ids, config, proposer, stats)
         if proposer is None:
             return self.prefill(cache, prompt_ids, config.prefill_chunk)
         proposer.start()
@@ -283,7 +286,7 @@ class Engine:
     def _autoregressive(self, prompt_ids, config, out: OutputTracker, stats: GenerationStats, started: float) -> None:
         sampler = self.sampler(prompt_ids, config)
         cache = self.new_cache(len(prompt_ids), config)
-        logits = self.prefill_prompt(cache, prompt_ids, config)
+        logits = self.prefill_prompt(cache, prompt_ids, config, stats=stats)
         stats.prefill_s = time.perf_counter() - started
         token = sampler.choose(sampler.distribution(logits[None])[0])
         while not out.push(token):

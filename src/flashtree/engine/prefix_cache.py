@@ -319,10 +319,10 @@ class PrefixCache:
 
     # ---- the engine's hooks ----
 
-    def prefill(self, engine, cache, prompt_ids: list[int], config, proposer=None) -> torch.Tensor:
+    def prefill(self, engine, cache, prompt_ids: list[int], config, proposer=None, stats=None) -> torch.Tensor:
         """Fill the fresh `cache` with `prompt_ids` (restoring the longest cached prefix, prefilling the
         rest in chunks that end at every snapshot point) and start `proposer` on the prompt. Returns the
-        logits of the last prompt position."""
+        logits of the last prompt position; `stats.cached_tokens` gets the restored prefix's length."""
         model = engine.target.model
         self._session = None
         host = self.offload if self.offload is not None else model.device.type == "cuda"
@@ -349,6 +349,8 @@ class PrefixCache:
             if draft is not None:
                 draft.cache.reset()
         self.stats.prefilled_tokens += n - start
+        if stats is not None:
+            stats.cached_tokens = start
         session = _Session(cache, host, draft, signature, session_parent, start)
         # at most `max_interval_snapshots` per prompt: a longer prompt gets them further apart (multiples of interval)
         every = self.interval * max(1, -(-(n - start) // (self.interval * self.max_interval_snapshots)))

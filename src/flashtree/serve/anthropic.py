@@ -177,6 +177,14 @@ def _stop_reason(result: GenerationResult, called_tools: bool) -> str:
     return "max_tokens"  # "length", or cancelled by the per-request timeout
 
 
+def _usage(result: GenerationResult) -> dict:
+    """Anthropic's split: `input_tokens` are the prompt tokens prefilled, `cache_read_input_tokens` those the
+    prefix cache restored."""
+    cached = result.stats.cached_tokens
+    return {"input_tokens": result.stats.prompt_tokens - cached, "cache_read_input_tokens": cached,
+            "output_tokens": len(result.token_ids)}
+
+
 def _blocks(message: Delta) -> list[dict]:
     blocks = []
     if message.reasoning:
@@ -242,7 +250,7 @@ async def _message_events(job: Job, parser: OutputParser, message: dict) -> Asyn
     yield "message_delta", {"type": "message_delta",
                             "delta": {"stop_reason": _stop_reason(result, parser.called_tools),
                                       "stop_sequence": result.stop_string},
-                            "usage": {"output_tokens": len(result.token_ids)}, "flashtree": _flashtree_stats(result)}
+                            "usage": _usage(result), "flashtree": _flashtree_stats(result)}
     yield "message_stop", {"type": "message_stop"}
 
 
@@ -286,9 +294,7 @@ async def messages(body: MessagesRequest, request: Request, server: Server = Dep
     reply.add(parser.feed(result.text))
     reply.add(parser.finish())
     return {**message, "content": _blocks(reply), "stop_reason": _stop_reason(result, parser.called_tools),
-            "stop_sequence": result.stop_string,
-            "usage": {"input_tokens": len(prompt_ids), "output_tokens": len(result.token_ids)},
-            "flashtree": _flashtree_stats(result)}
+            "stop_sequence": result.stop_string, "usage": _usage(result), "flashtree": _flashtree_stats(result)}
 
 
 @router.post("/v1/messages/count_tokens")

@@ -149,7 +149,7 @@ class Reply:
 def _usage(result: GenerationResult) -> dict:
     prompt, completion = result.stats.prompt_tokens, len(result.token_ids)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": 0}}
+            "prompt_tokens_details": {"cached_tokens": result.stats.cached_tokens}}
 
 
 def _flashtree_stats(result: GenerationResult) -> dict:
@@ -159,7 +159,8 @@ def _flashtree_stats(result: GenerationResult) -> dict:
             "acceptance_length": round(stats.acceptance_length, 4),
             "acceptance_rate": round(stats.acceptance_rate, 4),
             "acceptance_histogram": {str(k): v for k, v in sorted(stats.accepted.items())},
-            "prompt_tokens": stats.prompt_tokens, "steps": stats.steps, "prefill_s": round(stats.prefill_s, 6),
+            "prompt_tokens": stats.prompt_tokens, "cached_tokens": stats.cached_tokens, "steps": stats.steps,
+            "prefill_s": round(stats.prefill_s, 6),
             "decode_s": round(stats.decode_s, 6), "draft_s": round(stats.draft_s, 6),
             "verify_s": round(stats.verify_s, 6), "total_s": round(stats.total_s, 6)}
 

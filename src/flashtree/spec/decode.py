@@ -31,7 +31,7 @@ def speculative(engine, prompt_ids: list[int], config, out, stats, started: floa
     proposer = proposer_for(engine, config)
     sampler = engine.sampler(prompt_ids, config)
     cache = engine.new_cache(len(prompt_ids), config)
-    logits = engine.prefill_prompt(cache, prompt_ids, config, proposer)
+    logits = engine.prefill_prompt(cache, prompt_ids, config, proposer, stats)
     stats.prefill_s = time.perf_counter() - started
     bonus = sampler.choose(sampler.distribution(logits[None])[0])
     while not out.push(bonus):
