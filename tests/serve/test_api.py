@@ -377,6 +377,21 @@ def test_a_known_load_failure_is_logged_in_one_line(scripted, caplog):
     assert failures and all(r.exc_info is None for r in failures)
 
 
+def test_cors_preflight_and_headers(scripted):
+    preflight = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    with TestClient(build_app(scripted, MODEL, api_key="k", allowed_origins=["http://localhost:3000"])) as client:
+        answer = client.options("/v1/chat/completions", headers=preflight)
+        assert answer.status_code == 200
+        assert answer.headers["access-control-allow-origin"] == "http://localhost:3000"
+        reply = chat(client, headers={"Origin": "http://localhost:3000", "Authorization": "Bearer k"})
+        assert reply.status_code == 200 and reply.headers["access-control-allow-origin"] == "http://localhost:3000"
+        other = client.options("/v1/chat/completions", headers={**preflight, "Origin": "http://evil.example"})
+        assert "access-control-allow-origin" not in other.headers
+    with TestClient(build_app(scripted, MODEL)) as client:  # no origins: no CORS headers at all
+        assert "access-control-allow-origin" not in chat(client, headers={"Origin": "http://x.example"}).headers
+
+
 def test_metrics(client, scripted):
     scripted.script = "abc"
     chat(client, chat_template_kwargs={"enable_thinking": False})

@@ -66,3 +66,10 @@ def test_missing_files_fail_before_the_server_starts(flags, message, capsys, mon
     monkeypatch.setattr("uvicorn.run", lambda *a, **k: pytest.fail("the server started"))
     assert main(["serve", *flags]) == 1
     assert message in capsys.readouterr().err
+
+
+def test_cors_origins_default_to_any_only_on_loopback():
+    assert cli.allowed_origins(None, "127.0.0.1") == ["*"] and cli.allowed_origins(None, "localhost") == ["*"]
+    assert cli.allowed_origins(None, "0.0.0.0") == []
+    assert cli.allowed_origins("http://a.example, http://b.example", "0.0.0.0") == ["http://a.example",
+                                                                                    "http://b.example"]

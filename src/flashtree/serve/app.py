@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Sequence
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from flashtree.engine.generate import GenerationResult
@@ -359,11 +360,13 @@ async def _completion_chunks(job: Job, reply: Reply, include_usage: bool) -> Asy
 
 
 def build_app(engine, model_name: str, api_key: str | None = None, queue_size: int = 16,
-              request_timeout: float = 600.0, shutdown_timeout: float = 30.0) -> FastAPI:
+              request_timeout: float = 600.0, shutdown_timeout: float = 30.0,
+              allowed_origins: Sequence[str] = ()) -> FastAPI:
     """`engine`: an Engine, or a zero-argument callable returning one (loaded in the background while
     /health answers 503). `queue_size`: requests that may wait while one generates; more get 503.
     `request_timeout`: seconds from arrival after which generation stops (finish_reason "length").
-    `shutdown_timeout`: seconds in-flight work may take to finish at shutdown before it is cancelled."""
+    `shutdown_timeout`: seconds in-flight work may take to finish at shutdown before it is cancelled.
+    `allowed_origins`: browser origins answered with CORS headers ("*": any)."""
     server = Server(engine, model_name, api_key, queue_size, request_timeout, shutdown_timeout)
 
     @asynccontextmanager
@@ -374,6 +377,10 @@ def build_app(engine, model_name: str, api_key: str | None = None, queue_size: i
 
     app = FastAPI(title="flashtree", lifespan=lifespan)
     app.state.server = server
+    if allowed_origins:
+        # credentials stay off: the API key travels in a header the browser code sets, never a cookie
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     install_error_handlers(app)
     app.include_router(public)
     app.include_router(api)

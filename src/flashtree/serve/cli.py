@@ -30,6 +30,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="seconds from arrival before a request's generation is stopped (default 600)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on shutdown before they are cancelled (default 30)")
+    p.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
+                   help="browser origins allowed to call the API (CORS), comma-separated, or * "
+                        "(default: * on a loopback --host, none otherwise)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     add_prefix_cache_args(p)
     p.set_defaults(handler=run_serve)
@@ -71,6 +74,14 @@ def _check_files(args: argparse.Namespace) -> None:
         DraftShape.from_dir(args.draft)
 
 
+def allowed_origins(flag: str | None, host: str) -> list[str]:
+    """CORS origins: the flag's list; without it every origin on a loopback bind (as llama-server and vLLM
+    allow browser front-ends on this machine), none on a reachable one."""
+    if flag is None:
+        return ["*"] if _is_loopback(host) else []
+    return [origin.strip() for origin in flag.split(",") if origin.strip()]
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -83,6 +94,7 @@ def run_serve(args: argparse.Namespace) -> int:
             "binding %s without --api-key: anyone who can reach this port can use the model", args.host)
     name = args.served_model_name or (Path(args.model).stem if args.model else "flashtree-demo")
     app = build_app(engine_factory(args), name, api_key=args.api_key, queue_size=args.max_queued_requests,
+                    allowed_origins=allowed_origins(args.allowed_origins, args.host),
                     request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout)
     print(f"flashtree: serving {name} at http://{args.host}:{args.port}/v1 (loading the model...)", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
