@@ -2,7 +2,7 @@
 
 import pytest
 
-from flashtree.engine.output import OutputTracker
+from flashtree.engine.output import OutputTracker, TokenLogprob
 from flashtree.formats.tokenizer import Tokenizer
 
 
@@ -52,3 +52,41 @@ def test_cancellation(tok):
     tracker = OutputTracker(tok, (), (), 100, cancelled=lambda: next(calls))
     tracker.push_many(tok.encode("one two three four five"))
     assert tracker.finish_reason == "cancelled" and len(tracker.token_ids) == 2
+
+
+def _with_logprobs(tok, text, stop=()):
+    """Tokens of `text` pushed with stand-in log-probabilities (-index), streaming pieces and entries."""
+    events = []
+    tracker = OutputTracker(tok, (), stop, 1000, lambda piece: events.append(("text", piece)),
+                            on_logprobs=lambda entries: events.append(("logprobs", [e.token for e in entries])))
+    for i, token in enumerate(tok.encode(text)):
+        if tracker.push(token, TokenLogprob(token, -float(i))):
+            break
+    if not tracker.done:
+        tracker._finish("length", flush=True)
+    return tracker, events
+
+
+def test_logprobs_stream_with_the_text_they_complete(tok):
+    text = "héllo 你好 🚀 done"
+    tracker, events = _with_logprobs(tok, text)
+    ids = tok.encode(text)
+    assert [e.token for e in tracker.logprobs] == ids  # one entry per token, in order
+    assert sum((tokens for kind, tokens in events if kind == "logprobs"), []) == ids  # each streamed once
+    texts = "".join(piece for kind, piece in events if kind == "text")
+    assert texts == text and events[0][0] == "logprobs"  # entries come before the text they complete
+    sent, shown = 0, ""
+    for kind, value in events:  # a piece never arrives before the entries of the tokens it shows
+        if kind == "logprobs":
+            sent += len(value)
+        else:
+            shown += value
+            assert tok.decode(ids[:sent]).startswith(shown)
+
+
+def test_logprobs_stop_with_the_text_a_stop_string_cuts(tok):
+    tracker, events = _with_logprobs(tok, "alpha beta STOP gamma delta", stop=("STOP",))
+    kept = [e.token for e in tracker.logprobs]
+    assert tracker.text == "alpha beta " and tok.decode(kept).startswith("alpha beta ")
+    assert "STOP" not in tok.decode(kept[:-1])  # nothing past the token where the stop string begins
+    assert sum((tokens for kind, tokens in events if kind == "logprobs"), []) == kept

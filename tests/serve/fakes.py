@@ -38,7 +38,7 @@ class ScriptedEngine:
     def tokenizer(self):
         return self.target.tokenizer
 
-    def generate(self, prompt_ids, config, on_text=None, cancelled=None) -> GenerationResult:
+    def generate(self, prompt_ids, config, on_text=None, cancelled=None, on_logprobs=None) -> GenerationResult:
         self.prompts.append(list(prompt_ids))
         self.started.set()
         stats = GenerationStats(prompt_tokens=len(prompt_ids))

@@ -6,7 +6,7 @@ import threading
 import pytest
 from fastapi.testclient import TestClient
 
-from flashtree.engine.generate import GenerationConfig
+from flashtree.engine.generate import Engine, GenerationConfig
 from flashtree.errors import FlashtreeError
 from flashtree.serve.app import build_app
 from tests.serve.conftest import MODEL
@@ -240,7 +240,8 @@ def test_validation_errors_are_400(client, body, param, contains):
 
 @pytest.mark.parametrize("extra,param,contains", [
     ({"n": 2}, "n", "n=1"),
-    ({"logprobs": True}, "logprobs", "logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
     ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
     ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice", "not supported"),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", "may not set"),
@@ -252,10 +253,55 @@ def test_unsupported_features_are_clear_400s(client, scripted, extra, param, con
 
 def test_completions_errors(client):
     assert_error(client.post("/v1/completions", json={"model": MODEL}), 400, param="prompt")
-    assert_error(client.post("/v1/completions", json={"prompt": "x", "logprobs": 2}), 400, param="logprobs")
+    assert_error(client.post("/v1/completions", json={"prompt": "x", "logprobs": 21}), 400, param="logprobs")
     assert_error(client.post("/v1/completions", json={"prompt": "x", "temperature": 3}), 400, param="temperature")
     assert_error(client.post("/v1/completions", json={"prompt": [10**9]}), 400, param="prompt")
     assert_error(client.post("/v1/completions", json={"prompt": ""}), 400, param="prompt")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs(real_client, tiny_engine, stream):
+    body = {"messages": USER, "max_tokens": 12, "logprobs": True, "top_logprobs": 2, "stream": stream,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    response = real_client.post("/v1/chat/completions", json=body)
+    if stream:
+        chunks = sse(response)
+        content = [item for c in chunks for ch in c["choices"] if ch["logprobs"] for item in ch["logprobs"]["content"]]
+        text = merged_deltas(chunks)["content"]
+    else:
+        choice = response.json()["choices"][0]
+        content, text = choice["logprobs"]["content"], choice["message"]["content"]
+    tokenizer = tiny_engine.target.tokenizer  # the entries behind the reply: the same greedy run, in the engine
+    entries = Engine(tiny_engine.target).generate(tiny_engine.encode_messages(USER, enable_thinking=False),
+                                                  GenerationConfig(max_new_tokens=12, logprobs=2)).logprobs
+    assert [item["bytes"] for item in content] == [list(tokenizer.bytes_of(e.token)) for e in entries]
+    assert bytes(sum((item["bytes"] for item in content), [])).decode("utf-8", "replace").strip() == text.strip()
+    for item, entry in zip(content, entries):
+        assert item["logprob"] == pytest.approx(entry.logprob, abs=1e-5) and len(item["top_logprobs"]) == 2
+        assert item["top_logprobs"][0]["logprob"] >= item["top_logprobs"][1]["logprob"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_logprobs(real_client, tiny_engine, stream):
+    body = {"prompt": "def fib(n):", "max_tokens": 10, "logprobs": 3, "stream": stream}
+    response = real_client.post("/v1/completions", json=body)
+    if stream:
+        chunks = [c["choices"][0] for c in sse(response)]
+        text = "".join(c["text"] for c in chunks)
+        parts = [c["logprobs"] for c in chunks if c["logprobs"]]
+        logprobs = {key: sum((p[key] for p in parts), []) for key in ("tokens", "token_logprobs", "top_logprobs",
+                                                                      "text_offset")}
+    else:
+        choice = response.json()["choices"][0]
+        text, logprobs = choice["text"], choice["logprobs"]
+    tokenizer = tiny_engine.target.tokenizer
+    ids = Engine(tiny_engine.target).generate(tokenizer.encode("def fib(n):"), GenerationConfig(max_new_tokens=10)).token_ids
+    assert logprobs["tokens"] == [tokenizer.bytes_of(t).decode("utf-8", "replace") for t in ids] and text
+    assert len(logprobs["token_logprobs"]) == len(logprobs["top_logprobs"]) == 10
+    assert logprobs["text_offset"] == [sum(map(len, logprobs["tokens"][:i])) for i in range(10)]
+    # keyed by token text, so tokens that print the same (partial UTF-8) share a key
+    assert all(1 <= len(top) <= 3 and lp <= max(top.values()) <= 0
+               for top, lp in zip(logprobs["top_logprobs"], logprobs["token_logprobs"]))
 
 
 def test_malformed_json_and_wrong_content(client):

@@ -328,11 +328,11 @@ class TensorParallelEngine:
             value = None
         setattr(self.engine, name, value)
 
-    def generate(self, prompt_ids, config, on_text=None, cancelled=None):
+    def generate(self, prompt_ids, config, on_text=None, cancelled=None, on_logprobs=None):
         config = _pin_seed(config)
         _broadcast(("generate", list(prompt_ids), config))
         poll = _synced_cancel(cancelled, self.engine.target.model.device)
-        return self.engine.generate(prompt_ids, config, on_text, poll)
+        return self.engine.generate(prompt_ids, config, on_text, poll, on_logprobs)
 
     def shutdown(self) -> None:
         """Release the followers (they exit) and leave the process group; registered atexit."""

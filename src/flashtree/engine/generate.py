@@ -9,12 +9,13 @@ from typing import Callable, Sequence
 
 import torch
 
-from flashtree.engine.output import OutputTracker
+from flashtree.engine.output import OutputTracker, TokenLogprob, token_logprobs
 from flashtree.engine.sampling import Sampler, SamplingParams
 from flashtree.errors import FlashtreeError
 from flashtree.models.step import Step
 
 MODES = ("ar", "chain", "ddtree")
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 PROGRESS_MIN_TOKENS = 8192  # prompts this long show a prefill progress bar where the CLI asks for one
 
 
@@ -33,6 +34,7 @@ class GenerationConfig:
     cache_type_k: str | None = None  # KV cache type (f16, bf16, f32, q8_0, q4_0, tq3_0); None = model dtype
     cache_type_v: str | None = None
     attn_window: int = 0  # > 0: sliding-window attention over the last N positions (changes output)
+    logprobs: int | None = None  # None: off; k >= 0: each token's log-probability and the k most likely there
     sampling: SamplingParams = SamplingParams()  # greedy by default
 
     def __post_init__(self) -> None:
@@ -55,6 +57,8 @@ class GenerationConfig:
                 kv_type(name)  # raises with the supported choices
         if self.attn_window < 0:
             raise FlashtreeError(f"attn_window must be >= 0 (0 = full attention), got {self.attn_window}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise FlashtreeError(f"logprobs must be from 0 to {MAX_TOP_LOGPROBS}, got {self.logprobs}")
 
 
 @dataclass
@@ -109,6 +113,7 @@ class GenerationResult:
     finish_reason: str  # "stop" | "length" | "cancelled"
     stats: GenerationStats
     stop_string: str | None = None  # which stop string ended it ("stop" without one: an end-of-generation token)
+    logprobs: list[TokenLogprob] | None = None  # per token of `token_ids` whose text was kept, when asked for
 
 
 class Engine:
@@ -149,16 +154,18 @@ class Engine:
 
     def generate(self, prompt_ids: Sequence[int], config: GenerationConfig,
                  on_text: Callable[[str], None] | None = None,
-                 cancelled: Callable[[], bool] | None = None) -> GenerationResult:
+                 cancelled: Callable[[], bool] | None = None,
+                 on_logprobs: Callable[[list[TokenLogprob]], None] | None = None) -> GenerationResult:
         """Generate after `prompt_ids`. `on_text` receives streamed text pieces; `cancelled` is polled once
-        per target step and ends generation with finish_reason "cancelled" when it returns True."""
+        per target step and ends generation with finish_reason "cancelled" when it returns True; with
+        `config.logprobs` set, `on_logprobs` receives each piece's tokens' log-probabilities before it."""
         if not prompt_ids:
             raise FlashtreeError("the prompt is empty: give at least one token")
         if config.mode != "ar" and self.draft is None:
             raise FlashtreeError(f"mode {config.mode!r} needs a draft model: pass --draft DIR or use --spec ar")
         eos = set(config.stop_token_ids) | (set() if config.ignore_eos else set(self.tokenizer.eos_ids))
         room = self.new_token_room(len(prompt_ids), config)
-        out = OutputTracker(self.tokenizer, eos, config.stop, room, on_text, cancelled)
+        out = OutputTracker(self.tokenizer, eos, config.stop, room, on_text, cancelled, on_logprobs)
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
         started = time.perf_counter()
         if not out.done:
@@ -172,7 +179,8 @@ class Engine:
                 self.prefix_cache.finish(list(prompt_ids) + out.token_ids)
         stats.total_s = time.perf_counter() - started
         stats.new_tokens = len(out.token_ids)
-        return GenerationResult(out.token_ids, out.text, out.finish_reason, stats, out.stop_string)
+        return GenerationResult(out.token_ids, out.text, out.finish_reason, stats, out.stop_string,
+                                out.logprobs if config.logprobs is not None else None)
 
     def new_token_room(self, prompt_len: int, config: GenerationConfig) -> int:
         """New tokens this request may generate: max_new_tokens, capped by the context (--ctx or the model's)."""
@@ -286,10 +294,10 @@ class Engine:
     def _autoregressive(self, prompt_ids, config, out: OutputTracker, stats: GenerationStats, started: float) -> None:
         sampler = self.sampler(prompt_ids, config)
         cache = self.new_cache(len(prompt_ids), config)
-        logits = self.prefill_prompt(cache, prompt_ids, config, stats=stats)
+        logits = self.prefill_prompt(cache, prompt_ids, config, stats=stats)[None]
         stats.prefill_s = time.perf_counter() - started
-        token = sampler.choose(sampler.distribution(logits[None])[0])
-        while not out.push(token):
+        token = sampler.choose(sampler.distribution(logits)[0])
+        while not out.push(token, logprobs_of(logits, [token], config)[0]):
             sampler.record(token)
             step_start = time.perf_counter()
             logits = self.step_forward(torch.tensor([token]), cache).logits
@@ -297,3 +305,10 @@ class Engine:
             stats.verify_s += time.perf_counter() - step_start
             stats.steps += 1
             stats.accepted[1] += 1
+
+
+def logprobs_of(logits: torch.Tensor, tokens: list[int], config: GenerationConfig) -> list[TokenLogprob | None]:
+    """Each token's entry from its row of `logits`, or None for each when the request asked for none."""
+    if config.logprobs is None:
+        return [None] * len(tokens)
+    return token_logprobs(logits, tokens, config.logprobs)

@@ -4,14 +4,41 @@ stop string later turns out to cover."""
 
 from __future__ import annotations
 
+import bisect
+from dataclasses import dataclass
 from typing import Callable, Iterable
+
+import torch
 
 from flashtree.formats.tokenizer import Tokenizer
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the target (its raw logits' log-softmax, before
+    penalties and temperature, as vLLM reports them) and the `top` most likely tokens there."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Row i of `logits` [R, V] is the distribution `tokens[i]` was chosen from."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None])[:, 0].tolist()
+    if top == 0:
+        return [TokenLogprob(t, lp) for t, lp in zip(tokens, chosen)]
+    values, ids = logprobs.topk(top, dim=-1)
+    return [TokenLogprob(t, lp, tuple(zip(i, v))) for t, lp, i, v in zip(tokens, chosen, ids.tolist(), values.tolist())]
+
+
 class OutputTracker:
     def __init__(self, tokenizer: Tokenizer, eos_ids: Iterable[int], stop: Iterable[str], max_new_tokens: int,
-                 on_text: Callable[[str], None] | None = None, cancelled: Callable[[], bool] | None = None):
+                 on_text: Callable[[str], None] | None = None, cancelled: Callable[[], bool] | None = None,
+                 on_logprobs: Callable[[list[TokenLogprob]], None] | None = None):
+        """`on_logprobs` (when tokens come with log-probabilities) receives, just before each `on_text`
+        piece, the entries of the tokens that piece completes the text of."""
         self.eos_ids = frozenset(eos_ids)
         self.stop = tuple(s for s in stop if s)
         self.max_new_tokens = max_new_tokens
@@ -22,6 +49,10 @@ class OutputTracker:
         self.text = ""
         self.finish_reason: str | None = None
         self.stop_string: str | None = None  # the stop string that ended generation, if one did
+        self.on_logprobs = on_logprobs
+        self.logprobs: list[TokenLogprob] = []  # one per kept token, when pushed with one
+        self._starts: list[int] = []  # where each token's text begins in `text`
+        self._logprobs_sent = 0
         self._emitted = 0
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
         if max_new_tokens <= 0:
@@ -31,8 +62,9 @@ class OutputTracker:
     def done(self) -> bool:
         return self.finish_reason is not None
 
-    def push(self, token: int) -> bool:
-        """Add one generated token; True once generation is over (later tokens must not be pushed)."""
+    def push(self, token: int, logprob: TokenLogprob | None = None) -> bool:
+        """Add one generated token (with its log-probability when asked for); True once generation is over
+        (later tokens must not be pushed)."""
         if self.done:
             return True
         if self.cancelled is not None and self.cancelled():
@@ -42,6 +74,9 @@ class OutputTracker:
             self._finish("stop", flush=True)
             return True
         self.token_ids.append(token)
+        self._starts.append(len(self.text))
+        if logprob is not None:
+            self.logprobs.append(logprob)
         self.text += self.decoder.push(token)
         if self._cut_at_stop_string():
             self._finish("stop", flush=False)
@@ -75,9 +110,16 @@ class OutputTracker:
             if self._cut_at_stop_string():
                 reason = "stop"
         self.finish_reason = reason
-        self._emit(len(self.text))
+        if self.stop_string is not None:  # tokens past the cut produced only stop-string text
+            self.logprobs = self.logprobs[: bisect.bisect_left(self._starts, len(self.text))]
+        self._emit(len(self.text), final=True)
 
-    def _emit(self, upto: int) -> None:
+    def _emit(self, upto: int, final: bool = False) -> None:
+        if self.on_logprobs is not None:
+            covered = len(self.logprobs) if final else min(len(self.logprobs), bisect.bisect_left(self._starts, upto))
+            if covered > self._logprobs_sent:
+                self.on_logprobs(self.logprobs[self._logprobs_sent : covered])
+                self._logprobs_sent = covered
         if upto > self._emitted:
             if self.on_text is not None:
                 self.on_text(self.text[self._emitted : upto])

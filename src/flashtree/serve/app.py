@@ -19,6 +19,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from flashtree.engine.generate import GenerationResult
+from flashtree.engine.output import TokenLogprob
 from flashtree.errors import FlashtreeError
 from flashtree.formats.chat_template import ChatTemplate, template_or_chatml
 from flashtree.serve.errors import APIError, install_error_handlers
@@ -110,7 +111,7 @@ class Server:
     def submit(self, prompt_ids: Sequence[int], params: GenerationParams, what: str, request_id: str = "") -> Job:
         requested = params.requested_max_tokens()
         config = self.engine.config_for(max_new_tokens=requested, stop=params.stop_strings, sampling=params.sampling(),
-                                        ignore_eos=params.ignore_eos or None)
+                                        ignore_eos=params.ignore_eos or None, logprobs=params.logprob_count())
         limit, prompt = self.context_limit, len(prompt_ids)
         # OpenAI's wording: agent clients match it to trigger history compaction.
         if prompt >= limit:
@@ -170,6 +171,34 @@ def _finish_reason(result: GenerationResult, called_tools: bool = False) -> str:
     if result.finish_reason == "stop":
         return "tool_calls" if called_tools else "stop"
     return "length"  # "length", or "cancelled" by the per-request timeout: the reply was cut short either way
+
+
+def _token_text(tokenizer, token: int) -> tuple[str, list[int]]:
+    """A token's text (partial UTF-8 replaced) and its bytes, as OpenAI's logprobs give them."""
+    raw = tokenizer.bytes_of(token)
+    return raw.decode("utf-8", errors="replace"), list(raw)
+
+
+def _chat_logprobs(tokenizer, entries: list[TokenLogprob]) -> dict:
+    def item(token: int, logprob: float) -> dict:
+        text, raw = _token_text(tokenizer, token)
+        return {"token": text, "logprob": logprob, "bytes": raw}
+
+    return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                        for e in entries], "refusal": None}
+
+
+def _completion_logprobs(tokenizer, entries: list[TokenLogprob], offset: int) -> dict:
+    """The legacy completions shape; `offset`: characters of the completion before these tokens."""
+    out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for e in entries:
+        text = _token_text(tokenizer, e.token)[0]
+        out["tokens"].append(text)
+        out["token_logprobs"].append(e.logprob)
+        out["top_logprobs"].append({_token_text(tokenizer, t)[0]: lp for t, lp in e.top} if e.top else None)
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
 
 
 def _message_delta(delta: Delta) -> dict:
@@ -293,26 +322,33 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
     job = server.submit(server.engine.tokenizer.encode(prompt), body, "messages", reply.response_id)
     parser = OutputParser(opens_thinking(prompt), body.tool_schemas())
     if body.stream:
-        return _sse(_chat_chunks(job, parser, reply, body.include_usage), job)
+        return _sse(_chat_chunks(job, parser, reply, body.include_usage, server.engine.tokenizer), job)
     result = await _wait(job, request)
     message = Delta()
     message.add(parser.feed(result.text))
     message.add(parser.finish())
+    logprobs = None if result.logprobs is None else _chat_logprobs(server.engine.tokenizer, result.logprobs)
     choice = {"index": 0, "message": {"role": "assistant", "content": message.content or None,
                                       "reasoning_content": message.reasoning or None},
-              "logprobs": None, "finish_reason": _finish_reason(result, parser.called_tools)}
+              "logprobs": logprobs, "finish_reason": _finish_reason(result, parser.called_tools)}
     if message.tool_calls:
         choice["message"]["tool_calls"] = [{k: v for k, v in call.items() if k != "index"}
                                            for call in message.tool_calls]
     return reply.body([choice], usage=_usage(result), flashtree=_flashtree_stats(result))
 
 
-async def _chat_chunks(job: Job, parser: OutputParser, reply: Reply, include_usage: bool) -> AsyncIterator[dict]:
+async def _chat_chunks(job: Job, parser: OutputParser, reply: Reply, include_usage: bool,
+                       tokenizer) -> AsyncIterator[dict]:
+    pending: list[TokenLogprob] = []  # entries of text the parser holds back, sent with the next chunk
+
     def choice(delta: dict, finish_reason: str | None = None) -> list[dict]:
-        return [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+        logprobs = _chat_logprobs(tokenizer, pending) if pending else None
+        pending.clear()
+        return [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
 
     yield reply.body(choice({"role": "assistant", "content": ""}), chunk=True)
-    async for piece in job.texts():
+    async for piece, entries in job.pieces():
+        pending += entries
         if delta := parser.feed(piece):
             yield reply.body(choice(_message_delta(delta)), chunk=True)
     if delta := parser.finish():
@@ -341,18 +377,23 @@ async def completions(body: CompletionRequest, request: Request,
     reply = Reply("text_completion", server.model_name)
     job = server.submit(prompt_ids, body, "prompt", reply.response_id)
     if body.stream:
-        return _sse(_completion_chunks(job, reply, body.include_usage), job)
+        return _sse(_completion_chunks(job, reply, body.include_usage, tokenizer), job)
     result = await _wait(job, request)
-    choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": _finish_reason(result)}
+    logprobs = None if result.logprobs is None else _completion_logprobs(tokenizer, result.logprobs, 0)
+    choice = {"index": 0, "text": result.text, "logprobs": logprobs, "finish_reason": _finish_reason(result)}
     return reply.body([choice], usage=_usage(result), flashtree=_flashtree_stats(result))
 
 
-async def _completion_chunks(job: Job, reply: Reply, include_usage: bool) -> AsyncIterator[dict]:
-    def choice(text: str, finish_reason: str | None = None) -> list[dict]:
-        return [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+async def _completion_chunks(job: Job, reply: Reply, include_usage: bool, tokenizer) -> AsyncIterator[dict]:
+    offset = 0
 
-    async for piece in job.texts():
-        yield reply.body(choice(piece), chunk=True)
+    def choice(text: str, finish_reason: str | None = None, entries: list[TokenLogprob] = ()) -> list[dict]:
+        logprobs = _completion_logprobs(tokenizer, entries, offset) if entries else None
+        return [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]
+
+    async for piece, entries in job.pieces():
+        yield reply.body(choice(piece, entries=entries), chunk=True)
+        offset += sum(len(_token_text(tokenizer, e.token)[0]) for e in entries)
     result = job.result
     yield reply.body(choice("", _finish_reason(result)), chunk=True, flashtree=_flashtree_stats(result))
     if include_usage:

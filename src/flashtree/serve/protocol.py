@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from flashtree.engine.sampling import SamplingParams
-from flashtree.serve.errors import unsupported
+from flashtree.serve.errors import APIError, unsupported
 
 Stop = str | Annotated[list[str], Field(max_length=4)] | None
 
@@ -54,6 +54,10 @@ class GenerationParams(_Body):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def logprob_count(self) -> int | None:
+        """None: no log-probabilities; k: each token's, with the k most likely alternatives."""
+        return None
+
     def sampling(self) -> SamplingParams:
         """The engine's sampling parameters. An omitted temperature means greedy (0), not OpenAI's 1:
         identical-to-greedy output is what a local speculative server is run for (docs/SERVING.md)."""
@@ -74,15 +78,16 @@ class GenerationParams(_Body):
 
 class CompletionRequest(GenerationParams):
     prompt: str | Annotated[list[int], Field(min_length=1)]
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
 
+    def logprob_count(self) -> int | None:
+        return self.logprobs
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs is not None:
-            raise unsupported("logprobs", "logprobs are not supported yet")
         if self.echo:
             raise unsupported("echo", "echo is not supported")
         if self.suffix:
@@ -146,17 +151,20 @@ class ChatCompletionRequest(GenerationParams):
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs or self.top_logprobs:
-            raise unsupported("logprobs", "logprobs are not supported yet")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise unsupported("response_format", "structured output (response_format) is not supported yet")
         if self.tool_choice == "required" or isinstance(self.tool_choice, dict):

@@ -48,17 +48,31 @@ class Job:
         except RuntimeError:  # the loop is closed: nobody is waiting for this job any more
             pass
 
-    async def texts(self) -> AsyncIterator[str]:
-        """Generated text pieces; sets `result` at the end or raises the job's APIError."""
+    async def pieces(self) -> AsyncIterator[tuple[str, list]]:
+        """Generated text pieces, each with the log-probability entries of the tokens it completes (empty
+        unless asked for; a last piece of "" carries any left); sets `result` at the end or raises the
+        job's APIError."""
+        entries: list = []
         while True:
             kind, value = await self._events.get()
-            if kind == "text":
-                yield value
+            if kind == "logprobs":
+                entries += value
+            elif kind == "text":
+                yield value, entries
+                entries = []
             elif kind == "error":
                 raise value
             else:
+                if entries:
+                    yield "", entries
                 self.result = value
                 return
+
+    async def texts(self) -> AsyncIterator[str]:
+        """`pieces` without their log-probabilities."""
+        async for text, _ in self.pieces():
+            if text:
+                yield text
 
     async def wait(self) -> GenerationResult:
         async for _ in self.texts():
@@ -172,8 +186,10 @@ class Scheduler:
             job.post("error", APIError(503, "the request timed out or was cancelled before it started", retry_after=1))
             return
         try:
-            result = self.engine.generate(job.prompt_ids, job.config, on_text=lambda text: job.post("text", text),
-                                          cancelled=job.should_stop)
+            streams = {"on_text": lambda text: job.post("text", text), "cancelled": job.should_stop}
+            if job.config.logprobs is not None:
+                streams["on_logprobs"] = lambda entries: job.post("logprobs", entries)
+            result = self.engine.generate(job.prompt_ids, job.config, **streams)
         except FlashtreeError as exc:
             self.metrics.record("error")
             log.info("%s prompt_tokens=%d finish=error (%s)", job.request_id, len(job.prompt_ids), exc)

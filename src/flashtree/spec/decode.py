@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from flashtree.engine.generate import logprobs_of
 from flashtree.spec.ddtree import DraftTree, build_chain, build_tree, follow, topk_table
 from flashtree.spec.proposer import DFlashProposer, Proposer
 
@@ -31,10 +32,11 @@ def speculative(engine, prompt_ids: list[int], config, out, stats, started: floa
     proposer = proposer_for(engine, config)
     sampler = engine.sampler(prompt_ids, config)
     cache = engine.new_cache(len(prompt_ids), config)
-    logits = engine.prefill_prompt(cache, prompt_ids, config, proposer, stats)
+    logits = engine.prefill_prompt(cache, prompt_ids, config, proposer, stats)[None]
     stats.prefill_s = time.perf_counter() - started
-    bonus = sampler.choose(sampler.distribution(logits[None])[0])
-    while not out.push(bonus):
+    bonus = sampler.choose(sampler.distribution(logits)[0])
+    [bonus_logprob] = logprobs_of(logits, [bonus], config)
+    while not out.push(bonus, bonus_logprob):
         sampler.record(bonus)
         t0 = time.perf_counter()
         tree = make_tree(config.mode, bonus, proposer.propose(bonus, cache.length), config.budget, config.topk)
@@ -46,8 +48,11 @@ def speculative(engine, prompt_ids: list[int], config, out, stats, started: floa
         stats.steps += 1
         stats.accepted[len(accepted)] += 1
         stats.proposed += len(tree) - 1
-        for token in tree.tokens[accepted[1:]].tolist():
-            if out.push(token):  # an end-of-generation or stop inside the accepted path: emit up to it, no further
+        tokens = tree.tokens[accepted[1:]].tolist()
+        # each accepted token, then the bonus, was chosen from its parent node's row: the path's rows in order
+        *entries, bonus_logprob = logprobs_of(result.logits[accepted], tokens + [bonus], config)
+        for token, entry in zip(tokens, entries):
+            if out.push(token, entry):  # an end-of-generation or stop inside the accepted path: emit up to it, no further
                 return
             sampler.record(token)
         engine.commit_step(cache, accepted, proposer, result.features, next_bonus=bonus)
