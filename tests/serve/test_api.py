@@ -304,6 +304,16 @@ def test_completion_logprobs(real_client, tiny_engine, stream):
                for top, lp in zip(logprobs["top_logprobs"], logprobs["token_logprobs"]))
 
 
+def test_logit_bias(real_client, tiny_engine):
+    body = {"prompt": "def fib(n):", "max_tokens": 6}
+    forced = 300
+    text = real_client.post("/v1/completions", json={**body, "logit_bias": {str(forced): 100}}).json()
+    assert text["choices"][0]["text"] == tiny_engine.tokenizer.decode([forced] * 6)
+    for bias, words in [({"x": 1}, "token ids"), ({"5": 101}, "[-100, 100]"), ({"99999999": 1}, "vocabulary")]:
+        assert_error(real_client.post("/v1/completions", json={**body, "logit_bias": bias}), 400, param="logit_bias",
+                     contains=words)
+
+
 def test_malformed_json_and_wrong_content(client):
     headers = {"content-type": "application/json"}
     assert_error(client.post("/v1/chat/completions", content=b'{"messages": [', headers=headers), 400,

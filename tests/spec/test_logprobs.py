@@ -50,3 +50,18 @@ def test_off_by_default_and_sampled_tokens_get_theirs(target):
     assert all(e.top == () and -50 < e.logprob <= 0 for e in result.logprobs)
     with pytest.raises(FlashtreeError, match="logprobs must be from 0 to 20, got 21"):
         GenerationConfig(logprobs=21)
+
+
+def test_logit_bias_changes_both_modes_alike(target):
+    from flashtree.engine.sampling import SamplingParams
+
+    plain = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    unbiased = Engine(target).generate(PROMPT, plain).token_ids
+    bias = tuple((token, 4.0) for token in (7, 11, 300)) + ((unbiased[0], -100.0),)
+    biased = GenerationConfig(max_new_tokens=40, ignore_eos=True, sampling=SamplingParams(logit_bias=bias))
+    ar = Engine(target).generate(PROMPT, biased).token_ids
+    spec = Engine(target, random_draft(target)).generate(PROMPT, GenerationConfig(
+        max_new_tokens=40, ignore_eos=True, mode="ddtree", budget=15, topk=4, sampling=SamplingParams(logit_bias=bias)))
+    assert ar != unbiased and ar[0] != unbiased[0] and spec.token_ids == ar
+    with pytest.raises(FlashtreeError, match="logit_bias"):
+        SamplingParams(logit_bias=((5, 101.0),))

@@ -1,4 +1,4 @@
-"""Turning target logits into the next token: penalties, temperature, top-k / top-p / min-p, seeds.
+"""Turning target logits into the next token: logit bias, penalties, temperature, top-k / top-p / min-p, seeds.
 
 Every row of logits is processed with the history of the sequence it continues, so a tree node and
 the autoregressive step at the same place in the text see exactly the same distribution. That is
@@ -25,8 +25,13 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # over prompt + generated tokens (vLLM / HF convention)
     presence_penalty: float = 0.0  # over generated tokens (OpenAI convention)
     frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), as OpenAI's logit_bias
 
     def __post_init__(self) -> None:
+        for token, bias in self.logit_bias:
+            if token < 0 or not -100 <= bias <= 100:
+                raise FlashtreeError(f"logit_bias entries need a token id >= 0 and a bias in [-100, 100], "
+                                     f"got {token}: {bias}")
         checks = [
             ("temperature", self.temperature >= 0, ">= 0"),
             ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
@@ -63,12 +68,23 @@ class Sampler:
             self.generator.seed()
         self.prompt_seen = self._counts(prompt_ids) > 0
         self.generated = torch.zeros(vocab_size, device=self.device)
+        self.bias = self._bias(params.logit_bias)
 
     def _counts(self, ids: list[int]) -> torch.Tensor:
         counts = torch.zeros(self.vocab_size, device=self.device)
         if ids:
             counts.index_add_(0, torch.tensor(ids, device=self.device), torch.ones(len(ids), device=self.device))
         return counts
+
+    def _bias(self, entries: tuple[tuple[int, float], ...]) -> torch.Tensor | None:
+        if not entries:
+            return None
+        if max(token for token, _ in entries) >= self.vocab_size:
+            raise FlashtreeError(f"logit_bias names a token id outside the vocabulary [0, {self.vocab_size})")
+        bias = torch.zeros(self.vocab_size, device=self.device)
+        for token, value in entries:
+            bias[token] = value
+        return bias
 
     def record(self, token: int) -> None:
         """A token became part of the output (penalties of later positions count it)."""
@@ -78,6 +94,8 @@ class Sampler:
         """Processed logits [N, V] (greedy) or probabilities [N, V] (sampling) for rows that continue the
         recorded output plus, per row, the tokens counted in `extra_counts` [N, V]."""
         logits = logits.float()
+        if self.bias is not None:
+            logits = logits + self.bias
         if self.params.penalized:
             counts = self.generated.expand_as(logits)
             if extra_counts is not None:

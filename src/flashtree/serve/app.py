@@ -110,7 +110,11 @@ class Server:
 
     def submit(self, prompt_ids: Sequence[int], params: GenerationParams, what: str, request_id: str = "") -> Job:
         requested = params.requested_max_tokens()
-        config = self.engine.config_for(max_new_tokens=requested, stop=params.stop_strings, sampling=params.sampling(),
+        sampling = params.sampling()
+        vocab = self.engine.tokenizer.vocab_size
+        if any(token >= vocab for token, _ in sampling.logit_bias):
+            raise APIError(400, f"logit_bias names a token id outside the vocabulary [0, {vocab})", param="logit_bias")
+        config = self.engine.config_for(max_new_tokens=requested, stop=params.stop_strings, sampling=sampling,
                                         ignore_eos=params.ignore_eos or None, logprobs=params.logprob_count())
         limit, prompt = self.context_limit, len(prompt_ids)
         # OpenAI's wording: agent clients match it to trigger history compaction.

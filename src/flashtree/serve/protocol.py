@@ -66,14 +66,22 @@ class GenerationParams(_Body):
             top_k=max(self.top_k or 0, 0), min_p=self.min_p or 0.0, seed=self.seed,
             repetition_penalty=self.repetition_penalty or 1.0,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            logit_bias=self._logit_bias(),
         )
+
+    def _logit_bias(self) -> tuple[tuple[int, float], ...]:
+        entries = []
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit() or not -100 <= value <= 100:
+                raise APIError(400, f"logit_bias maps token ids to biases in [-100, 100], got {key!r}: {value}",
+                               param="logit_bias")
+            entries.append((int(key), float(value)))
+        return tuple(entries)
 
     def check_supported(self) -> None:
         """Reject parameters flashtree can't honour yet."""
         if self.n != 1:
             raise unsupported("n", "only n=1 is supported")
-        if self.logit_bias:
-            raise unsupported("logit_bias", "logit_bias is not supported yet")
 
 
 class CompletionRequest(GenerationParams):
