@@ -7,6 +7,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from flashtree.engine.generate import Engine, GenerationConfig
+from flashtree.engine.sampling import SamplingParams
 from flashtree.errors import FlashtreeError
 from flashtree.serve.app import build_app
 from tests.serve.conftest import MODEL
@@ -239,7 +240,7 @@ def test_validation_errors_are_400(client, body, param, contains):
 
 
 @pytest.mark.parametrize("extra,param,contains", [
-    ({"n": 2}, "n", "n=1"),
+    ({"n": 17}, "n", "less than or equal to 16"),
     ({"top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
     ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
@@ -302,6 +303,34 @@ def test_completion_logprobs(real_client, tiny_engine, stream):
     # keyed by token text, so tokens that print the same (partial UTF-8) share a key
     assert all(1 <= len(top) <= 3 and lp <= max(top.values()) <= 0
                for top, lp in zip(logprobs["top_logprobs"], logprobs["token_logprobs"]))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices(real_client, tiny_engine, stream):
+    body = {"prompt": "def fib(n):", "max_tokens": 8, "n": 3, "temperature": 1.0, "seed": 11, "stream": stream,
+            "stream_options": {"include_usage": True}}
+    response = real_client.post("/v1/completions", json=body)
+    if stream:
+        chunks = sse(response)
+        texts = {i: "".join(c["choices"][0]["text"] for c in chunks if c["choices"] and c["choices"][0]["index"] == i)
+                 for i in range(3)}
+        usage = chunks[-1]["usage"]
+    else:
+        reply = response.json()
+        assert [c["index"] for c in reply["choices"]] == [0, 1, 2] and len(reply["flashtree"]) == 3
+        texts, usage = {c["index"]: c["text"] for c in reply["choices"]}, reply["usage"]
+    tokenizer = tiny_engine.target.tokenizer
+    for i in range(3):  # choice i is the seeded run with seed + i
+        config = GenerationConfig(max_new_tokens=8, sampling=SamplingParams(temperature=1.0, seed=11 + i))
+        assert texts[i] == tiny_engine.generate(tokenizer.encode("def fib(n):"), config).text
+    assert len(set(texts.values())) > 1 and usage["completion_tokens"] == 24
+    assert usage["prompt_tokens"] == len(tokenizer.encode("def fib(n):"))
+
+
+def test_n_choices_beyond_the_queue_are_refused(scripted):
+    with TestClient(build_app(scripted, MODEL, queue_size=2)) as client:
+        assert_error(chat(client, n=3), 400, param="n", contains="--max-queued-requests")
+        assert len(chat(client, n=2).json()["choices"]) == 2
 
 
 def test_logit_bias(real_client, tiny_engine):

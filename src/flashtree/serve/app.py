@@ -11,7 +11,7 @@ import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Callable, Sequence
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -109,6 +109,12 @@ class Server:
                                     **(kwargs or {}))
 
     def submit(self, prompt_ids: Sequence[int], params: GenerationParams, what: str, request_id: str = "") -> Job:
+        [job] = self.submit_choices(prompt_ids, params, what, request_id, 1)
+        return job
+
+    def submit_choices(self, prompt_ids: Sequence[int], params: GenerationParams, what: str, request_id: str,
+                       n: int) -> list[Job]:
+        """`n` generations of one prompt (OpenAI's `n`), queued together; with a `seed`, choice i uses seed + i."""
         requested = params.requested_max_tokens()
         sampling = params.sampling()
         vocab = self.engine.tokenizer.vocab_size
@@ -128,9 +134,11 @@ class Server:
                                 f"{prompt + requested} tokens ({prompt} in the {what}, {requested} in the completion). "
                                 f"Please reduce the length of the {what} or completion.",
                            param="max_tokens", code="context_length_exceeded")
-        job = Job(prompt_ids, config, self.request_timeout, request_id)
-        self.scheduler.submit(job)
-        return job
+        seed = config.sampling.seed
+        jobs = [Job(prompt_ids, config if seed is None else replace(config, sampling=replace(config.sampling, seed=seed + i)),
+                    self.request_timeout, request_id) for i in range(n)]
+        self.scheduler.submit(*jobs)
+        return jobs
 
 
 @dataclass
@@ -152,10 +160,11 @@ class Reply:
                 "choices": choices, **extra}
 
 
-def _usage(result: GenerationResult) -> dict:
-    prompt, completion = result.stats.prompt_tokens, len(result.token_ids)
+def _usage(results: list[GenerationResult]) -> dict:
+    """One prompt (counted once, as OpenAI does for `n` > 1) and every choice's completion."""
+    prompt, completion = results[0].stats.prompt_tokens, sum(len(r.token_ids) for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": result.stats.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": results[0].stats.cached_tokens}}
 
 
 def _flashtree_stats(result: GenerationResult) -> dict:
@@ -218,21 +227,32 @@ def _message_delta(delta: Delta) -> dict:
 
 async def _wait(job: Job, request: Request) -> GenerationResult:
     """The job's result; a client that hangs up meanwhile cancels it."""
+    [result] = await _wait_all([job], request)
+    return result
+
+
+async def _wait_all(jobs: list[Job], request: Request) -> list[GenerationResult]:
+    """The jobs' results, in order; a client that hangs up meanwhile cancels them all."""
 
     async def cancel_on_disconnect() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
-        job.cancel()
+        _cancel(jobs)
 
     watcher = asyncio.create_task(cancel_on_disconnect())
     try:
-        return await job.wait()
+        return [await job.wait() for job in jobs]
     finally:
         watcher.cancel()
+        _cancel(jobs)
+
+
+def _cancel(jobs: list[Job]) -> None:
+    for job in jobs:
         job.cancel()
 
 
-def _sse(events: AsyncIterator[dict], job: Job) -> StreamingResponse:
+def _sse(events: AsyncIterator[dict], jobs: list[Job]) -> StreamingResponse:
     async def stream() -> AsyncIterator[str]:
         try:
             async for event in events:
@@ -243,7 +263,7 @@ def _sse(events: AsyncIterator[dict], job: Job) -> StreamingResponse:
             log.exception("streaming failed")
             yield f"data: {json.dumps(APIError(500, f'internal error: {type(exc).__name__}').body())}\n\n"
         finally:
-            job.cancel()  # a client that hung up closes this generator: stop generating for it
+            _cancel(jobs)  # a client that hung up closes this generator: stop generating for it
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -323,32 +343,53 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
     body.check_supported()
     prompt = server.render([m.for_template() for m in body.messages], body.template_tools(), body.chat_template_kwargs)
     reply = Reply("chat.completion", server.model_name)
-    job = server.submit(server.engine.tokenizer.encode(prompt), body, "messages", reply.response_id)
-    parser = OutputParser(opens_thinking(prompt), body.tool_schemas())
+    jobs = server.submit_choices(server.engine.tokenizer.encode(prompt), body, "messages", reply.response_id, body.n)
+    parsers = [OutputParser(opens_thinking(prompt), body.tool_schemas()) for _ in jobs]
+    tokenizer = server.engine.tokenizer
     if body.stream:
-        return _sse(_chat_chunks(job, parser, reply, body.include_usage, server.engine.tokenizer), job)
-    result = await _wait(job, request)
+        return _sse(_chat_stream(jobs, parsers, reply, body.include_usage, tokenizer), jobs)
+    results = await _wait_all(jobs, request)
+    choices = [_chat_choice(i, result, parser, tokenizer) for i, (result, parser) in enumerate(zip(results, parsers))]
+    return reply.body(choices, usage=_usage(results), flashtree=_flashtree_field(results))
+
+
+def _chat_choice(index: int, result: GenerationResult, parser: OutputParser, tokenizer) -> dict:
     message = Delta()
     message.add(parser.feed(result.text))
     message.add(parser.finish())
-    logprobs = None if result.logprobs is None else _chat_logprobs(server.engine.tokenizer, result.logprobs)
-    choice = {"index": 0, "message": {"role": "assistant", "content": message.content or None,
-                                      "reasoning_content": message.reasoning or None},
+    logprobs = None if result.logprobs is None else _chat_logprobs(tokenizer, result.logprobs)
+    choice = {"index": index, "message": {"role": "assistant", "content": message.content or None,
+                                          "reasoning_content": message.reasoning or None},
               "logprobs": logprobs, "finish_reason": _finish_reason(result, parser.called_tools)}
     if message.tool_calls:
         choice["message"]["tool_calls"] = [{k: v for k, v in call.items() if k != "index"}
                                            for call in message.tool_calls]
-    return reply.body([choice], usage=_usage(result), flashtree=_flashtree_stats(result))
+    return choice
 
 
-async def _chat_chunks(job: Job, parser: OutputParser, reply: Reply, include_usage: bool,
+def _flashtree_field(results: list[GenerationResult]) -> dict | list[dict]:
+    """One request's stats; a list of them, per choice, when it asked for several (`n`)."""
+    stats = [_flashtree_stats(result) for result in results]
+    return stats[0] if len(stats) == 1 else stats
+
+
+async def _chat_stream(jobs: list[Job], parsers: list[OutputParser], reply: Reply, include_usage: bool,
                        tokenizer) -> AsyncIterator[dict]:
+    """Each choice's chunks in turn (they are generated one after another), then the usage."""
+    for index, (job, parser) in enumerate(zip(jobs, parsers)):
+        async for chunk in _chat_chunks(index, job, parser, reply, tokenizer):
+            yield chunk
+    if include_usage:
+        yield reply.body([], chunk=True, usage=_usage([job.result for job in jobs]))
+
+
+async def _chat_chunks(index: int, job: Job, parser: OutputParser, reply: Reply, tokenizer) -> AsyncIterator[dict]:
     pending: list[TokenLogprob] = []  # entries of text the parser holds back, sent with the next chunk
 
     def choice(delta: dict, finish_reason: str | None = None) -> list[dict]:
         logprobs = _chat_logprobs(tokenizer, pending) if pending else None
         pending.clear()
-        return [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
+        return [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
 
     yield reply.body(choice({"role": "assistant", "content": ""}), chunk=True)
     async for piece, entries in job.pieces():
@@ -360,8 +401,6 @@ async def _chat_chunks(job: Job, parser: OutputParser, reply: Reply, include_usa
     result = job.result
     yield reply.body(choice({}, _finish_reason(result, parser.called_tools)), chunk=True,
                      flashtree=_flashtree_stats(result))
-    if include_usage:
-        yield reply.body([], chunk=True, usage=_usage(result))
 
 
 @api.post("/v1/completions", response_model=None)
@@ -379,29 +418,35 @@ async def completions(body: CompletionRequest, request: Request,
     if not prompt_ids:
         raise APIError(400, "the prompt is empty", param="prompt")
     reply = Reply("text_completion", server.model_name)
-    job = server.submit(prompt_ids, body, "prompt", reply.response_id)
+    jobs = server.submit_choices(prompt_ids, body, "prompt", reply.response_id, body.n)
     if body.stream:
-        return _sse(_completion_chunks(job, reply, body.include_usage, tokenizer), job)
-    result = await _wait(job, request)
-    logprobs = None if result.logprobs is None else _completion_logprobs(tokenizer, result.logprobs, 0)
-    choice = {"index": 0, "text": result.text, "logprobs": logprobs, "finish_reason": _finish_reason(result)}
-    return reply.body([choice], usage=_usage(result), flashtree=_flashtree_stats(result))
+        return _sse(_completion_stream(jobs, reply, body.include_usage, tokenizer), jobs)
+    results = await _wait_all(jobs, request)
+    choices = [{"index": i, "text": result.text, "finish_reason": _finish_reason(result),
+                "logprobs": None if result.logprobs is None else _completion_logprobs(tokenizer, result.logprobs, 0)}
+               for i, result in enumerate(results)]
+    return reply.body(choices, usage=_usage(results), flashtree=_flashtree_field(results))
 
 
-async def _completion_chunks(job: Job, reply: Reply, include_usage: bool, tokenizer) -> AsyncIterator[dict]:
+async def _completion_stream(jobs: list[Job], reply: Reply, include_usage: bool, tokenizer) -> AsyncIterator[dict]:
+    for index, job in enumerate(jobs):
+        async for chunk in _completion_chunks(index, job, reply, tokenizer):
+            yield chunk
+    if include_usage:
+        yield reply.body([], chunk=True, usage=_usage([job.result for job in jobs]))
+
+
+async def _completion_chunks(index: int, job: Job, reply: Reply, tokenizer) -> AsyncIterator[dict]:
     offset = 0
 
     def choice(text: str, finish_reason: str | None = None, entries: list[TokenLogprob] = ()) -> list[dict]:
         logprobs = _completion_logprobs(tokenizer, entries, offset) if entries else None
-        return [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]
+        return [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]
 
     async for piece, entries in job.pieces():
         yield reply.body(choice(piece, entries=entries), chunk=True)
         offset += sum(len(_token_text(tokenizer, e.token)[0]) for e in entries)
-    result = job.result
-    yield reply.body(choice("", _finish_reason(result)), chunk=True, flashtree=_flashtree_stats(result))
-    if include_usage:
-        yield reply.body([], chunk=True, usage=_usage(result))
+    yield reply.body(choice("", _finish_reason(job.result)), chunk=True, flashtree=_flashtree_stats(job.result))
 
 
 def build_app(engine, model_name: str, api_key: str | None = None, queue_size: int = 16,

@@ -35,7 +35,7 @@ class GenerationParams(_Body):
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = None
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=16)  # choices, generated one after another
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
@@ -80,8 +80,6 @@ class GenerationParams(_Body):
 
     def check_supported(self) -> None:
         """Reject parameters flashtree can't honour yet."""
-        if self.n != 1:
-            raise unsupported("n", "only n=1 is supported")
 
 
 class CompletionRequest(GenerationParams):

@@ -148,15 +148,20 @@ class Scheduler:
     def waiting(self) -> int:
         return self._jobs.qsize()
 
-    def submit(self, job: Job) -> None:
-        """Called on the event loop thread only, so the size check and the put cannot race."""
+    def submit(self, *jobs: Job) -> None:
+        """Queue one request's jobs (one per choice), all or none. Called on the event loop thread only, so
+        the size check and the puts cannot race."""
         if not self.accepting:
             raise APIError(503, "the server is shutting down", retry_after=5)
-        if self._jobs.qsize() >= self.queue_size:
+        if len(jobs) > self.queue_size:
+            raise APIError(400, f"n={len(jobs)} choices need more than the {self.queue_size} queue places "
+                                f"(--max-queued-requests)", param="n")
+        if self._jobs.qsize() + len(jobs) > self.queue_size:
             self.metrics.reject()
-            raise APIError(503, f"the server is busy: {self.queue_size} requests are already waiting; retry later",
+            raise APIError(503, f"the server is busy: {self._jobs.qsize()} requests are already waiting; retry later",
                            retry_after=1)
-        self._jobs.put(job)
+        for job in jobs:
+            self._jobs.put(job)
 
     def shutdown(self, grace: float) -> None:
         """Stop taking requests, let queued and running ones finish for up to `grace` seconds, then cancel
