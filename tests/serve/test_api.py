@@ -333,6 +333,31 @@ def test_n_choices_beyond_the_queue_are_refused(scripted):
         assert len(chat(client, n=2).json()["choices"]) == 2
 
 
+def test_echo_scores_the_prompt(real_client, tiny_engine):
+    """lm-eval's loglikelihood request: echo the prompt with its tokens' log-probabilities."""
+    tokenizer = tiny_engine.target.tokenizer
+    prompt = "def fib(n): return n"
+    ids = tokenizer.encode(prompt)
+    body = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0}
+    choice = real_client.post("/v1/completions", json=body).json()["choices"][0]
+    logprobs = choice["logprobs"]
+    assert choice["text"] == prompt and choice["finish_reason"] == "length"
+    assert logprobs["tokens"] == [tokenizer.bytes_of(t).decode("utf-8", "replace") for t in ids]
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    scored = tiny_engine.generate(ids, GenerationConfig(max_new_tokens=0, prompt_logprobs=1)).prompt_logprobs
+    assert logprobs["token_logprobs"][1:] == pytest.approx([e.logprob for e in scored[1:]], abs=1e-5)
+    assert logprobs["text_offset"] == [sum(map(len, logprobs["tokens"][:i])) for i in range(len(ids))]
+    # with a completion after it: the prompt's entries, then the completion's, offsets running on
+    both = real_client.post("/v1/completions", json={**body, "max_tokens": 3}).json()["choices"][0]
+    assert both["text"].startswith(prompt) and len(both["logprobs"]["tokens"]) == len(ids) + 3
+    assert both["logprobs"]["text_offset"][len(ids)] == len(prompt)
+    streamed = sse(real_client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3, "echo": True,
+                                                              "stream": True}))
+    assert "".join(c["choices"][0]["text"] for c in streamed) == both["text"]
+    assert_error(real_client.post("/v1/completions", json={**body, "stream": True}), 400, param="echo")
+    assert_error(real_client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 0}), 400, param="max_tokens")
+
+
 def test_logit_bias(real_client, tiny_engine):
     body = {"prompt": "def fib(n):", "max_tokens": 6}
     forced = 300

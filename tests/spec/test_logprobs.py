@@ -65,3 +65,31 @@ def test_logit_bias_changes_both_modes_alike(target):
     assert ar != unbiased and ar[0] != unbiased[0] and spec.token_ids == ar
     with pytest.raises(FlashtreeError, match="logit_bias"):
         SamplingParams(logit_bias=((5, 101.0),))
+
+
+def test_prompt_scores_are_what_decoding_the_prompt_would_report(target):
+    """Token i of the prompt scored from the logits after tokens 0..i-1, as if the model had generated it:
+    generating from the prompt's first i tokens with token i forced (a logit bias; logprobs are of the raw
+    logits) reports the same numbers."""
+    from flashtree.engine.sampling import SamplingParams
+
+    prompt = PROMPT + [77, 5, 140, 9, 230, 61, 12]
+    scored = Engine(target).generate(prompt, GenerationConfig(max_new_tokens=2, prompt_logprobs=2)).prompt_logprobs
+    assert len(scored) == len(prompt) and scored[0] is None and [e.token for e in scored[1:]] == prompt[1:]
+    for i in (1, 3, len(prompt) - 1):
+        forced = GenerationConfig(max_new_tokens=1, logprobs=2, sampling=SamplingParams(logit_bias=((prompt[i], 100.0),)))
+        [entry] = Engine(target).generate(prompt[:i], forced).logprobs
+        assert entry.token == prompt[i] and math.isclose(entry.logprob, scored[i].logprob, abs_tol=1e-4)
+        assert [t for t, _ in entry.top] == [t for t, _ in scored[i].top]
+
+
+def test_prompt_scores_do_not_depend_on_the_chunking(target, monkeypatch):
+    import flashtree.engine.generate as generate
+
+    prompt = PROMPT * 3
+    config = GenerationConfig(max_new_tokens=1, prompt_logprobs=1)
+    whole = Engine(target).generate(prompt, config).prompt_logprobs
+    monkeypatch.setattr(generate, "SCORE_CHUNK", 4)
+    chunked = Engine(target).generate(prompt, config).prompt_logprobs
+    assert [e.token for e in chunked[1:]] == [e.token for e in whole[1:]] == prompt[1:]
+    assert all(math.isclose(a.logprob, b.logprob, abs_tol=1e-4) for a, b in zip(whole[1:], chunked[1:]))

@@ -16,6 +16,7 @@ from flashtree.models.step import Step
 
 MODES = ("ar", "chain", "ddtree")
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+SCORE_CHUNK = 128  # prompt tokens per pass when scoring a prompt: [128, vocab] float32 logits (127 MB at 248K)
 PROGRESS_MIN_TOKENS = 8192  # prompts this long show a prefill progress bar where the CLI asks for one
 
 
@@ -35,6 +36,7 @@ class GenerationConfig:
     cache_type_v: str | None = None
     attn_window: int = 0  # > 0: sliding-window attention over the last N positions (changes output)
     logprobs: int | None = None  # None: off; k >= 0: each token's log-probability and the k most likely there
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (one more pass over the prompt)
     sampling: SamplingParams = SamplingParams()  # greedy by default
 
     def __post_init__(self) -> None:
@@ -57,8 +59,10 @@ class GenerationConfig:
                 kv_type(name)  # raises with the supported choices
         if self.attn_window < 0:
             raise FlashtreeError(f"attn_window must be >= 0 (0 = full attention), got {self.attn_window}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise FlashtreeError(f"logprobs must be from 0 to {MAX_TOP_LOGPROBS}, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+                raise FlashtreeError(f"{name} must be from 0 to {MAX_TOP_LOGPROBS}, got {value}")
 
 
 @dataclass
@@ -114,6 +118,7 @@ class GenerationResult:
     stats: GenerationStats
     stop_string: str | None = None  # which stop string ended it ("stop" without one: an end-of-generation token)
     logprobs: list[TokenLogprob] | None = None  # per token of `token_ids` whose text was kept, when asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (the first has none), when asked for
 
 
 class Engine:
@@ -167,6 +172,7 @@ class Engine:
         room = self.new_token_room(len(prompt_ids), config)
         out = OutputTracker(self.tokenizer, eos, config.stop, room, on_text, cancelled, on_logprobs)
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        scored = None if config.prompt_logprobs is None else self.score_prompt(list(prompt_ids), config)
         started = time.perf_counter()
         if not out.done:
             if config.mode == "ar":
@@ -180,7 +186,22 @@ class Engine:
         stats.total_s = time.perf_counter() - started
         stats.new_tokens = len(out.token_ids)
         return GenerationResult(out.token_ids, out.text, out.finish_reason, stats, out.stop_string,
-                                out.logprobs if config.logprobs is not None else None)
+                                out.logprobs if config.logprobs is not None else None, scored)
+
+    @torch.inference_mode()
+    def score_prompt(self, prompt_ids: list[int], config: GenerationConfig) -> list[TokenLogprob | None]:
+        """Each prompt token's log-probability given the tokens before it (and the `config.prompt_logprobs`
+        most likely there): a pass of its own over the prompt, in chunks small enough that their full
+        logits stay a few hundred MB, into a cache of its own."""
+        cache = self.new_cache(len(prompt_ids), replace(config, max_new_tokens=0))
+        model, rows = self.target.model, SCORE_CHUNK
+        entries: list[TokenLogprob | None] = [None]
+        for start in range(0, len(prompt_ids) - 1, rows):
+            piece = prompt_ids[start : start + rows]
+            logits = model.forward(torch.tensor(piece, dtype=torch.long), cache).logits
+            following = prompt_ids[start + 1 : start + 1 + len(piece)]
+            entries += token_logprobs(logits[: len(following)], following, config.prompt_logprobs)
+        return entries
 
     def new_token_room(self, prompt_len: int, config: GenerationConfig) -> int:
         """New tokens this request may generate: max_new_tokens, capped by the context (--ctx or the model's)."""

@@ -141,6 +141,9 @@ class MessagesRequest(MessagesInput):
     def logprob_count(self) -> None:  # the Messages API has no log-probabilities
         return None
 
+    def prompt_logprob_count(self) -> None:
+        return None
+
     def sampling(self) -> SamplingParams:
         """An omitted temperature means greedy, as on the OpenAI routes (not Anthropic's 1.0)."""
         return SamplingParams(temperature=self.temperature or 0.0, top_p=self.top_p or 1.0, top_k=self.top_k or 0)

@@ -121,7 +121,8 @@ class Server:
         if any(token >= vocab for token, _ in sampling.logit_bias):
             raise APIError(400, f"logit_bias names a token id outside the vocabulary [0, {vocab})", param="logit_bias")
         config = self.engine.config_for(max_new_tokens=requested, stop=params.stop_strings, sampling=sampling,
-                                        ignore_eos=params.ignore_eos or None, logprobs=params.logprob_count())
+                                        ignore_eos=params.ignore_eos or None, logprobs=params.logprob_count(),
+                                        prompt_logprobs=params.prompt_logprob_count())
         limit, prompt = self.context_limit, len(prompt_ids)
         # OpenAI's wording: agent clients match it to trigger history compaction.
         if prompt >= limit:
@@ -419,30 +420,67 @@ async def completions(body: CompletionRequest, request: Request,
         raise APIError(400, "the prompt is empty", param="prompt")
     reply = Reply("text_completion", server.model_name)
     jobs = server.submit_choices(prompt_ids, body, "prompt", reply.response_id, body.n)
+    echo = _Echo(body.prompt if isinstance(body.prompt, str) else tokenizer.decode(prompt_ids), prompt_ids) \
+        if body.echo else None
     if body.stream:
-        return _sse(_completion_stream(jobs, reply, body.include_usage, tokenizer), jobs)
+        return _sse(_completion_stream(jobs, reply, body.include_usage, tokenizer, echo), jobs)
     results = await _wait_all(jobs, request)
-    choices = [{"index": i, "text": result.text, "finish_reason": _finish_reason(result),
-                "logprobs": None if result.logprobs is None else _completion_logprobs(tokenizer, result.logprobs, 0)}
-               for i, result in enumerate(results)]
+    choices = [_completion_choice(i, result, tokenizer, echo) for i, result in enumerate(results)]
     return reply.body(choices, usage=_usage(results), flashtree=_flashtree_field(results))
 
 
-async def _completion_stream(jobs: list[Job], reply: Reply, include_usage: bool, tokenizer) -> AsyncIterator[dict]:
+@dataclass
+class _Echo:
+    """`echo`: the prompt leads the completion's text (and its log-probabilities, when asked for)."""
+
+    text: str
+    ids: list[int]
+
+    def logprobs(self, tokenizer, scored: list[TokenLogprob | None]) -> dict:
+        """The prompt's tokens in the legacy shape: the first has no log-probability (nothing precedes it)."""
+        first = _token_text(tokenizer, self.ids[0])[0]
+        out = _completion_logprobs(tokenizer, scored[1:], len(first))
+        return {"tokens": [first, *out["tokens"]], "token_logprobs": [None, *out["token_logprobs"]],
+                "top_logprobs": [None, *out["top_logprobs"]], "text_offset": [0, *out["text_offset"]]}
+
+
+def _completion_choice(index: int, result: GenerationResult, tokenizer, echo: _Echo | None) -> dict:
+    logprobs = None if result.logprobs is None else _completion_logprobs(tokenizer, result.logprobs, 0)
+    text = result.text
+    if echo is not None:
+        if logprobs is not None:
+            logprobs = _joined(echo.logprobs(tokenizer, result.prompt_logprobs), logprobs)
+        text = echo.text + text
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": _finish_reason(result)}
+
+
+def _joined(first: dict, then: dict) -> dict:
+    """Two legacy logprobs objects one after the other (`then`'s offsets moved past `first`'s text)."""
+    shift = sum(map(len, first["tokens"]))
+    return {"tokens": first["tokens"] + then["tokens"], "token_logprobs": first["token_logprobs"] + then["token_logprobs"],
+            "top_logprobs": first["top_logprobs"] + then["top_logprobs"],
+            "text_offset": first["text_offset"] + [shift + o for o in then["text_offset"]]}
+
+
+async def _completion_stream(jobs: list[Job], reply: Reply, include_usage: bool, tokenizer,
+                             echo: _Echo | None) -> AsyncIterator[dict]:
     for index, job in enumerate(jobs):
-        async for chunk in _completion_chunks(index, job, reply, tokenizer):
+        async for chunk in _completion_chunks(index, job, reply, tokenizer, echo):
             yield chunk
     if include_usage:
         yield reply.body([], chunk=True, usage=_usage([job.result for job in jobs]))
 
 
-async def _completion_chunks(index: int, job: Job, reply: Reply, tokenizer) -> AsyncIterator[dict]:
+async def _completion_chunks(index: int, job: Job, reply: Reply, tokenizer, echo: _Echo | None) -> AsyncIterator[dict]:
     offset = 0
 
     def choice(text: str, finish_reason: str | None = None, entries: list[TokenLogprob] = ()) -> list[dict]:
         logprobs = _completion_logprobs(tokenizer, entries, offset) if entries else None
         return [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]
 
+    if echo is not None:
+        yield reply.body(choice(echo.text), chunk=True)
+        offset = len(echo.text)
     async for piece, entries in job.pieces():
         yield reply.body(choice(piece, entries=entries), chunk=True)
         offset += sum(len(_token_text(tokenizer, e.token)[0]) for e in entries)

@@ -58,6 +58,10 @@ class GenerationParams(_Body):
         """None: no log-probabilities; k: each token's, with the k most likely alternatives."""
         return None
 
+    def prompt_logprob_count(self) -> int | None:
+        """The same for the prompt's tokens."""
+        return None
+
     def sampling(self) -> SamplingParams:
         """The engine's sampling parameters. An omitted temperature means greedy (0), not OpenAI's 1:
         identical-to-greedy output is what a local speculative server is run for (docs/SERVING.md)."""
@@ -84,6 +88,7 @@ class GenerationParams(_Body):
 
 class CompletionRequest(GenerationParams):
     prompt: str | Annotated[list[int], Field(min_length=1)]
+    max_tokens: int | None = Field(None, ge=0)  # 0 with echo: score the prompt only
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
@@ -92,10 +97,15 @@ class CompletionRequest(GenerationParams):
     def logprob_count(self) -> int | None:
         return self.logprobs
 
+    def prompt_logprob_count(self) -> int | None:
+        return self.logprobs if self.echo else None
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise unsupported("echo", "echo is not supported")
+        if self.echo and self.logprobs is not None and self.stream:
+            raise unsupported("echo", "the prompt's logprobs (echo with logprobs) come with non-streaming requests only")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens 0 generates nothing: it is for scoring a prompt with echo", param="max_tokens")
         if self.suffix:
             raise unsupported("suffix", "suffix (fill-in-the-middle) is not supported")
         if self.best_of not in (None, 1):
