@@ -23,6 +23,7 @@ from flashtree.engine.output import TokenLogprob
 from flashtree.errors import FlashtreeError
 from flashtree.formats.chat_template import ChatTemplate, template_or_chatml
 from flashtree.serve.errors import APIError, install_error_handlers
+from flashtree.serve.logprobs import Echo, chat_logprobs, completion_logprobs, joined, token_text
 from flashtree.serve.parsing import Delta, OutputParser, opens_thinking
 from flashtree.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerationParams,
                                       TokenizeRequest)
@@ -136,8 +137,9 @@ class Server:
                                 f"Please reduce the length of the {what} or completion.",
                            param="max_tokens", code="context_length_exceeded")
         seed = config.sampling.seed
-        jobs = [Job(prompt_ids, config if seed is None else replace(config, sampling=replace(config.sampling, seed=seed + i)),
-                    self.request_timeout, request_id) for i in range(n)]
+        configs = [config if seed is None else replace(config, sampling=replace(config.sampling, seed=seed + i))
+                   for i in range(n)]
+        jobs = [Job(prompt_ids, c, self.request_timeout, request_id) for c in configs]
         self.scheduler.submit(*jobs)
         return jobs
 
@@ -185,34 +187,6 @@ def _finish_reason(result: GenerationResult, called_tools: bool = False) -> str:
     if result.finish_reason == "stop":
         return "tool_calls" if called_tools else "stop"
     return "length"  # "length", or "cancelled" by the per-request timeout: the reply was cut short either way
-
-
-def _token_text(tokenizer, token: int) -> tuple[str, list[int]]:
-    """A token's text (partial UTF-8 replaced) and its bytes, as OpenAI's logprobs give them."""
-    raw = tokenizer.bytes_of(token)
-    return raw.decode("utf-8", errors="replace"), list(raw)
-
-
-def _chat_logprobs(tokenizer, entries: list[TokenLogprob]) -> dict:
-    def item(token: int, logprob: float) -> dict:
-        text, raw = _token_text(tokenizer, token)
-        return {"token": text, "logprob": logprob, "bytes": raw}
-
-    return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
-                        for e in entries], "refusal": None}
-
-
-def _completion_logprobs(tokenizer, entries: list[TokenLogprob], offset: int) -> dict:
-    """The legacy completions shape; `offset`: characters of the completion before these tokens."""
-    out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for e in entries:
-        text = _token_text(tokenizer, e.token)[0]
-        out["tokens"].append(text)
-        out["token_logprobs"].append(e.logprob)
-        out["top_logprobs"].append({_token_text(tokenizer, t)[0]: lp for t, lp in e.top} if e.top else None)
-        out["text_offset"].append(offset)
-        offset += len(text)
-    return out
 
 
 def _message_delta(delta: Delta) -> dict:
@@ -358,7 +332,7 @@ def _chat_choice(index: int, result: GenerationResult, parser: OutputParser, tok
     message = Delta()
     message.add(parser.feed(result.text))
     message.add(parser.finish())
-    logprobs = None if result.logprobs is None else _chat_logprobs(tokenizer, result.logprobs)
+    logprobs = None if result.logprobs is None else chat_logprobs(tokenizer, result.logprobs)
     choice = {"index": index, "message": {"role": "assistant", "content": message.content or None,
                                           "reasoning_content": message.reasoning or None},
               "logprobs": logprobs, "finish_reason": _finish_reason(result, parser.called_tools)}
@@ -388,7 +362,7 @@ async def _chat_chunks(index: int, job: Job, parser: OutputParser, reply: Reply,
     pending: list[TokenLogprob] = []  # entries of text the parser holds back, sent with the next chunk
 
     def choice(delta: dict, finish_reason: str | None = None) -> list[dict]:
-        logprobs = _chat_logprobs(tokenizer, pending) if pending else None
+        logprobs = chat_logprobs(tokenizer, pending) if pending else None
         pending.clear()
         return [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
 
@@ -420,7 +394,7 @@ async def completions(body: CompletionRequest, request: Request,
         raise APIError(400, "the prompt is empty", param="prompt")
     reply = Reply("text_completion", server.model_name)
     jobs = server.submit_choices(prompt_ids, body, "prompt", reply.response_id, body.n)
-    echo = _Echo(body.prompt if isinstance(body.prompt, str) else tokenizer.decode(prompt_ids), prompt_ids) \
+    echo = Echo(body.prompt if isinstance(body.prompt, str) else tokenizer.decode(prompt_ids), prompt_ids) \
         if body.echo else None
     if body.stream:
         return _sse(_completion_stream(jobs, reply, body.include_usage, tokenizer, echo), jobs)
@@ -429,41 +403,18 @@ async def completions(body: CompletionRequest, request: Request,
     return reply.body(choices, usage=_usage(results), flashtree=_flashtree_field(results))
 
 
-@dataclass
-class _Echo:
-    """`echo`: the prompt leads the completion's text (and its log-probabilities, when asked for)."""
-
-    text: str
-    ids: list[int]
-
-    def logprobs(self, tokenizer, scored: list[TokenLogprob | None]) -> dict:
-        """The prompt's tokens in the legacy shape: the first has no log-probability (nothing precedes it)."""
-        first = _token_text(tokenizer, self.ids[0])[0]
-        out = _completion_logprobs(tokenizer, scored[1:], len(first))
-        return {"tokens": [first, *out["tokens"]], "token_logprobs": [None, *out["token_logprobs"]],
-                "top_logprobs": [None, *out["top_logprobs"]], "text_offset": [0, *out["text_offset"]]}
-
-
-def _completion_choice(index: int, result: GenerationResult, tokenizer, echo: _Echo | None) -> dict:
-    logprobs = None if result.logprobs is None else _completion_logprobs(tokenizer, result.logprobs, 0)
+def _completion_choice(index: int, result: GenerationResult, tokenizer, echo: Echo | None) -> dict:
+    logprobs = None if result.logprobs is None else completion_logprobs(tokenizer, result.logprobs, 0)
     text = result.text
     if echo is not None:
         if logprobs is not None:
-            logprobs = _joined(echo.logprobs(tokenizer, result.prompt_logprobs), logprobs)
+            logprobs = joined(echo.logprobs(tokenizer, result.prompt_logprobs), logprobs)
         text = echo.text + text
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": _finish_reason(result)}
 
 
-def _joined(first: dict, then: dict) -> dict:
-    """Two legacy logprobs objects one after the other (`then`'s offsets moved past `first`'s text)."""
-    shift = sum(map(len, first["tokens"]))
-    return {"tokens": first["tokens"] + then["tokens"], "token_logprobs": first["token_logprobs"] + then["token_logprobs"],
-            "top_logprobs": first["top_logprobs"] + then["top_logprobs"],
-            "text_offset": first["text_offset"] + [shift + o for o in then["text_offset"]]}
-
-
 async def _completion_stream(jobs: list[Job], reply: Reply, include_usage: bool, tokenizer,
-                             echo: _Echo | None) -> AsyncIterator[dict]:
+                             echo: Echo | None) -> AsyncIterator[dict]:
     for index, job in enumerate(jobs):
         async for chunk in _completion_chunks(index, job, reply, tokenizer, echo):
             yield chunk
@@ -471,11 +422,11 @@ async def _completion_stream(jobs: list[Job], reply: Reply, include_usage: bool,
         yield reply.body([], chunk=True, usage=_usage([job.result for job in jobs]))
 
 
-async def _completion_chunks(index: int, job: Job, reply: Reply, tokenizer, echo: _Echo | None) -> AsyncIterator[dict]:
+async def _completion_chunks(index: int, job: Job, reply: Reply, tokenizer, echo: Echo | None) -> AsyncIterator[dict]:
     offset = 0
 
     def choice(text: str, finish_reason: str | None = None, entries: list[TokenLogprob] = ()) -> list[dict]:
-        logprobs = _completion_logprobs(tokenizer, entries, offset) if entries else None
+        logprobs = completion_logprobs(tokenizer, entries, offset) if entries else None
         return [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]
 
     if echo is not None:
@@ -483,7 +434,7 @@ async def _completion_chunks(index: int, job: Job, reply: Reply, tokenizer, echo
         offset = len(echo.text)
     async for piece, entries in job.pieces():
         yield reply.body(choice(piece, entries=entries), chunk=True)
-        offset += sum(len(_token_text(tokenizer, e.token)[0]) for e in entries)
+        offset += sum(len(token_text(tokenizer, e.token)[0]) for e in entries)
     yield reply.body(choice("", _finish_reason(job.result)), chunk=True, flashtree=_flashtree_stats(job.result))
 
 
