@@ -328,7 +328,7 @@ class Engine:
             stats.accepted[1] += 1
 
 
-def logprobs_of(logits: torch.Tensor, tokens: list[int], config: GenerationConfig) -> list[TokenLogprob | None]:
+def logprobs_of(logits: torch.Tensor | None, tokens: list[int], config: GenerationConfig) -> list[TokenLogprob | None]:
     """Each token's entry from its row of `logits`, or None for each when the request asked for none."""
     if config.logprobs is None:
         return [None] * len(tokens)

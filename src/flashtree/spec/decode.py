@@ -50,7 +50,8 @@ def speculative(engine, prompt_ids: list[int], config, out, stats, started: floa
         stats.proposed += len(tree) - 1
         tokens = tree.tokens[accepted[1:]].tolist()
         # each accepted token, then the bonus, was chosen from its parent node's row: the path's rows in order
-        *entries, bonus_logprob = logprobs_of(result.logits[accepted], tokens + [bonus], config)
+        rows = result.logits[accepted] if config.logprobs is not None else None  # no gather unless asked for
+        *entries, bonus_logprob = logprobs_of(rows, tokens + [bonus], config)
         for token, entry in zip(tokens, entries):
             if out.push(token, entry):  # an end-of-generation or stop inside the accepted path: emit up to it, no further
                 return
