@@ -193,7 +193,7 @@ class Engine:
         """Each prompt token's log-probability given the tokens before it (and the `config.prompt_logprobs`
         most likely there): a pass of its own over the prompt, in chunks small enough that their full
         logits stay a few hundred MB, into a cache of its own."""
-        cache = self.new_cache(len(prompt_ids), replace(config, max_new_tokens=0))
+        cache = self.new_cache(len(prompt_ids), config)  # sized as the generation's: a kept (graphed) cache serves both
         model, rows = self.target.model, SCORE_CHUNK
         entries: list[TokenLogprob | None] = [None]
         for start in range(0, len(prompt_ids) - 1, rows):
