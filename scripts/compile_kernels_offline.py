@@ -227,7 +227,8 @@ def gated_delta() -> None:
         gated_delta_triton.tree_verify(q, k, v, g, beta, state, torch.arange(n) - 1)
 
 
-PARTS = {"quant_matmul": quant_matmul, "decode_issue_bound": decode_issue_bound, "tree_attention": tree_attention, "kv_dequant": kv_dequant,
+PARTS = {"quant_matmul": quant_matmul, "decode_issue_bound": decode_issue_bound, "tree_attention": tree_attention,
+         "kv_dequant": kv_dequant,
          "norms_and_conv": norms_and_conv, "gated_delta": gated_delta}
 
 

@@ -174,3 +174,18 @@ def test_prefix_cache_hits_are_reported_in_usage(tiny_engine):
         openai = client.post("/v1/chat/completions", json={"max_tokens": 4, "messages": [
             {"role": "system", "content": system}, *first], "chat_template_kwargs": {"enable_thinking": False}})
         assert openai.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_a_failure_mid_stream_is_an_error_event(tiny_target):
+    from tests.serve.fakes import ScriptedEngine
+
+    class Failing(ScriptedEngine):
+        def generate(self, prompt_ids, config, on_text=None, cancelled=None, on_logprobs=None):
+            on_text("Par")
+            raise RuntimeError("the GPU fell over")
+
+    with TestClient(build_app(Failing(tiny_target), MODEL)) as client:
+        stream = events(messages(client, stream=True))
+    assert [name for name, _ in stream][0] == "message_start" and stream[-1][0] == "error"
+    error = stream[-1][1]["error"]
+    assert error["type"] == "api_error" and "generation failed" in error["message"]

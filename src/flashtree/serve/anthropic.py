@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from flashtree.engine.generate import GenerationResult
 from flashtree.engine.sampling import SamplingParams
-from flashtree.serve.app import Server, _flashtree_stats, _ready, _wait
+from flashtree.serve.app import Server, _flashtree_stats, _ready, _wait, log
 from flashtree.serve.errors import APIError, unsupported
 from flashtree.serve.parsing import Delta, OutputParser, opens_thinking
 from flashtree.serve.scheduler import Job
@@ -265,10 +265,11 @@ def _named_sse(events: AsyncIterator[tuple[str, dict]], job: Job) -> StreamingRe
         try:
             async for name, data in events:
                 yield f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
-        except APIError as exc:  # headers are out: a failure can only be reported as an event
+        except Exception as exc:  # headers are out: a failure can only be reported as an event
+            if not isinstance(exc, APIError):
+                log.exception("streaming failed")
+                exc = APIError(500, f"internal error: {type(exc).__name__}")
             yield f"event: error\ndata: {json.dumps(exc.anthropic_body())}\n\n"
-        except Exception as exc:
-            yield f"event: error\ndata: {json.dumps(APIError(500, f'internal error: {type(exc).__name__}').anthropic_body())}\n\n"
         finally:
             job.cancel()  # a client that hung up closes this generator: stop generating for it
 
