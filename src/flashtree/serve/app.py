@@ -463,7 +463,9 @@ def build_app(engine, model_name: str, api_key: str | None = None, queue_size: i
     install_error_handlers(app)
     app.include_router(public)
     app.include_router(api)
-    from flashtree.serve.anthropic import router as anthropic  # its routes use this module's dependencies
+    from flashtree.serve.anthropic import router as anthropic  # their routes use this module's dependencies
+    from flashtree.serve.responses import router as responses
 
     app.include_router(anthropic)
+    app.include_router(responses)
     return app
