@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from flashtree.engine.generate import GenerationResult
 from flashtree.engine.sampling import SamplingParams
-from flashtree.serve.app import Server, _flashtree_stats, _ready, _wait, log
+from flashtree.serve.app import Server, flashtree_stats, named_sse, parsed_events, ready_server, wait_for
 from flashtree.serve.errors import APIError, unsupported
 from flashtree.serve.parsing import Delta, OutputParser, opens_thinking
 from flashtree.serve.scheduler import Job
@@ -246,34 +246,14 @@ class _Stream:
 
 async def _message_events(job: Job, parser: OutputParser, message: dict) -> AsyncIterator[tuple[str, dict]]:
     yield "message_start", {"type": "message_start", "message": message}
-    blocks = _Stream()
-    async for piece in job.texts():
-        for event in blocks.events(parser.feed(piece)):
-            yield event
-    for event in blocks.events(parser.finish()) + blocks.close():
+    async for event in parsed_events(job, parser, _Stream()):
         yield event
     result = job.result
     yield "message_delta", {"type": "message_delta",
                             "delta": {"stop_reason": _stop_reason(result, parser.called_tools),
                                       "stop_sequence": result.stop_string},
-                            "usage": _usage(result), "flashtree": _flashtree_stats(result)}
+                            "usage": _usage(result), "flashtree": flashtree_stats(result)}
     yield "message_stop", {"type": "message_stop"}
-
-
-def _named_sse(events: AsyncIterator[tuple[str, dict]], job: Job) -> StreamingResponse:
-    async def stream() -> AsyncIterator[str]:
-        try:
-            async for name, data in events:
-                yield f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
-        except Exception as exc:  # headers are out: a failure can only be reported as an event
-            if not isinstance(exc, APIError):
-                log.exception("streaming failed")
-                exc = APIError(500, f"internal error: {type(exc).__name__}")
-            yield f"event: error\ndata: {json.dumps(exc.anthropic_body())}\n\n"
-        finally:
-            job.cancel()  # a client that hung up closes this generator: stop generating for it
-
-    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 router = APIRouter()
@@ -285,7 +265,7 @@ def _prompt(server: Server, body: MessagesInput) -> str:
 
 
 @router.post("/v1/messages", response_model=None)
-async def messages(body: MessagesRequest, request: Request, server: Server = Depends(_ready)) -> dict | StreamingResponse:
+async def messages(body: MessagesRequest, request: Request, server: Server = Depends(ready_server)) -> dict | StreamingResponse:
     prompt = _prompt(server, body)
     prompt_ids = server.engine.tokenizer.encode(prompt)
     message_id = f"msg_{uuid.uuid4().hex}"
@@ -295,15 +275,15 @@ async def messages(body: MessagesRequest, request: Request, server: Server = Dep
                "stop_reason": None, "stop_sequence": None,
                "usage": {"input_tokens": len(prompt_ids), "output_tokens": 0}}
     if body.stream:
-        return _named_sse(_message_events(job, parser, message), job)
-    result = await _wait(job, request)
+        return named_sse(_message_events(job, parser, message), job, APIError.anthropic_body)
+    result = await wait_for(job, request)
     reply = Delta()
     reply.add(parser.feed(result.text))
     reply.add(parser.finish())
     return {**message, "content": _blocks(reply), "stop_reason": _stop_reason(result, parser.called_tools),
-            "stop_sequence": result.stop_string, "usage": _usage(result), "flashtree": _flashtree_stats(result)}
+            "stop_sequence": result.stop_string, "usage": _usage(result), "flashtree": flashtree_stats(result)}
 
 
 @router.post("/v1/messages/count_tokens")
-def count_tokens(body: MessagesInput, server: Server = Depends(_ready)) -> dict:
+def count_tokens(body: MessagesInput, server: Server = Depends(ready_server)) -> dict:
     return {"input_tokens": len(server.engine.tokenizer.encode(_prompt(server, body)))}

@@ -170,7 +170,7 @@ def _usage(results: list[GenerationResult]) -> dict:
             "prompt_tokens_details": {"cached_tokens": results[0].stats.cached_tokens}}
 
 
-def _flashtree_stats(result: GenerationResult) -> dict:
+def flashtree_stats(result: GenerationResult) -> dict:
     """The `flashtree` field of a response: this request's speculative-decoding stats."""
     stats = result.stats
     return {"tokens": stats.new_tokens, "tokens_per_s": round(stats.tokens_per_s, 3),
@@ -200,7 +200,7 @@ def _message_delta(delta: Delta) -> dict:
     return out
 
 
-async def _wait(job: Job, request: Request) -> GenerationResult:
+async def wait_for(job: Job, request: Request) -> GenerationResult:
     """The job's result; a client that hangs up meanwhile cancels it."""
     [result] = await _wait_all([job], request)
     return result
@@ -259,7 +259,7 @@ def _authorized(request: Request, server: Server = Depends(_server)) -> Server:
     return server
 
 
-def _ready(server: Server = Depends(_authorized)) -> Server:
+def ready_server(server: Server = Depends(_authorized)) -> Server:
     server.require_ready()
     return server
 
@@ -293,7 +293,7 @@ def metrics(server: Server = Depends(_authorized)) -> PlainTextResponse:
 
 
 @api.post("/tokenize")
-def tokenize(body: TokenizeRequest, server: Server = Depends(_ready)) -> dict:
+def tokenize(body: TokenizeRequest, server: Server = Depends(ready_server)) -> dict:
     server.check_model(body.model)
     if body.messages is None:
         text = body.prompt
@@ -306,14 +306,43 @@ def tokenize(body: TokenizeRequest, server: Server = Depends(_ready)) -> dict:
 
 
 @api.post("/detokenize")
-def detokenize(body: DetokenizeRequest, server: Server = Depends(_ready)) -> dict:
+def detokenize(body: DetokenizeRequest, server: Server = Depends(ready_server)) -> dict:
     server.check_model(body.model)
     return {"prompt": server.engine.tokenizer.decode(body.tokens)}
 
 
+def named_sse(events: AsyncIterator[tuple[str, dict]], job: Job, error_body: Callable[[APIError], dict]) -> StreamingResponse:
+    """Server-sent events with names (`event: NAME`), as Anthropic's and the Responses API's streams are; a
+    failure once the headers are out goes as an `error` event shaped by `error_body`."""
+
+    async def stream() -> AsyncIterator[str]:
+        try:
+            async for name, data in events:
+                yield f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+        except Exception as exc:
+            if not isinstance(exc, APIError):
+                log.exception("streaming failed")
+                exc = APIError(500, f"internal error: {type(exc).__name__}")
+            yield f"event: error\ndata: {json.dumps(error_body(exc))}\n\n"
+        finally:
+            job.cancel()  # a client that hung up closes this generator: stop generating for it
+
+    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def parsed_events(job: Job, parser: OutputParser, stream) -> AsyncIterator:
+    """The job's text through the output parser into `stream` (an API's item builder with `events(delta)`
+    and `close()`), whose events come out as they are made."""
+    async for piece in job.texts():
+        for event in stream.events(parser.feed(piece)):
+            yield event
+    for event in stream.events(parser.finish()) + stream.close():
+        yield event
+
+
 @api.post("/v1/chat/completions", response_model=None)
 async def chat_completions(body: ChatCompletionRequest, request: Request,
-                           server: Server = Depends(_ready)) -> dict | StreamingResponse:
+                           server: Server = Depends(ready_server)) -> dict | StreamingResponse:
     server.check_model(body.model)
     body.check_supported()
     prompt = server.render([m.for_template() for m in body.messages], body.template_tools(), body.chat_template_kwargs)
@@ -344,7 +373,7 @@ def _chat_choice(index: int, result: GenerationResult, parser: OutputParser, tok
 
 def _flashtree_field(results: list[GenerationResult]) -> dict | list[dict]:
     """One request's stats; a list of them, per choice, when it asked for several (`n`)."""
-    stats = [_flashtree_stats(result) for result in results]
+    stats = [flashtree_stats(result) for result in results]
     return stats[0] if len(stats) == 1 else stats
 
 
@@ -375,12 +404,12 @@ async def _chat_chunks(index: int, job: Job, parser: OutputParser, reply: Reply,
         yield reply.body(choice(_message_delta(delta)), chunk=True)
     result = job.result
     yield reply.body(choice({}, _finish_reason(result, parser.called_tools)), chunk=True,
-                     flashtree=_flashtree_stats(result))
+                     flashtree=flashtree_stats(result))
 
 
 @api.post("/v1/completions", response_model=None)
 async def completions(body: CompletionRequest, request: Request,
-                      server: Server = Depends(_ready)) -> dict | StreamingResponse:
+                      server: Server = Depends(ready_server)) -> dict | StreamingResponse:
     server.check_model(body.model)
     body.check_supported()
     tokenizer = server.engine.tokenizer
@@ -435,7 +464,7 @@ async def _completion_chunks(index: int, job: Job, reply: Reply, tokenizer, echo
     async for piece, entries in job.pieces():
         yield reply.body(choice(piece, entries=entries), chunk=True)
         offset += sum(len(token_text(tokenizer, e.token)[0]) for e in entries)
-    yield reply.body(choice("", _finish_reason(job.result)), chunk=True, flashtree=_flashtree_stats(job.result))
+    yield reply.body(choice("", _finish_reason(job.result)), chunk=True, flashtree=flashtree_stats(job.result))
 
 
 def build_app(engine, model_name: str, api_key: str | None = None, queue_size: int = 16,

@@ -5,7 +5,6 @@ messages, and the output parser's reasoning / content / tool-call deltas become 
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any, AsyncIterator, ClassVar, Literal
@@ -16,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from flashtree.engine.generate import GenerationResult
 from flashtree.engine.sampling import SamplingParams
-from flashtree.serve.app import Server, _flashtree_stats, _ready, _wait, log
+from flashtree.serve.app import Server, flashtree_stats, named_sse, parsed_events, ready_server, wait_for
 from flashtree.serve.errors import APIError, unsupported
 from flashtree.serve.parsing import Delta, OutputParser, opens_thinking
 from flashtree.serve.scheduler import Job
@@ -161,7 +160,7 @@ def _finished(response: dict, result: GenerationResult, output: list[dict]) -> d
     cut = result.finish_reason != "stop"
     return {**response, "status": "incomplete" if cut else "completed", "output": output,
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "usage": _usage(result),
-            "flashtree": _flashtree_stats(result)}
+            "flashtree": flashtree_stats(result)}
 
 
 def _item_id(prefix: str) -> str:
@@ -258,40 +257,29 @@ async def _response_events(job: Job, parser: OutputParser, response: dict) -> As
     yield {"type": "response.created", "response": response}
     yield {"type": "response.in_progress", "response": response}
     items = _Stream()
-    async for piece in job.texts():
-        for event in items.events(parser.feed(piece)):
-            yield event
-    for event in items.events(parser.finish()) + items.close():
+    async for event in parsed_events(job, parser, items):
         yield event
     final = _finished(response, job.result, items.items)
     yield {"type": f"response.{final['status']}", "response": final}
 
 
-def _typed_sse(events: AsyncIterator[dict], job: Job) -> StreamingResponse:
-    async def stream() -> AsyncIterator[str]:
-        number = 0
-        try:
-            async for event in events:
-                yield f"event: {event['type']}\ndata: {json.dumps({**event, 'sequence_number': number})}\n\n"
-                number += 1
-        except Exception as exc:  # headers are out: a failure can only be reported as an event
-            if not isinstance(exc, APIError):
-                log.exception("streaming failed")
-                exc = APIError(500, f"internal error: {type(exc).__name__}")
-            body = {"type": "error", "code": exc.code or exc.type, "message": exc.message, "param": exc.param,
-                    "sequence_number": number}
-            yield f"event: error\ndata: {json.dumps(body)}\n\n"
-        finally:
-            job.cancel()  # a client that hung up closes this generator: stop generating for it
+async def _numbered(events: AsyncIterator[dict]) -> AsyncIterator[tuple[str, dict]]:
+    """Each event named by its type and numbered in order, as the API's stream is."""
+    number = 0
+    async for event in events:
+        yield event["type"], {**event, "sequence_number": number}
+        number += 1
 
-    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+def _error_event(exc: APIError) -> dict:
+    return {"type": "error", "code": exc.code or exc.type, "message": exc.message, "param": exc.param}
 
 
 router = APIRouter()
 
 
 @router.post("/v1/responses", response_model=None)
-async def responses(body: ResponsesRequest, request: Request, server: Server = Depends(_ready)) -> dict | StreamingResponse:
+async def responses(body: ResponsesRequest, request: Request, server: Server = Depends(ready_server)) -> dict | StreamingResponse:
     server.check_model(body.model)
     body.check_supported()
     prompt = server.render(body.template_messages(), body.template_tools(), body.template_kwargs())
@@ -306,8 +294,8 @@ async def responses(body: ResponsesRequest, request: Request, server: Server = D
                 "previous_response_id": None, "reasoning": body.reasoning, "text": {"format": {"type": "text"}},
                 "error": None, "incomplete_details": None, "metadata": body.metadata or {}, "usage": None}
     if body.stream:
-        return _typed_sse(_response_events(job, parser, response), job)
-    result = await _wait(job, request)
+        return named_sse(_numbered(_response_events(job, parser, response)), job, _error_event)
+    result = await wait_for(job, request)
     message = Delta()
     message.add(parser.feed(result.text))
     message.add(parser.finish())
