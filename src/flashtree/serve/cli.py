@@ -1,4 +1,4 @@
-"""`flashtree serve`: the OpenAI-compatible server on uvicorn."""
+"""`flashtree serve`: the OpenAI- and Anthropic-compatible server on uvicorn."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from flashtree.engine.prefix_cache import add_prefix_cache_args, apply_prefix_ca
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Serving flags only; the model flags (--model, --draft, --spec, --budget, --device, --ctx) are
     added by the caller."""
-    p = subparsers.add_parser("serve", help="serve an OpenAI-compatible HTTP API",
-                              description="Serve the model over an OpenAI-compatible HTTP API (see docs/SERVING.md).")
+    p = subparsers.add_parser("serve", help="serve an OpenAI- and Anthropic-compatible HTTP API",
+                              description="Serve the model over OpenAI's chat, completions and responses APIs "
+                                          "and Anthropic's messages API (see docs/SERVING.md).")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int_range(1, 65535), default=8000, help="port (default 8000)")
     p.add_argument("--api-key", default=os.environ.get("FLASHTREE_API_KEY"),
