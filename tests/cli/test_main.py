@@ -73,3 +73,10 @@ def test_plan_request_checks_its_counts():
 def test_sampling_errors_name_the_field_and_value(field, value, message):
     with pytest.raises(FlashtreeError, match=message):
         SamplingParams(**{field: value})
+
+
+def test_run_stats_line_for_a_single_token(capsys):
+    """One token comes from the prefill alone: no decode step, so no acceptance length to show."""
+    assert main(["run", "hi", "-n", "1", "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    assert "] 1 token, " in err and "no decode steps" in err and "acceptance length" not in err

@@ -44,8 +44,10 @@ def run(args: argparse.Namespace) -> int:
                          ensure_ascii=False))
     else:
         s = result.stats
-        print(f"\n\n[{config.mode}] {s.new_tokens} tokens, {s.tokens_per_s:.1f} tok/s, "
-              f"acceptance length {s.acceptance_length:.2f}, finish: {result.finish_reason}", file=sys.stderr)
+        # no target step after the prefill (one token): no acceptance length to report
+        accepted = f"acceptance length {s.acceptance_length:.2f}" if s.steps else "no decode steps"
+        print(f"\n\n[{config.mode}] {s.new_tokens} token{'s' if s.new_tokens != 1 else ''}, {s.tokens_per_s:.1f} "
+              f"tok/s, {accepted}, finish: {result.finish_reason}", file=sys.stderr)
     return 0
 
 
