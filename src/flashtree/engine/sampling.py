@@ -81,9 +81,9 @@ class Sampler:
             return None
         if max(token for token, _ in entries) >= self.vocab_size:
             raise FlashtreeError(f"logit_bias names a token id outside the vocabulary [0, {self.vocab_size})")
+        tokens, values = zip(*entries)
         bias = torch.zeros(self.vocab_size, device=self.device)
-        for token, value in entries:
-            bias[token] = value
+        bias[torch.tensor(tokens, device=self.device)] = torch.tensor(values, device=self.device)
         return bias
 
     def record(self, token: int) -> None:
