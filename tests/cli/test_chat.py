@@ -8,7 +8,7 @@ from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
 from rich.console import Console
 
-from flashtree.cli.chat import ChatSession, add_chat_parser, repl, terminal_lines
+from flashtree.cli.chat import CHAT_MAX_TOKENS, ChatSession, add_chat_parser, repl, terminal_lines
 from flashtree.engine.generate import Engine, GenerationConfig
 from flashtree.engine.loader import load_target
 from flashtree.errors import FlashtreeError
@@ -102,8 +102,10 @@ def sigint_raises():
 def test_ctrl_c_stops_the_reply_and_the_repl_goes_on(target, sigint_raises):
     engine = InterruptingEngine(target, script="word " * 300, delay=0.005)
     session, out = run(engine, ["tell me a story", "/stats"])
-    assert "[stopped]" in out and "no reply yet" in out
-    assert engine.results[-1].finish_reason == "cancelled" and len(engine.results[-1].token_ids) < 300
+    stopped = engine.results[-1]
+    assert stopped.finish_reason == "cancelled" and len(stopped.token_ids) < 300
+    assert "[stopped]" in out and "no reply yet" not in out
+    assert session.last_stats is stopped.stats and f"{stopped.stats.new_tokens} tokens" in out  # /stats of it
     assert session.messages == []  # the stopped turn is forgotten
 
 
@@ -145,5 +147,14 @@ def test_terminal_lines_read_a_prompt_with_history(tmp_path, monkeypatch):
 def test_parser_flags():
     sub = argparse.ArgumentParser().add_subparsers()
     args = add_chat_parser(sub).parse_args(["--system", "Be brief.", "--no-think", "--max-tokens", "64"])
-    assert (args.system, args.no_think, args.max_tokens) == ("Be brief.", True, 64)
+    assert (args.system, args.think, args.max_tokens) == ("Be brief.", False, 64)
     assert args.handler.__name__ == "run_chat"
+    defaults = add_chat_parser(argparse.ArgumentParser().add_subparsers()).parse_args([])
+    assert (defaults.think, defaults.max_tokens) == (None, CHAT_MAX_TOKENS)  # the template decides; a short reply
+
+
+def test_set_max_tokens(target):
+    session, out = run(ScriptedEngine(target, script="a b c d e f g h"), ["/set max_tokens 3", "hi", "/set max_tokens x"])
+    assert session.config.max_new_tokens == 3 and "max_tokens 3" in out
+    assert session.last_stats.new_tokens == 3
+    assert "max_tokens must be a whole number >= 1, got 'x'" in out

@@ -8,7 +8,7 @@ from flashtree.errors import FlashtreeError
 
 @pytest.mark.parametrize("argv, message", [
     (["run", "hi", "--budget", "0"], "argument --budget: must be >= 1, got 0"),
-    (["run", "hi", "-n", "-1"], "argument -n/--max-tokens: must be >= 0, got -1"),
+    (["run", "hi", "-n", "-1"], "argument -n/--max-tokens/--n-predict: must be >= 0, got -1"),
     (["run", "hi", "--ctx", "1"], "argument -c/--ctx: must be >= 2, got 1"),
     (["run", "hi", "--topk", "many"], "argument --topk: expected an integer, got 'many'"),
     (["serve", "--port", "99999"], "argument --port: must be from 1 to 65535, got 99999"),

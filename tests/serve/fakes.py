@@ -42,7 +42,8 @@ class ScriptedEngine:
         self.prompts.append(list(prompt_ids))
         self.started.set()
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
-        out = OutputTracker(self.tokenizer, self.tokenizer.eos_ids, config.stop, config.max_new_tokens, on_text, cancelled)
+        out = OutputTracker(self.tokenizer, self.tokenizer.eos_ids, config.stop, config.max_new_tokens, on_text, cancelled,
+                            skip_special=config.skip_special_tokens)
         while self.gate is not None and not self.gate.is_set() and not (cancelled and cancelled()):
             time.sleep(0.005)
         started = time.perf_counter()

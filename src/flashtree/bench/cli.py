@@ -2,35 +2,41 @@
 
 Reports tok/s, ms per target step and the bytes of weights a step reads divided by its time
 (achieved GB/s), the number to hold against the device's measured bandwidth.
+
+torch and the engine are imported inside the functions that run a benchmark: building the argument
+parser must not load them (`flashtree --help` answers at once).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
+import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
-import torch
+from tqdm import tqdm
 
 from flashtree.bench.datasets import BUILTIN, load_prompt_set
-from flashtree.bench.steps import weight_bytes
-from flashtree.engine.generate import MODES
-from flashtree.engine.loader import load_engine
+from flashtree.bench.report import save_report
 from flashtree.errors import FlashtreeError
-from flashtree.models.random_weights import SHAPES
+
+
+def synthetic_shapes() -> dict:
+    from flashtree.models.random_weights import SHAPES  # deferred: imports torch, which --help must not wait for
+
+    return SHAPES
 
 
 def add_parser(sub) -> None:
-    from flashtree.cli.main import add_model_args, add_sampling_args, int_range
+    from flashtree.cli.main import add_model_args, add_sampling_args, add_thinking_arg, int_range, one_of
 
-    p = sub.add_parser("bench", help="benchmark decoding modes (table + JSON)")
+    p = sub.add_parser("bench", help="benchmark decoding modes (table; JSON with --out)")
     add_model_args(p)
     add_sampling_args(p)
-    p.add_argument("--synthetic", choices=sorted(SHAPES),
-                   help="random-weight model of this shape, built in memory, instead of --model")
+    p.add_argument("--synthetic", type=one_of(synthetic_shapes), metavar="NAME",
+                   help="random-weight model of this shape (tiny, qwen3.5-0.8b, qwen3.6-27b, ...), built in memory, "
+                        "instead of --model")
     p.add_argument("--scheme", default="q8_0", help="quant scheme of the synthetic model (default q8_0)")
     p.add_argument("--echo", action="store_true",
                    help="--synthetic: a decisive model (its greedy next token is its current token, by a wide "
@@ -41,9 +47,10 @@ def add_parser(sub) -> None:
     p.add_argument("--dataset", action="append", default=None,
                    help="builtin (default), humaneval, or a chat-message .jsonl file; repeatable")
     p.add_argument("--prompts", type=int_range(1), default=len(BUILTIN), help="prompts per dataset")
-    p.add_argument("--think", action="store_true", help="render prompts with thinking on (default off)")
-    p.add_argument("-n", "--max-tokens", type=int_range(1), default=128)
-    p.add_argument("--out", default="bench.json", help="JSON output path")
+    add_thinking_arg(p)
+    p.add_argument("-n", "--max-tokens", "--n-predict", type=int_range(1), default=128,
+                   help="new tokens per prompt (default 128)")
+    p.add_argument("--out", default=None, metavar="FILE.json", help="write the report as JSON here (default: none)")
     p.add_argument("--multi-turn", action="store_true",
                    help="time to first token per turn of a chat with a long system prompt, prefix cache off vs on")
     p.add_argument("--turns", type=int_range(1), default=5, help="--multi-turn: chat turns (default 5)")
@@ -65,6 +72,8 @@ def add_parser(sub) -> None:
 
 
 def _modes(text: str) -> list[str]:
+    from flashtree.engine.generate import MODES  # deferred: imports torch
+
     modes = [m.strip() for m in text.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
@@ -83,7 +92,9 @@ def _lengths(text: str) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from flashtree.cli.main import cache_args, memory_args, placement_args
+    from flashtree.bench.steps import weight_bytes
+    from flashtree.cli.main import cache_args, memory_args, placement_args, thinking_kwargs
+    from flashtree.engine.loader import load_engine
 
     if args.synthetic and args.model:
         raise FlashtreeError(f"--synthetic {args.synthetic} builds its own model: drop --model, or drop --synthetic")
@@ -116,25 +127,27 @@ def run(args: argparse.Namespace) -> int:
     sampling = sampling_from_args(args)
     base = engine.config_for(max_new_tokens=args.max_tokens, ignore_eos=True, sampling=sampling)
     sets = [load_prompt_set(spec, args.prompts) for spec in (args.dataset or ["builtin"])]
-    encoded = {s.name: [engine.encode_messages(conv, enable_thinking=args.think) for conv in s.conversations]
+    encoded = {s.name: [engine.encode_messages(conv, **thinking_kwargs(args.think)) for conv in s.conversations]
                for s in sets}
     first = next(iter(encoded.values()))[0]
     engine.generate(first, replace(base, mode=modes[-1], max_new_tokens=8))  # warm-up: allocator, kernels
     rows = [row for name, prompts in encoded.items()
             for row in _bench_dataset(engine, name, prompts, base, modes, args.peers)]
     report = {"date": time.strftime("%Y-%m-%d"), "device": _device_name(engine), "model": str(engine.target.path),
-              "draft": str(args.draft) if args.draft else None,
+              "draft": str(engine.draft_path) if engine.draft_path else None,
               "weights_bytes_per_step": weight_bytes(engine.target.model),
               "max_tokens": args.max_tokens, "prompts_per_dataset": args.prompts, "sampling": vars(sampling),
               "rows": rows, "mean": _mean_rows(rows)}
-    Path(args.out).write_text(json.dumps(report, indent=2))
     _print_table(report)
+    save_report(report, args.out)
     return 0
 
 
 def _bench_dataset(engine, name: str, prompts: list[list[int]], base, modes: list[str], peers: bool) -> list[dict]:
     """One row per mode (and per peer); every row compares each prompt's tokens with our AR run's."""
-    runs = {mode: [_timed(engine, ids, replace(base, mode=mode)) for ids in prompts] for mode in modes}
+    runs = {mode: [_timed(engine, ids, replace(base, mode=mode))
+                   for ids in tqdm(prompts, desc=f"{name} {mode}", unit="prompt", leave=False, file=sys.stderr)]
+            for mode in modes}
     ar_tokens = [r.token_ids for r in runs["ar"]]
     rows = [_row(name, mode, base, results, ar_tokens) for mode, results in runs.items()]
     ar_speed = rows[0]["tokens_per_s"]
@@ -148,6 +161,8 @@ def _bench_dataset(engine, name: str, prompts: list[list[int]], base, modes: lis
 
 
 def _timed(engine, ids, config):
+    import torch
+
     result = engine.generate(ids, config)
     if engine.target.model.device.type == "cuda":
         torch.cuda.synchronize()
@@ -196,6 +211,8 @@ def _print_table(report: dict) -> None:
 
 
 def _device_name(engine) -> str:
+    import torch
+
     dev = engine.target.model.device
     return torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})"
 
@@ -231,7 +248,7 @@ def _synthetic_engine(args, cache_options: dict, placement: dict):
 
     overrides = {}
     if getattr(args, "multi_turn", False):  # room for the long system prompt and the turns
-        overrides["context_length"] = max(SHAPES[args.synthetic].get("context_length", 4096),
+        overrides["context_length"] = max(synthetic_shapes()[args.synthetic].get("context_length", 4096),
                                           2 * args.system_tokens + 8192)
     config = shape_config(args.synthetic, **overrides)
     if placement.get("tensor_parallel", 1) > 1:

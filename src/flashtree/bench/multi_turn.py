@@ -10,13 +10,12 @@ in the prompt chunks' forwards (timed with a device sync around each); the rest 
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
+from flashtree.bench.report import save_report
 from flashtree.engine.generate import Engine
 from flashtree.engine.prefix_cache import PrefixCache
 
@@ -106,7 +105,7 @@ def run_multi_turn(args, engine: Engine, model_name: str, device: str) -> int:
               "system_tokens": args.system_tokens, "turns": args.turns, "max_tokens": args.max_tokens,
               "prefix_cache_entries": len(cached.prefix_cache.entries),
               "prefix_cache_bytes": cached.prefix_cache.nbytes, "rows": rows}
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    save_report(report, args.out)
     print(f"device: {device}   model: {model_name}   mode: {mode}   system prompt ~{args.system_tokens} tokens, "
           f"{args.max_tokens} new tokens per turn")
     print(f"{'turn':>4}{'prompt':>8}{'cached':>8}{'TTFT off (s)':>14}{'TTFT on (s)':>13}{'forwards on':>13}"

@@ -15,14 +15,13 @@ model shape, each held against a floor measured in the same run.
 from __future__ import annotations
 
 import copy
-import json
 import statistics
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
+from flashtree.bench.report import save_report
 from flashtree.engine.loader import resolve_device
 from flashtree.models.dflash import DFlashDraft, DraftConfig, build_target_layer_ids
 from flashtree.models.layers import Linear, QuantLinear
@@ -238,7 +237,7 @@ def run_steps(args, engine, device_name: str) -> int:
                                      for i in range(torch.cuda.device_count()) if torch.cuda.max_memory_allocated(i)}
     report["rows"] = rows
     if _rank_and_world()[0] == 0:  # a tensor-parallel benchmark runs on every rank: rank 0 writes
-        Path(args.out).write_text(json.dumps(report, indent=2))
+        save_report(report, args.out)
     _print(report)
     return 0
 

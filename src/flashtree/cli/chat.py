@@ -9,32 +9,38 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from rich.console import Console
 
-from flashtree.engine.generate import GenerationConfig, GenerationResult, GenerationStats
-from flashtree.engine.prefix_cache import add_prefix_cache_args, apply_prefix_cache_args
+from flashtree.cli.main import add_thinking_arg, int_range, thinking_kwargs
+from flashtree.engine.prefix_cache_flags import add_prefix_cache_args
 from flashtree.errors import FlashtreeError
 from flashtree.formats.chat_template import template_or_chatml
 from flashtree.serve.parsing import Delta, OutputParser, opens_thinking
+
+if TYPE_CHECKING:  # the engine imports torch, which `flashtree chat --help` must not wait for
+    from flashtree.engine.generate import GenerationConfig, GenerationResult, GenerationStats
+
+CHAT_MAX_TOKENS = 1024  # a reply's length cap unless --max-tokens or /set max_tokens changes it
 
 HELP = """\
 /help              this list
 /clear             forget the conversation (the system prompt stays)
 /system TEXT       set the system prompt (/system alone removes it)
-/think on|off      let the model reason before answering, or not
-/set NAME VALUE    sampling: temperature (0 = greedy), top_p, top_k, min_p, seed, repetition_penalty,
-                   presence_penalty, frequency_penalty (lossless with speculation)
-/stats             tokens, speed and acceptance length of the last reply
+/think on|off      let the model reason before answering, or not (default: the model's chat template)
+/set NAME VALUE    max_tokens (longest reply); sampling: temperature (0 = greedy), top_p, top_k, min_p, seed,
+                   repetition_penalty, presence_penalty, frequency_penalty (lossless with speculation)
+/stats             tokens, speed and acceptance length of the last reply (also one stopped with Ctrl-C)
 /exit, /bye        quit (also Ctrl-D)
 Ctrl-C stops a reply; Alt-Enter inserts a newline; a line starting with \"\"\" opens a block that \"\"\" closes."""
 
 
 class ChatSession:
-    """A conversation: system prompt, thinking switch, message history, and the last reply's stats."""
+    """A conversation: system prompt, thinking switch (None: the chat template's default), message history,
+    and the last reply's stats."""
 
-    def __init__(self, engine, config: GenerationConfig, system: str | None = None, thinking: bool = True):
+    def __init__(self, engine, config: GenerationConfig, system: str | None = None, thinking: bool | None = None):
         self.engine = engine
         self.config = config
         self.system = system
@@ -53,7 +59,7 @@ class ChatSession:
 
     def prompt(self) -> str:
         system = [{"role": "system", "content": self.system}] if self.system else []
-        return self.template.render(system + self.messages, enable_thinking=self.thinking)
+        return self.template.render(system + self.messages, **thinking_kwargs(self.thinking))
 
     def reply(self, text: str, show: Callable[[Delta], None]) -> GenerationResult:
         """Answers `text`, passing reasoning/content deltas to `show` as they stream. A reply stopped by
@@ -71,6 +77,10 @@ class ChatSession:
 
             ids = self.engine.tokenizer.encode(prompt)
             result = _cancellable(lambda cancelled: self.engine.generate(ids, self.config, on_text, cancelled))
+        except ReplyStopped as stopped:
+            self.messages.pop()
+            self.last_stats = stopped.result.stats if stopped.result is not None else self.last_stats
+            raise
         except BaseException:
             self.messages.pop()
             raise
@@ -82,8 +92,17 @@ class ChatSession:
         return result
 
 
+class ReplyStopped(KeyboardInterrupt):
+    """Ctrl-C stopped a reply; `result` is what the engine had generated (None if it failed meanwhile)."""
+
+    def __init__(self, result: GenerationResult | None):
+        super().__init__()
+        self.result = result
+
+
 def _cancellable(generate: Callable[[Callable[[], bool]], GenerationResult]) -> GenerationResult:
-    """Runs generation off the main thread, so that Ctrl-C reaches us here and stops it within one step."""
+    """Runs generation off the main thread, so that Ctrl-C reaches us here and stops it within one step;
+    then raises ReplyStopped with the partial result."""
     cancel = threading.Event()
     with ThreadPoolExecutor(1) as pool:
         future = pool.submit(generate, cancel.is_set)
@@ -95,8 +114,8 @@ def _cancellable(generate: Callable[[Callable[[], bool]], GenerationResult]) -> 
                     continue
         except KeyboardInterrupt:
             cancel.set()
-            future.exception()  # wait for the engine to stop
-            raise
+            failed = future.exception()  # waits for the engine to stop
+            raise ReplyStopped(None if failed else future.result()) from None
 
 
 class _Printer:
@@ -152,10 +171,14 @@ _SETTABLE = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
 
 def _cmd_set(session: ChatSession, arg: str, console: Console) -> None:
     name, _, value = arg.partition(" ")
+    if name == "max_tokens" and value.strip():
+        _set_max_tokens(session, value, console)
+        return
     if name not in _SETTABLE or not value.strip():
         now = ", ".join(f"{k}={getattr(session.config.sampling, k)}" for k in _SETTABLE)
-        console.print(f"usage: /set temperature X (now {session.temperature:g}); also {', '.join(list(_SETTABLE)[1:])}"
-                      f"\nnow: {now}", markup=False)
+        console.print(f"usage: /set temperature X (now {session.temperature:g}); also max_tokens, "
+                      f"{', '.join(list(_SETTABLE)[1:])}\nnow: max_tokens={session.config.max_new_tokens}, {now}",
+                      markup=False)
         return
     if name == "temperature":
         _set_temperature(session, value, console)
@@ -167,6 +190,14 @@ def _cmd_set(session: ChatSession, arg: str, console: Console) -> None:
         return
     session.config = replace(session.config, sampling=sampling)
     console.print(f"{name} {value.strip()}")
+
+
+def _set_max_tokens(session: ChatSession, value: str, console: Console) -> None:
+    if not value.strip().isdigit() or int(value) < 1:
+        console.print(f"max_tokens must be a whole number >= 1, got {value.strip()!r}", markup=False)
+        return
+    session.config = replace(session.config, max_new_tokens=int(value))
+    console.print(f"max_tokens {int(value)}: replies stop after {int(value)} tokens")
 
 
 def _set_temperature(session: ChatSession, value: str, console: Console) -> None:
@@ -284,28 +315,30 @@ def terminal_lines(input=None, output=None) -> Iterator[str]:
 
 def add_chat_parser(subparsers) -> argparse.ArgumentParser:
     """Chat flags only; the model flags are added by the caller."""
-    from flashtree.cli.main import int_range
-
     p = subparsers.add_parser("chat", help="chat with the model in the terminal",
                               description="Interactive chat; type /help inside for commands.")
     p.add_argument("--system", help="system prompt")
-    p.add_argument("--no-think", action="store_true", help="start with thinking off (/think on|off switches)")
-    p.add_argument("--max-tokens", type=int_range(1), default=4096, help="longest reply in tokens (default 4096)")
+    add_thinking_arg(p)
+    p.add_argument("-n", "--max-tokens", "--n-predict", type=int_range(1), default=CHAT_MAX_TOKENS,
+                   help=f"longest reply in tokens (default {CHAT_MAX_TOKENS}; /set max_tokens N changes it)")
     add_prefix_cache_args(p)
     p.set_defaults(handler=run_chat)
     return p
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    from flashtree.cli.main import cache_args, memory_args, placement_args
+    """The chat; also what `flashtree run` without a prompt opens, with its sampling flags."""
+    from flashtree.cli.main import cache_args, memory_args, placement_args, sampling_from_args
     from flashtree.engine.loader import load_engine
+    from flashtree.engine.prefix_cache import apply_prefix_cache_args
 
     console = Console()
-    with console.status("loading the model..."):
-        engine = load_engine(args.model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk,
-                             progress=True, **cache_args(args), **placement_args(args), **memory_args(args))
+    # The layer bar alone (stderr, erased when done): a spinner drawn beside it left stale lines behind.
+    engine = load_engine(args.model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk,
+                         progress=True, **cache_args(args), **placement_args(args), **memory_args(args))
     engine.prefill_progress = True
-    config = engine.config_for(max_new_tokens=args.max_tokens, ctx=args.ctx)
+    sampling = sampling_from_args(args) if hasattr(args, "temperature") else None
+    config = engine.config_for(max_new_tokens=args.max_tokens or CHAT_MAX_TOKENS, ctx=args.ctx, sampling=sampling)
     apply_prefix_cache_args(engine, args)
-    repl(ChatSession(engine, config, system=args.system, thinking=not args.no_think), terminal_lines(), console)
+    repl(ChatSession(engine, config, system=args.system, thinking=args.think), terminal_lines(), console)
     return 0

@@ -7,16 +7,13 @@ import json
 from collections import Counter
 
 from flashtree.cli.main import int_range
-from flashtree.engine.loader import check_tensor_types, read_config
-from flashtree.formats.gguf_file import GGUFFile
-from flashtree.formats.quants import type_name
 
 GIB = 1024**3
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("info", help="describe a GGUF model: architecture, sizes, quant types, memory")
-    p.add_argument("path", help="model GGUF")
+    p.add_argument("path", help="model GGUF, or demo: the embedded demo target")
     p.add_argument("--tensors", action="store_true", help="list every tensor with its type and shape")
     p.add_argument("--ctx", type=int_range(1), default=4096, help="context size for the KV memory estimate (default 4096)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -24,7 +21,12 @@ def add_parser(sub) -> None:
 
 
 def describe(path: str, ctx: int) -> dict:
-    gguf = GGUFFile(path)
+    # deferred: these import torch, which `flashtree info --help` must not wait for
+    from flashtree.engine.loader import check_tensor_types, model_path, read_config
+    from flashtree.formats.gguf_file import GGUFFile
+    from flashtree.formats.quants import type_name
+
+    gguf = GGUFFile(model_path(path))
     config, tokenizer = read_config(gguf)
     check_tensor_types(gguf, config)
     c = config

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Callable, Iterable
 
 from flashtree import __version__
 from flashtree.errors import FlashtreeError
@@ -26,6 +27,19 @@ def int_range(low: int, high: int | None = None):
     return parse
 
 
+def one_of(names: Callable[[], Iterable[str]]):
+    """An argparse type: one of `names()`. A function, so that a table kept beside torch code is imported
+    only when its flag is given, not to build the parser."""
+
+    def parse(text: str) -> str:
+        known = sorted(names())
+        if text not in known:
+            raise argparse.ArgumentTypeError(f"unknown {text!r}; choose from {', '.join(known)}")
+        return text
+
+    return parse
+
+
 def memory_size(text: str) -> str:
     """An argparse type: a memory size such as 24GiB, checked while parsing (kept as text)."""
     from flashtree.engine.planner import parse_size
@@ -39,7 +53,7 @@ def memory_size(text: str) -> str:
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     """Flags shared by every command that loads a model (names follow llama.cpp / vLLM)."""
-    parser.add_argument("-m", "--model", help="target GGUF (default: the embedded demo model)")
+    parser.add_argument("-m", "--model", help="target GGUF, or demo: the embedded demo pair (the default)")
     parser.add_argument("--draft", help="DFlash draft directory (config.json + model.safetensors)")
     parser.add_argument("--spec", choices=("ar", "chain", "ddtree"), default=None,
                         help="decoding mode (default: ddtree when a draft is given, else ar)")
@@ -66,6 +80,21 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="memory per GPU to plan for, e.g. 24GiB (default: each GPU's free memory); checked at load")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="no CUDA graphs: launch every kernel of a step from Python (vLLM's flag; for debugging)")
+    parser.add_argument("-t", "--threads", type=int_range(1), default=None, metavar="N",
+                        help="CPU threads for torch (default: $OMP_NUM_THREADS, else the physical cores less one)")
+    parser.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="gpu_layers", type=int, default=None,
+                        metavar="N", help="accepted for llama.cpp habits and ignored: every layer goes on --device")
+
+
+def add_thinking_arg(parser: argparse.ArgumentParser) -> None:
+    """`--think` / `--no-think`; neither leaves the choice to the model's chat template (its default)."""
+    parser.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
+                        help="let the model think first, or not (default: what the model's chat template does)")
+
+
+def thinking_kwargs(think: bool | None) -> dict:
+    """Chat template arguments for a --think/--no-think choice: none when neither was given."""
+    return {} if think is None else {"enable_thinking": think}
 
 
 def cache_args(args: argparse.Namespace) -> dict:
@@ -130,10 +159,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def apply_process_options(args: argparse.Namespace) -> None:
+    """The model commands' process-wide flags: CPU threads, and the note that -ngl does nothing."""
+    if getattr(args, "gpu_layers", None) is not None:
+        print(f"note: -ngl {args.gpu_layers} ignored: flashtree puts all layers on --device "
+              "(--layer-split spreads them over GPUs)", file=sys.stderr)
+    if hasattr(args, "threads"):
+        from flashtree.cli.threads import set_threads
+
+        set_threads(args.threads)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        apply_process_options(args)
         if getattr(args, "tensor_parallel", 1) > 1:  # one process per rank (flashtree.dist.tp)
             from flashtree.dist.tp import run_rank
 

@@ -15,18 +15,26 @@ from __future__ import annotations
 import argparse
 import json
 
-from flashtree.cli.main import int_range, memory_size
-from flashtree.engine.planner import (SYNTHETIC, DraftShape, PlanRequest, fmt_bytes, max_ctx, parse_size, per_device,
-                                      per_rank, plan, target_from_gguf, target_from_preset)
+import sys
+
+from flashtree.cli.main import int_range, memory_size, one_of
 from flashtree.errors import FlashtreeError
+
+
+def synthetic_shapes() -> dict:
+    from flashtree.engine.planner import SYNTHETIC  # deferred: the planner imports torch
+
+    return SYNTHETIC
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="memory budget of a model + draft at a context size and KV cache types")
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("-m", "--model", help="target GGUF (only metadata and the tensor table are read)")
-    source.add_argument("--synthetic", choices=sorted(SYNTHETIC),
-                        help="a known model shape instead of a file (includes its DFlash draft unless --no-draft)")
+    source.add_argument("-m", "--model",
+                        help="target GGUF, or demo (only metadata and the tensor table are read)")
+    source.add_argument("--synthetic", type=one_of(synthetic_shapes), metavar="NAME",
+                        help="a known model shape instead of a file, e.g. qwen3.6-27b (includes its DFlash draft "
+                        "unless --no-draft)")
     p.add_argument("--draft", help="DFlash draft directory (config.json is read)")
     p.add_argument("--no-draft", action="store_true", help="plan without a draft (autoregressive)")
     p.add_argument("-c", "--ctx", type=int_range(2), default=None, help="context size in tokens (default: the model's)")
@@ -51,12 +59,15 @@ def add_parser(sub) -> None:
 
 
 def build_request(args: argparse.Namespace) -> PlanRequest:
+    from flashtree.engine.loader import model_path
+    from flashtree.engine.planner import DraftShape, PlanRequest, target_from_gguf, target_from_preset
+
     if args.synthetic:
         config, weights, embed, dense, draft, layers = target_from_preset(args.synthetic)
         if args.draft:
             draft = DraftShape.from_dir(args.draft)
     else:
-        config, weights, embed, dense, layers = target_from_gguf(args.model)
+        config, weights, embed, dense, layers = target_from_gguf(model_path(args.model))
         draft = DraftShape.from_dir(args.draft) if args.draft else None
     if args.no_draft:
         draft = None
@@ -66,6 +77,8 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
 
 
 def available_memory(text: str | None) -> tuple[int | None, str]:
+    from flashtree.engine.planner import parse_size
+
     if text is not None:
         return parse_size(text), "--gpu-memory"
     try:
@@ -95,8 +108,17 @@ def placement(args: argparse.Namespace, num_layers: int) -> tuple[list[int], int
     return counts, draft_gpu
 
 
+def warn_past_trained_context(ctx: int, trained: int) -> None:
+    if ctx > trained:
+        print(f"warning: --ctx {ctx} is past the model's trained context ({trained} tokens); "
+              "quality past it is not what the model was trained for", file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
+    from flashtree.engine.planner import fmt_bytes, max_ctx, per_device, per_rank, plan
+
     req = build_request(args)
+    warn_past_trained_context(req.ctx, req.config.context_length)
     result = plan(req)
     if args.ranks > 1:
         if args.layer_split or args.draft_device:
@@ -135,6 +157,8 @@ def run(args: argparse.Namespace) -> int:
 
 def show_devices(args: argparse.Namespace, result, devices: list[dict], placement_text: str) -> int:
     """The plan as one column per GPU; refuses (naming them) the GPUs that do not fit."""
+    from flashtree.engine.planner import fmt_bytes
+
     req, c = result.request, result.request.config
     totals = [sum(d.values()) for d in devices]
     available, source = available_memory(args.gpu_memory)

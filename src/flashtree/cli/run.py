@@ -1,4 +1,5 @@
-"""`flashtree run "prompt"`: one-shot generation, streamed to stdout (or one JSON object with --json)."""
+"""`flashtree run "prompt"`: one-shot generation, streamed to stdout (or one JSON object with --json).
+Without a prompt it opens the chat, as `ollama run` does."""
 
 from __future__ import annotations
 
@@ -6,36 +7,57 @@ import argparse
 import json
 import sys
 
-from flashtree.cli.main import add_model_args, add_sampling_args, int_range, sampling_from_args
-from flashtree.engine.loader import load_engine
+from flashtree.cli.main import (add_model_args, add_sampling_args, add_thinking_arg, int_range, sampling_from_args,
+                                thinking_kwargs)
+from flashtree.errors import FlashtreeError
+
+RUN_MAX_TOKENS = 256
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("run", help="generate a completion for one prompt")
-    p.add_argument("prompt", help="the prompt text (use - to read it from stdin)")
+    p = sub.add_parser("run", help="generate a completion for one prompt (no prompt: open the chat)")
+    p.add_argument("prompt", nargs="?", help="the prompt text (- reads it from stdin; none opens the chat)")
+    p.add_argument("-p", "--prompt", dest="prompt_option", metavar="TEXT", help="the prompt, as llama.cpp takes it")
     add_model_args(p)
     add_sampling_args(p)
-    p.add_argument("-n", "--max-tokens", type=int_range(0), default=256, help="maximum new tokens (default 256)")
+    p.add_argument("-n", "--max-tokens", "--n-predict", type=int_range(0), default=None,
+                   help=f"maximum new tokens (default {RUN_MAX_TOKENS}; in the chat, the chat's)")
     p.add_argument("--raw", action="store_true", help="plain completion: do not apply the chat template")
     p.add_argument("--system", help="system prompt for the chat template")
-    p.add_argument("--think", action="store_true", help="let the model think first (enable_thinking)")
+    add_thinking_arg(p)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-generation tokens")
+    p.add_argument("--special", action="store_true",
+                   help="keep special tokens such as <|im_end|> in the printed text (ids are the same either way)")
     p.add_argument("--json", action="store_true", help="print token ids, text and stats as one JSON object")
     p.set_defaults(handler=run)
 
 
+def prompt_text(args: argparse.Namespace) -> str | None:
+    """The prompt from the positional argument or -p (not both); `-` reads stdin; None: no prompt."""
+    if args.prompt is not None and args.prompt_option is not None:
+        raise FlashtreeError("give the prompt once: as an argument or with -p, not both")
+    prompt = args.prompt if args.prompt is not None else args.prompt_option
+    return sys.stdin.read() if prompt == "-" else prompt
+
+
 def run(args: argparse.Namespace) -> int:
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = prompt_text(args)
+    if prompt is None:
+        from flashtree.cli.chat import run_chat
+
+        return run_chat(args)
     sampling = sampling_from_args(args)  # validated before the model loads
     from flashtree.cli.main import cache_args, memory_args, placement_args
+    from flashtree.engine.loader import load_engine  # deferred: torch loads only once a command runs
 
     engine = load_engine(args.model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk,
                          progress=not args.json, **cache_args(args), **placement_args(args), **memory_args(args))
     engine.prefill_progress = not args.json
-    prompt_ids = engine.encode_prompt(prompt, raw=args.raw, system=args.system, enable_thinking=args.think)
-    config = engine.config_for(max_new_tokens=args.max_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
-                               ctx=args.ctx, sampling=sampling)
+    prompt_ids = engine.encode_prompt(prompt, raw=args.raw, system=args.system, **thinking_kwargs(args.think))
+    max_tokens = RUN_MAX_TOKENS if args.max_tokens is None else args.max_tokens
+    config = engine.config_for(max_new_tokens=max_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+                               ctx=args.ctx, sampling=sampling, skip_special_tokens=not args.special)
     stream = None if args.json else _print_piece
     result = engine.generate(prompt_ids, config, on_text=stream)
     if args.json:

@@ -38,6 +38,7 @@ class GenerationConfig:
     logprobs: int | None = None  # None: off; k >= 0: each token's log-probability and the k most likely there
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (one more pass over the prompt)
     sampling: SamplingParams = SamplingParams()  # greedy by default
+    skip_special_tokens: bool = True  # control tokens (<|im_start|>...) left out of the text, not the ids (vLLM's)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -127,6 +128,7 @@ class Engine:
     def __init__(self, target, draft=None, default_config: GenerationConfig | None = None):
         self.target = target
         self.draft = draft
+        self.draft_path = None  # the directory the draft was loaded from, for reports (None: no file, or no draft)
         self.default_config = default_config or GenerationConfig(mode="ddtree" if draft is not None else "ar")
         self.prefix_cache = None  # a flashtree.engine.prefix_cache.PrefixCache reuses prompt prefixes across requests
         self.use_cuda_graphs = True  # decode and verify steps replay CUDA graphs (single-device CUDA targets)
@@ -170,7 +172,8 @@ class Engine:
             raise FlashtreeError(f"mode {config.mode!r} needs a draft model: pass --draft DIR or use --spec ar")
         eos = set(config.stop_token_ids) | (set() if config.ignore_eos else set(self.tokenizer.eos_ids))
         room = self.new_token_room(len(prompt_ids), config)
-        out = OutputTracker(self.tokenizer, eos, config.stop, room, on_text, cancelled, on_logprobs)
+        out = OutputTracker(self.tokenizer, eos, config.stop, room, on_text, cancelled, on_logprobs,
+                            skip_special=config.skip_special_tokens)
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
         scored = None if config.prompt_logprobs is None else self.score_prompt(list(prompt_ids), config)
         started = time.perf_counter()

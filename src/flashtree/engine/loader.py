@@ -112,6 +112,17 @@ def _progress_bar(config: Qwen35Config):
 DEMO_DIR = Path(__file__).resolve().parent.parent / "assets"
 DEMO_TARGET = DEMO_DIR / "demo-target.gguf"
 DEMO_DRAFT = DEMO_DIR / "demo-draft"
+DEMO_NAME = "demo"  # what --model takes for the embedded pair (as ollama names its models)
+
+
+def is_demo(model: str | Path | None) -> bool:
+    """No model, or the name `demo`: the embedded demo pair."""
+    return model is None or str(model) == DEMO_NAME
+
+
+def model_path(model: str | Path | None) -> str | Path:
+    """The GGUF a --model value names: the embedded demo target for `demo` (or none)."""
+    return DEMO_TARGET if is_demo(model) else model
 
 
 def load_engine(model: str | Path | None = None, draft: str | Path | None = None, device: str | None = None,
@@ -128,7 +139,7 @@ def load_engine(model: str | Path | None = None, draft: str | Path | None = None
     memory plan (`ctx` tokens, each GPU's free memory or the `gpu_memory` cap) is checked before loading."""
     from flashtree.engine.generate import GenerationConfig
 
-    if model is None:
+    if is_demo(model):
         if not DEMO_TARGET.is_file():
             raise FlashtreeError("no --model given and the embedded demo model is not installed; pass --model PATH.gguf")
         model = DEMO_TARGET
@@ -197,6 +208,7 @@ def engine_from_target(target: Target, draft: str | Path | None = None, spec: st
     draft_model = load_draft(draft, target, draft_device) if draft is not None else None
     mode = spec or ("ddtree" if draft_model is not None else "ar")
     engine = Engine(target, draft_model, GenerationConfig(mode=mode, budget=budget, topk=topk, **cache_options))
+    engine.draft_path = Path(draft) if draft_model is not None else None
     engine.use_cuda_graphs = not enforce_eager
     return engine
 

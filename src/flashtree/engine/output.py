@@ -36,15 +36,16 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[To
 class OutputTracker:
     def __init__(self, tokenizer: Tokenizer, eos_ids: Iterable[int], stop: Iterable[str], max_new_tokens: int,
                  on_text: Callable[[str], None] | None = None, cancelled: Callable[[], bool] | None = None,
-                 on_logprobs: Callable[[list[TokenLogprob]], None] | None = None):
+                 on_logprobs: Callable[[list[TokenLogprob]], None] | None = None, skip_special: bool = False):
         """`on_logprobs` (when tokens come with log-probabilities) receives, just before each `on_text`
-        piece, the entries of the tokens that piece completes the text of."""
+        piece, the entries of the tokens that piece completes the text of. `skip_special`: control tokens
+        add no text (they stay in `token_ids`)."""
         self.eos_ids = frozenset(eos_ids)
         self.stop = tuple(s for s in stop if s)
         self.max_new_tokens = max_new_tokens
         self.on_text = on_text
         self.cancelled = cancelled
-        self.decoder = tokenizer.stream_decoder()
+        self.decoder = tokenizer.stream_decoder(skip_special)
         self.token_ids: list[int] = []
         self.text = ""
         self.finish_reason: str | None = None

@@ -40,11 +40,9 @@ from typing import Sequence
 
 import torch
 
+from flashtree.engine.prefix_cache_flags import DEFAULT_INTERVAL, DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES
 from flashtree.errors import FlashtreeError
 
-DEFAULT_INTERVAL = 1024
-DEFAULT_MAX_ENTRIES = 64
-DEFAULT_MAX_BYTES = 8 << 30
 BOUNDARY_TOKENS = ("<|im_start|>",)
 
 
@@ -425,27 +423,6 @@ class PrefixCache:
             lines += [f"# HELP flashtree_{name} {help_text}", f"# TYPE flashtree_{name} {kind}",
                       f"flashtree_{name} {value}"]
         return "\n".join(lines) + "\n"
-
-
-
-# --------------------------------------------------------------------------------------------
-# command-line flags (serve, chat)
-# --------------------------------------------------------------------------------------------
-
-
-def add_prefix_cache_args(parser) -> None:
-    import argparse
-
-    parser.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
-                        help="reuse the KV + DeltaNet state of earlier prompts/answers across turns "
-                             "(default on; --no-prefix-cache switches it off)")
-    parser.add_argument("--prefix-cache-entries", type=int, default=DEFAULT_MAX_ENTRIES,
-                        help=f"most snapshots kept, least recently used evicted (default {DEFAULT_MAX_ENTRIES})")
-    parser.add_argument("--prefix-cache-gib", type=float, default=DEFAULT_MAX_BYTES / (1 << 30),
-                        help=f"most memory the snapshots take, in GiB (default {DEFAULT_MAX_BYTES / (1 << 30):g}; "
-                             "host RAM when the model is on a GPU)")
-    parser.add_argument("--prefix-cache-interval", type=int, default=DEFAULT_INTERVAL,
-                        help=f"also snapshot every N prompt tokens of a long prompt (default {DEFAULT_INTERVAL})")
 
 
 def apply_prefix_cache_args(engine, args) -> None:

@@ -88,6 +88,12 @@ CHATML_TEMPLATE = """\
 {%- endif %}
 """
 
+# ChatML for models trained on answers alone (the toy targets `flashtree train` makes, the embedded demo
+# among them): the generation prompt closes the think block unless enable_thinking is true. Such a model
+# never writes </think> itself, so with Qwen's default (thinking on) its whole reply would be reasoning.
+ANSWER_FIRST_TEMPLATE = CHATML_TEMPLATE.replace("{%- if enable_thinking is false %}",
+                                                "{%- if enable_thinking is not true %}")
+
 # Other names clients use for the assistant's reasoning; templates read `reasoning_content`.
 _REASONING_ALIASES = ("reasoning", "thinking")
 

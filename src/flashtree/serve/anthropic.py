@@ -116,8 +116,9 @@ class MessagesInput(_Body):
         return None if tools is None else {t["function"]["name"]: t["function"]["parameters"] for t in tools}
 
     def template_kwargs(self) -> dict:
-        """Thinking as Anthropic means it: only when asked for ("enabled" or "adaptive")."""
-        return {"enable_thinking": self.thinking is not None and self.thinking.type != "disabled"}
+        """`thinking` switches it ("enabled" or "adaptive" on, "disabled" off); without the field the server's
+        default holds (--think/--no-think, else the chat template's), as on the OpenAI routes."""
+        return {} if self.thinking is None else {"enable_thinking": self.thinking.type != "disabled"}
 
 
 class MessagesRequest(MessagesInput):

@@ -24,7 +24,7 @@ from flashtree.errors import FlashtreeError
 from flashtree.formats.chat_template import ChatTemplate, template_or_chatml
 from flashtree.serve.errors import APIError, install_error_handlers
 from flashtree.serve.logprobs import Echo, chat_logprobs, completion_logprobs, joined, token_text
-from flashtree.serve.parsing import Delta, OutputParser, opens_thinking
+from flashtree.serve.parsing import Delta, OutputParser, opens_thinking, reasoning_tokens
 from flashtree.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerationParams,
                                       TokenizeRequest)
 from flashtree.serve.scheduler import Job, Metrics, Scheduler
@@ -53,6 +53,7 @@ class Server:
         self.metrics = Metrics()
         self.scheduler: Scheduler | None = None
         self.template: ChatTemplate | None = None
+        self.template_kwargs: dict = {}  # server-wide defaults (enable_thinking), under each request's own
         self.status = "loading"
         self.load_error = ""
         self.created = int(time.time())
@@ -107,7 +108,7 @@ class Server:
             if key in _RESERVED_TEMPLATE_KEYS:
                 raise APIError(400, f"chat_template_kwargs may not set {key!r}", param="chat_template_kwargs")
         return self.template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                    **(kwargs or {}))
+                                    **{**self.template_kwargs, **(kwargs or {})})
 
     def submit(self, prompt_ids: Sequence[int], params: GenerationParams, what: str, request_id: str = "") -> Job:
         [job] = self.submit_choices(prompt_ids, params, what, request_id, 1)
@@ -163,11 +164,16 @@ class Reply:
                 "choices": choices, **extra}
 
 
-def _usage(results: list[GenerationResult]) -> dict:
-    """One prompt (counted once, as OpenAI does for `n` > 1) and every choice's completion."""
+def _usage(results: list[GenerationResult], parsers: list[OutputParser] = (), tokenizer=None) -> dict:
+    """One prompt (counted once, as OpenAI does for `n` > 1) and every choice's completion; with the chat
+    choices' `parsers` (done with their replies), the reasoning tokens among them."""
     prompt, completion = results[0].stats.prompt_tokens, sum(len(r.token_ids) for r in results)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": results[0].stats.cached_tokens}}
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+             "prompt_tokens_details": {"cached_tokens": results[0].stats.cached_tokens}}
+    if parsers:
+        reasoning = sum(reasoning_tokens(r.token_ids, tokenizer, p) for r, p in zip(results, parsers))
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    return usage
 
 
 def flashtree_stats(result: GenerationResult) -> dict:
@@ -354,7 +360,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
         return _sse(_chat_stream(jobs, parsers, reply, body.include_usage, tokenizer), jobs)
     results = await _wait_all(jobs, request)
     choices = [_chat_choice(i, result, parser, tokenizer) for i, (result, parser) in enumerate(zip(results, parsers))]
-    return reply.body(choices, usage=_usage(results), flashtree=_flashtree_field(results))
+    return reply.body(choices, usage=_usage(results, parsers, tokenizer), flashtree=_flashtree_field(results))
 
 
 def _chat_choice(index: int, result: GenerationResult, parser: OutputParser, tokenizer) -> dict:
@@ -384,7 +390,7 @@ async def _chat_stream(jobs: list[Job], parsers: list[OutputParser], reply: Repl
         async for chunk in _chat_chunks(index, job, parser, reply, tokenizer):
             yield chunk
     if include_usage:
-        yield reply.body([], chunk=True, usage=_usage([job.result for job in jobs]))
+        yield reply.body([], chunk=True, usage=_usage([job.result for job in jobs], parsers, tokenizer))
 
 
 async def _chat_chunks(index: int, job: Job, parser: OutputParser, reply: Reply, tokenizer) -> AsyncIterator[dict]:
@@ -469,13 +475,15 @@ async def _completion_chunks(index: int, job: Job, reply: Reply, tokenizer, echo
 
 def build_app(engine, model_name: str, api_key: str | None = None, queue_size: int = 16,
               request_timeout: float = 600.0, shutdown_timeout: float = 30.0,
-              allowed_origins: Sequence[str] = ()) -> FastAPI:
+              allowed_origins: Sequence[str] = (), template_kwargs: dict | None = None) -> FastAPI:
     """`engine`: an Engine, or a zero-argument callable returning one (loaded in the background while
     /health answers 503). `queue_size`: requests that may wait while one generates; more get 503.
     `request_timeout`: seconds from arrival after which generation stops (finish_reason "length").
     `shutdown_timeout`: seconds in-flight work may take to finish at shutdown before it is cancelled.
-    `allowed_origins`: browser origins answered with CORS headers ("*": any)."""
+    `allowed_origins`: browser origins answered with CORS headers ("*": any). `template_kwargs`: the
+    chat template arguments a request's own override (serve --think/--no-think sets enable_thinking)."""
     server = Server(engine, model_name, api_key, queue_size, request_timeout, shutdown_timeout)
+    server.template_kwargs = dict(template_kwargs or {})
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

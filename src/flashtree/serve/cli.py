@@ -8,8 +8,8 @@ import logging
 import os
 from pathlib import Path
 
-from flashtree.cli.main import int_range
-from flashtree.engine.prefix_cache import add_prefix_cache_args, apply_prefix_cache_args
+from flashtree.cli.main import add_thinking_arg, int_range, thinking_kwargs
+from flashtree.engine.prefix_cache_flags import add_prefix_cache_args
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -35,6 +35,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="browser origins allowed to call the API (CORS), comma-separated, or * "
                         "(default: * on a loopback --host, none otherwise)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    add_thinking_arg(p)
+    p.add_argument("--special", action="store_true",
+                   help="keep special tokens such as <|im_end|> in returned text (ids are the same either way)")
     add_prefix_cache_args(p)
     p.set_defaults(handler=run_serve)
     return p
@@ -46,10 +49,12 @@ def engine_factory(args: argparse.Namespace):
     def load():
         from flashtree.cli.main import cache_args, memory_args, placement_args
         from flashtree.engine.loader import load_engine
+        from flashtree.engine.prefix_cache import apply_prefix_cache_args
 
         engine = load_engine(args.model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk,
                              progress=True, **cache_args(args), **placement_args(args), **memory_args(args))
-        engine.default_config = engine.config_for(max_new_tokens=args.max_tokens, ctx=args.ctx)
+        engine.default_config = engine.config_for(max_new_tokens=args.max_tokens, ctx=args.ctx,
+                                                  skip_special_tokens=not args.special)
         apply_prefix_cache_args(engine, args)
         return engine
 
@@ -66,10 +71,11 @@ def _is_loopback(host: str) -> bool:
 def _check_files(args: argparse.Namespace) -> None:
     """What can fail at once fails before the server starts (exit 1, one line): the model file's header and
     the draft's config. The weights load behind /health (503 until ready; after a failed load too)."""
+    from flashtree.engine.loader import is_demo
     from flashtree.engine.planner import DraftShape
     from flashtree.formats.gguf_file import GGUFFile
 
-    if args.model:
+    if not is_demo(args.model):
         GGUFFile(args.model)
     if args.draft:
         DraftShape.from_dir(args.draft)
@@ -93,8 +99,11 @@ def run_serve(args: argparse.Namespace) -> int:
     if not _is_loopback(args.host) and not args.api_key:
         logging.getLogger("flashtree.serve").warning(
             "binding %s without --api-key: anyone who can reach this port can use the model", args.host)
-    name = args.served_model_name or (Path(args.model).stem if args.model else "flashtree-demo")
+    from flashtree.engine.loader import is_demo
+
+    name = args.served_model_name or ("flashtree-demo" if is_demo(args.model) else Path(args.model).stem)
     app = build_app(engine_factory(args), name, api_key=args.api_key, queue_size=args.max_queued_requests,
+                    template_kwargs=thinking_kwargs(args.think),
                     allowed_origins=allowed_origins(args.allowed_origins, args.host),
                     request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout)
     print(f"flashtree: serving {name} at http://{args.host}:{args.port}/v1 (loading the model...)", flush=True)

@@ -27,6 +27,15 @@ def opens_thinking(prompt: str) -> bool:
     return prompt.rfind(THINK_OPEN) > prompt.rfind(THINK_CLOSE)
 
 
+def reasoning_tokens(token_ids: list[int], tokenizer, parser: OutputParser) -> int:
+    """Generated tokens spent reasoning: those before the `</think>` token, or all of them when the reply
+    never closed its thinking; none when `parser` (done with this reply) saw no reasoning."""
+    if not parser.reasoned:
+        return 0
+    close = tokenizer.token_id(THINK_CLOSE)
+    return token_ids.index(close) if close in token_ids else len(token_ids)
+
+
 @dataclass
 class Delta:
     reasoning: str = ""
@@ -96,6 +105,7 @@ class OutputParser:
         self._at_start = True  # nothing emitted at all: a model-written <think> may still open reasoning
         self._calls: list[_Call] = []
         self._out = Delta()
+        self.reasoned = False  # some reasoning text came out (for the reasoning token count)
 
     @property
     def called_tools(self) -> bool:
@@ -152,6 +162,7 @@ class OutputParser:
             self._fresh = self._at_start = False
             if self._mode == REASONING:
                 self._out.reasoning += body
+                self.reasoned = True
             else:
                 self._out.content += body
 

@@ -17,7 +17,7 @@ from flashtree.engine.generate import GenerationResult
 from flashtree.engine.sampling import SamplingParams
 from flashtree.serve.app import Server, flashtree_stats, named_sse, parsed_events, ready_server, wait_for
 from flashtree.serve.errors import APIError, unsupported
-from flashtree.serve.parsing import Delta, OutputParser, opens_thinking
+from flashtree.serve.parsing import Delta, OutputParser, opens_thinking, reasoning_tokens
 from flashtree.serve.scheduler import Job
 
 
@@ -95,9 +95,10 @@ class ResponsesRequest(_Body):
         return None if tools is None else {t["function"]["name"]: t["function"]["parameters"] for t in tools}
 
     def template_kwargs(self) -> dict:
-        """Reasoning stays the model's default (Qwen thinks) unless the request turns it off."""
+        """`reasoning.effort` switches thinking (none or minimal: off; low, medium, high: on); without it the
+        server's default holds (--think/--no-think, else the chat template's)."""
         effort = (self.reasoning or {}).get("effort")
-        return {"enable_thinking": False} if effort in ("none", "minimal") else {}
+        return {} if effort is None else {"enable_thinking": effort not in ("none", "minimal")}
 
 
 def _text_of(content, where: str) -> str:
@@ -150,16 +151,19 @@ def _merged_tool_calls(messages: list[dict]) -> list[dict]:
     return out
 
 
-def _usage(result: GenerationResult) -> dict:
+def _usage(result: GenerationResult, reasoning: int) -> dict:
     prompt, output = result.stats.prompt_tokens, len(result.token_ids)
     return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": result.stats.cached_tokens},
-            "output_tokens": output, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + output}
+            "output_tokens": output, "output_tokens_details": {"reasoning_tokens": reasoning},
+            "total_tokens": prompt + output}
 
 
-def _finished(response: dict, result: GenerationResult, output: list[dict]) -> dict:
+def _finished(response: dict, result: GenerationResult, output: list[dict], parser: OutputParser, tokenizer) -> dict:
+    """The final response object; `parser` is done with the reply (for the reasoning token count)."""
     cut = result.finish_reason != "stop"
+    usage = _usage(result, reasoning_tokens(result.token_ids, tokenizer, parser))
     return {**response, "status": "incomplete" if cut else "completed", "output": output,
-            "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "usage": _usage(result),
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "usage": usage,
             "flashtree": flashtree_stats(result)}
 
 
@@ -253,13 +257,13 @@ class _Stream:
                 "delta": text}
 
 
-async def _response_events(job: Job, parser: OutputParser, response: dict) -> AsyncIterator[dict]:
+async def _response_events(job: Job, parser: OutputParser, response: dict, tokenizer) -> AsyncIterator[dict]:
     yield {"type": "response.created", "response": response}
     yield {"type": "response.in_progress", "response": response}
     items = _Stream()
     async for event in parsed_events(job, parser, items):
         yield event
-    final = _finished(response, job.result, items.items)
+    final = _finished(response, job.result, items.items, parser, tokenizer)
     yield {"type": f"response.{final['status']}", "response": final}
 
 
@@ -294,9 +298,10 @@ async def responses(body: ResponsesRequest, request: Request, server: Server = D
                 "previous_response_id": None, "reasoning": body.reasoning, "text": {"format": {"type": "text"}},
                 "error": None, "incomplete_details": None, "metadata": body.metadata or {}, "usage": None}
     if body.stream:
-        return named_sse(_numbered(_response_events(job, parser, response)), job, _error_event)
+        return named_sse(_numbered(_response_events(job, parser, response, server.engine.tokenizer)), job,
+                         _error_event)
     result = await wait_for(job, request)
     message = Delta()
     message.add(parser.feed(result.text))
     message.add(parser.finish())
-    return _finished(response, result, _items(message))
+    return _finished(response, result, _items(message), parser, server.engine.tokenizer)

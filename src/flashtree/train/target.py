@@ -14,7 +14,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from flashtree.formats.chat_template import ANSWER_FIRST_TEMPLATE
 from flashtree.formats.tokenizer import Tokenizer, TokenizerSpec, pad_vocab, train_bpe
 from flashtree.models.qwen35_config import Qwen35Config
 from flashtree.train.convert import gguf_tensors_from_hf, new_hf_model
@@ -91,7 +92,8 @@ def build_tokenizer(corpus: Corpus, vocab_size: int, sample_chars: int = 8_000_0
         if total >= sample_chars:
             break
     spec = train_bpe(sample, vocab_size - 8)
-    return pad_vocab(spec, vocab_size)
+    # trained on answers only (corpus.render_pair): thinking is off unless asked for
+    return replace(pad_vocab(spec, vocab_size), chat_template=ANSWER_FIRST_TEMPLATE)
 
 
 def tokenize_stream(tokenizer: Tokenizer, texts: list[str], seed: int = 0) -> np.ndarray:
