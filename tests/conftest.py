@@ -1,7 +1,11 @@
+import os
+
 import pytest
 import torch
 
 # The test models are tiny: intra-op threads only add contention (50x slower on a busy 2-core machine).
+# OMP_NUM_THREADS is also what `flashtree.cli.main` falls back to, so the CLI tests keep 1 thread too.
+os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
 
 from flashtree.models.synthetic import synthetic_tokenizer, write_synthetic_gguf

@@ -90,3 +90,14 @@ def test_logprobs_stop_with_the_text_a_stop_string_cuts(tok):
     assert tracker.text == "alpha beta " and tok.decode(kept).startswith("alpha beta ")
     assert "STOP" not in tok.decode(kept[:-1])  # nothing past the token where the stop string begins
     assert sum((tokens for kind, tokens in events if kind == "logprobs"), []) == kept
+
+
+def test_special_tokens_are_skipped_in_text_but_kept_in_ids(tok):
+    ids = tok.encode("ab<|im_start|>cd")
+    assert tok.token_id("<|im_start|>") in ids
+    for skip, text in ((True, "abcd"), (False, "ab<|im_start|>cd")):
+        pieces = []
+        tracker = OutputTracker(tok, (), (), 100, pieces.append, skip_special=skip)
+        tracker.push_many(ids)
+        tracker._finish("length", flush=True)
+        assert tracker.text == "".join(pieces) == text and tracker.token_ids == ids

@@ -15,7 +15,10 @@ TOOLS = [{"name": "get_weather", "description": "Weather for a city",
 
 
 def messages(client, stream=False, headers=None, **body):
-    payload = {"model": "claude-sonnet-4-5", "max_tokens": 64, "messages": USER, "stream": stream, **body}
+    """A Messages request, thinking disabled unless `body` says otherwise (the tiny model's template thinks by
+    default)."""
+    payload = {"model": "claude-sonnet-4-5", "max_tokens": 64, "messages": USER, "stream": stream,
+               "thinking": {"type": "disabled"}, **body}
     return client.post("/v1/messages", json=payload, headers=headers)
 
 
@@ -66,7 +69,15 @@ def test_text_reply(client, scripted, stream):
     assert message["stop_reason"] == "end_turn" and message["stop_sequence"] is None
     assert message["usage"] == {"input_tokens": len(scripted.prompts[-1]), "cache_read_input_tokens": 0,
                                 "output_tokens": len(scripted.results[-1].token_ids)}
-    assert decoded_prompt(scripted).endswith("</think>\n\n")  # no thinking unless asked for
+    assert decoded_prompt(scripted).endswith("</think>\n\n")  # thinking disabled reached the template
+
+
+@pytest.mark.parametrize("server_default, prompt_end", [({}, "<think>\n"), ({"enable_thinking": False}, "</think>\n\n")])
+def test_without_a_thinking_field_the_server_default_holds(scripted, server_default, prompt_end):
+    """As on the OpenAI routes: the chat template's default, or serve --think/--no-think."""
+    with TestClient(build_app(scripted, MODEL, template_kwargs=server_default)) as client:
+        messages(client, thinking=None)
+    assert decoded_prompt(scripted).endswith(prompt_end)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -116,7 +127,8 @@ def test_stop_sequences_and_max_tokens(client, scripted, stream):
 
 
 def test_count_tokens_is_the_prompt_the_reply_uses(client, scripted):
-    counted = client.post("/v1/messages/count_tokens", json={"model": "any", "messages": USER, "tools": TOOLS})
+    counted = client.post("/v1/messages/count_tokens", json={"model": "any", "messages": USER, "tools": TOOLS,
+                                                             "thinking": {"type": "disabled"}})
     assert counted.status_code == 200
     messages(client, tools=TOOLS)
     assert counted.json() == {"input_tokens": len(scripted.prompts[-1])}
@@ -150,7 +162,7 @@ def test_api_key_by_x_api_key_header(scripted):
 
 
 def test_real_engine_stream_equals_non_stream(real_client):
-    body = {"max_tokens": 12, "messages": [{"role": "user", "content": "Hi"}]}
+    body = {"max_tokens": 12, "messages": [{"role": "user", "content": "Hi"}], "thinking": {"type": "disabled"}}
     whole = real_client.post("/v1/messages", json=body).json()
     streamed = streamed_message(events(real_client.post("/v1/messages", json={**body, "stream": True})))
     assert streamed["content"] == whole["content"] and streamed["stop_reason"] == whole["stop_reason"]

@@ -112,11 +112,23 @@ def test_no_usage_chunk_unless_asked(client):
 @pytest.mark.parametrize("stream", [False, True])
 def test_reasoning_split(client, scripted, stream):
     scripted.script = "The user wants weather.\n</think>\n\nIt is sunny."
-    response = chat(client, stream=stream)
-    message = merged_deltas(sse(response)) if stream else response.json()["choices"][0]["message"]
+    response = chat(client, stream=stream, stream_options={"include_usage": True} if stream else None)
+    chunks = sse(response) if stream else None
+    message = merged_deltas(chunks) if stream else response.json()["choices"][0]["message"]
     assert decoded_prompt(scripted).endswith("<think>\n")
     assert message["reasoning_content"] == "The user wants weather."
     assert message["content"] == "It is sunny."
+    usage = chunks[-1]["usage"] if stream else response.json()["usage"]
+    ids = scripted.results[-1].token_ids
+    assert usage["completion_tokens_details"]["reasoning_tokens"] == ids.index(scripted.tokenizer.token_id("</think>")) > 0
+
+
+@pytest.mark.parametrize("script, reasoning", [("never closes its thinking", "all"), ("</think>\n\nIt is sunny.", 0)])
+def test_reasoning_tokens_of_unclosed_and_empty_thinking(client, scripted, script, reasoning):
+    scripted.script = script
+    usage = chat(client).json()["usage"]
+    assert usage["completion_tokens_details"]["reasoning_tokens"] == (usage["completion_tokens"] if reasoning == "all"
+                                                                      else reasoning)
 
 
 def test_enable_thinking_false_reaches_the_template(client, scripted):

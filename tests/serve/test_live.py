@@ -33,6 +33,26 @@ def test_openai_client_non_streaming(real_url):
     assert text.choices[0].finish_reason in ("stop", "length") and text.usage.prompt_tokens > 0
 
 
+def test_openai_client_gets_content_from_serve_with_the_demo_model():
+    """`flashtree serve --model demo` as its command line builds it: the reply lands in `content`, by default."""
+    from flashtree.cli.main import build_parser, thinking_kwargs
+    from flashtree.serve.cli import engine_factory
+
+    args = build_parser().parse_args(["serve", "--model", "demo", "--device", "cpu"])
+    app = build_app(engine_factory(args), "flashtree-demo", template_kwargs=thinking_kwargs(args.think))
+    with live_server(app) as url:
+        client = client_for(url)
+        for _ in range(200):  # the model loads behind /health
+            if httpx.get(f"{url}/health").status_code == 200:
+                break
+            time.sleep(0.05)
+        reply = client.chat.completions.create(model="flashtree-demo", max_tokens=24,
+                                               messages=[{"role": "user", "content": "def fib(n):"}])
+    message = reply.choices[0].message
+    assert message.content and not getattr(message, "reasoning_content", None)
+    assert reply.usage.completion_tokens_details.reasoning_tokens == 0
+
+
 def test_openai_client_streaming(real_url):
     client = client_for(real_url)
     kwargs = dict(model=MODEL, messages=USER, max_completion_tokens=10,

@@ -46,7 +46,10 @@ def test_reasoning_then_message(client, scripted, stream):
     assert reasoning["type"] == "reasoning" and reasoning["content"][0]["text"] == "The user wants weather."
     assert message["type"] == "message" and message["content"][0] == {"type": "output_text", "text": "It is sunny.",
                                                                        "annotations": []}
-    assert body["usage"]["output_tokens"] == len(scripted.results[-1].token_ids)
+    ids = scripted.results[-1].token_ids
+    assert body["usage"]["output_tokens"] == len(ids)
+    reasoning_ids = ids.index(scripted.tokenizer.token_id("</think>"))  # the tokens before the closing tag
+    assert body["usage"]["output_tokens_details"]["reasoning_tokens"] == reasoning_ids > 0
     assert "Be terse." in decoded_prompt(scripted).split("<|im_end|>")[0]
 
 
