@@ -1,3 +1,7 @@
+import json
+import subprocess
+import sys
+
 import pytest
 
 from flashtree.cli.main import main
@@ -80,3 +84,75 @@ def test_run_stats_line_for_a_single_token(capsys):
     assert main(["run", "hi", "-n", "1", "--device", "cpu"]) == 0
     err = capsys.readouterr().err
     assert "] 1 token, " in err and "no decode steps" in err and "acceptance length" not in err
+
+
+def test_help_version_and_argument_errors_do_not_import_torch():
+    """They answer at once: torch (seconds to import) loads only when a command runs."""
+    code = ("import sys\nfrom flashtree.cli.main import main\n"
+            "for argv in (['--help'], ['--version'], ['run', '--bogus'], ['bench', '--help'], ['plan', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_llama_cpp_flags_prompt_n_predict_and_ngl(capsys):
+    assert main(["run", "-p", "def fib(n):", "--n-predict", "1", "-ngl", "99", "--device", "cpu", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert len(json.loads(out)["token_ids"]) == 1
+    assert err.count("\n") == 1 and "-ngl 99 ignored" in err  # one line, and no other output with --json
+
+
+def test_a_prompt_given_twice_is_refused(capsys):
+    assert main(["run", "one", "-p", "two"]) == 1
+    assert "give the prompt once" in capsys.readouterr().err
+
+
+def test_run_without_a_prompt_opens_the_chat(monkeypatch):
+    opened = []
+    monkeypatch.setattr("flashtree.cli.chat.run_chat", lambda args: opened.append(args) or 0)
+    assert main(["run", "--model", "demo"]) == 0
+    assert opened and opened[0].model == "demo"
+
+
+def test_special_tokens_stay_in_run_text_only_with_special(capsys, monkeypatch):
+    from flashtree.engine.generate import Engine
+
+    def generate(engine, prompt_ids, config, on_text=None, **kwargs):
+        # what a model that writes <|im_start|> gets from the tracker: the same ids, text by --special
+        from flashtree.engine.generate import GenerationResult, GenerationStats
+        from flashtree.engine.output import OutputTracker
+
+        out = OutputTracker(engine.tokenizer, (), (), 10, skip_special=config.skip_special_tokens)
+        ids = engine.tokenizer.encode("a<|im_start|>b")
+        out.push_many(ids)
+        out._finish("length", flush=True)
+        return GenerationResult(out.token_ids, out.text, "length", GenerationStats())
+
+    monkeypatch.setattr(Engine, "generate", generate)
+    texts = []
+    for flags in ([], ["--special"]):
+        assert main(["run", "hi", "--json", "--device", "cpu", "--spec", "ar", *flags]) == 0
+        texts.append(json.loads(capsys.readouterr().out))
+    assert [t["text"] for t in texts] == ["ab", "a<|im_start|>b"] and texts[0]["token_ids"] == texts[1]["token_ids"]
+
+
+def test_info_and_plan_take_the_demo_name(capsys):
+    assert main(["info", "demo", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["name"] and info["chat_template"]
+    assert main(["plan", "--model", "demo", "--ctx", str(2 * info["context_length"]), "--json"]) == 0
+    err = capsys.readouterr().err
+    assert f"past the model's trained context ({info['context_length']} tokens)" in err
+
+
+def test_bench_writes_json_only_where_out_says_and_names_the_draft(tmp_path, monkeypatch, capsys):
+    from flashtree.engine.loader import DEMO_DRAFT
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["bench", "--prompts", "1", "-n", "4", "--device", "cpu", "--modes", "ar,ddtree"]
+    assert main(argv) == 0
+    assert list(tmp_path.iterdir()) == [] and "add --out FILE.json" in capsys.readouterr().err
+    assert main(argv + ["--out", "report.json"]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["draft"] == str(DEMO_DRAFT) and "wrote report.json" in capsys.readouterr().err
