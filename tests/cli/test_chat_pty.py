@@ -94,6 +94,8 @@ def test_chat_in_a_pseudo_terminal(make_gguf, tmp_path):
     try:
         reply, tokens = expected_reply(path)  # while the child loads
         at = screen.wait_for(r">>>", timeout=30)
+        # the loading bar redraws one line in place and erases it: only the banner line is left above the prompt
+        assert screen.raw[:screen.raw.index(b">>>")].count(b"\n") == 1, screen.text[:at]
         screen.type("hello\r")
         stats_at = screen.wait_for(rf"{tokens} tokens · [\d.]+ tok/s · acceptance length 1\.00\n", at)
         answer = screen.text[at:stats_at].split("hello", 1)[1]  # past the echoed input
