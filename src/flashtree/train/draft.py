@@ -99,12 +99,13 @@ def pick_mask_token(target: Target) -> int:
 
 
 def build_prompts(target: Target, prompts: list[str], max_tokens: int, seed: int = 0) -> list[list[int]]:
-    """Chat-rendered prompt ids (half with an open think block, as `bench` sends, half closed, as `run`)."""
+    """Chat-rendered prompt ids, half with an open think block (--think), half closed (--no-think; the trained
+    targets' default)."""
     rng = random.Random(seed)
     template = target.chat_template
     out = []
     for text in prompts:
-        rendered = chat_prompt(text, template, enable_thinking=None if rng.random() < 0.5 else False)
+        rendered = chat_prompt(text, template, enable_thinking=rng.random() < 0.5)
         ids = target.tokenizer.encode(rendered)
         if len(ids) <= max_tokens:
             out.append(ids)
