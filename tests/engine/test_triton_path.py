@@ -15,6 +15,8 @@ from flashtree.engine.loader import load_target
 from flashtree.models.synthetic import tiny_config
 from tests.engine.triton_path_cases import N_NEW, PROMPT
 
+pytestmark = pytest.mark.slow  # the whole engine in Triton's interpreter: about two minutes
+
 
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-3), ("bfloat16", 5e-2)])
 def test_gpu_code_path_in_the_interpreter_matches_the_torch_path(make_gguf, dtype, tol):

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # compiles every kernel variant with ptxas: about a minute
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -14,6 +14,7 @@ def interpreter_errors():
     return run_cases("tests.kernels.deltanet_conv_cases")
 
 
+@pytest.mark.slow  # the Triton interpreter: seconds per case
 @pytest.mark.parametrize("case", cases.case_ids())
 def test_triton_kernel_matches_reference(interpreter_errors, case):
     # float32: summation order only; bfloat16: plus a flipped rounding of the conv sum or SiLU somewhere

@@ -24,6 +24,7 @@ def interpreter_results():
     return run_cases("tests.kernels.gated_delta_triton_cases")
 
 
+@pytest.mark.slow  # the Triton interpreter: seconds per case
 @pytest.mark.parametrize("case", cases.case_ids())
 def test_triton_kernel_matches_reference(interpreter_results, case):
     result = interpreter_results[case]

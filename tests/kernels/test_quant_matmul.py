@@ -26,6 +26,7 @@ def interpreter_errors():
     return run_cases("tests.kernels.quant_matmul_cases")
 
 
+@pytest.mark.slow  # the Triton interpreter: seconds per case
 @pytest.mark.parametrize("case", cases.case_ids())
 def test_triton_kernel_matches_reference(interpreter_errors, case):
     value = interpreter_errors[case]

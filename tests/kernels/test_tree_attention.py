@@ -23,6 +23,7 @@ def interpreter_errors():
     return run_cases("tests.kernels.tree_attention_cases")
 
 
+@pytest.mark.slow  # the Triton interpreter: seconds per case
 @pytest.mark.parametrize("case", cases.case_ids())
 def test_triton_kernel_matches_reference_and_model_path(interpreter_errors, case):
     dtype = "bfloat16" if case.endswith("bfloat16") else "float32"

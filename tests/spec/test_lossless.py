@@ -11,7 +11,9 @@ from flashtree.models.synthetic import tiny_config
 
 N_PROMPTS = 20
 N_NEW = 200
-CONFIGS = [("chain", 15, 1), ("ddtree", 4, 4), ("ddtree", 15, 1), ("ddtree", 22, 8), ("ddtree", 64, 8), ("ddtree", 22, 4)]
+# One chain and the default tree run by default; the other shapes (5-8 s each) with -m slow.
+CONFIGS = [("chain", 15, 1), ("ddtree", 22, 8)] + [pytest.param(*config, marks=pytest.mark.slow) for config in
+                                                   [("ddtree", 4, 4), ("ddtree", 15, 1), ("ddtree", 64, 8), ("ddtree", 22, 4)]]
 
 
 @pytest.fixture(scope="module")
