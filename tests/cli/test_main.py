@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 
@@ -156,3 +157,15 @@ def test_bench_writes_json_only_where_out_says_and_names_the_draft(tmp_path, mon
     assert main(argv + ["--out", "report.json"]) == 0
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["draft"] == str(DEMO_DRAFT) and "wrote report.json" in capsys.readouterr().err
+
+
+def test_output_into_a_closed_pipe_is_no_traceback():
+    """`flashtree info demo | head -1`: the reader is gone before flashtree writes; it stops without a word."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run([sys.executable, "-m", "flashtree.cli.main", "info", "demo"], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 141 and done.stderr == ""

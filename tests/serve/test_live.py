@@ -48,9 +48,11 @@ def test_openai_client_gets_content_from_serve_with_the_demo_model():
             time.sleep(0.05)
         reply = client.chat.completions.create(model="flashtree-demo", max_tokens=24,
                                                messages=[{"role": "user", "content": "def fib(n):"}])
+        response = client.responses.create(model="flashtree-demo", max_output_tokens=24, input="def fib(n):")
     message = reply.choices[0].message
     assert message.content and not getattr(message, "reasoning_content", None)
     assert reply.usage.completion_tokens_details.reasoning_tokens == 0
+    assert response.output_text and response.usage.output_tokens_details.reasoning_tokens == 0
 
 
 def test_openai_client_streaming(real_url):
