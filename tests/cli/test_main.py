@@ -1,3 +1,4 @@
+import io
 import json
 import os
 import subprocess
@@ -109,11 +110,19 @@ def test_a_prompt_given_twice_is_refused(capsys):
     assert "give the prompt once" in capsys.readouterr().err
 
 
-def test_run_without_a_prompt_opens_the_chat(monkeypatch):
+def test_run_without_a_prompt_opens_the_chat_at_a_terminal(monkeypatch):
     opened = []
     monkeypatch.setattr("flashtree.cli.chat.run_chat", lambda args: opened.append(args) or 0)
+    monkeypatch.setattr("sys.stdin", io.StringIO("ignored"))
+    monkeypatch.setattr("sys.stdin.isatty", lambda: True)
     assert main(["run", "--model", "demo"]) == 0
     assert opened and opened[0].model == "demo"
+
+
+def test_run_without_a_prompt_reads_piped_stdin(monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdin", io.StringIO("def fib(n):"))
+    assert main(["run", "-n", "2", "--json", "--device", "cpu"]) == 0
+    assert json.loads(capsys.readouterr().out)["prompt_tokens"] > 0
 
 
 def test_special_tokens_stay_in_run_text_only_with_special(capsys, monkeypatch):

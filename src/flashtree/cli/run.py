@@ -16,7 +16,8 @@ RUN_MAX_TOKENS = 256
 
 def add_parser(sub) -> None:
     p = sub.add_parser("run", help="generate a completion for one prompt (no prompt: open the chat)")
-    p.add_argument("prompt", nargs="?", help="the prompt text (- reads it from stdin; none opens the chat)")
+    p.add_argument("prompt", nargs="?",
+                   help="the prompt text (- reads it from stdin; none: stdin when piped, else the chat opens)")
     p.add_argument("-p", "--prompt", dest="prompt_option", metavar="TEXT", help="the prompt, as llama.cpp takes it")
     add_model_args(p)
     add_sampling_args(p)
@@ -34,11 +35,14 @@ def add_parser(sub) -> None:
 
 
 def prompt_text(args: argparse.Namespace) -> str | None:
-    """The prompt from the positional argument or -p (not both); `-` reads stdin; None: no prompt."""
+    """The prompt from the positional argument or -p (not both); `-`, or none with stdin piped in, reads
+    stdin (as `echo hi | ollama run`); None: no prompt, at a terminal."""
     if args.prompt is not None and args.prompt_option is not None:
         raise FlashtreeError("give the prompt once: as an argument or with -p, not both")
     prompt = args.prompt if args.prompt is not None else args.prompt_option
-    return sys.stdin.read() if prompt == "-" else prompt
+    if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
+        return sys.stdin.read()
+    return prompt
 
 
 def run(args: argparse.Namespace) -> int:

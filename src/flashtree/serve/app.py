@@ -481,7 +481,7 @@ def build_app(engine, model_name: str, api_key: str | None = None, queue_size: i
     `request_timeout`: seconds from arrival after which generation stops (finish_reason "length").
     `shutdown_timeout`: seconds in-flight work may take to finish at shutdown before it is cancelled.
     `allowed_origins`: browser origins answered with CORS headers ("*": any). `template_kwargs`: the
-    chat template arguments a request's own override (serve --think/--no-think sets enable_thinking)."""
+    default chat template arguments, under each request's own (serve --think/--no-think sets enable_thinking)."""
     server = Server(engine, model_name, api_key, queue_size, request_timeout, shutdown_timeout)
     server.template_kwargs = dict(template_kwargs or {})
 
