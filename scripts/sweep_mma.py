@@ -14,10 +14,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import multiprocessing
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,26 +43,6 @@ def configs(n: int, k: int, m: int) -> list[mma.MMAConfig]:
     return [default] + [c for c in out if c != default]
 
 
-def _compile(job):
-    name, wrapper, arch = job
-    from flashtree.kernels.quant_matmul import mma as m
-
-    source = m._SOURCE.read_text() + wrapper
-    path = m._cubin_path(name, source, arch)
-    if not path.exists():
-        m._store(path, m.compile_cubin(source, arch))
-    return name
-
-
-def precompile(jobs, arch: str) -> None:
-    jobs = {name: (name, wrapper, arch) for name, wrapper in jobs}
-    ctx = multiprocessing.get_context("spawn")
-    start = time.time()
-    with ProcessPoolExecutor(max_workers=min(16, len(jobs)), mp_context=ctx) as pool:
-        list(pool.map(_compile, jobs.values()))
-    print(f"compiled {len(jobs)} instances in {time.time() - start:.0f} s", flush=True)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="sweep_mma.json")
@@ -82,11 +60,9 @@ def main() -> int:
                 continue
             for m in ROWS:
                 plan.append((qtype, name, n, k, m, configs(n, k, m)))
-    jobs = {(mma._instance(q, c.rt, mma.token_groups(m), c.warps, c.splits),
-             mma._wrapper(mma._instance(q, c.rt, mma.token_groups(m), c.warps, c.splits), q, c.rt,
-                          mma.token_groups(m), c.warps, c.splits))
-            for q, _, _, _, m, cs in plan for c in cs}
-    precompile(sorted(jobs), arch)
+    start = time.time()
+    mma.precompile(mma.instances(), arch)
+    print(f"compiled in {time.time() - start:.0f} s", flush=True)
     read_bps = read_bandwidth(device)
     print(f"read bandwidth {read_bps / 1e12:.2f} TB/s", flush=True)
     results = []

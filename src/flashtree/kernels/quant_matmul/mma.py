@@ -22,8 +22,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import itertools
+import multiprocessing
 import os
 import threading
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -473,18 +476,42 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def all_instances() -> str:
-    """Every instance the defaults can pick, as wrappers (for offline compiles and checks)."""
-    text = ""
+def instances(splits=(1, 2, 4, 8)) -> list[tuple[str, str]]:
+    """(name, wrapper) of every instance a launch can pick: both types, 1-2 row tiles, 1-4 token
+    groups, 4 or 8 warps, the given splits; and the dense dequantizations."""
+    out = []
     for qtype in MMA_TYPES:
-        for rt in (1, 2):
-            for tg in range(1, 5):
-                for warps in (4, 8):
-                    for splits in (1, 2):
-                        text += _wrapper(_instance(qtype, rt, tg, warps, splits), qtype, rt, tg, warps, splits)
-        for out in _OUT_CODES.values():
-            text += _dequant_wrapper(_dequant_instance(qtype, out), qtype, out)
-    return text
+        for rt, tg, warps, split in itertools.product((1, 2), range(1, 5), (4, 8), splits):
+            name = _instance(qtype, rt, tg, warps, split)
+            out.append((name, _wrapper(name, qtype, rt, tg, warps, split)))
+        for code in _OUT_CODES.values():
+            name = _dequant_instance(qtype, code)
+            out.append((name, _dequant_wrapper(name, qtype, code)))
+    return out
+
+
+def _compile_to_cache(job: tuple[str, str, str]) -> str:
+    name, wrapper, arch = job
+    source = _SOURCE.read_text() + wrapper
+    path = _cubin_path(name, source, arch)
+    if not path.exists():
+        _store(path, compile_cubin(source, arch))
+    return name
+
+
+def precompile(jobs: list[tuple[str, str]], arch: str, workers: int | None = None, progress=None) -> None:
+    """Compile instances into the on-disk cache in parallel processes (NVRTC needs no GPU); `progress`
+    is called with each finished name."""
+    todo = [(name, wrapper, arch) for name, wrapper in jobs
+            if not _cubin_path(name, _SOURCE.read_text() + wrapper, arch).exists()]
+    if not todo:
+        return
+    workers = workers or max(1, min(len(todo), os.cpu_count() or 1))
+    context = multiprocessing.get_context("spawn")  # the parent may hold a CUDA context
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        for name in pool.map(_compile_to_cache, todo):
+            if progress:
+                progress(name)
 
 
 def check_shape(qtype: QType, n: int, k: int) -> None:
