@@ -396,8 +396,9 @@ def _load_function(device: torch.device, name: str, wrapper: str):
 
 
 @functools.cache
-def _tickets(device: torch.device) -> torch.Tensor:
-    """Per-row-group arrival counters of split-K launches; every launch leaves them at zero."""
+def _tickets(device: torch.device, stream: int) -> torch.Tensor:
+    """Per-row-group arrival counters of split-K launches, one set per stream (launches on one stream
+    run one after another; every launch leaves its counters at zero)."""
     return torch.zeros(1 << 16, dtype=torch.int32, device=device)
 
 
@@ -455,7 +456,7 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: QType, n: int, k: int,
                else out)
     _launch(fn, (groups, config.splits), 32 * config.warps,
             [x, p["quants"], p.get("high", p["quants"]), p["scales"], p.get("d", p["scales"]), out, partial,
-             _tickets(x.device), m, n, k], x.device)
+             _tickets(x.device, torch.cuda.current_stream(x.device).cuda_stream), m, n, k], x.device)
     return out
 
 
