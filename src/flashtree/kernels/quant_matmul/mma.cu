@@ -144,6 +144,102 @@ __device__ __forceinline__ void load_scales(const unsigned char* scales, const u
 
 // ---------------------------------------------------------------------------------------------
 
+template <int QT, int RT>
+struct Weights {
+    uint4 q[RT][4];
+    uint4 qh[RT][Type<QT>::HIGH_BYTES > 0 ? 2 : 1];
+    typename Type<QT>::Scales sc[RT];
+};
+
+template <int QT, int RT>
+__device__ __forceinline__ void load_weights(const unsigned char* quants, const unsigned char* high,
+                                             const unsigned char* scales, const u16* dvals, int tile0, int SB,
+                                             int sb, int lane, int g, Weights<QT, RT>& w) {
+    typedef Type<QT> T;
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt) {
+        const long tsb = (long)(tile0 + rt) * SB + sb;
+        const uint4* qp = reinterpret_cast<const uint4*>(quants + tsb * T::QUANT_BYTES) + lane;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) w.q[rt][j] = load_stream(qp + 32 * j);
+        if constexpr (T::HIGH_BYTES > 0) {
+            const uint4* hp = reinterpret_cast<const uint4*>(high + tsb * T::HIGH_BYTES) + lane;
+            w.qh[rt][0] = load_stream(hp);
+            w.qh[rt][1] = load_stream(hp + 32);
+        }
+        load_scales<QT>(scales, dvals, tsb, g, w.sc[rt]);
+    }
+}
+
+// B fragments of scaled sub-block j for one token group: lane t's values are contiguous (mma.py's
+// `_lane_columns`): Q4_K one 16-byte load for both steps, Q6_K one 8-byte load.
+template <int QT>
+__device__ __forceinline__ void load_x(const u16* row, bool valid, int sb, int j, u32 (&bx)[Type<QT>::SUB][2]) {
+    if constexpr (QT == Q4_K) {
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (valid) v = __ldg(reinterpret_cast<const uint4*>(row + (sb << 8) + 32 * j));
+        bx[0][0] = v.x; bx[0][1] = v.y; bx[1][0] = v.z; bx[1][1] = v.w;
+    } else {
+        uint2 v = make_uint2(0u, 0u);
+        if (valid) v = __ldg(reinterpret_cast<const uint2*>(row + (sb << 8) + 16 * j));
+        bx[0][0] = v.x; bx[0][1] = v.y;
+    }
+}
+
+template <int QT, int RT, int TG>
+__device__ __forceinline__ void multiply(const Weights<QT, RT>& w, const u16* const (&xrow)[TG], const bool (&xvalid)[TG],
+                                         int sb, float (&acc)[RT][TG][4]) {
+    typedef Type<QT> T;
+    const u32 ONES[4] = {0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u};
+#pragma unroll
+    for (int j = 0; j < 16 / T::SUB; ++j) {  // scaled sub-blocks
+        u32 bx[TG][T::SUB][2];
+        float xs[TG][2];
+#pragma unroll
+        for (int tg = 0; tg < TG; ++tg) {
+            load_x<QT>(xrow[tg], xvalid[tg], sb, j, bx[tg]);
+            if constexpr (T::NEEDS_XSUM) {
+                float xsum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+                for (int u = 0; u < T::SUB; ++u) mma_bf16(xsum, ONES, bx[tg][u][0], bx[tg][u][1]);
+                xs[tg][0] = xsum[0];
+                xs[tg][1] = xsum[1];
+            }
+        }
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt) {
+            float a0, b0, a1, b1;
+            T::sub_scale(w.sc[rt], 0, j, a0, b0);
+            T::sub_scale(w.sc[rt], 1, j, a1, b1);
+            u32 frag[T::SUB][4];
+#pragma unroll
+            for (int u = 0; u < T::SUB; ++u) {
+                const int s = j * T::SUB + u;
+                const u32 lo = word_of(w.q[rt][s >> 2], s & 3);
+                const u32 hi = T::HIGH_BYTES > 0 ? word_of(w.qh[rt][s >> 3], (s >> 1) & 3) : 0u;
+                decode<QT>(lo, hi, s, frag[u]);
+            }
+#pragma unroll
+            for (int tg = 0; tg < TG; ++tg) {
+                float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+                for (int u = 0; u < T::SUB; ++u) mma_bf16(p, frag[u], bx[tg][u][0], bx[tg][u][1]);
+                if constexpr (T::NEEDS_XSUM) {
+                    acc[rt][tg][0] = fmaf(-b0, xs[tg][0], fmaf(a0, p[0], acc[rt][tg][0]));
+                    acc[rt][tg][1] = fmaf(-b0, xs[tg][1], fmaf(a0, p[1], acc[rt][tg][1]));
+                    acc[rt][tg][2] = fmaf(-b1, xs[tg][0], fmaf(a1, p[2], acc[rt][tg][2]));
+                    acc[rt][tg][3] = fmaf(-b1, xs[tg][1], fmaf(a1, p[3], acc[rt][tg][3]));
+                } else {
+                    acc[rt][tg][0] = fmaf(a0, p[0], acc[rt][tg][0]);
+                    acc[rt][tg][1] = fmaf(a0, p[1], acc[rt][tg][1]);
+                    acc[rt][tg][2] = fmaf(a1, p[2], acc[rt][tg][2]);
+                    acc[rt][tg][3] = fmaf(a1, p[3], acc[rt][tg][3]);
+                }
+            }
+        }
+    }
+}
+
 template <int QT, int RT, int TG, int WARPS, int SPLITS>
 __device__ __forceinline__ void qmm(const u16* __restrict__ x, const unsigned char* __restrict__ quants,
                                     const unsigned char* __restrict__ high, const unsigned char* __restrict__ scales,
@@ -168,83 +264,28 @@ __device__ __forceinline__ void qmm(const u16* __restrict__ x, const unsigned ch
             for (int c = 0; c < 4; ++c) acc[rt][tg][c] = 0.0f;
 
     // x rows of this lane's B fragments: token 8 tg + g (zero past M)
-    const u32* xrow[TG];
+    const u16* xrow[TG];
     bool xvalid[TG];
 #pragma unroll
     for (int tg = 0; tg < TG; ++tg) {
         const int tok = 8 * tg + g;
         xvalid[tg] = tok < M;
-        xrow[tg] = reinterpret_cast<const u32*>(x + (long)(xvalid[tg] ? tok : 0) * K) + t;
+        xrow[tg] = x + (long)(xvalid[tg] ? tok : 0) * K + (QT == Q4_K ? 8 : 4) * t;
     }
-    const u32 ONES[4] = {0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u};
 
-    for (int sb = sb_begin + warp; sb < sb_end; sb += WARPS) {
-        uint4 q[RT][4];
-        uint4 qh[RT][2];
-        typename T::Scales sc[RT];
-#pragma unroll
-        for (int rt = 0; rt < RT; ++rt) {
-            const long tsb = (long)(tile0 + rt) * SB + sb;
-            const uint4* qp = reinterpret_cast<const uint4*>(quants + tsb * T::QUANT_BYTES) + lane;
-#pragma unroll
-            for (int j = 0; j < 4; ++j) q[rt][j] = load_stream(qp + 32 * j);
-            if constexpr (T::HIGH_BYTES > 0) {
-                const uint4* hp = reinterpret_cast<const uint4*>(high + tsb * T::HIGH_BYTES) + lane;
-                qh[rt][0] = load_stream(hp);
-                qh[rt][1] = load_stream(hp + 32);
-            }
-            load_scales<QT>(scales, dvals, tsb, g, sc[rt]);
-        }
-#pragma unroll
-        for (int j = 0; j < 16 / T::SUB; ++j) {  // scaled sub-blocks
-            u32 bx[TG][T::SUB][2];
-            float xs[TG][2];
-#pragma unroll
-            for (int tg = 0; tg < TG; ++tg) {
-                float xsum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-                for (int u = 0; u < T::SUB; ++u) {
-                    const int s = j * T::SUB + u;
-                    const u32* p = xrow[tg] + ((sb << 8) + 16 * s) / 2;
-                    bx[tg][u][0] = xvalid[tg] ? __ldg(p) : 0u;
-                    bx[tg][u][1] = xvalid[tg] ? __ldg(p + 4) : 0u;
-                    if constexpr (T::NEEDS_XSUM) mma_bf16(xsum, ONES, bx[tg][u][0], bx[tg][u][1]);
-                }
-                xs[tg][0] = xsum[0];
-                xs[tg][1] = xsum[1];
-            }
-#pragma unroll
-            for (int rt = 0; rt < RT; ++rt) {
-                float a0, b0, a1, b1;
-                T::sub_scale(sc[rt], 0, j, a0, b0);
-                T::sub_scale(sc[rt], 1, j, a1, b1);
-                u32 frag[T::SUB][4];
-#pragma unroll
-                for (int u = 0; u < T::SUB; ++u) {
-                    const int s = j * T::SUB + u;
-                    const u32 lo = word_of(q[rt][s >> 2], s & 3);
-                    const u32 hi = T::HIGH_BYTES > 0 ? word_of(qh[rt][s >> 3], (s >> 1) & 3) : 0u;
-                    decode<QT>(lo, hi, s, frag[u]);
-                }
-#pragma unroll
-                for (int tg = 0; tg < TG; ++tg) {
-                    float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-                    for (int u = 0; u < T::SUB; ++u) mma_bf16(p, frag[u], bx[tg][u][0], bx[tg][u][1]);
-                    if constexpr (T::NEEDS_XSUM) {
-                        acc[rt][tg][0] += a0 * p[0] - b0 * xs[tg][0];
-                        acc[rt][tg][1] += a0 * p[1] - b0 * xs[tg][1];
-                        acc[rt][tg][2] += a1 * p[2] - b1 * xs[tg][0];
-                        acc[rt][tg][3] += a1 * p[3] - b1 * xs[tg][1];
-                    } else {
-                        acc[rt][tg][0] = fmaf(a0, p[0], acc[rt][tg][0]);
-                        acc[rt][tg][1] = fmaf(a0, p[1], acc[rt][tg][1]);
-                        acc[rt][tg][2] = fmaf(a1, p[2], acc[rt][tg][2]);
-                        acc[rt][tg][3] = fmaf(a1, p[3], acc[rt][tg][3]);
-                    }
-                }
-            }
-        }
+    // Double-buffered: the next super-block's weights are requested before this one is multiplied,
+    // so each warp keeps a super-block of loads in flight while it computes.
+    Weights<QT, RT> w0, w1;  // two named buffers (unrolled by two): an indexed pair would go to local memory
+    int sb = sb_begin + warp;
+    if (sb < sb_end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb, lane, g, w0);
+    while (sb < sb_end) {
+        if (sb + WARPS < sb_end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb + WARPS, lane, g, w1);
+        multiply<QT, RT, TG>(w0, xrow, xvalid, sb, acc);
+        sb += WARPS;
+        if (sb >= sb_end) break;
+        if (sb + WARPS < sb_end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb + WARPS, lane, g, w0);
+        multiply<QT, RT, TG>(w1, xrow, xvalid, sb, acc);
+        sb += WARPS;
     }
 
     // sum the warps in order through shared memory

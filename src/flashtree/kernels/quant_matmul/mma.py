@@ -95,6 +95,28 @@ def _pack_q6_k(q: torch.Tensor, scales: torch.Tensor, d: torch.Tensor, n: int, k
                       d.reshape(n * sb, 2)], dim=1)
 
 
+def _lane_columns(qtype: QType) -> torch.Tensor:
+    """For each fragment column c = 16s + 8*half + 2t + pair of a super-block, the value it holds.
+    Step s stays inside one scaled sub-block (Q4_K: 32 values = steps 2j, 2j + 1; Q6_K: 16 = one
+    step), and within it lane t's B-fragment values are contiguous (Q4_K: 8 values 32j + 8t ..
+    for both steps, one 16-byte load of x; Q6_K: 4 values 16s + 4t .., one 8-byte load)."""
+    c = torch.arange(SUPER)
+    s, half, t, pair = c // 16, (c // 8) % 2, (c // 2) % 4, c % 2
+    if qtype == QType.Q4_K:
+        return 32 * (s // 2) + 8 * t + 4 * (s % 2) + 2 * half + pair
+    return 16 * s + 4 * t + 2 * half + pair
+
+
+def _to_fragment_columns(values: torch.Tensor, qtype: QType, n: int, k: int) -> torch.Tensor:
+    index = _lane_columns(qtype).to(values.device)
+    return values.reshape(n, k // SUPER, SUPER)[:, :, index].reshape(n, k)
+
+
+def _from_fragment_columns(values: torch.Tensor, qtype: QType, n: int, k: int) -> torch.Tensor:
+    inverse = torch.argsort(_lane_columns(qtype)).to(values.device)
+    return values.reshape(n, k // SUPER, SUPER)[:, :, inverse].reshape(n, k)
+
+
 def _fragment_view(values: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """[N, K] -> [T, h, g, SB, j, w, half, t, pair]: row 16T + 8h + g, column 256sb + 16(4j + w) + 8half + 2t + pair."""
     return values.reshape(n // 16, 2, 8, k // SUPER, 4, 4, 2, 4, 2)
@@ -147,8 +169,9 @@ def _pieces_for_rows(gguf_rows: torch.Tensor, qtype: QType, n: int, k: int) -> l
     blocks = gguf_rows.reshape(n * (k // SUPER), GGML_QUANT_SIZES[qtype][1])
     if qtype == QType.Q4_K:
         q, records = _unpack_q4_k(blocks, n, k)
-        return [_nibble_words(q, n, k), _tile_records(records, n, k)]
+        return [_nibble_words(_to_fragment_columns(q, qtype, n, k), n, k), _tile_records(records, n, k)]
     q, scales, d = _unpack_q6_k(blocks, n, k)
+    q = _to_fragment_columns(q, qtype, n, k)
     return [_nibble_words(q, n, k), _high_words(q, n, k), _tile_records(scales, n, k), _tile_records(d, n, k)]
 
 
@@ -183,9 +206,10 @@ def from_mma_layout(raw: torch.Tensor, qtype: QType, n: int, k: int) -> torch.Te
     p = pieces_of(raw, qtype, n, k)
     low = _from_nibble_words(p["quants"], n, k)
     if qtype == QType.Q4_K:
+        low = _from_fragment_columns(low, qtype, n, k)
         blocks = _pack_q4_k(low, _untile_records(p["scales"].reshape(n // 16, k // SUPER, 16, 16), n, k), n, k)
     else:
-        q = low | (_from_high_words(p["high"], n, k) << 4)
+        q = _from_fragment_columns(low | (_from_high_words(p["high"], n, k) << 4), qtype, n, k)
         scales = _untile_records(p["scales"].reshape(n // 16, k // SUPER, 16, 16), n, k)
         d = _untile_records(p["d"].reshape(n // 16, k // SUPER, 16, 2), n, k)
         blocks = _pack_q6_k(q, scales, d, n, k)
@@ -222,7 +246,7 @@ def _decode_emulated(p: dict[str, torch.Tensor], qtype: QType, n: int, k: int) -
     a = a.reshape(tiles, sb, 2, 8, -1).permute(0, 2, 3, 1, 4).repeat_interleave(sub, dim=-1)  # [T, h, g, SB, s]
     b = b.reshape(tiles, sb, 2, 8, -1).permute(0, 2, 3, 1, 4).repeat_interleave(sub, dim=-1)
     w = v * a[..., None, None, None] - b[..., None, None, None]
-    return w.reshape(n, k)
+    return _from_fragment_columns(w.reshape(n, k), qtype, n, k)
 
 
 def _scales_emulated(p: dict[str, torch.Tensor], qtype: QType, tiles: int, sb: int):
@@ -423,11 +447,12 @@ _H200_SMS = 132
 
 def choose_config(m: int, n: int, k: int, sms: int = _H200_SMS) -> MMAConfig:
     """About 16 resident warps per SM (bytes in flight), each walking at least two super-blocks.
-    Two row tiles per warp halve the x reads per weight byte when M spans several token groups.
+    Two row tiles per warp halve the x reads per weight byte for 9-16 rows (beyond, 255 registers
+    spill).
     Warps and splits depend on the matrix only, never on M: they fix the order in which a row's
     K is summed, so a row gets the same bits whether it is multiplied alone (decode) or with 31
     others (a tree verify), and the two agree on every greedy token."""
-    rt = 2 if token_groups(m) > 1 and n % 32 == 0 else 1
+    rt = 2 if token_groups(m) == 2 and n % 32 == 0 else 1
     sb = k // SUPER
     warps = 8 if sb >= 16 else 4
     wanted = 16 * sms // warps  # CTAs of one 16-row tile
