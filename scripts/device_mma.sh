@@ -6,11 +6,13 @@ source scripts/device_env.sh
 export FLASHTREE_CACHE=/tmp/ftcache
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, cuda.bindings; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda-bindings', cuda.bindings.__version__)" | tee -a "$OUT/gpu.txt"
+python3 -c "import time, torch; from flashtree.kernels.quant_matmul import mma; t = time.time(); \
+mma.precompile(mma.instances(), mma._arch(torch.device('cuda'))); \
+print(f'cold compile of {len(mma.instances())} instances, 16 processes: {time.time() - t:.1f} s')" 2>&1 | tee "$OUT/compile.txt"
 python3 - <<'PY' 2>&1 | tee "$OUT/smoke.txt"
-import time, torch
-from flashtree.kernels.quant_matmul import mma, quant_matmul, quant_matmul_reference, random_quant_weight
+import torch
+from flashtree.kernels.quant_matmul import quant_matmul, quant_matmul_reference, random_quant_weight
 from gguf import GGMLQuantizationType as Q
-t = time.time(); mma.precompile(mma.instances(), mma._arch(torch.device("cuda"))); print(f"cold compile of {len(mma.instances())} instances: {time.time() - t:.1f} s")
 for qt in (Q.Q4_K, Q.Q6_K):
     w = random_quant_weight(qt, 17408, 5120, "cuda")
     for m in (1, 23, 32, 100):
