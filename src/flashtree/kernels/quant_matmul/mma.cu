@@ -377,7 +377,9 @@ __device__ __forceinline__ void dequant(const unsigned char* __restrict__ quants
         for (int r = 0; r < 4; ++r) {
             const int h = r & 1, half = r >> 1;  // A register r: row g + 8h, columns + 8 * half
             const int row = 16 * tile + g + 8 * h;
-            const long col = ((long)sb << 8) + 16 * s + 8 * half + 2 * t;
+            // the value this fragment column holds (mma.py `_lane_columns`)
+            const int within = QT == Q4_K ? 32 * (s >> 1) + 8 * t + 4 * (s & 1) + 2 * half : 16 * s + 4 * t + 2 * half;
+            const long col = ((long)sb << 8) + within;
             const float v0 = a[h] * __uint_as_float(frag[r] << 16) - b[h];
             const float v1 = a[h] * __uint_as_float(frag[r] & 0xFFFF0000u) - b[h];
             const long at = (long)row * K + col;
