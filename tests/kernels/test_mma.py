@@ -126,7 +126,7 @@ def test_every_launch_configuration_is_right(qtype):
     x = torch.randn(23, k, dtype=torch.bfloat16, device="cuda")
     ref = quant_matmul_reference(x.float(), weight)
     for rt in (1, 2):
-        for warps in (4, 8):
+        for warps in (1, 2, 4, 8):
             for splits in (1, 2, 4):
                 y = mma.matmul(x, weight.raw, qtype, n, k, mma.MMAConfig(rt, warps, splits))
                 _check_close(y, ref)

@@ -28,6 +28,16 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// x's sums: the same MMA with every A value 1.0 (one register passed four times)
+__device__ __forceinline__ void mma_ones(float (&c)[4], u32 b0, u32 b1) {
+    const u32 one = 0x3F803F80u;
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%4,%4,%4}, {%5,%6}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(one), "r"(b0), "r"(b1));
+}
+
 __device__ __forceinline__ u32 bf16x2_sub(u32 a, u32 b) {
     u32 d;
     asm("sub.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
@@ -52,9 +62,32 @@ __device__ __forceinline__ u16 float_to_half(float f) {
     return h;
 }
 
+// Constants the hot loop ORs and permutes with, made once into registers the compiler cannot see
+// through: otherwise it rematerializes them (a MOV per use) because LOP3/PRMT take one immediate.
+struct Consts {
+    u32 bf16_128;  // 0x43004300: bf16 128.0 in both halves
+    u32 f32_2p23;  // 0x4B000000: float 2^23
+};
+
+__device__ __forceinline__ u32 opaque(u32 v) {
+    u32 r;
+    asm volatile("mov.b32 %0, %1;\n" : "=r"(r) : "r"(v));
+    return r;
+}
+
+__device__ __forceinline__ Consts make_consts() { return Consts{opaque(0x43004300u), opaque(0x4B000000u)}; }
+
+// (a & MASK) | c in one LOP3
+template <u32 MASK>
+__device__ __forceinline__ u32 and_or(u32 a, u32 c) {
+    u32 d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(a), "n"(MASK), "r"(c));
+    return d;
+}
+
 // byte `k` of w as a float, exactly: the bits 0x4B0000bb are 2^23 + bb
-__device__ __forceinline__ float byte_to_float(u32 w, int k) {
-    return __int_as_float(__byte_perm(w, 0x4B000000u, 0x7540 | k)) - 8388608.0f;
+__device__ __forceinline__ float byte_to_float(u32 w, int byte, const Consts& k) {
+    return __int_as_float(__byte_perm(w, k.f32_2p23, 0x7540 | byte)) - 8388608.0f;
 }
 
 __device__ __forceinline__ uint4 load_stream(const uint4* p) {
@@ -82,8 +115,8 @@ template <> struct Type<Q4_K> {
     struct Scales {
         uint4 row[2];  // rows g, g+8: 12 packed 6-bit scale/min bytes, fp16 d, fp16 dmin
     };
-    // scale a and constant b of sub-block j for row half h: value = a * (128 + q) - b
-    static __device__ __forceinline__ void sub_scale(const Scales& s, int h, int j, float& a, float& b) {
+    // scale a and constant b of sub-block J for row half h: value = a * (128 + q) - b
+    static __device__ __forceinline__ void sub_scale(const Scales& s, int h, int j, const Consts& k, float& a, float& b) {
         const uint4 r = s.row[h];
         u32 sc, mn;
         if (j < 4) {
@@ -94,8 +127,8 @@ template <> struct Type<Q4_K> {
             mn = ((r.z >> 4) & 0x0F0F0F0Fu) | ((r.y >> 2) & 0x30303030u);
         }
         const float d = half_to_float((u16)(r.w & 0xFFFF)), dmin = half_to_float((u16)(r.w >> 16));
-        a = d * byte_to_float(sc, j & 3);
-        b = fmaf(a, 128.0f, dmin * byte_to_float(mn, j & 3));
+        a = d * byte_to_float(sc, j & 3, k);
+        b = fmaf(a, 128.0f, dmin * byte_to_float(mn, j & 3, k));
     }
 };
 
@@ -108,9 +141,9 @@ template <> struct Type<Q6_K> {
         uint4 row[2];  // 16 int8 scales of rows g, g+8
         float d[2];
     };
-    static __device__ __forceinline__ void sub_scale(const Scales& s, int h, int j, float& a, float& b) {
+    static __device__ __forceinline__ void sub_scale(const Scales& s, int h, int j, const Consts& k, float& a, float& b) {
         const u32 w = word_of(s.row[h], j >> 2) ^ 0x80808080u;  // int8 + 128 as a byte
-        a = s.d[h] * (__int_as_float(__byte_perm(w, 0x4B000000u, 0x7540 | (j & 3))) - 8388736.0f);
+        a = s.d[h] * (byte_to_float(w, j & 3, k) - 128.0f);
         b = 0.0f;
     }
 };
@@ -118,10 +151,10 @@ template <> struct Type<Q6_K> {
 // A fragment of step s: low nibbles from `lo`, (Q6_K) two high bits from `hi`; Q6_K's are exact
 // q - 32 (bf16 128 + q minus 160), Q4_K's stay 128 + q (the 128 leaves with the sum of x).
 template <int QT>
-__device__ __forceinline__ void decode(u32 lo, u32 hi, int s, u32 (&a)[4]) {
+__device__ __forceinline__ void decode(u32 lo, u32 hi, int s, const Consts& k, u32 (&a)[4]) {
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-        u32 v = ((lo >> (4 * r)) & 0x000F000Fu) | 0x43004300u;
+        u32 v = and_or<0x000F000Fu>(lo >> (4 * r), k.bf16_128);
         if (QT == Q6_K) {
             v |= ((hi >> (8 * (s & 1) + 2 * r)) & 0x00030003u) << 4;
             v = bf16x2_sub(v, 0x43204320u);  // - 160
@@ -174,34 +207,31 @@ __device__ __forceinline__ void load_weights(const unsigned char* quants, const 
 // B fragments of scaled sub-block j for one token group: lane t's values are contiguous (mma.py's
 // `_lane_columns`): Q4_K one 16-byte load for both steps, Q6_K one 8-byte load.
 template <int QT>
-__device__ __forceinline__ void load_x(const u16* row, bool valid, int sb, int j, u32 (&bx)[Type<QT>::SUB][2]) {
+__device__ __forceinline__ void load_x(const u16* row, int sb, int j, u32 (&bx)[Type<QT>::SUB][2]) {
     if constexpr (QT == Q4_K) {
-        uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (valid) v = __ldg(reinterpret_cast<const uint4*>(row + (sb << 8) + 32 * j));
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(row + (sb << 8) + 32 * j));
         bx[0][0] = v.x; bx[0][1] = v.y; bx[1][0] = v.z; bx[1][1] = v.w;
     } else {
-        uint2 v = make_uint2(0u, 0u);
-        if (valid) v = __ldg(reinterpret_cast<const uint2*>(row + (sb << 8) + 16 * j));
+        const uint2 v = __ldg(reinterpret_cast<const uint2*>(row + (sb << 8) + 16 * j));
         bx[0][0] = v.x; bx[0][1] = v.y;
     }
 }
 
 template <int QT, int RT, int TG>
-__device__ __forceinline__ void multiply(const Weights<QT, RT>& w, const u16* const (&xrow)[TG], const bool (&xvalid)[TG],
-                                         int sb, float (&acc)[RT][TG][4]) {
+__device__ __forceinline__ void multiply(const Weights<QT, RT>& w, const u16* const (&xrow)[TG], int sb,
+                                         const Consts& k, float (&acc)[RT][TG][4]) {
     typedef Type<QT> T;
-    const u32 ONES[4] = {0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u};
 #pragma unroll
     for (int j = 0; j < 16 / T::SUB; ++j) {  // scaled sub-blocks
         u32 bx[TG][T::SUB][2];
         float xs[TG][2];
 #pragma unroll
         for (int tg = 0; tg < TG; ++tg) {
-            load_x<QT>(xrow[tg], xvalid[tg], sb, j, bx[tg]);
+            load_x<QT>(xrow[tg], sb, j, bx[tg]);
             if constexpr (T::NEEDS_XSUM) {
                 float xsum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-                for (int u = 0; u < T::SUB; ++u) mma_bf16(xsum, ONES, bx[tg][u][0], bx[tg][u][1]);
+                for (int u = 0; u < T::SUB; ++u) mma_ones(xsum, bx[tg][u][0], bx[tg][u][1]);
                 xs[tg][0] = xsum[0];
                 xs[tg][1] = xsum[1];
             }
@@ -209,15 +239,15 @@ __device__ __forceinline__ void multiply(const Weights<QT, RT>& w, const u16* co
 #pragma unroll
         for (int rt = 0; rt < RT; ++rt) {
             float a0, b0, a1, b1;
-            T::sub_scale(w.sc[rt], 0, j, a0, b0);
-            T::sub_scale(w.sc[rt], 1, j, a1, b1);
+            T::sub_scale(w.sc[rt], 0, j, k, a0, b0);
+            T::sub_scale(w.sc[rt], 1, j, k, a1, b1);
             u32 frag[T::SUB][4];
 #pragma unroll
             for (int u = 0; u < T::SUB; ++u) {
                 const int s = j * T::SUB + u;
                 const u32 lo = word_of(w.q[rt][s >> 2], s & 3);
                 const u32 hi = T::HIGH_BYTES > 0 ? word_of(w.qh[rt][s >> 3], (s >> 1) & 3) : 0u;
-                decode<QT>(lo, hi, s, frag[u]);
+                decode<QT>(lo, hi, s, k, frag[u]);
             }
 #pragma unroll
             for (int tg = 0; tg < TG; ++tg) {
@@ -263,28 +293,28 @@ __device__ __forceinline__ void qmm(const u16* __restrict__ x, const unsigned ch
 #pragma unroll
             for (int c = 0; c < 4; ++c) acc[rt][tg][c] = 0.0f;
 
-    // x rows of this lane's B fragments: token 8 tg + g (zero past M)
+    // x rows of this lane's B fragments: token 8 tg + g; past M, token 0 again (those output columns
+    // are computed and never stored: cheaper than zeroing)
     const u16* xrow[TG];
-    bool xvalid[TG];
 #pragma unroll
     for (int tg = 0; tg < TG; ++tg) {
         const int tok = 8 * tg + g;
-        xvalid[tg] = tok < M;
-        xrow[tg] = x + (long)(xvalid[tg] ? tok : 0) * K + (QT == Q4_K ? 8 : 4) * t;
+        xrow[tg] = x + (long)(tok < M ? tok : 0) * K + (QT == Q4_K ? 8 : 4) * t;
     }
 
     // Double-buffered: the next super-block's weights are requested before this one is multiplied,
     // so each warp keeps a super-block of loads in flight while it computes.
+    const Consts k = make_consts();
     Weights<QT, RT> w0, w1;  // two named buffers (unrolled by two): an indexed pair would go to local memory
     int sb = sb_begin + warp;
     if (sb < sb_end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb, lane, g, w0);
     while (sb < sb_end) {
         if (sb + WARPS < sb_end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb + WARPS, lane, g, w1);
-        multiply<QT, RT, TG>(w0, xrow, xvalid, sb, acc);
+        multiply<QT, RT, TG>(w0, xrow, sb, k, acc);
         sb += WARPS;
         if (sb >= sb_end) break;
         if (sb + WARPS < sb_end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb + WARPS, lane, g, w0);
-        multiply<QT, RT, TG>(w1, xrow, xvalid, sb, acc);
+        multiply<QT, RT, TG>(w1, xrow, sb, k, acc);
         sb += WARPS;
     }
 
@@ -366,13 +396,14 @@ __device__ __forceinline__ void dequant(const unsigned char* __restrict__ quants
     }
     typename T::Scales sc;
     load_scales<QT>(scales, dvals, warp_id, g, sc);
+    const Consts k = make_consts();
 #pragma unroll
     for (int s = 0; s < 16; ++s) {
         u32 frag[4];
-        decode<QT>(word_of(q[s >> 2], s & 3), T::HIGH_BYTES > 0 ? word_of(qh[s >> 3], (s >> 1) & 3) : 0u, s, frag);
+        decode<QT>(word_of(q[s >> 2], s & 3), T::HIGH_BYTES > 0 ? word_of(qh[s >> 3], (s >> 1) & 3) : 0u, s, k, frag);
         float a[2], b[2];
-        T::sub_scale(sc, 0, s / T::SUB, a[0], b[0]);
-        T::sub_scale(sc, 1, s / T::SUB, a[1], b[1]);
+        T::sub_scale(sc, 0, s / T::SUB, k, a[0], b[0]);
+        T::sub_scale(sc, 1, s / T::SUB, k, a[1], b[1]);
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
             const int h = r & 1, half = r >> 1;  // A register r: row g + 8h, columns + 8 * half

@@ -504,10 +504,10 @@ def _sm_count(device: torch.device) -> int:
 
 def instances(splits=(1, 2, 4, 8)) -> list[tuple[str, str]]:
     """(name, wrapper) of every instance a launch can pick: both types, 1-2 row tiles, 1-4 token
-    groups, 4 or 8 warps, the given splits; and the dense dequantizations."""
+    groups, 1-8 warps, the given splits; and the dense dequantizations."""
     out = []
     for qtype in MMA_TYPES:
-        for rt, tg, warps, split in itertools.product((1, 2), range(1, 5), (4, 8), splits):
+        for rt, tg, warps, split in itertools.product((1, 2), range(1, 5), (1, 2, 4, 8), splits):
             name = _instance(qtype, rt, tg, warps, split)
             out.append((name, _wrapper(name, qtype, rt, tg, warps, split)))
         for code in _OUT_CODES.values():
