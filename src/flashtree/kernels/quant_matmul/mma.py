@@ -446,18 +446,19 @@ _H200_SMS = 132
 
 
 def choose_config(m: int, n: int, k: int, sms: int = _H200_SMS) -> MMAConfig:
-    """About 16 resident warps per SM (bytes in flight), each walking at least two super-blocks.
-    Two row tiles per warp halve the x reads per weight byte for 9-16 rows (beyond, 255 registers
-    spill).
-    Warps and splits depend on the matrix only, never on M: they fix the order in which a row's
-    K is summed, so a row gets the same bits whether it is multiplied alone (decode) or with 31
-    others (a tree verify), and the two agree on every greedy token."""
+    """From the H200 sweep of 2026-11-30 (scripts/sweep_mma.py, docs/PERFORMANCE.md): 4 warps per CTA
+    (8 when the matrix has fewer 16-row tiles than SMs), split-K only to fill the GPU; two row tiles
+    per warp for 9-16 rows (beyond, 255 registers spill). Warps and splits depend on the matrix only,
+    never on M: they fix the order in which a row's K is summed, so a row gets the same bits whether
+    it is multiplied alone (decode) or with 31 others (a tree verify), and the two agree on every
+    greedy token."""
     rt = 2 if token_groups(m) == 2 and n % 32 == 0 else 1
     sb = k // SUPER
-    warps = 8 if sb >= 16 else 4
+    tiles = n // 16
+    warps = 4 if tiles >= sms else 8
     wanted = 16 * sms // warps  # CTAs of one 16-row tile
     splits = 1
-    while (n // 16) * splits < wanted and sb // (splits * 2) >= 2 * warps:
+    while tiles * splits < wanted and sb // (splits * 2) >= 2 * warps:
         splits *= 2
     return MMAConfig(rt, warps, splits)
 
