@@ -20,7 +20,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers
 
 from flashtree.errors import FlashtreeError
-from flashtree.formats.chat_template import CHATML_TEMPLATE
+from flashtree.formats.chat_template import CHATML_TEMPLATE, ChatTemplate
 
 # GGUF token types used here (llama.cpp also has 2 unknown, 5 unused, 6 byte; those are plain vocab entries).
 NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
@@ -36,6 +36,14 @@ QWEN2_REGEX = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 PRE_TOKENIZER_REGEXES = {"qwen35": QWEN35_REGEX, "qwen2": QWEN2_REGEX}
+
+# Stand-ins for control-token text in user data while a chat template renders it: characters of the
+# Supplementary Private Use Area-A, those a request does not use itself.
+_STAND_IN_RANGE = range(0xF0000, 0xFFFFE)
+_STAND_IN_PATTERN = re.compile("[\U000F0000-\U000FFFFD]")
+
+# Most code points NFC composes into one (e.g. U+1F86 from alpha and three accents).
+NFC_MAX_COMPOSED = 4
 
 # Tokens that end a generation besides the declared EOS (llama.cpp's end-of-generation set for Qwen).
 EOG_TOKEN_NAMES = ("<|im_end|>", "<|endoftext|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
@@ -158,6 +166,18 @@ def _pre_tokenizer(regex: str) -> pre_tokenizers.PreTokenizer:
     )
 
 
+@dataclass(frozen=True)
+class RenderedChat:
+    """A rendered prompt whose user text has control-token text as stand-in characters (`restore` maps them back)."""
+
+    escaped: str
+    restore: dict[int, str]
+
+    @property
+    def text(self) -> str:
+        return self.escaped.translate(self.restore)
+
+
 class Tokenizer:
     """Encoder/decoder for a GGUF `gpt2` (byte-level BPE) vocabulary."""
 
@@ -209,6 +229,11 @@ class Tokenizer:
             + [vocab[name] for name in EOG_TOKEN_NAMES if name in vocab]
         )
         self._control_ids = frozenset(i for i, kind in enumerate(spec.token_types) if kind == CONTROL)
+        # Longest first, so that a control token that starts with another one is matched whole, as the backend does.
+        control_texts = sorted((spec.tokens[i] for i in self._control_ids), key=len, reverse=True)
+        self._control_pattern = re.compile(f"({'|'.join(map(re.escape, control_texts))})") if control_texts else None
+        # One token never covers more bytes than this: bounds the token count from below by the text's length.
+        self.max_token_bytes = max(len(_token_bytes(t)) for t in spec.tokens)
         self._token_bytes: list[bytes] | None = None
         # `encode_special_tokens` is state on the shared backend, so toggling it must be atomic.
         self._lock = threading.Lock()
@@ -221,9 +246,67 @@ class Tokenizer:
         """Token ids for `text`; with allow_special=False, control-token text (e.g. a user typing
         "<|im_end|>") is encoded as ordinary characters. BOS is never added: Qwen's add_bos_token is false
         and prompts come from the chat template."""
+        [ids] = self._encode_all([text], allow_special)
+        return ids
+
+    def _encode_all(self, texts: list[str], allow_special: bool) -> list[list[int]]:
+        # The batch call without offsets: faster, and (for long texts) holds the GIL much shorter than encode().
         with self._lock:
             self.backend.encode_special_tokens = not allow_special
-            return self.backend.encode(text, add_special_tokens=False).ids
+            return [encoding.ids for encoding in self.backend.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound of len(encode(text)) without encoding it: NFC normalization composes at most 4 code
+        points into one, and a token covers at most `max_token_bytes` characters."""
+        return -(-len(text) // (NFC_MAX_COMPOSED * self.max_token_bytes))
+
+    def render_chat(self, template: ChatTemplate, messages: list[dict], tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True, parse_special: bool = False, **kwargs: Any) -> RenderedChat:
+        """The prompt `template` renders, with control-token text in messages, tools and kwargs (a user typing
+        "<|im_end|>") swapped for stand-ins, so that `encode_rendered` makes control tokens only of the
+        template's own text and a message cannot open a turn of its own. `parse_special`: the old behaviour,
+        it can."""
+        if parse_special or self._control_pattern is None:
+            return RenderedChat(template.render(messages, tools, add_generation_prompt, **kwargs), {})
+        stand_ins = self._stand_ins([messages, tools, kwargs, template.source])
+        escape = {token: chr(code) for token, code in stand_ins.items()}
+        rendered = template.render(self._escaped(messages, escape), self._escaped(tools, escape),
+                                   add_generation_prompt, **self._escaped(kwargs, escape))
+        return RenderedChat(rendered, {code: token for token, code in stand_ins.items()})
+
+    def encode_rendered(self, chat: RenderedChat) -> list[int]:
+        if self._control_pattern is None:
+            return self.encode(chat.text)
+        # Split at the template's control tokens: texts at even indexes, tokens at odd ones.
+        pieces = self._control_pattern.split(chat.escaped)
+        ids: list[int] = []
+        for index, piece_ids in enumerate(self._encode_all([p.translate(chat.restore) for p in pieces[::2]], False)):
+            ids += piece_ids
+            if 2 * index + 1 < len(pieces):
+                ids.append(self.backend.token_to_id(pieces[2 * index + 1]))
+        return ids
+
+    def encode_chat(self, template: ChatTemplate, messages: list[dict], tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True, parse_special: bool = False,
+                    **kwargs: Any) -> tuple[str, list[int]]:
+        """The prompt text and token ids of `render_chat`."""
+        chat = self.render_chat(template, messages, tools, add_generation_prompt, parse_special, **kwargs)
+        return chat.text, self.encode_rendered(chat)
+
+    def _stand_ins(self, data: Any) -> dict[str, int]:
+        """A code point for each control token that occurs nowhere in `data` (strings, lists, dicts)."""
+        used = {ord(c) for text in _strings(data) for c in _STAND_IN_PATTERN.findall(text)}
+        codes = (code for code in _STAND_IN_RANGE if code not in used)
+        return {self.spec.tokens[i]: next(codes) for i in sorted(self._control_ids)}
+
+    def _escaped(self, data: Any, escape: dict[str, str]) -> Any:
+        if isinstance(data, str):
+            return self._control_pattern.sub(lambda match: escape[match.group()], data)
+        if isinstance(data, dict):
+            return {self._escaped(key, escape): self._escaped(value, escape) for key, value in data.items()}
+        if isinstance(data, (list, tuple)):
+            return [self._escaped(value, escape) for value in data]
+        return data
 
     def _check_ids(self, ids: Sequence[int]) -> None:
         if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
@@ -242,6 +325,19 @@ class Tokenizer:
 
     def stream_decoder(self, skip_special: bool = False) -> StreamDecoder:
         return StreamDecoder(self, skip_special)
+
+
+def _strings(data: Any) -> Iterable[str]:
+    """Every string in `data` (nested lists and dicts, keys included)."""
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            yield item
+        elif isinstance(item, dict):
+            stack += [*item.keys(), *item.values()]
+        elif isinstance(item, (list, tuple)):
+            stack += item
 
 
 class StreamDecoder:
