@@ -2,14 +2,46 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
-from flashtree.engine.sampling import SamplingParams
+from flashtree.engine.sampling import INT64_MAX, SamplingParams
 from flashtree.serve.errors import APIError, unsupported
 
-Stop = str | Annotated[list[str], Field(max_length=4)] | None
+MAX_STOP_STRINGS = 4  # OpenAI's limit for `stop`
+MAX_STOP_CHARS = 256  # each stop string is matched against the output after every token
+# JSON's \ud800-style escapes can spell UTF-16 surrogates that no UTF-8 text holds.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def bounded_stops(stops: list[str], limit: int) -> list[str]:
+    """`stops` if there are at most `limit` of them, each 1 to MAX_STOP_CHARS characters long."""
+    if len(stops) > limit:
+        raise PydanticCustomError("too_many_stops", "at most {limit} stop strings are allowed, got {count}",
+                                  {"limit": limit, "count": len(stops)})
+    if any(not 0 < len(stop) <= MAX_STOP_CHARS for stop in stops):
+        raise PydanticCustomError("stop_length", "each stop string must hold 1 to {chars} characters",
+                                  {"chars": MAX_STOP_CHARS})
+    return stops
+
+
+def _surrogate_path(data: Any) -> str | None:
+    """Where in a parsed JSON body a string (or key) holds a lone surrogate ("" for the body itself); None if nowhere."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                return path
+        elif isinstance(item, dict):
+            for key, value in item.items():
+                stack += [(path, key), (f"{path}.{key}".lstrip("."), value)]
+        elif isinstance(item, list):
+            stack += [(f"{path}[{index}]", value) for index, value in enumerate(item)]
+    return None
 
 
 class _Body(BaseModel):
@@ -18,23 +50,36 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
+class RequestBody(_Body):
+    """A whole request: all its text must be valid Unicode (what the tokenizer and the JSON reply can hold)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _encodable_text(cls, data: Any) -> Any:
+        path = _surrogate_path(data)
+        if path is not None:
+            raise APIError(400, f"{path or 'the request'} holds a lone UTF-16 surrogate (such as \\ud800), which is "
+                                f"not text: send valid UTF-8", param=path or None)
+        return data
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class GenerationParams(_Body):
+class GenerationParams(RequestBody):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    stop: Stop = None
+    stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX)
     n: int = Field(1, ge=1, le=16)  # choices, generated one after another
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
@@ -43,9 +88,14 @@ class GenerationParams(_Body):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        return stop if stop is None else bounded_stops([stop] if isinstance(stop, str) else stop, MAX_STOP_STRINGS)
+
     @property
     def stop_strings(self) -> tuple[str, ...]:
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return tuple(self.stop or ())
 
     @property
     def include_usage(self) -> bool:
@@ -76,7 +126,7 @@ class GenerationParams(_Body):
     def _logit_bias(self) -> tuple[tuple[int, float], ...]:
         entries = []
         for key, value in (self.logit_bias or {}).items():
-            if not key.isdigit() or not -100 <= value <= 100:
+            if not (key.isascii() and key.isdigit()) or not -100 <= value <= 100:
                 raise APIError(400, f"logit_bias maps token ids to biases in [-100, 100], got {key!r}: {value}",
                                param="logit_bias")
             entries.append((int(key), float(value)))
@@ -199,7 +249,7 @@ class ChatCompletionRequest(GenerationParams):
         return None if tools is None else {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(RequestBody):
     """Either raw text (`prompt`, or llama.cpp's `content`) or chat `messages` rendered by the template."""
 
     model: str | None = None
@@ -216,6 +266,6 @@ class TokenizeRequest(_Body):
         return self
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
