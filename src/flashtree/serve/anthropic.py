@@ -11,40 +11,36 @@ from typing import Annotated, Any, AsyncIterator, ClassVar, Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from flashtree.engine.generate import GenerationResult
 from flashtree.engine.sampling import SamplingParams
 from flashtree.serve.app import Server, flashtree_stats, named_sse, parsed_events, ready_server, wait_for
 from flashtree.serve.errors import ANTHROPIC_ERRORS, APIError, unsupported
 from flashtree.serve.parsing import Delta, OutputParser, opens_thinking
-from flashtree.serve.protocol import RequestBody, bounded_stops
+from flashtree.serve.protocol import Body, RequestBody, bounded_stops
 from flashtree.serve.scheduler import Job
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-
-class TextBlock(_Body):
+class TextBlock(Body):
     type: Literal["text"]
     text: str
 
 
-class ThinkingBlock(_Body):
+class ThinkingBlock(Body):
     type: Literal["thinking"]
     thinking: str
     signature: str | None = None
 
 
-class ToolUseBlock(_Body):
+class ToolUseBlock(Body):
     type: Literal["tool_use"]
     id: str
     name: str
     input: dict[str, Any]
 
 
-class ToolResultBlock(_Body):
+class ToolResultBlock(Body):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[TextBlock] | None = None
@@ -58,18 +54,18 @@ class ToolResultBlock(_Body):
 Block = Annotated[TextBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
 
 
-class MessageParam(_Body):
+class MessageParam(Body):
     role: Literal["user", "assistant"]
     content: str | Annotated[list[Block], Field(min_length=1)]
 
 
-class ToolDef(_Body):
+class ToolDef(Body):
     name: str
     description: str | None = None
     input_schema: dict[str, Any] = Field(default_factory=dict)
 
 
-class ThinkingConfig(_Body):
+class ThinkingConfig(Body):
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = None
 

@@ -44,13 +44,13 @@ def _surrogate_path(data: Any) -> str | None:
     return None
 
 
-class _Body(BaseModel):
+class Body(BaseModel):
     # Strict types, as OpenAI checks them ("stream": "yes" is an error, not True); unknown keys are ignored,
-    # as OpenAI-compatible servers do for client-specific extras.
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # as OpenAI-compatible servers do for client-specific extras. JSON's Infinity and NaN are no numbers.
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
-class RequestBody(_Body):
+class RequestBody(Body):
     """A whole request: all its text must be valid Unicode (what the tokenizer and the JSON reply can hold)."""
 
     @model_validator(mode="before")
@@ -63,7 +63,7 @@ class RequestBody(_Body):
         return data
 
 
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: bool = False
 
 
@@ -162,18 +162,18 @@ class CompletionRequest(GenerationParams):
             raise unsupported("best_of", "only best_of=1 is supported")
 
 
-class FunctionCall(_Body):
+class FunctionCall(Body):
     name: str
     arguments: str = "{}"
 
 
-class ToolCall(_Body):
+class ToolCall(Body):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class Message(_Body):
+class Message(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
@@ -198,14 +198,14 @@ class Message(_Body):
         return message
 
 
-class FunctionDef(_Body):
+class FunctionDef(Body):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(_Body):
+class Tool(Body):
     type: Literal["function"] = "function"
     function: FunctionDef
 

@@ -11,22 +11,18 @@ from typing import Any, AsyncIterator, ClassVar, Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from flashtree.engine.generate import GenerationResult
 from flashtree.engine.sampling import SamplingParams
 from flashtree.serve.app import Server, flashtree_stats, named_sse, parsed_events, ready_server, wait_for
 from flashtree.serve.errors import OPENAI_ERRORS, APIError, unsupported
 from flashtree.serve.parsing import Delta, OutputParser, opens_thinking
-from flashtree.serve.protocol import RequestBody
+from flashtree.serve.protocol import Body, RequestBody
 from flashtree.serve.scheduler import Job
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-
-class FunctionTool(_Body):
+class FunctionTool(Body):
     type: Literal["function"]
     name: str
     description: str | None = None
