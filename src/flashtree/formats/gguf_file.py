@@ -40,16 +40,18 @@ class GGUFFile:
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
         self._check_header()
-        try:
+        try:  # everything the reader parses, decodes or sizes: a corrupt byte anywhere fails here
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 self._reader = GGUFReader(self.path, mode="r")
-        except (ValueError, IndexError, KeyError, OSError) as exc:
-            raise FlashtreeError(f"{self.path}: not a readable GGUF file ({exc}); the file may be truncated or corrupt") from exc
-        self.metadata: dict[str, Any] = {
-            name: _field_value(field) for name, field in self._reader.fields.items() if not name.startswith("GGUF.")
-        }
-        self.tensors: dict[str, TensorInfo] = {t.name: _tensor_info(t) for t in self._reader.tensors}
+            self.metadata: dict[str, Any] = {
+                name: _field_value(field) for name, field in self._reader.fields.items() if not name.startswith("GGUF.")
+            }
+            self.tensors: dict[str, TensorInfo] = {t.name: _tensor_info(t) for t in self._reader.tensors}
+        except (ValueError, IndexError, KeyError, OSError, OverflowError, MemoryError) as exc:
+            # UnicodeDecodeError (a flipped byte in a string) is a ValueError
+            raise FlashtreeError(f"{self.path}: not a readable GGUF file ({_short(exc)}); the file may be truncated "
+                                 f"or corrupt") from exc
         self._check_tensor_data_present()
 
     def _check_header(self) -> None:
@@ -89,6 +91,12 @@ class GGUFFile:
         if name not in self.tensors:
             raise FlashtreeError(f"{self.path}: tensor {name!r} is missing")
         return self.tensors[name]
+
+
+def _short(exc: Exception) -> str:
+    """The exception's first line, cut to a length an error line can carry."""
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 def _field_value(field) -> Any:
