@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -13,8 +12,6 @@ from flashtree.serve.errors import APIError, unsupported
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit for `stop`
 MAX_STOP_CHARS = 256  # each stop string is matched against the output after every token
-# JSON's \ud800-style escapes can spell UTF-16 surrogates that no UTF-8 text holds.
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def bounded_stops(stops: list[str], limit: int) -> list[str]:
@@ -28,13 +25,24 @@ def bounded_stops(stops: list[str], limit: int) -> list[str]:
     return stops
 
 
+def _is_utf8(text: str) -> bool:
+    """False for text with a lone surrogate (JSON's \\ud800 escapes can spell one), which UTF-8 cannot encode."""
+    if text.isascii():  # the common case, at memory speed
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _surrogate_path(data: Any) -> str | None:
     """Where in a parsed JSON body a string (or key) holds a lone surrogate ("" for the body itself); None if nowhere."""
     stack: list[tuple[str, Any]] = [("", data)]
     while stack:
         path, item = stack.pop()
         if isinstance(item, str):
-            if _SURROGATE.search(item):
+            if not _is_utf8(item):
                 return path
         elif isinstance(item, dict):
             for key, value in item.items():
