@@ -17,8 +17,10 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
 from flashtree.errors import FlashtreeError
+from flashtree.formats.quants import bytes_for, dequantize
 
 GGUF_MAGIC = b"GGUF"
+_ROWS_PER_CHECK = 1024  # rows dequantized at a time by non_finite_tensors: bounded memory for any tensor
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,21 @@ class GGUFFile:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the map is read-only; we never write through it
             return torch.from_numpy(view)
+
+    def non_finite_tensors(self) -> list[str]:
+        """Tensors whose values are not all finite once decoded (a NaN or inf block scale shows up here). Reads
+        every weight: seconds for a small model, minutes for a large one."""
+        return [info.name for info in self.tensors.values() if not self._finite(info)]
+
+    def _finite(self, info: TensorInfo) -> bool:
+        cols = info.shape[-1] if info.shape else 1
+        row_bytes = bytes_for(info.qtype, (cols,))
+        raw = self.raw(info.name)
+        for start in range(0, info.numel // cols, _ROWS_PER_CHECK):
+            rows = raw[start * row_bytes : (start + _ROWS_PER_CHECK) * row_bytes]
+            if not dequantize(rows, info.qtype, (rows.numel() // row_bytes, cols)).isfinite().all():
+                return False
+        return True
 
     def tensor(self, name: str) -> TensorInfo:
         if name not in self.tensors:
