@@ -27,7 +27,7 @@ def test_finite_weights_pass(make_gguf, capsys):
 @pytest.mark.parametrize("scheme,value", [
     ("f32", np.float32(np.inf).tobytes()),
     ("q8_0", np.float16(np.nan).tobytes()),  # a Q8_0 block starts with its fp16 scale
-])
+], ids=["f32-inf", "q8_0-nan-scale"])
 def test_a_non_finite_weight_or_scale_is_named(tmp_path, make_gguf, capsys, scheme, value):
     path = _poisoned(tmp_path, make_gguf(f"check-{scheme}", scheme=scheme), value)
     assert main(["info", str(path)]) == 0  # without the flag the weights are not read

@@ -275,3 +275,14 @@ def test_stand_in_characters_a_request_uses_are_kept(tok: Tokenizer) -> None:
 @pytest.mark.parametrize("text", CORPUS + ["\u1f00\u0345\u0313\u0342" * 50, "a" * 3000, ""])
 def test_min_tokens_is_a_lower_bound(tok: Tokenizer, text: str) -> None:
     assert tok.min_tokens(text) <= len(tok.encode(text))
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("tokenizer.ggml.tokens", 7, "tokenizer.ggml.tokens must be a list of strs"),
+    ("tokenizer.ggml.token_type", ["1"], "token_type must be a list of ints"),
+    ("tokenizer.ggml.merges", [1, 2], "merges must be a list of strs"),
+    ("tokenizer.ggml.eos_token_id", "2", "eos_token_id must be an integer"),
+])
+def test_metadata_of_the_wrong_type_is_named(spec: TokenizerSpec, key, value, message) -> None:
+    with pytest.raises(FlashtreeError, match=message):
+        TokenizerSpec.from_metadata({**spec.to_metadata(), key: value})

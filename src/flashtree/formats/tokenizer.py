@@ -98,23 +98,31 @@ class TokenizerSpec:
     def from_metadata(cls, meta: Mapping[str, object]) -> TokenizerSpec:
         """Read the spec from GGUF metadata (key -> Python value, arrays as lists)."""
 
-        m: Mapping[str, Any] = meta  # values are whatever the GGUF reader produced
+        m: Mapping[str, Any] = meta  # values are whatever the GGUF reader produced, of any type in a corrupt file
 
         def opt_int(key: str) -> int | None:
-            return None if m.get(key) is None else int(m[key])
+            value = m.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise FlashtreeError(f"metadata key {key} must be an integer, got {type(value).__name__}")
+            return value
+
+        def items(key: str, kind: type, default: list | None = None) -> list:
+            value = m.get(key, default)
+            if not isinstance(value, list) or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value):
+                raise FlashtreeError(f"metadata key {key} must be a list of {kind.__name__}s")
+            return value
 
         if "tokenizer.ggml.model" not in m or "tokenizer.ggml.tokens" not in m:
             raise FlashtreeError("GGUF has no tokenizer (tokenizer.ggml.model / tokenizer.ggml.tokens missing)")
-        tokens = [str(t) for t in m["tokenizer.ggml.tokens"]]
-        types = m.get("tokenizer.ggml.token_type")
+        tokens = items("tokenizer.ggml.tokens", str)
         template = m.get("tokenizer.chat_template")
         return cls(
             model=str(m["tokenizer.ggml.model"]),
             # llama.cpp treats a missing pre-tokenizer name as "default"
             pre=str(m.get("tokenizer.ggml.pre", "default")),
             tokens=tokens,
-            token_types=[NORMAL] * len(tokens) if types is None else [int(t) for t in types],
-            merges=[str(x) for x in m.get("tokenizer.ggml.merges", [])],
+            token_types=items("tokenizer.ggml.token_type", int, [NORMAL] * len(tokens)),
+            merges=items("tokenizer.ggml.merges", str, []),
             eos_token_id=opt_int("tokenizer.ggml.eos_token_id"),
             bos_token_id=opt_int("tokenizer.ggml.bos_token_id"),
             padding_token_id=opt_int("tokenizer.ggml.padding_token_id"),
