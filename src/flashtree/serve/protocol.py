@@ -25,6 +25,9 @@ def bounded_stops(stops: list[str], limit: int) -> list[str]:
     return stops
 
 
+_SCALARS = {int, float, bool, type(None)}  # JSON values that hold no text
+
+
 def _is_utf8(text: str) -> bool:
     """False for text with a lone surrogate (JSON's \\ud800 escapes can spell one), which UTF-8 cannot encode."""
     if text.isascii():  # the common case, at memory speed
@@ -47,7 +50,7 @@ def _surrogate_path(data: Any) -> str | None:
         elif isinstance(item, dict):
             for key, value in item.items():
                 stack += [(path, key), (f"{path}.{key}".lstrip("."), value)]
-        elif isinstance(item, list):
+        elif isinstance(item, list) and not set(map(type, item)) <= _SCALARS:  # a list of ids is passed at C speed
             stack += [(f"{path}[{index}]", value) for index, value in enumerate(item)]
     return None
 
