@@ -286,3 +286,9 @@ def test_min_tokens_is_a_lower_bound(tok: Tokenizer, text: str) -> None:
 def test_metadata_of_the_wrong_type_is_named(spec: TokenizerSpec, key, value, message) -> None:
     with pytest.raises(FlashtreeError, match=message):
         TokenizerSpec.from_metadata({**spec.to_metadata(), key: value})
+
+
+def test_a_text_using_every_stand_in_is_refused(tok: Tokenizer) -> None:
+    every = "".join(map(chr, range(0xF0000, 0xFFFFE)))
+    with pytest.raises(FlashtreeError, match="Private Use Area-A"):
+        tok.encode_chat(ChatTemplate(QWEN35), [{"role": "user", "content": every + FORGED}])

@@ -8,6 +8,7 @@ and transformers' Qwen tokenizer interpret it, plus an incremental detokenizer f
 from __future__ import annotations
 
 import codecs
+import itertools
 import json
 import re
 import threading
@@ -283,6 +284,7 @@ class Tokenizer:
         return RenderedChat(rendered, {code: token for token, code in stand_ins.items()})
 
     def encode_rendered(self, chat: RenderedChat) -> list[int]:
+        """Token ids of a `render_chat` prompt: its control tokens, and its other text (user text restored) plain."""
         if self._control_pattern is None:
             return self.encode(chat.text)
         # Split at the template's control tokens: texts at even indexes, tokens at odd ones.
@@ -304,8 +306,12 @@ class Tokenizer:
     def _stand_ins(self, data: Any) -> dict[str, int]:
         """A code point for each control token that occurs nowhere in `data` (strings, lists, dicts)."""
         used = {ord(c) for text in _strings(data) for c in _STAND_IN_PATTERN.findall(text)}
-        codes = (code for code in _STAND_IN_RANGE if code not in used)
-        return {self.spec.tokens[i]: next(codes) for i in sorted(self._control_ids)}
+        tokens = [self.spec.tokens[i] for i in sorted(self._control_ids)]
+        codes = list(itertools.islice((code for code in _STAND_IN_RANGE if code not in used), len(tokens)))
+        if len(codes) < len(tokens):
+            raise FlashtreeError(f"the text uses {len(used)} of the {len(_STAND_IN_RANGE)} characters of Unicode's "
+                                 f"Private Use Area-A, leaving fewer than the {len(tokens)} the prompt needs as stand-ins")
+        return dict(zip(tokens, codes))
 
     def _escaped(self, data: Any, escape: dict[str, str]) -> Any:
         if isinstance(data, str):
