@@ -137,9 +137,11 @@ class GenerationParams(RequestBody):
     def _logit_bias(self) -> tuple[tuple[int, float], ...]:
         entries = []
         for key, value in (self.logit_bias or {}).items():
-            if not (key.isascii() and key.isdigit()) or not -100 <= value <= 100:
-                raise APIError(400, f"logit_bias maps token ids to biases in [-100, 100], got {key!r}: {value}",
-                               param="logit_bias")
+            # Python refuses int() of over 4300 digits; no vocabulary reaches 10 digits
+            if not (key.isascii() and key.isdigit() and len(key) < 10) or not -100 <= value <= 100:
+                shown = key if len(key) <= 20 else key[:20] + "..."
+                raise APIError(400, f"logit_bias maps token ids (ASCII digits) to biases in [-100, 100], got "
+                                    f"{shown!r}: {value}", param="logit_bias")
             entries.append((int(key), float(value)))
         return tuple(entries)
 
