@@ -6,6 +6,7 @@ file and the problem, and checks what the reader leaves unchecked (truncated ten
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ class TensorInfo:
 
     @property
     def numel(self) -> int:
-        return int(np.prod(self.shape))
+        return math.prod(self.shape)
 
 
 class GGUFFile:
@@ -126,5 +127,5 @@ def _field_value(field) -> Any:
 def _tensor_info(t) -> TensorInfo:
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
     block, type_size = GGML_QUANT_SIZES[t.tensor_type]
-    nbytes = int(np.prod(shape)) * type_size // block
+    nbytes = math.prod(shape) * type_size // block  # Python ints: corrupt dimensions cannot wrap around
     return TensorInfo(t.name, GGMLQuantizationType(t.tensor_type), shape, int(t.data_offset), nbytes)
