@@ -74,7 +74,7 @@ def _variants(base: bytes, header_end: int, rng: random.Random):
             yield f"edit-{index}-{key}", edits
 
 
-def test_corrupted_files_fail_in_one_line_or_load(tmp_path, make_gguf, monkeypatch, capsys):
+def test_corrupted_files_fail_in_one_line_or_load(tmp_path, monkeypatch, capsys):
     base_path = _edited(tmp_path / "base.gguf", {}, monkeypatch)
     base = base_path.read_bytes()
     header_end = GGUFReader(base_path).data_offset
