@@ -51,16 +51,18 @@ class ChatSession:
     def temperature(self, value: float) -> None:
         self.config = replace(self.config, sampling=replace(self.config.sampling, temperature=value))
 
-    def prompt(self) -> str:
+    def prompt(self) -> tuple[str, list[int]]:
+        """The conversation's prompt text and token ids (the user's text never makes control tokens)."""
         system = [{"role": "system", "content": self.system}] if self.system else []
-        return self.template.render(system + self.messages, enable_thinking=self.thinking)
+        return self.engine.tokenizer.encode_chat(self.template, system + self.messages, enable_thinking=self.thinking,
+                                                 parse_special=self.engine.parse_special)
 
     def reply(self, text: str, show: Callable[[Delta], None]) -> GenerationResult:
         """Answers `text`, passing reasoning/content deltas to `show` as they stream. A reply stopped by
         Ctrl-C (KeyboardInterrupt) or an error is not kept in the conversation."""
         self.messages.append({"role": "user", "content": text})
         try:
-            prompt = self.prompt()
+            prompt, ids = self.prompt()
             parser = OutputParser(opens_thinking(prompt))
             message = Delta()
 
@@ -69,7 +71,6 @@ class ChatSession:
                 message.add(delta)
                 show(delta)
 
-            ids = self.engine.tokenizer.encode(prompt)
             result = _cancellable(lambda cancelled: self.engine.generate(ids, self.config, on_text, cancelled))
         except BaseException:
             self.messages.pop()
@@ -284,13 +285,14 @@ def terminal_lines(input=None, output=None) -> Iterator[str]:
 
 def add_chat_parser(subparsers) -> argparse.ArgumentParser:
     """Chat flags only; the model flags are added by the caller."""
-    from flashtree.cli.main import int_range
+    from flashtree.cli.main import add_parse_special_arg, int_range
 
     p = subparsers.add_parser("chat", help="chat with the model in the terminal",
                               description="Interactive chat; type /help inside for commands.")
     p.add_argument("--system", help="system prompt")
     p.add_argument("--no-think", action="store_true", help="start with thinking off (/think on|off switches)")
     p.add_argument("--max-tokens", type=int_range(1), default=4096, help="longest reply in tokens (default 4096)")
+    add_parse_special_arg(p)
     add_prefix_cache_args(p)
     p.set_defaults(handler=run_chat)
     return p
@@ -305,6 +307,7 @@ def run_chat(args: argparse.Namespace) -> int:
         engine = load_engine(args.model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk,
                              progress=True, **cache_args(args), **placement_args(args), **memory_args(args))
     engine.prefill_progress = True
+    engine.parse_special = args.parse_special
     config = engine.config_for(max_new_tokens=args.max_tokens, ctx=args.ctx)
     apply_prefix_cache_args(engine, args)
     repl(ChatSession(engine, config, system=args.system, thinking=not args.no_think), terminal_lines(), console)

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from flashtree.cli.main import add_model_args, add_sampling_args, int_range, sampling_from_args
+from flashtree.cli.main import add_model_args, add_parse_special_arg, add_sampling_args, int_range, sampling_from_args
 from flashtree.engine.loader import load_engine
 
 
@@ -22,6 +22,7 @@ def add_parser(sub) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-generation tokens")
     p.add_argument("--json", action="store_true", help="print token ids, text and stats as one JSON object")
+    add_parse_special_arg(p)
     p.set_defaults(handler=run)
 
 
@@ -33,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
     engine = load_engine(args.model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk,
                          progress=not args.json, **cache_args(args), **placement_args(args), **memory_args(args))
     engine.prefill_progress = not args.json
+    engine.parse_special = args.parse_special
     prompt_ids = engine.encode_prompt(prompt, raw=args.raw, system=args.system, enable_thinking=args.think)
     config = engine.config_for(max_new_tokens=args.max_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
                                ctx=args.ctx, sampling=sampling)
