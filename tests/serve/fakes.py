@@ -28,6 +28,7 @@ class ScriptedEngine:
         self.delay = delay
         self.gate = gate
         self.default_config = GenerationConfig(max_new_tokens=256)
+        self.parse_special = False  # as Engine's
         self.started = threading.Event()
         self.results: list[GenerationResult] = []
         self.prompts: list[list[int]] = []

@@ -26,9 +26,11 @@ def test_defaults_bind_loopback():
     assert args.handler is cli.run_serve
 
 
-def test_bad_queue_size_is_rejected(capsys):
+@pytest.mark.parametrize("flags", [["--max-queued-requests", "0"], ["--max-request-mb", "0"],
+                                   ["--max-request-mb", "inf"], ["--max-request-mb", "lots"]])
+def test_bad_limits_are_rejected(capsys, flags):
     with pytest.raises(SystemExit):
-        parse(["--max-queued-requests", "0"])
+        parse(flags)
 
 
 def test_engine_factory_applies_flags(monkeypatch):
@@ -49,16 +51,18 @@ def test_run_serve_hands_the_app_to_uvicorn(monkeypatch, tmp_path):
     monkeypatch.setattr("uvicorn.run", lambda app, **kw: seen.update(app=app, **kw))
     model = tmp_path / "Qwen3.6-27B-Q4_K_M.gguf"  # a real GGUF header: the server checks it before starting
     model.symlink_to(loader.DEMO_TARGET)
-    args = parse(["--model", str(model), "--port", "9001", "--api-key", "k"])
+    args = parse(["--model", str(model), "--port", "9001", "--api-key", "k", "--max-request-mb", "2", "--parse-special"])
     assert cli.run_serve(args) == 0
     assert (seen["host"], seen["port"]) == ("127.0.0.1", 9001)
     server = seen["app"].state.server
     assert (server.model_name, server.api_key, server.status) == ("Qwen3.6-27B-Q4_K_M", "k", "loading")
+    assert server.parse_special and {"max_bytes": 2 * 2**20} in [m.kwargs for m in seen["app"].user_middleware]
 
 
 @pytest.mark.parametrize("flags, message", [
     (["--model", "/nonexistent/model.gguf"], "/nonexistent/model.gguf: no such file"),
     (["--draft", "/nonexistent-draft"], "/nonexistent-draft/config.json not found"),
+    (["--api-key", ""], "the API key is empty"),
 ])
 def test_missing_files_fail_before_the_server_starts(flags, message, capsys, monkeypatch):
     from flashtree.cli.main import main

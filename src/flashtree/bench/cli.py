@@ -59,6 +59,8 @@ def add_parser(sub) -> None:
                    help="--multi-turn: snapshot interval inside long prompts (default 1024)")
     p.add_argument("--peers", action="store_true",
                    help="add rows for transformers greedy generate and the z-lab dflash loop on the same prompts")
+    p.add_argument("--kernels", action="store_true",
+                   help="time the quantized matmul kernels at the 27B shapes against their floor and bf16 cuBLAS (GPU)")
     p.add_argument("--steps", action="store_true",
                    help="per-step costs against measured floors, prefill, replay end to end (bench/steps.py)")
     p.add_argument("--context", type=int, default=1024, help="--steps: committed tokens before the timed steps")
@@ -96,6 +98,11 @@ def run(args: argparse.Namespace) -> int:
     from flashtree.cli.main import cache_args, memory_args, placement_args, thinking_kwargs
     from flashtree.engine.loader import load_engine
 
+    if args.kernels:
+        from flashtree.bench.kernels import run_kernel_bench  # needs a GPU; loads no model
+
+        run_kernel_bench(args.out)
+        return 0
     if args.synthetic and args.model:
         raise FlashtreeError(f"--synthetic {args.synthetic} builds its own model: drop --model, or drop --synthetic")
     if args.synthetic:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from rich.console import Console
 
-from flashtree.cli.main import add_thinking_arg, int_range, thinking_kwargs
+from flashtree.cli.main import add_parse_special_arg, add_thinking_arg, int_range, thinking_kwargs
 from flashtree.engine.prefix_cache_flags import add_prefix_cache_args
 from flashtree.errors import FlashtreeError
 from flashtree.formats.chat_template import template_or_chatml
@@ -57,16 +57,19 @@ class ChatSession:
     def temperature(self, value: float) -> None:
         self.config = replace(self.config, sampling=replace(self.config.sampling, temperature=value))
 
-    def prompt(self) -> str:
+    def prompt(self) -> tuple[str, list[int]]:
+        """The conversation's prompt text and token ids (the user's text never makes control tokens)."""
         system = [{"role": "system", "content": self.system}] if self.system else []
-        return self.template.render(system + self.messages, **thinking_kwargs(self.thinking))
+        return self.engine.tokenizer.encode_chat(self.template, system + self.messages,
+                                                 parse_special=self.engine.parse_special,
+                                                 **thinking_kwargs(self.thinking))
 
     def reply(self, text: str, show: Callable[[Delta], None]) -> GenerationResult:
         """Answers `text`, passing reasoning/content deltas to `show` as they stream. A reply stopped by
         Ctrl-C (KeyboardInterrupt) or an error is not kept in the conversation."""
         self.messages.append({"role": "user", "content": text})
         try:
-            prompt = self.prompt()
+            prompt, ids = self.prompt()
             parser = OutputParser(opens_thinking(prompt))
             message = Delta()
 
@@ -75,7 +78,6 @@ class ChatSession:
                 message.add(delta)
                 show(delta)
 
-            ids = self.engine.tokenizer.encode(prompt)
             result = _cancellable(lambda cancelled: self.engine.generate(ids, self.config, on_text, cancelled))
         except ReplyStopped as stopped:
             self.messages.pop()
@@ -321,6 +323,7 @@ def add_chat_parser(subparsers) -> argparse.ArgumentParser:
     add_thinking_arg(p)
     p.add_argument("-n", "--max-tokens", "--n-predict", type=int_range(1), default=CHAT_MAX_TOKENS,
                    help=f"longest reply in tokens (default {CHAT_MAX_TOKENS}; /set max_tokens N changes it)")
+    add_parse_special_arg(p)
     add_prefix_cache_args(p)
     p.set_defaults(handler=run_chat)
     return p
@@ -337,6 +340,7 @@ def run_chat(args: argparse.Namespace) -> int:
     engine = load_engine(args.model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk,
                          progress=True, **cache_args(args), **placement_args(args), **memory_args(args))
     engine.prefill_progress = True
+    engine.parse_special = args.parse_special
     sampling = sampling_from_args(args) if hasattr(args, "temperature") else None
     config = engine.config_for(max_new_tokens=args.max_tokens or CHAT_MAX_TOKENS, ctx=args.ctx, sampling=sampling)
     apply_prefix_cache_args(engine, args)

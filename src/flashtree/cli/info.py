@@ -7,6 +7,7 @@ import json
 from collections import Counter
 
 from flashtree.cli.main import int_range
+from flashtree.errors import FlashtreeError
 
 GIB = 1024**3
 
@@ -17,6 +18,8 @@ def add_parser(sub) -> None:
     p.add_argument("--tensors", action="store_true", help="list every tensor with its type and shape")
     p.add_argument("--ctx", type=int_range(1), default=4096, help="context size for the KV memory estimate (default 4096)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--check-weights", action="store_true",
+                   help="also decode every weight and fail if any is not finite (NaN/inf scales of a corrupt file)")
     p.set_defaults(handler=run)
 
 
@@ -50,8 +53,21 @@ def describe(path: str, ctx: int) -> dict:
     }
 
 
+def check_weights(path: str) -> None:
+    from flashtree.engine.loader import model_path  # deferred: imports torch
+    from flashtree.formats.gguf_file import GGUFFile
+
+    bad = GGUFFile(model_path(path)).non_finite_tensors()
+    if bad:
+        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise FlashtreeError(f"{path}: non-finite values (NaN or inf) in {len(bad)} tensors: {shown}; the file is corrupt")
+
+
 def run(args: argparse.Namespace) -> int:
     info = describe(args.path, args.ctx)
+    if args.check_weights:
+        check_weights(args.path)
+        info["weights"] = "all finite"
     if not args.tensors:
         info.pop("tensors")
     if args.json:

@@ -119,6 +119,13 @@ def memory_args(args: argparse.Namespace) -> dict:
     return {k: v for k, v in options.items() if v is not None}
 
 
+def add_parse_special_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--parse-special", action="store_true",
+                        help="read control-token text (<|im_start|>, <|im_end|>, ...) in prompts, messages and tools "
+                             "as control tokens, the old behaviour: lets that text open turns of its own (default: "
+                             "plain text; only the chat template's markers are control tokens)")
+
+
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     """Sampling flags (llama.cpp names); defaults are greedy decoding."""
     parser.add_argument("--temp", "--temperature", dest="temperature", type=float, default=0.0,

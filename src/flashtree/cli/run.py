@@ -7,8 +7,8 @@ import argparse
 import json
 import sys
 
-from flashtree.cli.main import (add_model_args, add_sampling_args, add_thinking_arg, int_range, sampling_from_args,
-                                thinking_kwargs)
+from flashtree.cli.main import (add_model_args, add_parse_special_arg, add_sampling_args, add_thinking_arg, int_range,
+                                sampling_from_args, thinking_kwargs)
 from flashtree.errors import FlashtreeError
 
 RUN_MAX_TOKENS = 256
@@ -31,6 +31,7 @@ def add_parser(sub) -> None:
     p.add_argument("--special", action="store_true",
                    help="keep special tokens such as <|im_end|> in the printed text (ids are the same either way)")
     p.add_argument("--json", action="store_true", help="print token ids, text and stats as one JSON object")
+    add_parse_special_arg(p)
     p.set_defaults(handler=run)
 
 
@@ -58,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     engine = load_engine(args.model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk,
                          progress=not args.json, **cache_args(args), **placement_args(args), **memory_args(args))
     engine.prefill_progress = not args.json
+    engine.parse_special = args.parse_special
     prompt_ids = engine.encode_prompt(prompt, raw=args.raw, system=args.system, **thinking_kwargs(args.think))
     max_tokens = RUN_MAX_TOKENS if args.max_tokens is None else args.max_tokens
     config = engine.config_for(max_new_tokens=max_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos,

@@ -135,6 +135,7 @@ class Engine:
         self._graphs = None  # the GraphedForward, made on first use
         self._kept_cache = None  # (options, cache): reused across requests so captured graphs stay valid
         self.prefill_progress = False  # a progress bar (stderr) for prompts of PROGRESS_MIN_TOKENS and more
+        self.parse_special = False  # control-token text in prompts and messages becomes control tokens (forgeable turns)
 
     def config_for(self, **overrides) -> GenerationConfig:
         """The engine's defaults (mode, budget, ...) with per-request values on top."""
@@ -143,17 +144,18 @@ class Engine:
     def encode_prompt(self, prompt: str, raw: bool = False, system: str | None = None, **template_kwargs) -> list[int]:
         """Token ids for a user prompt: through the model's chat template unless `raw`."""
         if raw or self.target.chat_template is None:
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(prompt, allow_special=self.parse_special)
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         return self.encode_messages(messages, **template_kwargs)
 
     def encode_messages(self, messages: list[dict], **template_kwargs) -> list[int]:
         """Token ids of a conversation rendered with the generation prompt (plain text joined by newlines
-        when the model has no chat template)."""
+        when the model has no chat template); control tokens only where the template puts them."""
         template = self.target.chat_template
         if template is None:
-            return self.tokenizer.encode("\n".join(m["content"] for m in messages))
-        return self.tokenizer.encode(template.render(messages, add_generation_prompt=True, **template_kwargs))
+            return self.tokenizer.encode("\n".join(m["content"] for m in messages), allow_special=self.parse_special)
+        _, ids = self.tokenizer.encode_chat(template, messages, parse_special=self.parse_special, **template_kwargs)
+        return ids
 
     @property
     def tokenizer(self):

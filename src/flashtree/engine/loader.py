@@ -55,10 +55,16 @@ def read_config(gguf: GGUFFile) -> tuple[Qwen35Config, TokenizerSpec | None]:
     spec = TokenizerSpec.from_metadata(gguf.metadata) if "tokenizer.ggml.tokens" in gguf.metadata else None
     embed = gguf.tensor("token_embd.weight")
     vocab = embed.shape[0]
-    config = Qwen35Config.from_metadata(gguf.metadata, vocab_size=vocab)
+    config = Qwen35Config.from_metadata(gguf.metadata, vocab_size=vocab, blocks_in_file=_blocks_in_file(gguf))
     if spec is not None and len(spec.tokens) > vocab:
         raise FlashtreeError(f"{gguf.path}: tokenizer has {len(spec.tokens)} tokens but the embedding only {vocab} rows")
     return config, spec
+
+
+def _blocks_in_file(gguf: GGUFFile) -> int:
+    """How many layers (`blk.N.` with N from 0) the tensor table could hold: one past the highest N."""
+    indexes = [name.split(".")[1] for name in gguf.tensors if name.startswith("blk.")]
+    return 1 + max((int(i) for i in indexes if i.isascii() and i.isdigit()), default=-1)
 
 
 def check_tensor_types(gguf: GGUFFile, config: Qwen35Config) -> None:

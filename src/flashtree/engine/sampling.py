@@ -8,16 +8,25 @@ from this distribution and follows the child carrying the sampled token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 
 import torch
 
 from flashtree.errors import FlashtreeError
 
+# Below this temperature sampling is greedy: dividing logits by a smaller one overflows float32 (1e-300
+# becomes 0 and the logits inf), and the distribution is one-hot to float32 precision anyway (vLLM's cut-off).
+MIN_TEMPERATURE = 1e-5
+# Seeds torch's generator takes (negative ones wrap around). The HTTP API takes int64 seeds, so that
+# seed + i of a request's choices stays in range.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+INT64_MAX = 2**63 - 1
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # below MIN_TEMPERATURE: greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     min_p: float = 0.0
@@ -34,6 +43,7 @@ class SamplingParams:
                                      f"got {token}: {bias}")
         checks = [
             ("temperature", self.temperature >= 0, ">= 0"),
+            ("seed", self.seed is None or SEED_MIN <= self.seed <= SEED_MAX, f"in [{SEED_MIN}, {SEED_MAX}]"),
             ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
             ("top_k", self.top_k >= 0, ">= 0"),
             ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
@@ -41,13 +51,16 @@ class SamplingParams:
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
         ]
+        for name in (f.name for f in fields(self) if isinstance(getattr(self, f.name), float)):
+            if not math.isfinite(getattr(self, name)):  # JSON bodies may spell Infinity and NaN
+                raise FlashtreeError(f"{name} must be a finite number, got {getattr(self, name)}")
         for name, ok, bounds in checks:
             if not ok:
                 raise FlashtreeError(f"{name} must be {bounds}, got {getattr(self, name)}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE
 
     @property
     def penalized(self) -> bool:
@@ -118,7 +131,16 @@ class Sampler:
             logits = torch.where(seen, scaled, logits)
         return logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
 
-    def _probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+    def _probabilities(self, scaled: torch.Tensor) -> torch.Tensor:
+        """Probabilities after top-k / min-p / top-p; a row that degenerates (a tiny repetition penalty can
+        push logits to inf, and inf - inf is NaN) falls back to greedy: all its mass on the largest logit."""
+        probs = self._filtered(scaled)
+        total = probs.sum(-1, keepdim=True)
+        usable = (total > 0) & torch.isfinite(total)  # False for NaN too
+        greedy = torch.nn.functional.one_hot(scaled.nan_to_num(nan=float("-inf")).argmax(-1), scaled.shape[-1])
+        return torch.where(usable, probs / total, greedy.to(probs.dtype))
+
+    def _filtered(self, logits: torch.Tensor) -> torch.Tensor:
         p = self.params
         if p.top_k:
             kth = logits.topk(min(p.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
@@ -130,6 +152,7 @@ class Sampler:
             sorted_probs, order = probs.sort(dim=-1, descending=True)
             before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly ahead of each token
             keep_sorted = before < p.top_p * sorted_probs.sum(-1, keepdim=True)
+            keep_sorted[..., 0] = True  # the most likely token always stays: a top_p below float32's range keeps none
             keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
             probs = probs * keep
-        return probs / probs.sum(-1, keepdim=True)
+        return probs

@@ -8,6 +8,7 @@ and transformers' Qwen tokenizer interpret it, plus an incremental detokenizer f
 from __future__ import annotations
 
 import codecs
+import itertools
 import json
 import re
 import threading
@@ -20,7 +21,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers
 
 from flashtree.errors import FlashtreeError
-from flashtree.formats.chat_template import CHATML_TEMPLATE
+from flashtree.formats.chat_template import CHATML_TEMPLATE, ChatTemplate
 
 # GGUF token types used here (llama.cpp also has 2 unknown, 5 unused, 6 byte; those are plain vocab entries).
 NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
@@ -36,6 +37,14 @@ QWEN2_REGEX = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 PRE_TOKENIZER_REGEXES = {"qwen35": QWEN35_REGEX, "qwen2": QWEN2_REGEX}
+
+# Stand-ins for control-token text in user data while a chat template renders it: characters of the
+# Supplementary Private Use Area-A, those a request does not use itself.
+_STAND_IN_RANGE = range(0xF0000, 0xFFFFE)
+_STAND_IN_PATTERN = re.compile("[\U000F0000-\U000FFFFD]")
+
+# Most code points NFC composes into one (e.g. U+1F86 from alpha and three accents).
+NFC_MAX_COMPOSED = 4
 
 # Tokens that end a generation besides the declared EOS (llama.cpp's end-of-generation set for Qwen).
 EOG_TOKEN_NAMES = ("<|im_end|>", "<|endoftext|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
@@ -90,23 +99,31 @@ class TokenizerSpec:
     def from_metadata(cls, meta: Mapping[str, object]) -> TokenizerSpec:
         """Read the spec from GGUF metadata (key -> Python value, arrays as lists)."""
 
-        m: Mapping[str, Any] = meta  # values are whatever the GGUF reader produced
+        m: Mapping[str, Any] = meta  # values are whatever the GGUF reader produced, of any type in a corrupt file
 
         def opt_int(key: str) -> int | None:
-            return None if m.get(key) is None else int(m[key])
+            value = m.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise FlashtreeError(f"metadata key {key} must be an integer, got {type(value).__name__}")
+            return value
+
+        def items(key: str, kind: type, default: list | None = None) -> list:
+            value = m.get(key, default)
+            if not isinstance(value, list) or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value):
+                raise FlashtreeError(f"metadata key {key} must be a list of {kind.__name__}s")
+            return value
 
         if "tokenizer.ggml.model" not in m or "tokenizer.ggml.tokens" not in m:
             raise FlashtreeError("GGUF has no tokenizer (tokenizer.ggml.model / tokenizer.ggml.tokens missing)")
-        tokens = [str(t) for t in m["tokenizer.ggml.tokens"]]
-        types = m.get("tokenizer.ggml.token_type")
+        tokens = items("tokenizer.ggml.tokens", str)
         template = m.get("tokenizer.chat_template")
         return cls(
             model=str(m["tokenizer.ggml.model"]),
             # llama.cpp treats a missing pre-tokenizer name as "default"
             pre=str(m.get("tokenizer.ggml.pre", "default")),
             tokens=tokens,
-            token_types=[NORMAL] * len(tokens) if types is None else [int(t) for t in types],
-            merges=[str(x) for x in m.get("tokenizer.ggml.merges", [])],
+            token_types=items("tokenizer.ggml.token_type", int, [NORMAL] * len(tokens)),
+            merges=items("tokenizer.ggml.merges", str, []),
             eos_token_id=opt_int("tokenizer.ggml.eos_token_id"),
             bos_token_id=opt_int("tokenizer.ggml.bos_token_id"),
             padding_token_id=opt_int("tokenizer.ggml.padding_token_id"),
@@ -156,6 +173,18 @@ def _pre_tokenizer(regex: str) -> pre_tokenizers.PreTokenizer:
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
+
+
+@dataclass(frozen=True)
+class RenderedChat:
+    """A rendered prompt whose user text has control-token text as stand-in characters (`restore` maps them back)."""
+
+    escaped: str
+    restore: dict[int, str]
+
+    @property
+    def text(self) -> str:
+        return self.escaped.translate(self.restore)
 
 
 class Tokenizer:
@@ -209,6 +238,11 @@ class Tokenizer:
             + [vocab[name] for name in EOG_TOKEN_NAMES if name in vocab]
         )
         self._control_ids = frozenset(i for i, kind in enumerate(spec.token_types) if kind == CONTROL)
+        # Longest first, so that a control token that starts with another one is matched whole, as the backend does.
+        control_texts = sorted((spec.tokens[i] for i in self._control_ids), key=len, reverse=True)
+        self._control_pattern = re.compile(f"({'|'.join(map(re.escape, control_texts))})") if control_texts else None
+        # One token never covers more bytes than this: bounds the token count from below by the text's length.
+        self.max_token_bytes = max(len(_token_bytes(t)) for t in spec.tokens)
         self._token_bytes: list[bytes] | None = None
         # `encode_special_tokens` is state on the shared backend, so toggling it must be atomic.
         self._lock = threading.Lock()
@@ -221,9 +255,72 @@ class Tokenizer:
         """Token ids for `text`; with allow_special=False, control-token text (e.g. a user typing
         "<|im_end|>") is encoded as ordinary characters. BOS is never added: Qwen's add_bos_token is false
         and prompts come from the chat template."""
+        [ids] = self._encode_all([text], allow_special)
+        return ids
+
+    def _encode_all(self, texts: list[str], allow_special: bool) -> list[list[int]]:
+        # The batch call without offsets: faster, and (for long texts) holds the GIL much shorter than encode().
         with self._lock:
             self.backend.encode_special_tokens = not allow_special
-            return self.backend.encode(text, add_special_tokens=False).ids
+            return [encoding.ids for encoding in self.backend.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound of len(encode(text)) without encoding it: NFC normalization composes at most 4 code
+        points into one, and a token covers at most `max_token_bytes` characters."""
+        return -(-len(text) // (NFC_MAX_COMPOSED * self.max_token_bytes))
+
+    def render_chat(self, template: ChatTemplate, messages: list[dict], tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True, parse_special: bool = False, **kwargs: Any) -> RenderedChat:
+        """The prompt `template` renders, with control-token text in messages, tools and kwargs (a user typing
+        "<|im_end|>") swapped for stand-ins, so that `encode_rendered` makes control tokens only of the
+        template's own text and a message cannot open a turn of its own. `parse_special`: the old behaviour,
+        it can."""
+        if parse_special or self._control_pattern is None:
+            return RenderedChat(template.render(messages, tools, add_generation_prompt, **kwargs), {})
+        stand_ins = self._stand_ins([messages, tools, kwargs, template.source])
+        escape = {token: chr(code) for token, code in stand_ins.items()}
+        rendered = template.render(self._escaped(messages, escape), self._escaped(tools, escape),
+                                   add_generation_prompt, **self._escaped(kwargs, escape))
+        return RenderedChat(rendered, {code: token for token, code in stand_ins.items()})
+
+    def encode_rendered(self, chat: RenderedChat) -> list[int]:
+        """Token ids of a `render_chat` prompt: its control tokens, and its other text (user text restored) plain."""
+        if self._control_pattern is None:
+            return self.encode(chat.text)
+        # Split at the template's control tokens: texts at even indexes, tokens at odd ones.
+        pieces = self._control_pattern.split(chat.escaped)
+        ids: list[int] = []
+        for index, piece_ids in enumerate(self._encode_all([p.translate(chat.restore) for p in pieces[::2]], False)):
+            ids += piece_ids
+            if 2 * index + 1 < len(pieces):
+                ids.append(self.backend.token_to_id(pieces[2 * index + 1]))
+        return ids
+
+    def encode_chat(self, template: ChatTemplate, messages: list[dict], tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True, parse_special: bool = False,
+                    **kwargs: Any) -> tuple[str, list[int]]:
+        """The prompt text and token ids of `render_chat`."""
+        chat = self.render_chat(template, messages, tools, add_generation_prompt, parse_special, **kwargs)
+        return chat.text, self.encode_rendered(chat)
+
+    def _stand_ins(self, data: Any) -> dict[str, int]:
+        """A code point for each control token that occurs nowhere in `data` (strings, lists, dicts)."""
+        used = {ord(c) for text in _strings(data) for c in _STAND_IN_PATTERN.findall(text)}
+        tokens = [self.spec.tokens[i] for i in sorted(self._control_ids)]
+        codes = list(itertools.islice((code for code in _STAND_IN_RANGE if code not in used), len(tokens)))
+        if len(codes) < len(tokens):
+            raise FlashtreeError(f"the text uses {len(used)} of the {len(_STAND_IN_RANGE)} characters of Unicode's "
+                                 f"Private Use Area-A, leaving fewer than the {len(tokens)} the prompt needs as stand-ins")
+        return dict(zip(tokens, codes))
+
+    def _escaped(self, data: Any, escape: dict[str, str]) -> Any:
+        if isinstance(data, str):
+            return self._control_pattern.sub(lambda match: escape[match.group()], data)
+        if isinstance(data, dict):
+            return {self._escaped(key, escape): self._escaped(value, escape) for key, value in data.items()}
+        if isinstance(data, (list, tuple)):
+            return [self._escaped(value, escape) for value in data]
+        return data
 
     def _check_ids(self, ids: Sequence[int]) -> None:
         if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
@@ -242,6 +339,19 @@ class Tokenizer:
 
     def stream_decoder(self, skip_special: bool = False) -> StreamDecoder:
         return StreamDecoder(self, skip_special)
+
+
+def _strings(data: Any) -> Iterable[str]:
+    """Every string in `data` (nested lists and dicts, keys included)."""
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            yield item
+        elif isinstance(item, dict):
+            stack += [*item.keys(), *item.values()]
+        elif isinstance(item, (list, tuple)):
+            stack += item
 
 
 class StreamDecoder:

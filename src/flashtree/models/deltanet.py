@@ -70,8 +70,10 @@ class GatedDeltaNet:
                 o = gated_delta_triton.recurrent_step(q, k, v, g, beta, state.ssm)  # updates the state in place
             else:
                 run = gated_delta.recurrent if n == 1 else gated_delta.chunked
-                if x.is_cuda and n > 1 and gated_delta_fla.available():
-                    run = gated_delta_fla.chunked  # prefill: fla-core's fused chunk kernels
+                # prefill: fla-core's fused chunk kernels, whose float32 dots are TF32: a float32 run keeps
+                # the exact torch form (a float32 run must not round to TF32 anywhere)
+                if x.is_cuda and n > 1 and x.dtype != torch.float32 and gated_delta_fla.available():
+                    run = gated_delta_fla.chunked
                 o, ssm = run(q, k, v, g, beta, state.ssm)
                 state.ssm.copy_(ssm)  # in place: a captured CUDA graph keeps reading these buffers
             state.conv.copy_(torch.cat([state.conv, conv_inputs.to(state.conv.dtype)])[-(c.conv_kernel - 1):])

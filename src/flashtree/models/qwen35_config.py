@@ -8,6 +8,11 @@ from typing import Any, Mapping
 from flashtree.errors import FlashtreeError
 
 ARCH = "qwen35"
+# Sanity bounds for metadata read before any tensor is: far above any real model, far below what a corrupt
+# value would make us allocate.
+MAX_LAYERS = 4096
+MAX_DIMENSION = 1 << 20
+MAX_CONTEXT = 1 << 31
 
 
 @dataclass(frozen=True)
@@ -72,7 +77,9 @@ class Qwen35Config:
         return [i for i, rec in enumerate(self.recurrent_layers) if rec]
 
     @classmethod
-    def from_metadata(cls, meta: Mapping[str, Any], vocab_size: int) -> "Qwen35Config":
+    def from_metadata(cls, meta: Mapping[str, Any], vocab_size: int, blocks_in_file: int | None = None) -> "Qwen35Config":
+        """The config a GGUF's metadata describes; `blocks_in_file` (how many `blk.N.` layers have tensors) bounds
+        block_count before anything is sized by it."""
         arch = meta.get("general.architecture")
         if arch != ARCH:
             raise FlashtreeError(f"unsupported architecture {arch!r}: flashtree runs {ARCH!r} models (Qwen3.5 / Qwen3.6 GGUF)")
@@ -85,37 +92,59 @@ class Qwen35Config:
                 raise FlashtreeError(f"metadata key {full!r} is missing; is this a complete qwen35 GGUF?")
             return default
 
-        block_count = int(key("block_count"))
-        mtp = int(key("nextn_predict_layers", 0))
+        def count(name: str, default: int | None = None, low: int = 1, high: int = MAX_DIMENSION) -> int:
+            value = key(name, default)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise FlashtreeError(f"metadata key {ARCH}.{name} must be an integer in [{low}, {high}], got "
+                                     f"{_shown(value)}")
+            return value
+
+        def number(name: str, default: float) -> float:
+            value = key(name, default)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise FlashtreeError(f"metadata key {ARCH}.{name} must be a positive number, got {_shown(value)}")
+            return float(value)
+
+        block_count = count("block_count", high=MAX_LAYERS)
+        if blocks_in_file is not None and block_count > blocks_in_file:
+            raise FlashtreeError(f"metadata key {ARCH}.block_count is {block_count} but the file has tensors for "
+                                 f"{blocks_in_file} blocks")
+        mtp = count("nextn_predict_layers", 0, low=0, high=block_count - 1)
         trunk = block_count - mtp
-        head_dim = int(key("attention.key_length", 256))
-        if int(key("attention.value_length", head_dim)) != head_dim:
+        head_dim = count("attention.key_length", 256)
+        if count("attention.value_length", head_dim) != head_dim:
             raise FlashtreeError("attention.key_length and attention.value_length differ; unsupported")
         recurrent = key("attention.recurrent_layers", [])
+        if not isinstance(recurrent, list):
+            raise FlashtreeError(f"metadata key {ARCH}.attention.recurrent_layers must be a list, got {_shown(recurrent)}")
         if recurrent:
             recurrent = tuple(bool(x) for x in recurrent[:trunk])
         else:
-            interval = int(key("full_attention_interval", 4))
+            interval = count("full_attention_interval", 4)
             recurrent = tuple((i + 1) % interval != 0 for i in range(trunk))
-        scale = meta.get(f"{ARCH}.attention.scale") or head_dim**-0.5
         return cls(
             vocab_size=vocab_size,
-            hidden_size=int(key("embedding_length")),
-            intermediate_size=int(key("feed_forward_length")),
+            hidden_size=count("embedding_length"),
+            intermediate_size=count("feed_forward_length"),
             num_layers=trunk,
             num_mtp_layers=mtp,
-            num_heads=int(key("attention.head_count")),
-            num_kv_heads=int(key("attention.head_count_kv")),
+            num_heads=count("attention.head_count"),
+            num_kv_heads=count("attention.head_count_kv"),
             head_dim=head_dim,
-            rope_dim=int(key("rope.dimension_count", head_dim // 4)),
-            rope_theta=float(key("rope.freq_base", 1e7)),
-            rms_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
-            attention_scale=float(scale),
+            rope_dim=count("rope.dimension_count", head_dim // 4),
+            rope_theta=number("rope.freq_base", 1e7),
+            rms_eps=number("attention.layer_norm_rms_epsilon", 1e-6),
+            attention_scale=number("attention.scale", head_dim**-0.5),
             recurrent_layers=recurrent,
-            conv_kernel=int(key("ssm.conv_kernel", 4)),
-            gdn_head_dim=int(key("ssm.state_size")),
-            gdn_qk_heads=int(key("ssm.group_count")),
-            gdn_v_heads=int(key("ssm.time_step_rank")),
-            context_length=int(key("context_length", 262144)),
+            conv_kernel=count("ssm.conv_kernel", 4),
+            gdn_head_dim=count("ssm.state_size"),
+            gdn_qk_heads=count("ssm.group_count"),
+            gdn_v_heads=count("ssm.time_step_rank"),
+            context_length=count("context_length", 262144, high=MAX_CONTEXT),
             name=str(meta.get("general.name", ARCH)),
         )
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:40] + "..."

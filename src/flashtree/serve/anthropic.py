@@ -11,39 +11,36 @@ from typing import Annotated, Any, AsyncIterator, ClassVar, Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field, field_validator
 
 from flashtree.engine.generate import GenerationResult
 from flashtree.engine.sampling import SamplingParams
 from flashtree.serve.app import Server, flashtree_stats, named_sse, parsed_events, ready_server, wait_for
-from flashtree.serve.errors import APIError, unsupported
+from flashtree.serve.errors import ANTHROPIC_ERRORS, APIError, unsupported
 from flashtree.serve.parsing import Delta, OutputParser, opens_thinking
+from flashtree.serve.protocol import Body, RequestBody, bounded_stops
 from flashtree.serve.scheduler import Job
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-
-class TextBlock(_Body):
+class TextBlock(Body):
     type: Literal["text"]
     text: str
 
 
-class ThinkingBlock(_Body):
+class ThinkingBlock(Body):
     type: Literal["thinking"]
     thinking: str
     signature: str | None = None
 
 
-class ToolUseBlock(_Body):
+class ToolUseBlock(Body):
     type: Literal["tool_use"]
     id: str
     name: str
     input: dict[str, Any]
 
 
-class ToolResultBlock(_Body):
+class ToolResultBlock(Body):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[TextBlock] | None = None
@@ -57,23 +54,27 @@ class ToolResultBlock(_Body):
 Block = Annotated[TextBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
 
 
-class MessageParam(_Body):
+class MessageParam(Body):
     role: Literal["user", "assistant"]
     content: str | Annotated[list[Block], Field(min_length=1)]
 
 
-class ToolDef(_Body):
+class ToolDef(Body):
     name: str
     description: str | None = None
     input_schema: dict[str, Any] = Field(default_factory=dict)
 
 
-class ThinkingConfig(_Body):
+class ThinkingConfig(Body):
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = None
 
 
-class MessagesInput(_Body):
+# Anthropic documents no limit; each stop sequence is matched against the output after every token.
+MAX_STOP_SEQUENCES = 16
+
+
+class MessagesInput(RequestBody):
     """What a prompt is made of: the fields /v1/messages and /v1/messages/count_tokens share."""
 
     model: str | None = None  # any name is accepted: Claude Code asks for its own model names
@@ -131,6 +132,11 @@ class MessagesRequest(MessagesInput):
     metadata: dict[str, Any] | None = None
 
     ignore_eos: ClassVar[bool] = False  # what Server.submit reads of a request, as of the OpenAI bodies
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _bounded_stop_sequences(cls, stops: list[str] | None) -> list[str] | None:
+        return stops if stops is None else bounded_stops(stops, MAX_STOP_SEQUENCES)
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -257,18 +263,17 @@ async def _message_events(job: Job, parser: OutputParser, message: dict) -> Asyn
     yield "message_stop", {"type": "message_stop"}
 
 
-router = APIRouter()
+router = APIRouter(responses=ANTHROPIC_ERRORS)
 
 
-def _prompt(server: Server, body: MessagesInput) -> str:
+async def _prompt(server: Server, body: MessagesInput, what: str | None = None) -> tuple[str, list[int]]:
     body.check_supported()
-    return server.render(body.template_messages(), body.template_tools(), body.template_kwargs())
+    return await server.encode_chat(body.template_messages(), body.template_tools(), body.template_kwargs(), what=what)
 
 
 @router.post("/v1/messages", response_model=None)
 async def messages(body: MessagesRequest, request: Request, server: Server = Depends(ready_server)) -> dict | StreamingResponse:
-    prompt = _prompt(server, body)
-    prompt_ids = server.engine.tokenizer.encode(prompt)
+    prompt, prompt_ids = await _prompt(server, body, "messages")
     message_id = f"msg_{uuid.uuid4().hex}"
     job = server.submit(prompt_ids, body, "messages", message_id)
     parser = OutputParser(opens_thinking(prompt), body.tool_schemas())
@@ -286,5 +291,6 @@ async def messages(body: MessagesRequest, request: Request, server: Server = Dep
 
 
 @router.post("/v1/messages/count_tokens")
-def count_tokens(body: MessagesInput, server: Server = Depends(ready_server)) -> dict:
-    return {"input_tokens": len(server.engine.tokenizer.encode(_prompt(server, body)))}
+async def count_tokens(body: MessagesInput, server: Server = Depends(ready_server)) -> dict:
+    _, prompt_ids = await _prompt(server, body)
+    return {"input_tokens": len(prompt_ids)}

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Callable, Sequence
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
@@ -22,7 +23,9 @@ from flashtree.engine.generate import GenerationResult
 from flashtree.engine.output import TokenLogprob
 from flashtree.errors import FlashtreeError
 from flashtree.formats.chat_template import ChatTemplate, template_or_chatml
-from flashtree.serve.errors import APIError, install_error_handlers
+from flashtree.serve import DEFAULT_MAX_REQUEST_MB
+from flashtree.serve.body_limit import BodySizeLimit
+from flashtree.serve.errors import OPENAI_ERRORS, APIError, document_errors, install_error_handlers
 from flashtree.serve.logprobs import Echo, chat_logprobs, completion_logprobs, joined, token_text
 from flashtree.serve.parsing import Delta, OutputParser, opens_thinking, reasoning_tokens
 from flashtree.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerationParams,
@@ -39,14 +42,17 @@ class Server:
     """What the routes share: the engine once loaded, its scheduler, and the serving options."""
 
     def __init__(self, engine, model_name: str, api_key: str | None, queue_size: int, request_timeout: float,
-                 shutdown_timeout: float):
+                 shutdown_timeout: float, parse_special: bool = False):
         if queue_size < 1:
             raise FlashtreeError(f"the queue must hold at least 1 request, got {queue_size}")
+        if api_key == "":  # an empty key would let every request in while looking like auth is on
+            raise FlashtreeError("the API key is empty: give a non-empty --api-key (or $FLASHTREE_API_KEY), or none")
         # Anything without `generate` is a factory, loaded in the background so /health can say "loading".
         self._factory: Callable | None = None if hasattr(engine, "generate") else engine
         self.engine = None if self._factory else engine
         self.model_name = model_name
         self.api_key = api_key
+        self.parse_special = parse_special
         self.queue_size = queue_size
         self.request_timeout = request_timeout
         self.shutdown_timeout = shutdown_timeout
@@ -102,13 +108,41 @@ class Server:
     def context_limit(self) -> int:
         return self.engine.default_config.ctx or self.engine.target.config.context_length
 
-    def render(self, messages: list[dict], tools: list[dict] | None, kwargs: dict | None,
-               add_generation_prompt: bool = True) -> str:
+    async def encode_chat(self, messages: list[dict], tools: list[dict] | None, kwargs: dict | None,
+                          add_generation_prompt: bool = True, what: str | None = None) -> tuple[str, list[int]]:
+        """The rendered prompt and its token ids, made off the event loop (a long prompt takes seconds). With
+        `what` (routes that generate), a prompt longer than the context is refused before it is tokenized
+        whenever its length alone shows that."""
         for key in kwargs or ():
             if key in _RESERVED_TEMPLATE_KEYS:
                 raise APIError(400, f"chat_template_kwargs may not set {key!r}", param="chat_template_kwargs")
-        return self.template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                    **{**self.template_kwargs, **(kwargs or {})})
+        tokenizer = self.engine.tokenizer
+
+        def encode() -> tuple[str, list[int]]:
+            chat = tokenizer.render_chat(self.template, messages, tools, add_generation_prompt, self.parse_special,
+                                         **{**self.template_kwargs, **(kwargs or {})})
+            if what is not None:
+                self.check_context(tokenizer.min_tokens(chat.escaped), what, at_least=True)
+            return chat.text, tokenizer.encode_rendered(chat)
+
+        return await run_in_threadpool(encode)
+
+    async def encode_text(self, text: str, what: str | None = None) -> list[int]:
+        """`encode_chat` for a plain text."""
+        tokenizer = self.engine.tokenizer
+        if what is not None:
+            self.check_context(tokenizer.min_tokens(text), what, at_least=True)
+        return await run_in_threadpool(tokenizer.encode, text, self.parse_special)
+
+    def check_context(self, prompt: int, what: str, at_least: bool = False) -> None:
+        """A prompt of `prompt` tokens (`at_least` that many) must leave room for one generated token."""
+        limit = self.context_limit
+        # OpenAI's wording: agent clients match it to trigger history compaction.
+        if prompt >= limit:
+            count = f"at least {prompt}" if at_least else str(prompt)
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your {what} "
+                                f"resulted in {count} tokens. Please reduce the length of the {what}.",
+                           param=what, code="context_length_exceeded")
 
     def submit(self, prompt_ids: Sequence[int], params: GenerationParams, what: str, request_id: str = "") -> Job:
         [job] = self.submit_choices(prompt_ids, params, what, request_id, 1)
@@ -126,11 +160,7 @@ class Server:
                                         ignore_eos=params.ignore_eos or None, logprobs=params.logprob_count(),
                                         prompt_logprobs=params.prompt_logprob_count())
         limit, prompt = self.context_limit, len(prompt_ids)
-        # OpenAI's wording: agent clients match it to trigger history compaction.
-        if prompt >= limit:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your {what} "
-                                f"resulted in {prompt} tokens. Please reduce the length of the {what}.",
-                           param=what, code="context_length_exceeded")
+        self.check_context(prompt, what)
         if requested is not None and prompt + requested > limit:
             # Only a max_tokens the client asked for is refused; the server's default is cut to what fits.
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
@@ -270,8 +300,8 @@ def ready_server(server: Server = Depends(_authorized)) -> Server:
     return server
 
 
-public = APIRouter()
-api = APIRouter()
+public = APIRouter(responses={503: OPENAI_ERRORS[503]})
+api = APIRouter(responses=OPENAI_ERRORS)
 
 
 @public.get("/health")
@@ -286,7 +316,7 @@ def models(server: Server = Depends(_authorized)) -> dict:
                                         "owned_by": "flashtree"}]}
 
 
-@api.get("/metrics")
+@api.get("/metrics", response_class=PlainTextResponse)
 def metrics(server: Server = Depends(_authorized)) -> PlainTextResponse:
     scheduler = server.scheduler
     waiting = scheduler.waiting if scheduler else 0
@@ -299,15 +329,14 @@ def metrics(server: Server = Depends(_authorized)) -> PlainTextResponse:
 
 
 @api.post("/tokenize")
-def tokenize(body: TokenizeRequest, server: Server = Depends(ready_server)) -> dict:
+async def tokenize(body: TokenizeRequest, server: Server = Depends(ready_server)) -> dict:
     server.check_model(body.model)
     if body.messages is None:
-        text = body.prompt
+        ids = await server.encode_text(body.prompt)
     else:
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-        text = server.render([m.for_template() for m in body.messages], tools, body.chat_template_kwargs,
-                             body.add_generation_prompt)
-    ids = server.engine.tokenizer.encode(text)
+        _, ids = await server.encode_chat([m.for_template() for m in body.messages], tools, body.chat_template_kwargs,
+                                          body.add_generation_prompt)
     return {"tokens": ids, "count": len(ids), "max_model_len": server.context_limit}
 
 
@@ -351,9 +380,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
                            server: Server = Depends(ready_server)) -> dict | StreamingResponse:
     server.check_model(body.model)
     body.check_supported()
-    prompt = server.render([m.for_template() for m in body.messages], body.template_tools(), body.chat_template_kwargs)
+    prompt, prompt_ids = await server.encode_chat([m.for_template() for m in body.messages], body.template_tools(),
+                                                  body.chat_template_kwargs, what="messages")
     reply = Reply("chat.completion", server.model_name)
-    jobs = server.submit_choices(server.engine.tokenizer.encode(prompt), body, "messages", reply.response_id, body.n)
+    jobs = server.submit_choices(prompt_ids, body, "messages", reply.response_id, body.n)
     parsers = [OutputParser(opens_thinking(prompt), body.tool_schemas()) for _ in jobs]
     tokenizer = server.engine.tokenizer
     if body.stream:
@@ -420,7 +450,7 @@ async def completions(body: CompletionRequest, request: Request,
     body.check_supported()
     tokenizer = server.engine.tokenizer
     if isinstance(body.prompt, str):
-        prompt_ids = tokenizer.encode(body.prompt)
+        prompt_ids = await server.encode_text(body.prompt, "prompt")
     elif all(0 <= t < tokenizer.vocab_size for t in body.prompt):
         prompt_ids = body.prompt
     else:
@@ -475,14 +505,17 @@ async def _completion_chunks(index: int, job: Job, reply: Reply, tokenizer, echo
 
 def build_app(engine, model_name: str, api_key: str | None = None, queue_size: int = 16,
               request_timeout: float = 600.0, shutdown_timeout: float = 30.0,
-              allowed_origins: Sequence[str] = (), template_kwargs: dict | None = None) -> FastAPI:
+              allowed_origins: Sequence[str] = (), max_request_mb: float = DEFAULT_MAX_REQUEST_MB,
+              parse_special: bool = False, template_kwargs: dict | None = None) -> FastAPI:
     """`engine`: an Engine, or a zero-argument callable returning one (loaded in the background while
     /health answers 503). `queue_size`: requests that may wait while one generates; more get 503.
     `request_timeout`: seconds from arrival after which generation stops (finish_reason "length").
     `shutdown_timeout`: seconds in-flight work may take to finish at shutdown before it is cancelled.
-    `allowed_origins`: browser origins answered with CORS headers ("*": any). `template_kwargs`: the
-    default chat template arguments, under each request's own (serve --think/--no-think sets enable_thinking)."""
-    server = Server(engine, model_name, api_key, queue_size, request_timeout, shutdown_timeout)
+    `allowed_origins`: browser origins answered with CORS headers ("*": any). `max_request_mb`: larger request
+    bodies get 413. `parse_special`: control-token text in requests makes control tokens (forgeable turns).
+    `template_kwargs`: the default chat template arguments, under each request's own (serve --think/--no-think
+    sets enable_thinking)."""
+    server = Server(engine, model_name, api_key, queue_size, request_timeout, shutdown_timeout, parse_special)
     server.template_kwargs = dict(template_kwargs or {})
 
     @asynccontextmanager
@@ -493,7 +526,8 @@ def build_app(engine, model_name: str, api_key: str | None = None, queue_size: i
 
     app = FastAPI(title="flashtree", lifespan=lifespan)
     app.state.server = server
-    if allowed_origins:
+    app.add_middleware(BodySizeLimit, max_bytes=int(max_request_mb * 2**20))
+    if allowed_origins:  # added after the size limit, so that its 413s carry CORS headers too
         # credentials stay off: the API key travels in a header the browser code sets, never a cookie
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])
@@ -505,4 +539,5 @@ def build_app(engine, model_name: str, api_key: str | None = None, queue_size: i
 
     app.include_router(anthropic)
     app.include_router(responses)
+    document_errors(app)
     return app

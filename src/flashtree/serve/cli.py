@@ -8,8 +8,9 @@ import logging
 import os
 from pathlib import Path
 
-from flashtree.cli.main import add_thinking_arg, int_range, thinking_kwargs
+from flashtree.cli.main import add_parse_special_arg, add_thinking_arg, int_range, thinking_kwargs
 from flashtree.engine.prefix_cache_flags import add_prefix_cache_args
+from flashtree.serve import DEFAULT_MAX_REQUEST_MB
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -34,6 +35,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
                    help="browser origins allowed to call the API (CORS), comma-separated, or * "
                         "(default: * on a loopback --host, none otherwise)")
+    p.add_argument("--max-request-mb", type=_positive_float, default=DEFAULT_MAX_REQUEST_MB, metavar="MB",
+                   help=f"largest request body in MiB; larger ones get 413 unread (default {DEFAULT_MAX_REQUEST_MB})")
+    add_parse_special_arg(p)
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     add_thinking_arg(p)
     p.add_argument("--special", action="store_true",
@@ -41,6 +45,16 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     add_prefix_cache_args(p)
     p.set_defaults(handler=run_serve)
     return p
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
 
 
 def engine_factory(args: argparse.Namespace):
@@ -105,7 +119,8 @@ def run_serve(args: argparse.Namespace) -> int:
     app = build_app(engine_factory(args), name, api_key=args.api_key, queue_size=args.max_queued_requests,
                     template_kwargs=thinking_kwargs(args.think),
                     allowed_origins=allowed_origins(args.allowed_origins, args.host),
-                    request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout)
+                    request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
+                    max_request_mb=args.max_request_mb, parse_special=args.parse_special)
     print(f"flashtree: serving {name} at http://{args.host}:{args.port}/v1 (loading the model...)", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=args.shutdown_timeout)

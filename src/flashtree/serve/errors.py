@@ -4,10 +4,13 @@ on Anthropic's routes (/v1/messages...) as Anthropic's `{"type": "error", "error
 from __future__ import annotations
 
 import logging
+from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flashtree.errors import FlashtreeError
@@ -15,7 +18,7 @@ from flashtree.errors import FlashtreeError
 log = logging.getLogger("flashtree.serve")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 503: "unavailable_error"}
+          405: "invalid_request_error", 413: "invalid_request_error", 503: "unavailable_error"}
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                     404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
                     429: "rate_limit_error", 503: "overloaded_error"}
@@ -48,6 +51,61 @@ class APIError(Exception):
         anthropic = request is not None and request.url.path.startswith(ANTHROPIC_PREFIX)
         return JSONResponse(self.anthropic_body() if anthropic else self.body(), status_code=self.status,
                             headers=headers)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error envelope."""
+
+    error: ErrorDetail
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """Anthropic's error envelope."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+def _error_responses(model: type[BaseModel]) -> dict:
+    """What the routes answer besides success, for the OpenAPI document."""
+    return {400: {"model": model, "description": "Invalid request (bad or unsupported parameters, too long a prompt)"},
+            401: {"model": model, "description": "Missing or wrong API key"},
+            413: {"model": model, "description": "Request body over the server's limit"},
+            503: {"model": model, "description": "Model loading, queue full or shutting down"}}
+
+
+OPENAI_ERRORS = _error_responses(ErrorResponse)
+ANTHROPIC_ERRORS = _error_responses(AnthropicErrorResponse)
+
+
+def document_errors(app: FastAPI) -> None:
+    """The OpenAPI document without FastAPI's 422 validation responses: invalid requests get 400 and the error
+    envelope (declared on the routers), as every handler here answers."""
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for operations in schema.get("paths", {}).values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 def unsupported(param: str, message: str) -> APIError:

@@ -5,36 +5,92 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
-from flashtree.engine.sampling import SamplingParams
+from flashtree.engine.sampling import INT64_MAX, SamplingParams
 from flashtree.serve.errors import APIError, unsupported
 
-Stop = str | Annotated[list[str], Field(max_length=4)] | None
+MAX_STOP_STRINGS = 4  # OpenAI's limit for `stop`
+MAX_STOP_CHARS = 256  # each stop string is matched against the output after every token
 
 
-class _Body(BaseModel):
+def bounded_stops(stops: list[str], limit: int) -> list[str]:
+    """`stops` if there are at most `limit` of them, each 1 to MAX_STOP_CHARS characters long."""
+    if len(stops) > limit:
+        raise PydanticCustomError("too_many_stops", "at most {limit} stop strings are allowed, got {count}",
+                                  {"limit": limit, "count": len(stops)})
+    if any(not 0 < len(stop) <= MAX_STOP_CHARS for stop in stops):
+        raise PydanticCustomError("stop_length", "each stop string must hold 1 to {chars} characters",
+                                  {"chars": MAX_STOP_CHARS})
+    return stops
+
+
+_SCALARS = {int, float, bool, type(None)}  # JSON values that hold no text
+
+
+def _is_utf8(text: str) -> bool:
+    """False for text with a lone surrogate (JSON's \\ud800 escapes can spell one), which UTF-8 cannot encode."""
+    if text.isascii():  # the common case, at memory speed
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _surrogate_path(data: Any) -> str | None:
+    """Where in a parsed JSON body a string (or key) holds a lone surrogate ("" for the body itself); None if nowhere."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            if not _is_utf8(item):
+                return path
+        elif isinstance(item, dict):
+            for key, value in item.items():
+                stack += [(path, key), (f"{path}.{key}".lstrip("."), value)]
+        elif isinstance(item, list) and not set(map(type, item)) <= _SCALARS:  # a list of ids is passed at C speed
+            stack += [(f"{path}[{index}]", value) for index, value in enumerate(item)]
+    return None
+
+
+class Body(BaseModel):
     # Strict types, as OpenAI checks them ("stream": "yes" is an error, not True); unknown keys are ignored,
-    # as OpenAI-compatible servers do for client-specific extras.
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # as OpenAI-compatible servers do for client-specific extras. JSON's Infinity and NaN are no numbers.
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
-class StreamOptions(_Body):
+class RequestBody(Body):
+    """A whole request: all its text must be valid Unicode (what the tokenizer and the JSON reply can hold)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _encodable_text(cls, data: Any) -> Any:
+        path = _surrogate_path(data)
+        if path is not None:
+            raise APIError(400, f"{path or 'the request'} holds a lone UTF-16 surrogate (such as \\ud800), which is "
+                                f"not text: send valid UTF-8", param=path or None)
+        return data
+
+
+class StreamOptions(Body):
     include_usage: bool = False
 
 
-class GenerationParams(_Body):
+class GenerationParams(RequestBody):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    stop: Stop = None
+    stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX)
     n: int = Field(1, ge=1, le=16)  # choices, generated one after another
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
@@ -43,9 +99,14 @@ class GenerationParams(_Body):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        return stop if stop is None else bounded_stops([stop] if isinstance(stop, str) else stop, MAX_STOP_STRINGS)
+
     @property
     def stop_strings(self) -> tuple[str, ...]:
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return tuple(self.stop or ())
 
     @property
     def include_usage(self) -> bool:
@@ -76,9 +137,11 @@ class GenerationParams(_Body):
     def _logit_bias(self) -> tuple[tuple[int, float], ...]:
         entries = []
         for key, value in (self.logit_bias or {}).items():
-            if not key.isdigit() or not -100 <= value <= 100:
-                raise APIError(400, f"logit_bias maps token ids to biases in [-100, 100], got {key!r}: {value}",
-                               param="logit_bias")
+            # Python refuses int() of over 4300 digits; no vocabulary reaches 10 digits
+            if not (key.isascii() and key.isdigit() and len(key) < 10) or not -100 <= value <= 100:
+                shown = key if len(key) <= 20 else key[:20] + "..."
+                raise APIError(400, f"logit_bias maps token ids (ASCII digits) to biases in [-100, 100], got "
+                                    f"{shown!r}: {value}", param="logit_bias")
             entries.append((int(key), float(value)))
         return tuple(entries)
 
@@ -112,18 +175,18 @@ class CompletionRequest(GenerationParams):
             raise unsupported("best_of", "only best_of=1 is supported")
 
 
-class FunctionCall(_Body):
+class FunctionCall(Body):
     name: str
     arguments: str = "{}"
 
 
-class ToolCall(_Body):
+class ToolCall(Body):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class Message(_Body):
+class Message(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
@@ -148,14 +211,14 @@ class Message(_Body):
         return message
 
 
-class FunctionDef(_Body):
+class FunctionDef(Body):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(_Body):
+class Tool(Body):
     type: Literal["function"] = "function"
     function: FunctionDef
 
@@ -199,7 +262,7 @@ class ChatCompletionRequest(GenerationParams):
         return None if tools is None else {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(RequestBody):
     """Either raw text (`prompt`, or llama.cpp's `content`) or chat `messages` rendered by the template."""
 
     model: str | None = None
@@ -216,6 +279,6 @@ class TokenizeRequest(_Body):
         return self
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]

@@ -11,21 +11,18 @@ from typing import Any, AsyncIterator, ClassVar, Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from flashtree.engine.generate import GenerationResult
 from flashtree.engine.sampling import SamplingParams
 from flashtree.serve.app import Server, flashtree_stats, named_sse, parsed_events, ready_server, wait_for
-from flashtree.serve.errors import APIError, unsupported
+from flashtree.serve.errors import OPENAI_ERRORS, APIError, unsupported
 from flashtree.serve.parsing import Delta, OutputParser, opens_thinking, reasoning_tokens
+from flashtree.serve.protocol import Body, RequestBody
 from flashtree.serve.scheduler import Job
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-
-class FunctionTool(_Body):
+class FunctionTool(Body):
     type: Literal["function"]
     name: str
     description: str | None = None
@@ -33,7 +30,7 @@ class FunctionTool(_Body):
     strict: bool | None = None
 
 
-class ResponsesRequest(_Body):
+class ResponsesRequest(RequestBody):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -279,16 +276,17 @@ def _error_event(exc: APIError) -> dict:
     return {"type": "error", "code": exc.code or exc.type, "message": exc.message, "param": exc.param}
 
 
-router = APIRouter()
+router = APIRouter(responses=OPENAI_ERRORS)
 
 
 @router.post("/v1/responses", response_model=None)
 async def responses(body: ResponsesRequest, request: Request, server: Server = Depends(ready_server)) -> dict | StreamingResponse:
     server.check_model(body.model)
     body.check_supported()
-    prompt = server.render(body.template_messages(), body.template_tools(), body.template_kwargs())
+    prompt, prompt_ids = await server.encode_chat(body.template_messages(), body.template_tools(),
+                                                  body.template_kwargs(), what="input")
     response_id = _item_id("resp")
-    job = server.submit(server.engine.tokenizer.encode(prompt), body, "input", response_id)
+    job = server.submit(prompt_ids, body, "input", response_id)
     parser = OutputParser(opens_thinking(prompt), body.tool_schemas())
     response = {"id": response_id, "object": "response", "created_at": int(time.time()), "status": "in_progress",
                 "model": server.model_name, "output": [], "instructions": body.instructions,

@@ -33,6 +33,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
 from flashtree.errors import FlashtreeError
 from flashtree.formats import quants
 from flashtree.kernels import triton_runs_on
+from flashtree.kernels.quant_matmul import mma
 
 
 @dataclass(frozen=True)
@@ -84,11 +85,23 @@ def _supported_names() -> str:
     return ", ".join(t.name for t in SUPPORTED_TYPES)
 
 
+# prefill chunks of fragment-ordered weights go through a dense temporary up to this size; a bigger
+# weight (the 248K-row LM head) is multiplied 32 rows at a time instead
+DENSE_MAX_BYTES = 512 << 20
+
+
+def uses_mma_layout(qtype: QType, shape: tuple[int, int], device: torch.device) -> bool:
+    """Q4_K/Q6_K weights on CUDA are stored in tensor-core fragment order for the CUDA kernels of
+    `mma` (when cuda-python is installed; FLASHTREE_MMA=0 keeps the Triton kernels)."""
+    return device.type == "cuda" and mma.supports(qtype, shape) and mma.available()
+
+
 @dataclass
 class QuantWeight:
-    raw: torch.Tensor  # uint8, field-major for quantized types, the plain values' bytes otherwise
+    raw: torch.Tensor  # uint8: field-major or fragment-ordered (`mma_layout`) blocks, or plain values' bytes
     qtype: QType
     shape: tuple[int, int]  # (N out, K in)
+    mma_layout: bool = False
     _fields: dict[str, torch.Tensor] | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
@@ -114,6 +127,8 @@ class QuantWeight:
                                  f"got {raw.numel()}")
         if qtype in PLAIN_TYPES:
             return cls(raw.reshape(-1).contiguous(), qtype, (n, k))
+        if uses_mma_layout(qtype, (n, k), raw.device):
+            return cls(mma.to_mma_layout(raw, qtype, n, k), qtype, (n, k), mma_layout=True)
         blocks = raw.reshape(n * (k // block), type_size)
         packed = torch.cat([blocks[:, f.start:f.stop].reshape(-1) for f in KERNELS[qtype].fields])
         return cls(packed, qtype, (n, k))
@@ -128,10 +143,15 @@ class QuantWeight:
         return self.raw.device
 
     def to(self, device) -> QuantWeight:
-        return QuantWeight(self.raw.to(device), self.qtype, self.shape)
+        device = torch.device(device)
+        if self.qtype in PLAIN_TYPES or self.mma_layout == uses_mma_layout(self.qtype, self.shape, device):
+            return QuantWeight(self.raw.to(device), self.qtype, self.shape, self.mma_layout)
+        return QuantWeight.from_gguf_bytes(self.gguf_bytes().to(device), self.qtype, self.shape)
 
     def fields(self) -> dict[str, torch.Tensor]:
         """Each field's bytes as a flat tensor of its dtype (views of `raw`, made once)."""
+        if self.mma_layout:
+            raise FlashtreeError("a fragment-ordered weight has no GGUF fields (use gguf_bytes())")
         if self._fields is None:
             self._fields = self._field_views()
         return self._fields
@@ -151,6 +171,8 @@ class QuantWeight:
         n, k = self.shape
         if self.qtype in PLAIN_TYPES:
             return self.raw.reshape(n, -1)
+        if self.mma_layout:
+            return mma.from_mma_layout(self.raw, self.qtype, n, k)
         block, type_size = GGML_QUANT_SIZES[self.qtype]
         blocks = torch.empty(n * (k // block), type_size, dtype=torch.uint8, device=self.raw.device)
         for f, values in zip(KERNELS[self.qtype].fields, self.fields().values()):
@@ -158,6 +180,8 @@ class QuantWeight:
         return blocks.reshape(n, -1)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.mma_layout:
+            return mma.dequantize(self.raw, self.qtype, *self.shape, dtype)
         return quants.dequantize(self.gguf_bytes(), self.qtype, self.shape, dtype)
 
 
@@ -185,9 +209,25 @@ def quant_matmul(x: torch.Tensor, weight: QuantWeight, config=None) -> torch.Ten
     n, k = weight.shape
     if weight.qtype in PLAIN_TYPES:
         return x @ weight.raw.view(PLAIN_TYPES[weight.qtype]).reshape(n, k).to(x.dtype).T
+    if weight.mma_layout:
+        return _mma_matmul(x, weight)
     if not _triton_runs(x):
         return (x.float() @ weight.dequantize().T).to(x.dtype)
     return KERNELS[weight.qtype].load().matmul(x, weight.fields(), n, k, config)  # in x.dtype
+
+
+def _mma_matmul(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
+    """Fragment-ordered weights: bf16 x of up to 32 rows in one tensor-core launch; longer bf16 x through
+    a dense bf16 temporary and cuBLAS (prefill chunks), or 32 rows at a time when the weight is too big
+    for a temporary or the chunk too short to amortize one; float32/float16 x against the dense weight
+    in x's dtype (float32 stays float32: no TF32 unless torch is told to allow it)."""
+    n, k = weight.shape
+    m = x.shape[0]
+    if x.dtype == torch.bfloat16 and m <= mma.MAX_M:
+        return mma.matmul(x, weight.raw, weight.qtype, n, k)
+    if x.dtype == torch.bfloat16 and (m < DENSE_MIN_M or n * k * 2 > DENSE_MAX_BYTES):
+        return torch.cat([mma.matmul(part, weight.raw, weight.qtype, n, k) for part in x.split(mma.MAX_M)])
+    return x @ weight.dequantize(x.dtype).T
 
 
 def quant_matmul_reference(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:

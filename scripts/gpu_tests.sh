@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The GPU test suite on a CUDA machine, one line per failure and the totals last:
+#   bash scripts/gpu_tests.sh            # the whole GPU suite (pytest -m gpu)
+#   FAST=1 bash scripts/gpu_tests.sh     # the quick subset to run after every change to code the GPU runs
+# On the lent device (carry .whl, made by scripts/fetch_device_wheels.sh) source scripts/device_env.sh first.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+marker="gpu"
+[ "${FAST:-0}" = 1 ] && marker="gpu and not slow"
+# -o addopts="": the project's -q would hide the totals line; --timeout: a hung test costs one test
+log=$(mktemp)
+python3 -m pytest -o addopts="" -p no:cacheprovider -p no:warnings -m "$marker" --timeout "${TEST_TIMEOUT:-120}" \
+    -q -rfE --tb=no ${@:-tests} > "$log" 2>&1
+status=$?
+grep -E "^(FAILED|ERROR) " "$log"
+tail -n 1 "$log"
+rm -f "$log"
+exit $status

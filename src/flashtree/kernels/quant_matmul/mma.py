@@ -1,0 +1,546 @@
+"""Q4_K / Q6_K weights in tensor-core fragment order, and the CUDA kernels that multiply them (mma.cu).
+
+Layout. Rows go in tiles of 16 (N % 16 == 0) and K in 256-value super-blocks; a "tile super-block"
+(16 x 256 values) is stored as contiguous pieces, tile-major then super-block:
+  quants [tiles, SB, 2048]: the low 4 bits of every value. Lane (g, t) of a warp (lane = 4g + t) reads
+      16-byte chunks j = 0..3 at j*512 + lane*16; word w of chunk j is MMA step s = 4j + w (values
+      16s .. 16s + 15 of the super-block). Nibble 4p + r of that word is A-fragment register r, half
+      p of the m16n8k16 MMA: row g + 8*(r & 1), column 8*(r >> 1) + 2t + p.
+  high   [tiles, SB, 1024] (Q6_K): the top 2 bits; word v (chunk v // 4 at (v // 4)*512 + lane*16 +
+      (v % 4)*4) holds steps 2v + o (o = 0, 1): the 2 bits of nibble 4p + r at bit 16p + 8o + 2r.
+  scales [tiles, SB, 16 rows, 16]: Q4_K the 12 packed scale/min bytes, fp16 d, fp16 dmin; Q6_K the
+      16 int8 scales.
+  d      [tiles, SB, 16 rows] fp16 (Q6_K).
+The bytes are the GGUF bytes rearranged (same count; `from_mma_layout` gives them back exactly).
+
+Kernels are compiled at run time by NVRTC (cuda-python's `cuda.bindings`, an optional GPU
+dependency, imported on first use) and cached on disk per GPU architecture.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import itertools
+import multiprocessing
+import os
+import threading
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
+
+from flashtree.errors import FlashtreeError
+
+TILE_ROWS = 16
+SUPER = 256
+MMA_TYPES = (QType.Q4_K, QType.Q6_K)
+MAX_M = 32  # rows of x one launch multiplies (four groups of 8 tokens)
+# bytes per tile super-block of each piece, in storage order
+PIECES: dict[QType, tuple[tuple[str, int], ...]] = {
+    QType.Q4_K: (("quants", 2048), ("scales", 256)),
+    QType.Q6_K: (("quants", 2048), ("high", 1024), ("scales", 256), ("d", 32)),
+}
+_SOURCE = Path(__file__).with_name("mma.cu")
+
+
+def supports(qtype: QType, shape: tuple[int, int]) -> bool:
+    n, k = shape
+    return qtype in MMA_TYPES and n % TILE_ROWS == 0 and k % SUPER == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# layout (torch; runs wherever the bytes are)
+
+
+def _unpack_q4_k(blocks: torch.Tensor, n: int, k: int):
+    """GGUF Q4_K blocks [N*SB, 144] -> nibbles [N, K] (0..15) and per-(row, super-block) records [N, SB, 16]."""
+    sb = k // SUPER
+    qs = blocks[:, 16:144].reshape(n, sb, 4, 1, 32)
+    q = torch.cat([qs & 15, qs >> 4], dim=3).reshape(n, k)  # byte 32g + l: values 64g + l and 64g + 32 + l
+    records = torch.cat([blocks[:, 4:16], blocks[:, 0:4]], dim=1).reshape(n, sb, 16)
+    return q, records
+
+
+def _pack_q4_k(q: torch.Tensor, records: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    sb = k // SUPER
+    q = q.reshape(n, sb, 4, 2, 32)
+    qs = q[:, :, :, 0] | (q[:, :, :, 1] << 4)
+    records = records.reshape(n * sb, 16)
+    return torch.cat([records[:, 12:16], records[:, 0:12], qs.reshape(n * sb, 128)], dim=1)
+
+
+def _unpack_q6_k(blocks: torch.Tensor, n: int, k: int):
+    """GGUF Q6_K blocks [N*SB, 210] -> 6-bit quants [N, K] (0..63), int8-scale bytes [N, SB, 16], d bytes [N, SB, 2]."""
+    sb = k // SUPER
+    ql = blocks[:, 0:128].reshape(n, sb, 2, 2, 32)  # [half, l // 32, l % 32]
+    qh = blocks[:, 128:192].reshape(n, sb, 2, 1, 32)
+    low = torch.stack([ql & 15, ql >> 4], dim=3)  # [n, sb, half, nibble, 2 (l//32), 32]
+    shifts = torch.tensor([[0, 2], [4, 6]], dtype=torch.uint8, device=blocks.device)  # [nibble, l // 32]
+    high = (qh[:, :, :, None] >> shifts[None, None, None, :, :, None]) & 3  # [n, sb, half, nibble, 2, 32]
+    q = (low | (high << 4)).reshape(n, k)  # value 128*half + 64*nibble + 32*(l//32) + l%32
+    return q, blocks[:, 192:208].reshape(n, sb, 16), blocks[:, 208:210].reshape(n, sb, 2)
+
+
+def _pack_q6_k(q: torch.Tensor, scales: torch.Tensor, d: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    sb = k // SUPER
+    q = q.reshape(n, sb, 2, 2, 2, 32)  # [half, nibble, l // 32, l % 32]
+    ql = q[:, :, :, 0] & 15 | ((q[:, :, :, 1] & 15) << 4)  # [n, sb, half, 2, 32]
+    top = q >> 4
+    qh = (top[:, :, :, 0, 0] | (top[:, :, :, 0, 1] << 2) | (top[:, :, :, 1, 0] << 4) | (top[:, :, :, 1, 1] << 6))
+    return torch.cat([ql.reshape(n * sb, 128), qh.reshape(n * sb, 64), scales.reshape(n * sb, 16),
+                      d.reshape(n * sb, 2)], dim=1)
+
+
+def _lane_columns(qtype: QType) -> torch.Tensor:
+    """For each fragment column c = 16s + 8*half + 2t + pair of a super-block, the value it holds.
+    Step s stays inside one scaled sub-block (Q4_K: 32 values = steps 2j, 2j + 1; Q6_K: 16 = one
+    step), and within it lane t's B-fragment values are contiguous (Q4_K: 8 values 32j + 8t ..
+    for both steps, one 16-byte load of x; Q6_K: 4 values 16s + 4t .., one 8-byte load)."""
+    c = torch.arange(SUPER)
+    s, half, t, pair = c // 16, (c // 8) % 2, (c // 2) % 4, c % 2
+    if qtype == QType.Q4_K:
+        return 32 * (s // 2) + 8 * t + 4 * (s % 2) + 2 * half + pair
+    return 16 * s + 4 * t + 2 * half + pair
+
+
+def _to_fragment_columns(values: torch.Tensor, qtype: QType, n: int, k: int) -> torch.Tensor:
+    index = _lane_columns(qtype).to(values.device)
+    return values.reshape(n, k // SUPER, SUPER)[:, :, index].reshape(n, k)
+
+
+def _from_fragment_columns(values: torch.Tensor, qtype: QType, n: int, k: int) -> torch.Tensor:
+    inverse = torch.argsort(_lane_columns(qtype)).to(values.device)
+    return values.reshape(n, k // SUPER, SUPER)[:, :, inverse].reshape(n, k)
+
+
+def _fragment_view(values: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """[N, K] -> [T, h, g, SB, j, w, half, t, pair]: row 16T + 8h + g, column 256sb + 16(4j + w) + 8half + 2t + pair."""
+    return values.reshape(n // 16, 2, 8, k // SUPER, 4, 4, 2, 4, 2)
+
+
+def _nibble_words(q: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Low nibbles of q [N, K] in fragment order: [T, SB, 2048] bytes."""
+    f = _fragment_view(q & 15, n, k).permute(0, 3, 4, 2, 7, 5, 8, 6, 1)  # [T, SB, j, g, t, w, pair, half, h]
+    packed = f[..., 0] | (f[..., 1] << 4)  # byte 2*pair + half: nibble h=0 low, h=1 high
+    return packed.reshape(n // 16, k // SUPER, 2048)
+
+
+def _from_nibble_words(words: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    b = words.reshape(n // 16, k // SUPER, 4, 8, 4, 4, 2, 2)  # [T, SB, j, g, t, w, pair, half]
+    f = torch.stack([b & 15, b >> 4], dim=-1)  # [..., h]
+    return f.permute(0, 8, 3, 1, 2, 5, 7, 4, 6).reshape(n, k)  # back to [T, h, g, SB, j, w, half, t, pair]
+
+
+def _high_words(q: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Top 2 bits of 6-bit q [N, K]: [T, SB, 1024] bytes (see the module docstring)."""
+    top = (q >> 4).reshape(n // 16, 2, 8, k // SUPER, 2, 4, 2, 2, 4, 2)  # s = 2(4jj + ww) + o
+    # -> [T, SB, jj, g, t, ww, pair, o, half, h]; byte 2*pair + o, piece r = 2*half + h at bit 2r
+    f = top.permute(0, 3, 4, 2, 8, 5, 9, 6, 7, 1).reshape(n // 16, k // SUPER, 2, 8, 4, 4, 2, 2, 4)
+    shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=q.device)
+    packed = (f << shifts).sum(dim=-1, dtype=torch.uint8)
+    return packed.reshape(n // 16, k // SUPER, 1024)
+
+
+def _from_high_words(words: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    b = words.reshape(n // 16, k // SUPER, 2, 8, 4, 4, 2, 2)  # [T, SB, jj, g, t, ww, pair, o]
+    shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=words.device)
+    f = ((b[..., None] >> shifts) & 3).reshape(*b.shape, 2, 2)  # [..., half, h]
+    # [T, SB, jj, g, t, ww, pair, o, half, h] -> [T, h, g, SB, jj, ww, o, half, t, pair]
+    return f.permute(0, 9, 3, 1, 2, 5, 7, 8, 4, 6).reshape(n, k)
+
+
+def _tile_records(records: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Per-(row, super-block) records [N, SB, W] -> [T, SB, 16 rows, W]."""
+    return records.reshape(n // 16, 16, k // SUPER, -1).transpose(1, 2)
+
+
+def _untile_records(tiled: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    return tiled.transpose(1, 2).reshape(n, k // SUPER, -1)
+
+
+_CHUNK_ROWS = 4096  # rows converted at once: bounds the temporaries (~6 bytes per value) on big matrices
+
+
+def _pieces_for_rows(gguf_rows: torch.Tensor, qtype: QType, n: int, k: int) -> list[torch.Tensor]:
+    blocks = gguf_rows.reshape(n * (k // SUPER), GGML_QUANT_SIZES[qtype][1])
+    if qtype == QType.Q4_K:
+        q, records = _unpack_q4_k(blocks, n, k)
+        return [_nibble_words(_to_fragment_columns(q, qtype, n, k), n, k), _tile_records(records, n, k)]
+    q, scales, d = _unpack_q6_k(blocks, n, k)
+    q = _to_fragment_columns(q, qtype, n, k)
+    return [_nibble_words(q, n, k), _high_words(q, n, k), _tile_records(scales, n, k), _tile_records(d, n, k)]
+
+
+def to_mma_layout(gguf_rows: torch.Tensor, qtype: QType, n: int, k: int) -> torch.Tensor:
+    """GGUF bytes of an [N, K] weight -> the fragment-ordered buffer (uint8, same size), converted in
+    row chunks (the layout is tile-major, so each piece of a chunk is a contiguous slice)."""
+    check_shape(qtype, n, k)
+    rows = gguf_rows.reshape(n, -1)
+    out = torch.empty(rows.numel(), dtype=torch.uint8, device=rows.device)
+    views = pieces_of(out, qtype, n, k)
+    for start in range(0, n, _CHUNK_ROWS):
+        count = min(_CHUNK_ROWS, n - start)
+        pieces = _pieces_for_rows(rows[start:start + count], qtype, count, k)
+        for (name, size), piece in zip(PIECES[qtype], pieces):
+            per_row = size * (k // SUPER) // 16
+            views[name][start * per_row:(start + count) * per_row] = piece.reshape(-1)
+    return out
+
+
+def pieces_of(raw: torch.Tensor, qtype: QType, n: int, k: int) -> dict[str, torch.Tensor]:
+    """Views of each piece of a fragment-ordered buffer, flat uint8."""
+    count = (n // 16) * (k // SUPER)
+    views, offset = {}, 0
+    for name, size in PIECES[qtype]:
+        views[name] = raw[offset:offset + count * size]
+        offset += count * size
+    return views
+
+
+def from_mma_layout(raw: torch.Tensor, qtype: QType, n: int, k: int) -> torch.Tensor:
+    """The GGUF bytes back, uint8 [N, row_bytes]."""
+    p = pieces_of(raw, qtype, n, k)
+    low = _from_nibble_words(p["quants"], n, k)
+    if qtype == QType.Q4_K:
+        low = _from_fragment_columns(low, qtype, n, k)
+        blocks = _pack_q4_k(low, _untile_records(p["scales"].reshape(n // 16, k // SUPER, 16, 16), n, k), n, k)
+    else:
+        q = _from_fragment_columns(low | (_from_high_words(p["high"], n, k) << 4), qtype, n, k)
+        scales = _untile_records(p["scales"].reshape(n // 16, k // SUPER, 16, 16), n, k)
+        d = _untile_records(p["d"].reshape(n // 16, k // SUPER, 16, 2), n, k)
+        blocks = _pack_q6_k(q, scales, d, n, k)
+    return blocks.reshape(n, -1)
+
+
+# ---------------------------------------------------------------------------------------------
+# the kernels' arithmetic, emulated in torch (what the tests check the layout and decoding against)
+
+
+def _decode_emulated(p: dict[str, torch.Tensor], qtype: QType, n: int, k: int) -> torch.Tensor:
+    """Every value as the kernel's `decode` + `sub_scale` compute it, float32 [N, K]: read the words,
+    build the bf16 bits of 128 + q (Q6_K: q - 32) per A register, scale per sub-block."""
+    tiles, sb = n // 16, k // SUPER
+    words = p["quants"].view(torch.int32).reshape(tiles, sb, 4, 32, 4).long() & 0xFFFFFFFF  # [T, SB, j, lane, w]
+    words = words.permute(0, 1, 3, 2, 4).reshape(tiles, sb, 32, 16)  # [T, SB, lane, s]
+    r = torch.arange(4, device=words.device)
+    bits = ((words[..., None] >> (4 * r)) & 0x000F000F) | 0x43004300  # [T, SB, lane, s, r]
+    if qtype == QType.Q6_K:
+        hi = p["high"].view(torch.int32).reshape(tiles, sb, 2, 32, 4).long() & 0xFFFFFFFF  # [T, SB, jj, lane, ww]
+        hi = hi.permute(0, 1, 3, 2, 4).reshape(tiles, sb, 32, 8)  # word v = s // 2
+        s = torch.arange(16, device=words.device)
+        hi_word = hi[..., s // 2]  # [T, SB, lane, s]
+        shift = (8 * (s % 2))[:, None] + 2 * r  # [s, r]
+        bits = bits | (((hi_word[..., None] >> shift) & 0x00030003) << 4)
+    halves = torch.stack([bits & 0xFFFF, bits >> 16], dim=-1)  # [T, SB, lane, s, r, pair]
+    values = (halves << 16).to(torch.int32).view(torch.float32)  # bf16 -> float32 exactly
+    if qtype == QType.Q6_K:
+        values = values - 160.0
+    a, b = _scales_emulated(p, qtype, tiles, sb)  # [T, SB, 16 rows, sub-blocks]
+    # values -> [T, SB, g, t, s, r = (half, h), pair] -> rows (h, g), columns (s, half, t, pair)
+    v = values.reshape(tiles, sb, 8, 4, 16, 2, 2, 2).permute(0, 6, 2, 1, 4, 5, 3, 7)  # [T, h, g, SB, s, half, t, pair]
+    sub = 16 // a.shape[-1]  # MMA steps per sub-block: Q4_K 2, Q6_K 1
+    a = a.reshape(tiles, sb, 2, 8, -1).permute(0, 2, 3, 1, 4).repeat_interleave(sub, dim=-1)  # [T, h, g, SB, s]
+    b = b.reshape(tiles, sb, 2, 8, -1).permute(0, 2, 3, 1, 4).repeat_interleave(sub, dim=-1)
+    w = v * a[..., None, None, None] - b[..., None, None, None]
+    return _from_fragment_columns(w.reshape(n, k), qtype, n, k)
+
+
+def _scales_emulated(p: dict[str, torch.Tensor], qtype: QType, tiles: int, sb: int):
+    rec = p["scales"].reshape(tiles, sb, 16, 16).long()
+    if qtype == QType.Q4_K:
+        x, y, z = rec[..., 0:4], rec[..., 4:8], rec[..., 8:12]
+        sc = torch.cat([x & 63, (z & 15) | ((x >> 6) << 4)], dim=-1).float()
+        mn = torch.cat([y & 63, (z >> 4) | ((y >> 6) << 4)], dim=-1).float()
+        d = p["scales"].reshape(tiles, sb, 16, 8, 2)[..., 6, :].contiguous().view(torch.float16).float()
+        dmin = p["scales"].reshape(tiles, sb, 16, 8, 2)[..., 7, :].contiguous().view(torch.float16).float()
+        a = d * sc
+        return a, a * 128.0 + dmin * mn
+    d = p["d"].reshape(tiles, sb, 16, 2).contiguous().view(torch.float16).float()
+    a = d * p["scales"].reshape(tiles, sb, 16, 16).view(torch.int8).float()
+    return a, torch.zeros_like(a)
+
+
+def dequantize_emulated(raw: torch.Tensor, qtype: QType, n: int, k: int) -> torch.Tensor:
+    return _decode_emulated(pieces_of(raw, qtype, n, k), qtype, n, k)
+
+
+# ---------------------------------------------------------------------------------------------
+# compiling and launching (CUDA)
+
+
+@dataclass(frozen=True)
+class MMAConfig:
+    """rt: 16-row tiles per warp; warps: per CTA (they split K); splits: CTAs per row group (split K)."""
+
+    rt: int
+    warps: int
+    splits: int
+
+
+def token_groups(m: int) -> int:
+    return (m + 7) // 8
+
+
+def _instance(qtype: QType, rt: int, tg: int, warps: int, splits: int) -> str:
+    return f"qmm_{qtype.name.lower()}_r{rt}_t{tg}_w{warps}_s{splits}"
+
+
+def _dequant_instance(qtype: QType, out: int) -> str:
+    return f"dequant_{qtype.name.lower()}_o{out}"
+
+
+_OUT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+
+def _wrapper(name: str, qtype: QType, rt: int, tg: int, warps: int, splits: int) -> str:
+    return (f'extern "C" __global__ void __launch_bounds__({warps * 32}) {name}(const u16* x, const unsigned char* q, '
+            f"const unsigned char* h, const unsigned char* s, const u16* d, u16* out, float* part, int* tickets, "
+            f"int M, int N, int K) {{ qmm<{qtype.name}, {rt}, {tg}, {warps}, {splits}>(x, q, h, s, d, out, part, "
+            f"tickets, M, N, K); }}\n")
+
+
+def _dequant_wrapper(name: str, qtype: QType, out: int) -> str:
+    return (f'extern "C" __global__ void {name}(const unsigned char* q, const unsigned char* h, const unsigned char* s, '
+            f"const u16* d, void* dense, int N, int K) {{ dequant<{qtype.name}, {out}>(q, h, s, d, dense, N, K); }}\n")
+
+
+class _Program:
+    """One NVRTC program holding the instances asked for so far on one device (compiled once per set,
+    the cubin cached on disk under ~/.cache/flashtree/mma)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.functions: dict[str, object] = {}
+        self.lock = threading.Lock()
+
+    def function(self, name: str, source: str):
+        fn = self.functions.get(name)
+        if fn is None:
+            with self.lock:
+                fn = self.functions.get(name)
+                if fn is None:
+                    fn = self.functions[name] = _load_function(self.device, name, source)
+        return fn
+
+
+@functools.cache
+def _program(device: torch.device) -> _Program:
+    return _Program(device)
+
+
+def _cuda():
+    """cuda-python's driver and NVRTC bindings (optional: only GPU runs need them)."""
+    try:
+        from cuda.bindings import driver, nvrtc
+    except ImportError as e:  # pragma: no cover - depends on the installation
+        raise FlashtreeError("the tensor-core quantized kernels need cuda-python: pip install 'cuda-bindings'") from e
+    return driver, nvrtc
+
+
+@functools.cache
+def available() -> bool:
+    """cuda-python importable (then Q4_K/Q6_K weights on CUDA use this module's kernels)."""
+    if os.environ.get("FLASHTREE_MMA", "1") == "0":
+        return False
+    try:
+        _cuda()
+    except FlashtreeError:
+        return False
+    return True
+
+
+def _check(result, what: str):
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if int(err) != 0:
+        raise FlashtreeError(f"{what} failed: {err}")
+    return rest[0] if len(rest) == 1 else rest
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("FLASHTREE_CACHE", Path.home() / ".cache" / "flashtree")) / "mma"
+
+
+def compile_cubin(source: str, arch: str) -> bytes:
+    """NVRTC: CUDA C source -> cubin for `arch` (e.g. "sm_90"); no GPU needed."""
+    _, nvrtc = _cuda()
+    prog = _check(nvrtc.nvrtcCreateProgram(source.encode(), b"mma.cu", 0, [], []), "nvrtcCreateProgram")
+    opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17"]
+    err = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0]
+    if int(err) != 0:
+        size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        raise FlashtreeError(f"NVRTC could not compile the quantized kernels:\n{log.decode(errors='replace')}")
+    size = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+    cubin = b" " * size
+    _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+    nvrtc.nvrtcDestroyProgram(prog)
+    return cubin
+
+
+def _arch(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def _cubin_path(name: str, source: str, arch: str) -> Path:
+    key = hashlib.sha256(f"{arch}\n{source}".encode()).hexdigest()[:24]
+    return _cache_dir() / f"{name}-{key}.cubin"
+
+
+def _store(path: Path, cubin: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # concurrent compilers each rename a whole file
+    tmp.write_bytes(cubin)
+    tmp.replace(path)
+
+
+def _load_function(device: torch.device, name: str, wrapper: str):
+    driver, _ = _cuda()
+    source = _SOURCE.read_text() + wrapper
+    arch = _arch(device)
+    path = _cubin_path(name, source, arch)
+    if path.exists():
+        cubin = path.read_bytes()
+    else:
+        cubin = compile_cubin(source, arch)
+        _store(path, cubin)
+    with torch.cuda.device(device):
+        _check(driver.cuInit(0), "cuInit")
+        # torch allocates in the device's primary context: load the module there
+        context = _check(driver.cuDevicePrimaryCtxRetain(_check(driver.cuDeviceGet(device.index or 0), "cuDeviceGet")),
+                         "cuDevicePrimaryCtxRetain")
+        _check(driver.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+        module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
+        return _check(driver.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction")
+
+
+@functools.cache
+def _tickets(device: torch.device, stream: int) -> torch.Tensor:
+    """Per-row-group arrival counters of split-K launches, one set per stream (launches on one stream
+    run one after another; every launch leaves its counters at zero)."""
+    return torch.zeros(1 << 16, dtype=torch.int32, device=device)
+
+
+def _launch(fn, grid: tuple[int, int], threads: int, args: list, device: torch.device) -> None:
+    driver, _ = _cuda()
+    stream = driver.CUstream(torch.cuda.current_stream(device).cuda_stream)
+    values, types = [], []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            values.append(a.data_ptr())
+            types.append(ctypes.c_void_p)
+        else:
+            values.append(a)
+            types.append(ctypes.c_int)
+    with torch.cuda.device(device):
+        _check(driver.cuLaunchKernel(fn, grid[0], grid[1], 1, threads, 1, 1, 0, stream,
+                                     (tuple(values), tuple(types)), 0), "cuLaunchKernel")
+
+
+_H200_SMS = 132
+
+
+def choose_config(m: int, n: int, k: int, sms: int = _H200_SMS) -> MMAConfig:
+    """From the H200 sweep of 2026-11-30 (scripts/sweep_mma.py, docs/PERFORMANCE.md): 4 warps per CTA
+    (8 when the matrix has fewer 16-row tiles than SMs), split-K only to fill the GPU; two row tiles
+    per warp for 9-16 rows (beyond, 255 registers spill). Warps and splits depend on the matrix only,
+    never on M: they fix the order in which a row's K is summed, so a row gets the same bits whether
+    it is multiplied alone (decode) or with 31 others (a tree verify), and the two agree on every
+    greedy token."""
+    rt = 2 if token_groups(m) == 2 and n % 32 == 0 else 1
+    sb = k // SUPER
+    tiles = n // 16
+    warps = 4 if tiles >= sms else 8
+    wanted = 16 * sms // warps  # CTAs of one 16-row tile
+    splits = 1
+    while tiles * splits < wanted and sb // (splits * 2) >= 2 * warps:
+        splits *= 2
+    return MMAConfig(rt, warps, splits)
+
+
+def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: QType, n: int, k: int,
+           config: MMAConfig | None = None) -> torch.Tensor:
+    """x [M <= 32, K] bf16 @ W^T -> [M, N] bf16, W in the fragment layout."""
+    m = x.shape[0]
+    if not 1 <= m <= MAX_M or x.dtype != torch.bfloat16:
+        raise FlashtreeError(f"the MMA kernel takes 1..{MAX_M} bf16 rows, got {m} of {x.dtype}")
+    config = config or choose_config(m, n, k, _sm_count(x.device))
+    tg = token_groups(m)
+    if n % (16 * config.rt):
+        raise FlashtreeError(f"rt={config.rt} needs N % {16 * config.rt} == 0, N = {n}")
+    name = _instance(qtype, config.rt, tg, config.warps, config.splits)
+    fn = _program(x.device).function(name, _wrapper(name, qtype, config.rt, tg, config.warps, config.splits))
+    p = pieces_of(raw, qtype, n, k)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    groups = n // (16 * config.rt)
+    partial = (torch.empty(config.splits, m, n, dtype=torch.float32, device=x.device) if config.splits > 1
+               else out)
+    _launch(fn, (groups, config.splits), 32 * config.warps,
+            [x, p["quants"], p.get("high", p["quants"]), p["scales"], p.get("d", p["scales"]), out, partial,
+             _tickets(x.device, torch.cuda.current_stream(x.device).cuda_stream), m, n, k], x.device)
+    return out
+
+
+def dequantize(raw: torch.Tensor, qtype: QType, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """The dense [N, K] weight in `dtype` (bf16, f16, f32), written by the CUDA dequantization kernel."""
+    name = _dequant_instance(qtype, _OUT_CODES[dtype])
+    fn = _program(raw.device).function(name, _dequant_wrapper(name, qtype, _OUT_CODES[dtype]))
+    p = pieces_of(raw, qtype, n, k)
+    dense = torch.empty(n, k, dtype=dtype, device=raw.device)
+    warps = (n // 16) * (k // SUPER)
+    _launch(fn, ((warps + 7) // 8, 1), 256, [p["quants"], p.get("high", p["quants"]), p["scales"],
+                                              p.get("d", p["scales"]), dense, n, k], raw.device)
+    return dense
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def instances(splits=(1, 2, 4, 8)) -> list[tuple[str, str]]:
+    """(name, wrapper) of every instance a launch can pick: both types, 1-2 row tiles, 1-4 token
+    groups, 1-8 warps, the given splits; and the dense dequantizations."""
+    out = []
+    for qtype in MMA_TYPES:
+        for rt, tg, warps, split in itertools.product((1, 2), range(1, 5), (1, 2, 4, 8), splits):
+            name = _instance(qtype, rt, tg, warps, split)
+            out.append((name, _wrapper(name, qtype, rt, tg, warps, split)))
+        for code in _OUT_CODES.values():
+            name = _dequant_instance(qtype, code)
+            out.append((name, _dequant_wrapper(name, qtype, code)))
+    return out
+
+
+def _compile_to_cache(job: tuple[str, str, str]) -> str:
+    name, wrapper, arch = job
+    source = _SOURCE.read_text() + wrapper
+    path = _cubin_path(name, source, arch)
+    if not path.exists():
+        _store(path, compile_cubin(source, arch))
+    return name
+
+
+def precompile(jobs: list[tuple[str, str]], arch: str, workers: int | None = None, progress=None) -> None:
+    """Compile instances into the on-disk cache in parallel processes (NVRTC needs no GPU); `progress`
+    is called with each finished name."""
+    todo = [(name, wrapper, arch) for name, wrapper in jobs
+            if not _cubin_path(name, _SOURCE.read_text() + wrapper, arch).exists()]
+    if not todo:
+        return
+    workers = workers or max(1, min(len(todo), os.cpu_count() or 1))
+    context = multiprocessing.get_context("spawn")  # the parent may hold a CUDA context
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        for name in pool.map(_compile_to_cache, todo):
+            if progress:
+                progress(name)
+
+
+def check_shape(qtype: QType, n: int, k: int) -> None:
+    if not supports(qtype, (n, k)):
+        raise FlashtreeError(f"{qtype.name} ({n}, {k}) has no fragment layout (needs Q4_K/Q6_K, N % 16, K % 256)")

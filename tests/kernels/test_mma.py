@@ -1,0 +1,153 @@
+"""The fragment-ordered Q4_K/Q6_K layout and its CUDA kernels (kernels/quant_matmul/mma.py, mma.cu).
+
+On the CPU: the layout round-trips the GGUF bytes exactly, the kernels' decoding (emulated bit for bit
+in torch) gives the float32 dequantization, and NVRTC compiles the CUDA source for sm_90 (where
+cuda-python and NVRTC are installed). On a GPU: every row count and launch configuration against the
+float32 reference, bit-identical rows whatever M, CUDA-graph capture, the dense dequantization.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
+
+from flashtree.errors import FlashtreeError
+from flashtree.formats import quants
+from flashtree.kernels.quant_matmul import QuantWeight, mma, quant_matmul, quant_matmul_reference, random_quant_weight
+
+TYPES = [QType.Q4_K, QType.Q6_K]
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _random_rows(qtype: QType, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """GGUF bytes with random quants and scales and small finite fp16 d (and dmin)."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    gen = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (n * k // block, size), generator=gen, dtype=torch.uint8)
+    d = (torch.rand(blocks.shape[0], 2, generator=gen) * 0.02 + 1e-3).half().view(torch.uint8)
+    if qtype == QType.Q4_K:
+        blocks[:, 0:4] = d.reshape(-1, 4)
+    else:
+        blocks[:, 208:210] = d[:, 0:2]
+    return blocks.reshape(n, -1)
+
+
+@pytest.mark.parametrize("shape", [(16, 256), (48, 768), (4096 + 32, 256)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_layout_round_trips_the_gguf_bytes(qtype, shape):
+    rows = _random_rows(qtype, *shape)
+    raw = mma.to_mma_layout(rows, qtype, *shape)
+    assert raw.numel() == rows.numel()
+    assert not torch.equal(raw, rows.reshape(-1))  # it did rearrange
+    assert torch.equal(mma.from_mma_layout(raw, qtype, *shape), rows)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_kernel_decoding_gives_the_dequantized_weights(qtype):
+    n, k = 48, 768
+    rows = _random_rows(qtype, n, k, seed=1)
+    ref = quants.dequantize(rows.reshape(-1), qtype, (n, k), torch.float32)
+    emulated = mma.dequantize_emulated(mma.to_mma_layout(rows, qtype, n, k), qtype, n, k)
+    # Q4_K: a * (128 + q) - (128 a + dmin * mn) rounds once more than a * q - dmin * mn
+    assert torch.allclose(emulated, ref, rtol=0, atol=1e-6 * ref.abs().max().item())
+
+
+def test_shapes_without_a_layout_are_refused():
+    assert not mma.supports(QType.Q4_K, (24, 256)) and not mma.supports(QType.Q8_0, (32, 256))
+    with pytest.raises(FlashtreeError, match="N % 16"):
+        mma.to_mma_layout(torch.zeros(24 * 144, dtype=torch.uint8), QType.Q4_K, 24, 256)
+
+
+def test_cpu_weights_keep_the_gguf_field_layout():
+    w = QuantWeight.from_gguf_bytes(_random_rows(QType.Q4_K, 32, 256).reshape(-1), QType.Q4_K, (32, 256))
+    assert not w.mma_layout and "qs" in w.fields()
+
+
+def test_warps_and_splits_do_not_depend_on_the_row_count():
+    """They fix a row's summation order: decode and verify rows must round the same."""
+    for n, k in [(17408, 5120), (5120, 17408), (1024, 5120), (248320, 5120)]:
+        configs = {m: mma.choose_config(m, n, k) for m in range(1, 33)}
+        assert len({(c.warps, c.splits) for c in configs.values()}) == 1, (n, k)
+
+
+def _nvrtc_available() -> bool:
+    if importlib.util.find_spec("cuda") is None or importlib.util.find_spec("cuda.bindings") is None:
+        return False
+    try:
+        mma.compile_cubin('extern "C" __global__ void probe() {}', "sm_90")
+    except Exception:  # no libnvrtc: nothing to compile with
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _nvrtc_available(), reason="needs cuda-python and NVRTC")
+def test_cuda_source_compiles_for_sm90():
+    """CI has no GPU: this is what keeps the CUDA source compiling (one instance of each kind)."""
+    wrappers = (mma._wrapper("a", QType.Q4_K, 1, 1, 8, 2) + mma._wrapper("b", QType.Q6_K, 2, 4, 4, 1)
+                + mma._dequant_wrapper("c", QType.Q4_K, 0) + mma._dequant_wrapper("d", QType.Q6_K, 2))
+    cubin = mma.compile_cubin(mma._SOURCE.read_text() + wrappers, "sm_90")
+    assert cubin[:4] == b"\x7fELF"
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+
+
+def _check_close(y: torch.Tensor, ref: torch.Tensor) -> None:
+    """Within the bf16 rounding of the output (half an ulp, 2^-9 relative) plus float32 accumulation."""
+    y, ref = y.float(), ref.float()
+    bound = ref.abs() * 2.0**-8 + 1e-5 * ref.abs().max()
+    assert bool(((y - ref).abs() <= bound).all()), ((y - ref).abs() / ref.abs().max()).max().item()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("shape", [(64, 512), (17408, 5120), (5120, 17408)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_every_row_count_matches_the_float32_reference(qtype, shape):
+    weight = QuantWeight.from_gguf_bytes(_random_rows(qtype, *shape).cuda().reshape(-1), qtype, shape)
+    assert weight.mma_layout
+    dense = quants.dequantize(weight.gguf_bytes(), qtype, shape, torch.float32)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for m in (1, 2, 7, 8, 9, 16, 23, 32, 33, 100):
+        x = torch.randn(m, shape[1], generator=gen, device="cuda", dtype=torch.bfloat16)
+        _check_close(quant_matmul(x, weight), x.float() @ dense.T)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_every_launch_configuration_is_right(qtype):
+    n, k = 1024, 4096
+    weight = random_quant_weight(qtype, n, k, "cuda")
+    x = torch.randn(23, k, dtype=torch.bfloat16, device="cuda")
+    ref = quant_matmul_reference(x.float(), weight)
+    for rt in (1, 2):
+        for warps in (1, 2, 4, 8):
+            for splits in (1, 2, 4):
+                y = mma.matmul(x, weight.raw, qtype, n, k, mma.MMAConfig(rt, warps, splits))
+                _check_close(y, ref)
+                assert torch.equal(y, mma.matmul(x, weight.raw, qtype, n, k, mma.MMAConfig(rt, warps, splits)))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_graph_replay_and_gguf_bytes_on_the_gpu(qtype):
+    rows = _random_rows(qtype, 256, 1024).cuda()
+    weight = QuantWeight.from_gguf_bytes(rows.reshape(-1), qtype, (256, 1024))
+    assert torch.equal(weight.gguf_bytes(), rows)
+    assert torch.equal(weight.to("cpu").gguf_bytes(), rows.cpu())
+    dense = quants.dequantize(rows.reshape(-1), qtype, (256, 1024), torch.float32)
+    assert torch.allclose(weight.dequantize(torch.float32), dense, rtol=0, atol=1e-6 * dense.abs().max().item())
+    x = torch.randn(5, 1024, dtype=torch.bfloat16, device="cuda")
+    eager = quant_matmul(x, weight)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = quant_matmul(x, weight)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
