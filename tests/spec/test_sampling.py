@@ -61,7 +61,9 @@ def ar_samples(target, greedy_continuation):
 
 
 @pytest.mark.parametrize("mode", ["chain", "ddtree"])
-@pytest.mark.parametrize("setting", sorted(SETTINGS))
+# the setting with every transform runs by default; the others (2-4 s each) with -m slow
+@pytest.mark.parametrize("setting", [pytest.param(name, marks=[] if name == "t1-topk4-penalties" else pytest.mark.slow)
+                                     for name in sorted(SETTINGS)])
 def test_speculative_sampling_matches_autoregressive(target, greedy_continuation, ar_samples, mode, setting):
     spec = outcomes(target, greedy_continuation, mode, SETTINGS[setting])
     assert len(ar_samples[setting]) > 2  # the setting really samples
