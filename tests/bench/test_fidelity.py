@@ -3,13 +3,14 @@
 import torch
 
 from flashtree.bench.fidelity import Run, compare, run_fidelity
+from flashtree.engine.loader import load_target
 
 
 def test_float32_matches_itself_and_bfloat16_does_not(make_gguf, tmp_path):
     path = make_gguf("fidelity", scheme="q4_k_m")
     sequences = [list(range(3, 40)), list(range(50, 90, 2))]
     out = tmp_path / "fidelity.json"
-    report = run_fidelity(str(path), "cpu", ["float32", "bfloat16"], sequences, str(out))
+    report = run_fidelity(load_target(path, device="cpu"), "cpu", ["float32", "bfloat16"], sequences, str(out))
     exact, rounded = report["dtypes"]["float32"], report["dtypes"]["bfloat16"]
     assert exact["max_rel_logit_error"] == 0 and max(exact["layer_rel_error"]) == 0
     assert exact["argmax_agree_all"] == exact["positions"] == len(sequences[0]) + len(sequences[1])

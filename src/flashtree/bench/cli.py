@@ -61,6 +61,11 @@ def add_parser(sub) -> None:
                    help="add rows for transformers greedy generate and the z-lab dflash loop on the same prompts")
     p.add_argument("--kernels", action="store_true",
                    help="time the quantized matmul kernels at the 27B shapes against their floor and bf16 cuBLAS (GPU)")
+    p.add_argument("--fidelity", action="store_true",
+                   help="the device's logits against the CPU float32 run on the prompt set, teacher-forced: max "
+                        "relative error, argmax agreement, the layer adding the most error (bench/fidelity.py)")
+    p.add_argument("--dtypes", default="float32,bfloat16",
+                   help="--fidelity: comma-separated device dtypes to compare (float32, bfloat16, float16)")
     p.add_argument("--steps", action="store_true",
                    help="per-step costs against measured floors, prefill, replay end to end (bench/steps.py)")
     p.add_argument("--context", type=int, default=1024, help="--steps: committed tokens before the timed steps")
@@ -71,6 +76,22 @@ def add_parser(sub) -> None:
                    help="--steps: comma-separated prompt lengths whose prefill is timed (default 1024,13000)")
     p.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per prefill forward")
     p.set_defaults(handler=run)
+
+
+def _fidelity(args: argparse.Namespace) -> int:
+    from flashtree.bench.fidelity import DTYPES, run_fidelity
+    from flashtree.cli.main import thinking_kwargs
+    from flashtree.engine.loader import load_engine
+
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    unknown = [d for d in dtypes if d not in DTYPES]
+    if unknown or not dtypes:
+        raise FlashtreeError(f"--dtypes {args.dtypes!r}: choose from {', '.join(DTYPES)}")
+    reference = load_engine(args.model, None, "cpu", spec="ar")  # float32 on the CPU: the reference
+    sets = [load_prompt_set(spec, args.prompts) for spec in (args.dataset or ["builtin"])]
+    sequences = [reference.encode_messages(conv, **thinking_kwargs(args.think)) for s in sets for conv in s.conversations]
+    run_fidelity(reference.target, args.device or "cuda", dtypes, sequences, args.out)
+    return 0
 
 
 def _modes(text: str) -> list[str]:
@@ -103,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
 
         run_kernel_bench(args.out)
         return 0
+    if args.fidelity:
+        return _fidelity(args)
     if args.synthetic and args.model:
         raise FlashtreeError(f"--synthetic {args.synthetic} builds its own model: drop --model, or drop --synthetic")
     if args.synthetic:

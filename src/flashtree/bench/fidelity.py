@@ -53,10 +53,11 @@ def compare(run: Run, ref: Run) -> dict:
                                 for h, r in zip(run.hidden, ref.hidden)]}
 
 
-def run_fidelity(model_path: str | None, device: str, dtypes: list[str], sequences: list[list[int]],
+def run_fidelity(reference: Target, device: str, dtypes: list[str], sequences: list[list[int]],
                  out: str | None) -> dict:
-    """Returns (and prints, and writes to `out` when given) the fidelity report."""
-    reference = load_target(model_path, device="cpu", dtype=torch.float32)
+    """`reference`: the model loaded on the CPU in float32. Returns (and prints, and writes to `out` when
+    given) the fidelity report."""
+    model_path = reference.path
     attention = set(reference.config.attention_layers)
     refs = [teacher_forced(reference, ids) for ids in sequences]
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "model": str(reference.path), "device": device,

@@ -86,7 +86,7 @@ def bench_dense(n: int, k: int, rows: tuple[int, ...], device) -> dict[int, floa
     return result
 
 
-def run_kernel_bench(out: str, types=TYPES, shapes=SHAPES, rows=ROWS, device="cuda") -> dict:
+def run_kernel_bench(out: str | None, types=TYPES, shapes=SHAPES, rows=ROWS, device="cuda") -> dict:
     if not torch.cuda.is_available():
         raise SystemExit("bench --kernels needs a CUDA GPU")
     read_bps = read_bandwidth(device)
@@ -114,8 +114,9 @@ def run_kernel_bench(out: str, types=TYPES, shapes=SHAPES, rows=ROWS, device="cu
             torch.cuda.empty_cache()
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": torch.cuda.get_device_name(device),
               "read_tbs": read_bps / 1e12, "points": points}
-    Path(out).write_text(json.dumps(report, indent=2))
-    print(f"wrote {out}")
+    if out:
+        Path(out).write_text(json.dumps(report, indent=2))
+        print(f"wrote {out}")
     return report
 
 
