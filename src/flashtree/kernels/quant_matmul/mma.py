@@ -175,6 +175,12 @@ def _pieces_for_rows(gguf_rows: torch.Tensor, qtype: QType, n: int, k: int) -> l
     return [_nibble_words(q, n, k), _high_words(q, n, k), _tile_records(scales, n, k), _tile_records(d, n, k)]
 
 
+def _row_slice(start: int, count: int, size: int, k: int) -> slice:
+    """The bytes of rows [start, start + count) in a piece of `size` bytes per tile super-block (tile-major)."""
+    per_row = size * (k // SUPER) // 16
+    return slice(start * per_row, (start + count) * per_row)
+
+
 def to_mma_layout(gguf_rows: torch.Tensor, qtype: QType, n: int, k: int) -> torch.Tensor:
     """GGUF bytes of an [N, K] weight -> the fragment-ordered buffer (uint8, same size), converted in
     row chunks (the layout is tile-major, so each piece of a chunk is a contiguous slice)."""
@@ -186,8 +192,7 @@ def to_mma_layout(gguf_rows: torch.Tensor, qtype: QType, n: int, k: int) -> torc
         count = min(_CHUNK_ROWS, n - start)
         pieces = _pieces_for_rows(rows[start:start + count], qtype, count, k)
         for (name, size), piece in zip(PIECES[qtype], pieces):
-            per_row = size * (k // SUPER) // 16
-            views[name][start * per_row:(start + count) * per_row] = piece.reshape(-1)
+            views[name][_row_slice(start, count, size, k)] = piece.reshape(-1)
     return out
 
 
@@ -202,18 +207,24 @@ def pieces_of(raw: torch.Tensor, qtype: QType, n: int, k: int) -> dict[str, torc
 
 
 def from_mma_layout(raw: torch.Tensor, qtype: QType, n: int, k: int) -> torch.Tensor:
-    """The GGUF bytes back, uint8 [N, row_bytes]."""
-    p = pieces_of(raw, qtype, n, k)
+    """The GGUF bytes back, uint8 [N, row_bytes], converted in row chunks like `to_mma_layout`."""
+    views = pieces_of(raw, qtype, n, k)
+    out = torch.empty(n, raw.numel() // n, dtype=torch.uint8, device=raw.device)
+    for start in range(0, n, _CHUNK_ROWS):
+        count = min(_CHUNK_ROWS, n - start)
+        chunk = {name: views[name][_row_slice(start, count, size, k)] for name, size in PIECES[qtype]}
+        out[start:start + count] = _gguf_rows(chunk, qtype, count, k)
+    return out
+
+
+def _gguf_rows(p: dict[str, torch.Tensor], qtype: QType, n: int, k: int) -> torch.Tensor:
     low = _from_nibble_words(p["quants"], n, k)
+    scales = _untile_records(p["scales"].reshape(n // 16, k // SUPER, 16, 16), n, k)
     if qtype == QType.Q4_K:
-        low = _from_fragment_columns(low, qtype, n, k)
-        blocks = _pack_q4_k(low, _untile_records(p["scales"].reshape(n // 16, k // SUPER, 16, 16), n, k), n, k)
-    else:
-        q = _from_fragment_columns(low | (_from_high_words(p["high"], n, k) << 4), qtype, n, k)
-        scales = _untile_records(p["scales"].reshape(n // 16, k // SUPER, 16, 16), n, k)
-        d = _untile_records(p["d"].reshape(n // 16, k // SUPER, 16, 2), n, k)
-        blocks = _pack_q6_k(q, scales, d, n, k)
-    return blocks.reshape(n, -1)
+        return _pack_q4_k(_from_fragment_columns(low, qtype, n, k), scales, n, k).reshape(n, -1)
+    q = _from_fragment_columns(low | (_from_high_words(p["high"], n, k) << 4), qtype, n, k)
+    d = _untile_records(p["d"].reshape(n // 16, k // SUPER, 16, 2), n, k)
+    return _pack_q6_k(q, scales, d, n, k).reshape(n, -1)
 
 
 # ---------------------------------------------------------------------------------------------
