@@ -183,6 +183,52 @@ def _print_issue_bound() -> None:
               f"{ratio:>15.2f} {min(100.0, 100 / ratio):>16.0f}%")
 
 
+MMA_SHAPES = ((17408, 5120), (5120, 17408), (248320, 5120))
+mma_steps: dict[tuple, tuple] = {}
+
+
+def mma() -> None:
+    """The tensor-core Q4_K/Q6_K CUDA kernels (NVRTC, no GPU needed; needs cuda-python and NVRTC) as the
+    defaults launch them at the 27B shapes: registers, spills, and the main loop's instructions per weight
+    byte (the loop is unrolled by two super-blocks; a warp reads `rt` 16x256 tiles per super-block)."""
+    from flashtree.formats.quants import GGML_QUANT_SIZES
+    from flashtree.kernels.quant_matmul import mma as kernels
+
+    for qtype in kernels.MMA_TYPES:
+        tile_bytes = 16 * GGML_QUANT_SIZES[qtype][1]
+        for n, k in MMA_SHAPES:
+            if n == 248320 and qtype.name != "Q6_K":
+                continue
+            for m in (1, 8, 16, 23, 32):
+                c = kernels.choose_config(m, n, k, 132)
+                tg = kernels.token_groups(m)
+                name = kernels._instance(qtype, c.rt, tg, c.warps, c.splits)
+                key = (name, (("rows", m),), (("shape", f"{n}x{k}"),))
+                try:
+                    cubin = kernels.compile_cubin(kernels._SOURCE.read_text() + kernels._wrapper(name, qtype, c.rt, tg, c.warps,
+                                                                                              c.splits), "sm_90")
+                    results[key] = _machine_code_facts(cubin)
+                except Exception as e:  # noqa: BLE001 - report and go on
+                    results[key] = {"error": str(e).splitlines()[-1]}
+                    continue
+                mma_steps[key] = (qtype.name, f"{n}x{k}", m, 2 * c.rt * tile_bytes)
+
+
+def _print_mma_bound() -> None:
+    if not mma_steps:
+        return
+    print("\ntensor-core kernels: main-loop instructions per weight byte; issue-rate bound on the H200 "
+          f"({H200_WARP_ISSUE_PER_S / 1e12:.3f} T warp-instr/s vs {H200_READ_BYTES_PER_S / 1e12:.2f} TB/s read)")
+    print(f"{'type':<5} {'shape':<12} {'rows':>4} {'kernel':<24} {'regs':>4} {'stack':>5} {'loop instr':>10} "
+          f"{'bytes/warp':>10} {'instr/byte':>10} {'max % of roofline':>17}")
+    for key, (qtype, shape, m, per_warp) in sorted(mma_steps.items(), key=lambda item: item[1]):
+        facts = results[key]
+        loop = facts.get("main loop")
+        ratio = (loop / per_warp) * H200_READ_BYTES_PER_S / H200_WARP_ISSUE_PER_S if loop else float("nan")
+        print(f"{qtype:<5} {shape:<12} {m:>4} {key[0]:<24} {facts['regs']:>4} {facts['stack']:>5} {loop or 0:>10} "
+              f"{per_warp:>10} {(loop or 0) / per_warp:>10.3f} {min(100.0, 100 / ratio):>16.0f}%")
+
+
 def tree_attention() -> None:
     from flashtree.kernels.kv_quant import kv_type
     from flashtree.kernels.tree_attention import tree_attention as attend
@@ -227,7 +273,8 @@ def gated_delta() -> None:
         gated_delta_triton.tree_verify(q, k, v, g, beta, state, torch.arange(n) - 1)
 
 
-PARTS = {"quant_matmul": quant_matmul, "decode_issue_bound": decode_issue_bound, "tree_attention": tree_attention,
+PARTS = {"quant_matmul": quant_matmul, "decode_issue_bound": decode_issue_bound, "mma": mma,
+         "tree_attention": tree_attention,
          "kv_dequant": kv_dequant,
          "norms_and_conv": norms_and_conv, "gated_delta": gated_delta}
 
@@ -254,6 +301,7 @@ def main() -> None:
                   f"loads {facts['global loads']}  {setting}")
     print(f"{len(results)} kernel variants compiled for sm_90, {failed} failed")
     _print_issue_bound()
+    _print_mma_bound()
     sys.exit(1 if failed else 0)
 
 
