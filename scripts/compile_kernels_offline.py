@@ -194,6 +194,11 @@ def mma() -> None:
     from flashtree.formats.quants import GGML_QUANT_SIZES
     from flashtree.kernels.quant_matmul import mma as kernels
 
+    try:
+        kernels.compile_cubin('extern "C" __global__ void probe() {}', "sm_90")
+    except Exception as e:  # noqa: BLE001 - no cuda-python or no libnvrtc here: nothing to compile with
+        print(f"mma: skipped, NVRTC unavailable ({str(e).splitlines()[0]})")
+        return
     for qtype in kernels.MMA_TYPES:
         tile_bytes = 16 * GGML_QUANT_SIZES[qtype][1]
         for n, k in MMA_SHAPES:
