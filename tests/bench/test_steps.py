@@ -58,3 +58,26 @@ def test_replay_through_the_static_graph_ready_path():
     assert result.token_ids == reference
     assert abs(result.stats.acceptance_length - 4.0) < 0.35
     assert len(static_commits) == result.stats.steps - 1  # every step but the last committed the static way
+
+
+def test_profile_counts_a_steps_operators_by_family(tmp_path):
+    out = tmp_path / "steps.json"
+    assert main(["bench", "--synthetic", "tiny", "--steps", "--profile", "--device", "cpu", "-n", "8", "--repeat", "2",
+                 "--replay-al", "0", "--prefill-lengths", "16", "--context", "32", "--out", str(out)]) == 0
+    profile = json.loads(out.read_text())["profile_ar_step"]
+    families = profile["families"]
+    assert profile["kernels"] == sum(f["count"] for f in families.values()) > 0
+    # a tiny model's every projection is one dense matmul: at least q, k, v, o / the DeltaNet ones, and the MLP's three
+    assert families["dense matmul (cuBLAS)"]["count"] >= 3 * shape_config("tiny").num_layers
+    assert abs(profile["ms"] - sum(f["ms"] for f in families.values())) < 1e-6
+
+
+def test_family_names():
+    from flashtree.bench.profile import family
+
+    assert family("qmm_q4_k_r1_t1_w4_s1") == "Q4_K matmul"
+    assert family("_q6_k_tiled") == "Q6_K matmul"
+    assert family("sm90_xmma_gemm_bf16bf16") == "dense matmul (cuBLAS)"
+    assert family("_rms_norm_kernel") == "RMSNorm"
+    assert family("void at::native::vectorized_elementwise_kernel<4>") == "elementwise and reductions"
+    assert family("something_new") == "other"

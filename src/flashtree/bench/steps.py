@@ -21,6 +21,7 @@ from dataclasses import replace
 
 import torch
 
+from flashtree.bench.profile import print_profile, profile_call
 from flashtree.bench.report import save_report
 from flashtree.engine.loader import resolve_device
 from flashtree.models.dflash import DFlashDraft, DraftConfig, build_target_layer_ids
@@ -188,6 +189,9 @@ def run_steps(args, engine, device_name: str) -> int:
     token = torch.tensor([prompt[-1]])
     ar = timed(lambda: engine.step_forward(token, cache), device, args.repeat)
     row("ar step", ar, roofline_s, tok_s=round(1 / ar, 1), GBps=round(report["weights_bytes_per_step"] / ar / 1e9, 1))
+    if getattr(args, "profile", False):
+        report["profile_ar_step"] = profile_call(lambda: engine.step_forward(token, cache), device)
+        print_profile("AR step", report["profile_ar_step"], device)
 
     bonus = prompt[-1]
     draft_logits = proposer.propose(bonus, cache.length)

@@ -1,0 +1,71 @@
+"""`flashtree bench --steps --profile`: where one step's time goes, by kernel family (torch.profiler).
+
+On CUDA it counts the GPU kernels one call launches and their device time; on the CPU the operators and
+their CPU time. Run it with `--enforce-eager` to see the kernels inside a step (a CUDA-graph replay shows
+up as one launch).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+# first match wins: kernel or operator name pattern -> family
+FAMILIES = (
+    (r"qmm_q4_k|_q4_k", "Q4_K matmul"), (r"qmm_q6_k|_q6_k", "Q6_K matmul"),
+    (r"_q5_k|_q8_0|_iq4_xs", "other quantized matmul"), (r"dequant", "dequantize"),
+    (r"_sum_splits", "split-K sums"), (r"rms_norm", "RMSNorm"),
+    (r"gated_delta|recurrent|tree_verify|deltanet|conv_qkv|chunk_", "DeltaNet"),
+    (r"attention|attn|softmax|flash|fmha", "attention"),
+    (r"gemm|gemv|cutlass|xmma|cublas|aten::mm|aten::addmm|aten::linear|aten::matmul|aten::bmm", "dense matmul (cuBLAS)"),
+    (r"memcpy|memset|copy|aten::to\b|aten::cat|index", "copies and indexing"),
+    (r"elementwise|vectorized|unrolled|reduce|aten::", "elementwise and reductions"),
+)
+
+
+def family(name: str) -> str:
+    lowered = name.lower()
+    for pattern, label in FAMILIES:
+        if re.search(pattern, lowered):
+            return label
+    return "other"
+
+
+def profile_call(fn, device: torch.device, warmup: int = 2) -> dict:
+    """Profile one call of `fn` after `warmup` calls: {"kernels": count, "ms": total, "families": {name:
+    {"count", "ms"}}} (device kernels on CUDA, operators on the CPU)."""
+    for _ in range(warmup):
+        fn()
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+    families: dict[str, dict] = defaultdict(lambda: {"count": 0, "ms": 0.0})
+    for event in prof.events():
+        if cuda and event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if not cuda and (event.cpu_parent is not None or not event.name.startswith("aten::")):
+            continue  # top-level operators only: their time includes their children's
+        microseconds = event.device_time if cuda else event.cpu_time_total
+        entry = families[family(event.name)]
+        entry["count"] += 1
+        entry["ms"] += microseconds / 1e3
+    total = {"kernels": sum(f["count"] for f in families.values()),
+             "ms": sum(f["ms"] for f in families.values())}
+    return {**total, "families": dict(sorted(families.items(), key=lambda item: -item[1]["ms"]))}
+
+
+def print_profile(name: str, report: dict, device: torch.device) -> None:
+    unit = "kernels" if device.type == "cuda" else "operators"
+    print(f"\nprofile of one {name}: {report['kernels']} {unit}, {report['ms']:.3f} ms "
+          f"({'GPU' if device.type == 'cuda' else 'CPU'} time)")
+    for label, entry in report["families"].items():
+        share = entry["ms"] / report["ms"] if report["ms"] else 0.0
+        print(f"  {label:28} {entry['count']:6d} {entry['ms']:10.3f} ms {100 * share:5.1f} %")
