@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from flashtree.bench.steps import ReplayProposer, random_draft
@@ -81,3 +82,9 @@ def test_family_names():
     assert family("_rms_norm_kernel") == "RMSNorm"
     assert family("void at::native::vectorized_elementwise_kernel<4>") == "elementwise and reductions"
     assert family("something_new") == "other"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU this would run the whole kernel benchmark")
+def test_kernel_bench_without_a_gpu_says_so(capsys):
+    assert main(["bench", "--kernels"]) != 0
+    assert "no CUDA device" in capsys.readouterr().err

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QType
 
+from flashtree.errors import FlashtreeError
 from flashtree.kernels.quant_matmul import (KERNELS, QuantWeight, quant_matmul, quant_matmul_reference,
                                             random_quant_weight, read_bandwidth)
 
@@ -88,7 +89,7 @@ def bench_dense(n: int, k: int, rows: tuple[int, ...], device) -> dict[int, floa
 
 def run_kernel_bench(out: str | None, types=TYPES, shapes=SHAPES, rows=ROWS, device="cuda") -> dict:
     if not torch.cuda.is_available():
-        raise SystemExit("bench --kernels needs a CUDA GPU")
+        raise FlashtreeError("bench --kernels times GPU kernels: no CUDA device here")
     read_bps = read_bandwidth(device)
     print(f"{torch.cuda.get_device_name(device)}: read bandwidth {read_bps / 1e12:.2f} TB/s (x.sum over 4 GiB)",
           flush=True)
