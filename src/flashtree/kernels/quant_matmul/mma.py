@@ -354,12 +354,14 @@ def _cuda():
 
 @functools.cache
 def available() -> bool:
-    """cuda-python importable (then Q4_K/Q6_K weights on CUDA use this module's kernels)."""
+    """cuda-python importable and NVRTC loadable (then Q4_K/Q6_K weights on CUDA use this module's
+    kernels; otherwise, or with FLASHTREE_MMA=0, the Triton kernels)."""
     if os.environ.get("FLASHTREE_MMA", "1") == "0":
         return False
     try:
-        _cuda()
-    except FlashtreeError:
+        _, nvrtc = _cuda()
+        _check(nvrtc.nvrtcVersion(), "nvrtcVersion")
+    except Exception:  # noqa: BLE001 - no cuda-python, or it cannot find libnvrtc: the Triton kernels serve
         return False
     return True
 
