@@ -9,10 +9,13 @@ from typing import Callable, Sequence
 
 import torch
 
-from flashtree.engine.output import OutputTracker, TokenLogprob, token_logprobs
+from flashtree.engine.cuda_graphs import GraphedForward
+from flashtree.engine.output import OutputTracker, TokenLogprob, logprobs_of, token_logprobs
 from flashtree.engine.sampling import Sampler, SamplingParams
 from flashtree.errors import FlashtreeError
+from flashtree.kernels.kv_quant import kv_type
 from flashtree.models.step import Step
+from flashtree.spec.decode import speculative
 
 MODES = ("ar", "chain", "ddtree")
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
@@ -53,8 +56,6 @@ class GenerationConfig:
             raise FlashtreeError(f"ctx must be >= 2 tokens, got {self.ctx}")
         if self.prefill_chunk < 1:
             raise FlashtreeError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
-        from flashtree.kernels.kv_quant import kv_type
-
         for name in (self.cache_type_k, self.cache_type_v):
             if name is not None:
                 kv_type(name)  # raises with the supported choices
@@ -183,8 +184,6 @@ class Engine:
             if config.mode == "ar":
                 self._autoregressive(list(prompt_ids), config, out, stats, started)
             else:
-                from flashtree.spec.decode import speculative
-
                 speculative(self, list(prompt_ids), config, out, stats, started)
             if self.prefix_cache is not None:  # after a normal return only: the prefill of this call opened it
                 self.prefix_cache.finish(list(prompt_ids) + out.token_ids)
@@ -244,8 +243,6 @@ class Engine:
             model = self.target.model
             if not self.use_cuda_graphs or model.device.type != "cuda" or model.boundaries:
                 return None
-            from flashtree.engine.cuda_graphs import GraphedForward
-
             self._graphs = GraphedForward(model)
         return self._graphs
 
@@ -323,7 +320,7 @@ class Engine:
         logits = self.prefill_prompt(cache, prompt_ids, config, stats=stats)[None]
         stats.prefill_s = time.perf_counter() - started
         token = sampler.choose(sampler.distribution(logits)[0])
-        while not out.push(token, logprobs_of(logits, [token], config)[0]):
+        while not out.push(token, logprobs_of(logits, [token], config.logprobs)[0]):
             sampler.record(token)
             step_start = time.perf_counter()
             logits = self.step_forward(torch.tensor([token]), cache).logits
@@ -331,10 +328,3 @@ class Engine:
             stats.verify_s += time.perf_counter() - step_start
             stats.steps += 1
             stats.accepted[1] += 1
-
-
-def logprobs_of(logits: torch.Tensor | None, tokens: list[int], config: GenerationConfig) -> list[TokenLogprob | None]:
-    """Each token's entry from its row of `logits`, or None for each when the request asked for none."""
-    if config.logprobs is None:
-        return [None] * len(tokens)
-    return token_logprobs(logits, tokens, config.logprobs)
