@@ -1,6 +1,7 @@
 """Engine flags shared by run, serve, chat and bench."""
 
-from flashtree.cli.main import build_parser, placement_args
+from flashtree.cli.args import placement_args
+from flashtree.cli.main import build_parser
 from flashtree.engine.loader import load_engine
 
 

@@ -19,6 +19,8 @@ from tqdm import tqdm
 
 from flashtree.bench.datasets import BUILTIN, load_prompt_set
 from flashtree.bench.report import save_report
+from flashtree.cli.args import (add_model_args, add_sampling_args, add_thinking_arg, cache_args, int_range, memory_args,
+                                one_of, placement_args, sampling_from_args, thinking_kwargs)
 from flashtree.errors import FlashtreeError
 
 
@@ -29,8 +31,6 @@ def synthetic_shapes() -> dict:
 
 
 def add_parser(sub) -> None:
-    from flashtree.cli.main import add_model_args, add_sampling_args, add_thinking_arg, int_range, one_of
-
     p = sub.add_parser("bench", help="benchmark decoding modes (table; JSON with --out)")
     add_model_args(p)
     add_sampling_args(p)
@@ -80,7 +80,6 @@ def add_parser(sub) -> None:
 
 def _fidelity(args: argparse.Namespace) -> int:
     from flashtree.bench.fidelity import DTYPES, run_fidelity
-    from flashtree.cli.main import thinking_kwargs
     from flashtree.engine.loader import load_engine
 
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
@@ -116,7 +115,6 @@ def _lengths(text: str) -> tuple[int, ...]:
 
 def run(args: argparse.Namespace) -> int:
     from flashtree.bench.steps import weight_bytes
-    from flashtree.cli.main import cache_args, memory_args, placement_args, thinking_kwargs
     from flashtree.engine.loader import load_engine
 
     if args.kernels:
@@ -152,7 +150,6 @@ def run(args: argparse.Namespace) -> int:
     if engine.draft is None and set(modes) - {"ar"}:
         raise FlashtreeError(f"--modes {','.join(modes)} needs a draft model: pass --draft DIR or use --modes ar")
     modes = ["ar"] + [m for m in dict.fromkeys(modes) if m != "ar"]  # AR is every row's baseline
-    from flashtree.cli.main import sampling_from_args
 
     sampling = sampling_from_args(args)
     base = engine.config_for(max_new_tokens=args.max_tokens, ignore_eos=True, sampling=sampling)

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from rich.console import Console
 
-from flashtree.cli.main import add_parse_special_arg, add_thinking_arg, int_range, thinking_kwargs
+from flashtree.cli.args import (add_parse_special_arg, add_thinking_arg, cache_args, int_range, memory_args,
+                                placement_args, sampling_from_args, thinking_kwargs)
 from flashtree.engine.prefix_cache_flags import add_prefix_cache_args
 from flashtree.errors import FlashtreeError
 from flashtree.formats.chat_template import template_or_chatml
@@ -331,7 +332,6 @@ def add_chat_parser(subparsers) -> argparse.ArgumentParser:
 
 def run_chat(args: argparse.Namespace) -> int:
     """The chat; also what `flashtree run` without a prompt opens, with its sampling flags."""
-    from flashtree.cli.main import cache_args, memory_args, placement_args, sampling_from_args
     from flashtree.engine.loader import load_engine
     from flashtree.engine.prefix_cache import apply_prefix_cache_args
 

@@ -6,7 +6,7 @@ import argparse
 import json
 from collections import Counter
 
-from flashtree.cli.main import int_range
+from flashtree.cli.args import int_range
 from flashtree.errors import FlashtreeError
 
 GIB = 1024**3

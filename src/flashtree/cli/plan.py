@@ -17,7 +17,7 @@ import json
 
 import sys
 
-from flashtree.cli.main import int_range, memory_size, one_of
+from flashtree.cli.args import int_range, memory_size, one_of
 from flashtree.errors import FlashtreeError
 
 

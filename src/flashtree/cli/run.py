@@ -7,8 +7,8 @@ import argparse
 import json
 import sys
 
-from flashtree.cli.main import (add_model_args, add_parse_special_arg, add_sampling_args, add_thinking_arg, int_range,
-                                sampling_from_args, thinking_kwargs)
+from flashtree.cli.args import (add_model_args, add_parse_special_arg, add_sampling_args, add_thinking_arg, cache_args,
+                                int_range, memory_args, placement_args, sampling_from_args, thinking_kwargs)
 from flashtree.errors import FlashtreeError
 
 RUN_MAX_TOKENS = 256
@@ -53,7 +53,6 @@ def run(args: argparse.Namespace) -> int:
 
         return run_chat(args)
     sampling = sampling_from_args(args)  # validated before the model loads
-    from flashtree.cli.main import cache_args, memory_args, placement_args
     from flashtree.engine.loader import load_engine  # deferred: torch loads only once a command runs
 
     engine = load_engine(args.model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk,

@@ -377,33 +377,3 @@ def serve_ranks(engine):
     except Exception:
         pass  # the group is already broken when rank 0 died
     sys.exit(0)
-
-
-def run_rank(args, argv) -> int:
-    """The CLI under `--tensor-parallel N`: without RANK in the environment, start N ranks running `argv`
-    (flashtree.dist.launch); rank 0 runs the command; any other rank only loads the same engine and
-    follows rank 0 (it never reads stdin, binds a port or prints). `bench --synthetic` is SPMD instead:
-    every rank runs the whole benchmark in lock step (it calls the model outside `generate`), rank 0
-    alone prints and writes the results."""
-    if getattr(args, "synthetic", None) and getattr(args, "command", None) != "bench":
-        raise FlashtreeError("--synthetic with --tensor-parallel is for `flashtree bench` only")
-    if "RANK" not in os.environ:
-        from flashtree.dist.launch import spawn_ranks
-
-        return spawn_ranks(argv, args.tensor_parallel)
-    if getattr(args, "synthetic", None):
-        if os.environ["RANK"] != "0":
-            sys.stdout = open(os.devnull, "w")
-        try:
-            return args.handler(args) or 0
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-    if os.environ["RANK"] == "0":
-        return args.handler(args) or 0
-    from flashtree.cli.main import cache_args, placement_args
-    from flashtree.engine.loader import load_engine
-
-    load_engine(args.model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk,
-                **cache_args(args), **placement_args(args))  # follows rank 0, then exits
-    return 0

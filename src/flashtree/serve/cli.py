@@ -8,7 +8,8 @@ import logging
 import os
 from pathlib import Path
 
-from flashtree.cli.main import add_parse_special_arg, add_thinking_arg, int_range, thinking_kwargs
+from flashtree.cli.args import (add_parse_special_arg, add_thinking_arg, cache_args, int_range, memory_args,
+                                placement_args, thinking_kwargs)
 from flashtree.engine.prefix_cache_flags import add_prefix_cache_args
 from flashtree.serve import DEFAULT_MAX_REQUEST_MB
 
@@ -61,7 +62,6 @@ def engine_factory(args: argparse.Namespace):
     """Loads the engine on call, with the request defaults the flags set."""
 
     def load():
-        from flashtree.cli.main import cache_args, memory_args, placement_args
         from flashtree.engine.loader import load_engine
         from flashtree.engine.prefix_cache import apply_prefix_cache_args
 

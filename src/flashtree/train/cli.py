@@ -7,7 +7,7 @@ import json
 import sys
 from dataclasses import fields, replace
 
-from flashtree.cli.main import int_range
+from flashtree.cli.args import int_range
 from flashtree.errors import FlashtreeError
 
 
