@@ -8,7 +8,7 @@ from flashtree.cli.main import main
 from flashtree.engine.generate import Engine, GenerationConfig
 from flashtree.engine.loader import load_engine, load_target
 from flashtree.errors import FlashtreeError
-from flashtree.formats.gguf_writer import write_qwen35_gguf
+from flashtree.models.gguf_writer import write_qwen35_gguf
 from flashtree.models.synthetic import random_tensors, tiny_config
 
 

@@ -250,7 +250,8 @@ def _synthetic_tp_engine(args, config, cache_options: dict, placement: dict):
     import torch.distributed as dist
 
     from flashtree.dist.tp import init_from_env, load_tp_model
-    from flashtree.engine.loader import default_dtype, engine_from_target
+    from flashtree.dist.placement import default_dtype
+    from flashtree.engine.loader import engine_from_target
     from flashtree.models.random_weights import random_source, target_of
 
     if placement.get("layer_split") or placement.get("gpus") or placement.get("draft_device"):
@@ -269,8 +270,8 @@ def _synthetic_tp_engine(args, config, cache_options: dict, placement: dict):
 
 def _synthetic_engine(args, cache_options: dict, placement: dict):
     """The engine over a random-weight model of shape `args.synthetic`, built in device memory (no file)."""
-    from flashtree.dist.placement import parse_devices, parse_split, place_layers
-    from flashtree.engine.loader import engine_from_target, resolve_device
+    from flashtree.dist.placement import parse_devices, parse_split, place_layers, resolve_device
+    from flashtree.engine.loader import engine_from_target
     from flashtree.models.random_weights import random_target, shape_config
 
     overrides = {}

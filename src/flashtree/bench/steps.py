@@ -22,7 +22,7 @@ from dataclasses import replace
 import torch
 
 from flashtree.bench.report import save_report
-from flashtree.engine.loader import resolve_device
+from flashtree.dist.placement import resolve_device
 from flashtree.models.dflash import DFlashDraft, DraftConfig, build_target_layer_ids
 from flashtree.models.layers import Linear, QuantLinear
 from flashtree.spec.decode import make_tree, proposer_for, walk

@@ -25,9 +25,10 @@ def add_parser(sub) -> None:
 
 def describe(path: str, ctx: int) -> dict:
     # deferred: these import torch, which `flashtree info --help` must not wait for
-    from flashtree.engine.loader import check_tensor_types, model_path, read_config
+    from flashtree.engine.loader import model_path
     from flashtree.formats.gguf_file import GGUFFile
     from flashtree.formats.quants import type_name
+    from flashtree.models.gguf_config import check_tensor_types, read_config
 
     gguf = GGUFFile(model_path(path))
     config, tokenizer = read_config(gguf)

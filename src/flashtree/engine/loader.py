@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
+import torch.distributed
+from tqdm import tqdm
 
+from flashtree.dist.placement import default_dtype, place_layers, resolve_device, resolve_placement
+from flashtree.dist.tp import init_from_env, load_tp_model, serve_ranks
+from flashtree.engine.generate import Engine, GenerationConfig
+from flashtree.engine.memory_check import check_memory, check_rank_memory
 from flashtree.errors import FlashtreeError
 from flashtree.formats.chat_template import ChatTemplate
 from flashtree.formats.gguf_file import GGUFFile
-from flashtree.formats.quants import SUPPORTED_TYPES, type_name
 from flashtree.formats.tokenizer import Tokenizer, TokenizerSpec
+from flashtree.models.dflash import DFlashDraft
+from flashtree.models.gguf_config import check_tensor_types, read_config
 from flashtree.models.qwen35 import Qwen35Model
 from flashtree.models.qwen35_config import Qwen35Config
 
@@ -26,70 +35,55 @@ class Target:
     chat_template: ChatTemplate | None
 
 
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """`auto` (or None): the first GPU if there is one, else the CPU; otherwise cpu, cuda or cuda:N, checked
-    against the GPUs this torch sees."""
-    if device in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        dev = None
-    if dev is None or dev.type not in ("cpu", "cuda"):
-        raise FlashtreeError(f"unknown device {str(device)!r}; use cpu, cuda, cuda:N or auto")
-    if dev.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise FlashtreeError(f"device {str(device)!r} requested but this torch has no CUDA device; use --device cpu")
-        if dev.index is not None and dev.index >= count:
-            raise FlashtreeError(f"device {str(device)!r} requested but this machine has {count} CUDA device(s): "
-                                 f"cuda:0 to cuda:{count - 1}")
-    return dev
-
-
-def default_dtype(device: torch.device) -> torch.dtype:
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
-def read_config(gguf: GGUFFile) -> tuple[Qwen35Config, TokenizerSpec | None]:
-    spec = TokenizerSpec.from_metadata(gguf.metadata) if "tokenizer.ggml.tokens" in gguf.metadata else None
-    embed = gguf.tensor("token_embd.weight")
-    vocab = embed.shape[0]
-    config = Qwen35Config.from_metadata(gguf.metadata, vocab_size=vocab, blocks_in_file=_blocks_in_file(gguf))
-    if spec is not None and len(spec.tokens) > vocab:
-        raise FlashtreeError(f"{gguf.path}: tokenizer has {len(spec.tokens)} tokens but the embedding only {vocab} rows")
-    return config, spec
-
-
-def _blocks_in_file(gguf: GGUFFile) -> int:
-    """How many layers (`blk.N.` with N from 0) the tensor table could hold: one past the highest N."""
-    indexes = [name.split(".")[1] for name in gguf.tensors if name.startswith("blk.")]
-    return 1 + max((int(i) for i in indexes if i.isascii() and i.isdigit()), default=-1)
-
-
-def check_tensor_types(gguf: GGUFFile, config: Qwen35Config) -> None:
-    trunk = tuple(f"blk.{i}." for i in range(config.num_layers))
-    for info in gguf.tensors.values():
-        used = not info.name.startswith("blk.") or info.name.startswith(trunk)
-        if used and info.qtype not in SUPPORTED_TYPES:
-            supported = ", ".join(sorted(type_name(t) for t in SUPPORTED_TYPES))
-            raise FlashtreeError(
-                f"{gguf.path}: tensor {info.name} uses quant type {type_name(info.qtype)}, which flashtree does not "
-                f"support yet (supported: {supported})"
-            )
-
-
 def load_target(path: str | Path, device: str | None = None, dtype: torch.dtype | None = None,
                 progress: bool = False) -> Target:
+    gguf, config, spec = _open_checked(path)
+    tokenizer, template = tokenizer_and_template(spec)
+    dev = resolve_device(device)
+    model = Qwen35Model.load(gguf, config, dev, dtype or default_dtype(dev), progress=_progress_bar(config) if progress else None)
+    return Target(Path(path), gguf, config, model, tokenizer, template)
+
+
+def load_tp_target(path: str | Path, world: int, device: str | None = None, progress: bool = False) -> Target:
+    """`load_target` for one rank of a tensor-parallel group of `world` processes: the rank's shard."""
+    dev = init_from_env(device)
+    if torch.distributed.get_world_size() != world:
+        raise FlashtreeError(f"--tensor-parallel {world} but the process group has "
+                             f"{torch.distributed.get_world_size()} ranks")
+    gguf, config, spec = _open_checked(path)
+    show = progress and torch.distributed.get_rank() == 0
+    # on a GPU each layer is loaded there, still quantized, and sharded block-wise (host copies would be dense)
+    model = load_tp_model(gguf, config, dev, default_dtype(dev), progress=_progress_bar(config) if show else None,
+                          host=dev if dev.type == "cuda" else None)
+    tokenizer, template = tokenizer_and_template(spec)
+    return Target(Path(path), gguf, config, model, tokenizer, template)
+
+
+def load_placed_target(path, device=None, progress: bool = False, gpus: int | None = None,
+                       layer_split: str | Sequence[float] | None = None, tensor_parallel: int = 1, devices=None):
+    """`load_target` plus the placement options of `load_engine`."""
+    if tensor_parallel and tensor_parallel > 1:
+        if gpus not in (None, 1) or layer_split is not None:
+            raise FlashtreeError("--tensor-parallel does not combine with --gpus / --layer-split yet")
+        return load_tp_target(path, tensor_parallel, device, progress=progress)
+    devs, split = resolve_placement(device, gpus, layer_split, devices)
+    if devs is None:
+        return load_target(path, device, progress=progress)
+    # load on the host, then move each layer to its device: no device ever holds more than its share
+    target = load_target(path, "cpu", dtype=default_dtype(devs[0]), progress=progress)
+    place_layers(target.model, devs, split)
+    return target
+
+
+def _open_checked(path: str | Path) -> tuple[GGUFFile, Qwen35Config, TokenizerSpec]:
+    """The file, its config and its tokenizer spec, refused before any weight is read when a tensor type is
+    unsupported or the tokenizer is missing."""
     gguf = GGUFFile(path)
     config, spec = read_config(gguf)
     check_tensor_types(gguf, config)
     if spec is None:
         raise FlashtreeError(f"{gguf.path}: no tokenizer in the file (tokenizer.ggml.tokens missing)")
-    tokenizer, template = tokenizer_and_template(spec)
-    dev = resolve_device(device)
-    model = Qwen35Model.load(gguf, config, dev, dtype or default_dtype(dev), progress=_progress_bar(config) if progress else None)
-    return Target(Path(path), gguf, config, model, tokenizer, template)
+    return gguf, config, spec
 
 
 def tokenizer_and_template(spec: TokenizerSpec) -> tuple[Tokenizer, ChatTemplate | None]:
@@ -103,8 +97,6 @@ def _token_text(spec: TokenizerSpec, token_id: int | None) -> str:
 
 
 def _progress_bar(config: Qwen35Config):
-    from tqdm import tqdm
-
     bar = tqdm(total=config.num_layers, desc="loading layers", unit="layer", leave=False)
 
     def update(done: int, total: int) -> None:
@@ -143,8 +135,6 @@ def load_engine(model: str | Path | None = None, draft: str | Path | None = None
     devices (`devices` overrides cuda:0..N-1), `draft_device` puts the draft on its own device, and
     `tensor_parallel` > 1 shards the target over the ranks of the initialized process group. On CUDA the
     memory plan (`ctx` tokens, each GPU's free memory or the `gpu_memory` cap) is checked before loading."""
-    from flashtree.engine.generate import GenerationConfig
-
     if is_demo(model):
         if not DEMO_TARGET.is_file():
             raise FlashtreeError("no --model given and the embedded demo model is not installed; pass --model PATH.gguf")
@@ -155,8 +145,6 @@ def load_engine(model: str | Path | None = None, draft: str | Path | None = None
         raise FlashtreeError(f"--spec {spec} needs a draft model: pass --draft DIR or use --spec ar")
     cache_options = {"cache_type_k": cache_type_k, "cache_type_v": cache_type_v, "attn_window": attn_window}
     GenerationConfig(**cache_options)  # a bad KV type or window fails here, before loading
-    from flashtree.dist.placement import load_placed_target
-
     if tensor_parallel and tensor_parallel > 1:
         _check_rank_memory(model, draft, device, tensor_parallel, ctx, gpu_memory, budget, cache_options)
     else:
@@ -166,8 +154,6 @@ def load_engine(model: str | Path | None = None, draft: str | Path | None = None
     engine = engine_from_target(target, draft, spec=spec, budget=budget, topk=topk, draft_device=draft_device,
                                 enforce_eager=enforce_eager, **cache_options)
     if tensor_parallel and tensor_parallel > 1:  # rank 0 gets the engine back; the other ranks follow it and exit
-        from flashtree.dist.tp import serve_ranks
-
         return serve_ranks(engine)
     return engine
 
@@ -175,10 +161,6 @@ def load_engine(model: str | Path | None = None, draft: str | Path | None = None
 def _check_rank_memory(model, draft, device, world, ctx, gpu_memory, budget, cache_options) -> None:
     """This rank's share of tensor parallel, checked on the GPU the rank will use (LOCAL_RANK, as
     `dist.tp.init_from_env` picks it) before any weight is read."""
-    import os
-
-    from flashtree.engine.memory_check import check_rank_memory
-
     if not torch.cuda.is_available() or (device not in (None, "auto") and not str(device).startswith("cuda")):
         return
     check_rank_memory(model, draft, torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))), world, ctx,
@@ -188,9 +170,6 @@ def _check_rank_memory(model, draft, device, world, ctx, gpu_memory, budget, cac
 def _check_memory(model, draft, device, gpus, layer_split, devices, draft_device, ctx, gpu_memory, budget,
                   cache_options) -> None:
     """The placement `load_placed_target` will make, planned and checked against the GPUs' memory."""
-    from flashtree.dist.placement import resolve_placement
-    from flashtree.engine.memory_check import check_memory
-
     stages, split = resolve_placement(device, gpus, layer_split, devices)
     if stages is None:
         stages = [resolve_device(device)]
@@ -205,8 +184,6 @@ def engine_from_target(target: Target, draft: str | Path | None = None, spec: st
                        cache_type_v: str | None = None, attn_window: int = 0, enforce_eager: bool = False):
     """An Engine over a loaded target (a file's or `random_target`'s), with the draft at `draft` if given;
     the mode defaults to ddtree with a draft, else ar. `enforce_eager` turns CUDA graphs off."""
-    from flashtree.engine.generate import Engine, GenerationConfig
-
     if spec in ("chain", "ddtree") and draft is None:
         raise FlashtreeError(f"--spec {spec} needs a draft model: pass --draft DIR or use --spec ar")
     cache_options = {"cache_type_k": cache_type_k, "cache_type_v": cache_type_v, "attn_window": attn_window}
@@ -220,8 +197,6 @@ def engine_from_target(target: Target, draft: str | Path | None = None, spec: st
 
 
 def load_draft(path: str | Path, target: Target, device: str | None = None):
-    from flashtree.models.dflash import DFlashDraft
-
     device = resolve_device(device) if device is not None else target.model.device  # --draft-device
     draft = DFlashDraft.load(path, device=device, dtype=target.model.dtype)
     c = target.config

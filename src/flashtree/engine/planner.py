@@ -30,8 +30,10 @@ from pathlib import Path
 from typing import Sequence
 
 from flashtree.errors import FlashtreeError
+from flashtree.formats.gguf_file import GGUFFile
 from flashtree.kernels.kv_quant import kv_type
 from flashtree.kernels.quant_matmul import DENSE_MIN_M
+from flashtree.models.gguf_config import read_config
 from flashtree.models.qwen35_config import Qwen35Config
 
 GIB = 1024**3
@@ -289,9 +291,6 @@ def target_from_gguf(path: str | Path) -> tuple[Qwen35Config, int, int, int, tup
     """(config, bytes of the tensors the trunk uses as the GPU holds them, token_embd bytes, parameters
     outside token_embd, stored bytes per layer), reading no weights. A tied LM head (no output.weight) is
     token_embd loaded a second time, re-laid for the matmul kernels: its bytes count twice."""
-    from flashtree.engine.loader import read_config
-    from flashtree.formats.gguf_file import GGUFFile
-
     gguf = GGUFFile(path)
     config, _ = read_config(gguf)
     trunk = tuple(f"blk.{i}." for i in range(config.num_layers))

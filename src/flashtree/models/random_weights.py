@@ -96,7 +96,7 @@ class RandomWeights:
 
     def write_gguf(self, path, tokenizer_spec) -> Path:
         """These exact bytes as a real GGUF file (for tools that read files, e.g. a transformers peer)."""
-        from flashtree.formats.gguf_writer import write_qwen35_gguf
+        from flashtree.models.gguf_writer import write_qwen35_gguf
 
         arrays, types = {}, {}
         plain = {QType.F32: np.float32, QType.F16: np.float16}
@@ -199,7 +199,8 @@ def random_target(shape: str | Qwen35Config, scheme: str = "q4_k_m", device: str
     """A `Target` with random weights built in memory on `device` (no file): the model of a named shape
     (`SHAPES`) or config, and the synthetic tokenizer padded to its vocabulary (as `write_synthetic_gguf`
     does). `weight_options` go to `RandomWeights` (tied, logit_scale, qtypes, pool_blocks)."""
-    from flashtree.engine.loader import _progress_bar, default_dtype, resolve_device
+    from flashtree.dist.placement import default_dtype, resolve_device
+    from flashtree.engine.loader import _progress_bar
     from flashtree.models.qwen35 import Qwen35Model
 
     dev = resolve_device(None if device == "auto" else device)
@@ -213,7 +214,7 @@ def random_source(shape: str | Qwen35Config, scheme: str, device: torch.device, 
                   **weight_options) -> tuple[Qwen35Config, RandomWeights, Any]:
     """(config, weights, tokenizer spec) of `random_target`, before any model is built from them (a
     tensor-parallel rank builds only its shard: flashtree.dist.tp.load_tp_model)."""
-    from flashtree.engine.loader import check_tensor_types
+    from flashtree.models.gguf_config import check_tensor_types
     from flashtree.formats.tokenizer import pad_vocab
 
     config = shape_config(shape) if isinstance(shape, str) else shape

@@ -125,7 +125,7 @@ def write_synthetic_gguf(path, config: Qwen35Config | None = None, scheme: str =
     """A random-weight qwen35 GGUF with a real tokenizer, padded like Qwen's to the model's vocab size."""
     from dataclasses import replace
 
-    from flashtree.formats.gguf_writer import write_qwen35_gguf
+    from flashtree.models.gguf_writer import write_qwen35_gguf
     from flashtree.formats.quant_mix import quant_types
     from flashtree.formats.tokenizer import pad_vocab
 

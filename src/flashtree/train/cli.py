@@ -60,7 +60,7 @@ def add_parser(sub) -> None:
 
 
 def _device(name: str) -> str:
-    from flashtree.engine.loader import resolve_device
+    from flashtree.dist.placement import resolve_device
 
     return str(resolve_device(name))
 

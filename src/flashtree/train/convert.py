@@ -113,7 +113,7 @@ def gguf_tensors_from_hf(model, c: Qwen35Config) -> dict[str, np.ndarray]:
 def hf_model_from_gguf(path: str | Path, device="cpu", attn_implementation: str = "sdpa"):
     """A float32 HF model holding the (dequantized) weights of a qwen35 GGUF; used to generate
     draft-training responses in batches."""
-    from flashtree.engine.loader import read_config
+    from flashtree.models.gguf_config import read_config
     from flashtree.formats.gguf_file import GGUFFile
     from flashtree.models.layers import load_weight
 

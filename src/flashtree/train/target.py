@@ -158,7 +158,7 @@ def train_lm(model, stream: np.ndarray, cfg: TrainConfig, device: torch.device,
 
 
 def export_gguf(model, config: Qwen35Config, tokenizer: TokenizerSpec, path: str | Path, scheme: str = "q4_k_m") -> Path:
-    from flashtree.formats.gguf_writer import write_qwen35_gguf
+    from flashtree.models.gguf_writer import write_qwen35_gguf
     from flashtree.formats.quant_mix import quant_types
 
     tensors = gguf_tensors_from_hf(model, config)
