@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable, Iterable
 
+from flashtree.engine.config import DEFAULT_BUDGET, DEFAULT_TOPK, MODES, EngineArgs
 from flashtree.errors import FlashtreeError
 
 
@@ -54,17 +55,19 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     """Flags shared by every command that loads a model (names follow llama.cpp / vLLM)."""
     parser.add_argument("-m", "--model", help="target GGUF, or demo: the embedded demo pair (the default)")
     parser.add_argument("--draft", help="DFlash draft directory (config.json + model.safetensors)")
-    parser.add_argument("--spec", choices=("ar", "chain", "ddtree"), default=None,
+    parser.add_argument("--spec", choices=MODES, default=None,
                         help="decoding mode (default: ddtree when a draft is given, else ar)")
-    parser.add_argument("--budget", type=int_range(1), default=22, help="DDTree node budget (default 22)")
-    parser.add_argument("--topk", type=int_range(1), default=8, help="DDTree candidates per depth (default 8)")
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    parser.add_argument("--budget", type=int_range(1), default=DEFAULT_BUDGET,
+                        help=f"DDTree node budget (default {DEFAULT_BUDGET})")
+    parser.add_argument("--topk", type=int_range(1), default=DEFAULT_TOPK,
+                        help=f"DDTree candidates per depth (default {DEFAULT_TOPK})")
+    parser.add_argument("--device", default=EngineArgs.device, help="cpu, cuda, cuda:N or auto (default)")
     parser.add_argument("-c", "--ctx", type=int_range(2), default=None, help="context size in tokens (default: fit the request)")
     parser.add_argument("-ctk", "--cache-type-k", default=None, metavar="TYPE",
                         help="K cache type: f16, bf16, f32, q8_0, q4_0, tq3_0 (default: the model dtype)")
     parser.add_argument("-ctv", "--cache-type-v", default=None, metavar="TYPE",
                         help="V cache type: f16, bf16, f32, q8_0, q4_0, tq3_0 (default: the model dtype)")
-    parser.add_argument("--attn-window", type=int_range(0), default=0, metavar="N",
+    parser.add_argument("--attn-window", type=int_range(0), default=EngineArgs.attn_window, metavar="N",
                         help="sliding-window attention over the last N positions; changes output (default 0 = full)")
     # placement over several devices (flashtree.dist, docs/MULTI_GPU.md)
     parser.add_argument("--gpus", type=int_range(1), default=None, metavar="N",
@@ -74,7 +77,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-device", default=None, metavar="DEV",
                         help="device of the draft and its context cache, e.g. cuda:1 (default: the target's)")
     parser.add_argument("-tp", "--tensor-parallel", "--tensor-parallel-size", dest="tensor_parallel", type=int_range(1),
-                        default=1, metavar="N", help="shard the target over N GPUs, one process each (default 1)")
+                        default=EngineArgs.tensor_parallel, metavar="N", help="shard the target over N GPUs, one process each (default 1)")
     parser.add_argument("--gpu-memory", type=memory_size, default=None, metavar="SIZE",
                         help="memory per GPU to plan for, e.g. 24GiB (default: each GPU's free memory); checked at load")
     parser.add_argument("--enforce-eager", action="store_true",
@@ -96,25 +99,15 @@ def thinking_kwargs(think: bool | None) -> dict:
     return {} if think is None else {"enable_thinking": think}
 
 
-def cache_args(args: argparse.Namespace) -> dict:
-    """The KV cache options of `add_model_args` that were set, as keyword arguments of `load_engine`."""
-    options = {"cache_type_k": getattr(args, "cache_type_k", None), "cache_type_v": getattr(args, "cache_type_v", None),
-               "attn_window": getattr(args, "attn_window", 0)}
-    return {k: v for k, v in options.items() if v}
-
-
-def placement_args(args: argparse.Namespace) -> dict:
-    """The placement (and eager) options of `add_model_args` that were set, as keyword arguments of
-    `load_engine`."""
-    defaults = {"gpus": None, "layer_split": None, "draft_device": None, "tensor_parallel": 1, "enforce_eager": False}
-    options = {key: getattr(args, key, default) for key, default in defaults.items()}
-    return {key: value for key, value in options.items() if value is not None and value != defaults[key]}
-
-
-def memory_args(args: argparse.Namespace) -> dict:
-    """`--ctx` and `--gpu-memory` for the load-time memory check of `load_engine`, where set."""
-    options = {"ctx": getattr(args, "ctx", None), "gpu_memory": getattr(args, "gpu_memory", None)}
-    return {k: v for k, v in options.items() if v is not None}
+def engine_args(args: argparse.Namespace, **settings) -> EngineArgs:
+    """The `EngineArgs` of the flags `add_model_args` added, with the command's own `settings` on top."""
+    flags = {"model": args.model, "draft": args.draft, "device": args.device, "spec": args.spec,
+             "budget": args.budget, "topk": args.topk, "cache_type_k": args.cache_type_k,
+             "cache_type_v": args.cache_type_v, "attn_window": args.attn_window, "gpus": args.gpus,
+             "layer_split": args.layer_split, "draft_device": args.draft_device,
+             "tensor_parallel": args.tensor_parallel, "enforce_eager": args.enforce_eager, "ctx": args.ctx,
+             "gpu_memory": args.gpu_memory}
+    return EngineArgs(**{**flags, **settings})
 
 
 def add_parse_special_arg(parser: argparse.ArgumentParser) -> None:

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from rich.console import Console
 
-from flashtree.cli.args import (add_parse_special_arg, add_thinking_arg, cache_args, int_range, memory_args,
-                                placement_args, sampling_from_args, thinking_kwargs)
+from flashtree.cli.args import (add_parse_special_arg, add_thinking_arg, engine_args, int_range, sampling_from_args,
+                                thinking_kwargs)
 from flashtree.engine.prefix_cache_flags import add_prefix_cache_args
 from flashtree.errors import FlashtreeError
 from flashtree.formats.chat_template import template_or_chatml
@@ -337,10 +337,7 @@ def run_chat(args: argparse.Namespace) -> int:
 
     console = Console()
     # The layer bar alone (stderr, erased when done): a spinner drawn beside it left stale lines behind.
-    engine = load_engine(args.model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk,
-                         progress=True, **cache_args(args), **placement_args(args), **memory_args(args))
-    engine.prefill_progress = True
-    engine.parse_special = args.parse_special
+    engine = load_engine(engine_args(args, progress=True, prefill_progress=True, parse_special=args.parse_special))
     sampling = sampling_from_args(args) if hasattr(args, "temperature") else None
     config = engine.config_for(max_new_tokens=args.max_tokens or CHAT_MAX_TOKENS, ctx=args.ctx, sampling=sampling)
     apply_prefix_cache_args(engine, args)

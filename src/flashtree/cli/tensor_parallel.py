@@ -7,7 +7,7 @@ import sys
 
 import torch.distributed
 
-from flashtree.cli.args import cache_args, placement_args
+from flashtree.cli.args import engine_args
 from flashtree.dist.launch import spawn_ranks
 from flashtree.engine.loader import load_engine
 from flashtree.errors import FlashtreeError
@@ -33,6 +33,7 @@ def run_rank(args, argv) -> int:
                 torch.distributed.destroy_process_group()
     if os.environ["RANK"] == "0":
         return args.handler(args) or 0
-    load_engine(args.model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk,
-                **cache_args(args), **placement_args(args))  # follows rank 0, then exits
+    # follows rank 0, then exits; the memory check here plans for the default context with no cap (rank 0
+    # checks the requested ones)
+    load_engine(engine_args(args, ctx=None, gpu_memory=None))
     return 0

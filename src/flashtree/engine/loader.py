@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from flashtree.dist.placement import default_dtype, place_layers, resolve_device, resolve_placement
 from flashtree.dist.tp import init_from_env, load_tp_model, serve_ranks
+from flashtree.engine.config import EngineArgs
 from flashtree.engine.generate import Engine, GenerationConfig
 from flashtree.engine.memory_check import check_memory, check_rank_memory
 from flashtree.errors import FlashtreeError
@@ -123,77 +124,76 @@ def model_path(model: str | Path | None) -> str | Path:
     return DEMO_TARGET if is_demo(model) else model
 
 
-def load_engine(model: str | Path | None = None, draft: str | Path | None = None, device: str | None = None,
-                spec: str | None = None, budget: int = 22, topk: int = 8, progress: bool = False,
-                cache_type_k: str | None = None, cache_type_v: str | None = None, attn_window: int = 0,
-                gpus: int | None = None, layer_split: str | None = None, draft_device: str | None = None,
-                tensor_parallel: int = 1, devices=None, enforce_eager: bool = False, ctx: int | None = None,
-                gpu_memory: str | None = None):
-    """Target (+ draft) ready to generate. No model means the embedded demo pair. The KV cache options
-    become the engine's default GenerationConfig (checked before any weight is loaded).
-    Placement (flashtree.dist, docs/MULTI_GPU.md): `gpus` / `layer_split` split the target's layers over
-    devices (`devices` overrides cuda:0..N-1), `draft_device` puts the draft on its own device, and
-    `tensor_parallel` > 1 shards the target over the ranks of the initialized process group. On CUDA the
-    memory plan (`ctx` tokens, each GPU's free memory or the `gpu_memory` cap) is checked before loading."""
-    if is_demo(model):
+def load_engine(args: EngineArgs = EngineArgs()):
+    """Target (+ draft) ready to generate. No model means the embedded demo pair. The default request
+    (GenerationConfig) is checked before any weight is loaded, and on CUDA so is the memory plan (`ctx`
+    tokens, each GPU's free memory or the `gpu_memory` cap) of the placement (flashtree.dist,
+    docs/MULTI_GPU.md)."""
+    if is_demo(args.model):
         if not DEMO_TARGET.is_file():
             raise FlashtreeError("no --model given and the embedded demo model is not installed; pass --model PATH.gguf")
-        model = DEMO_TARGET
-        if draft is None and DEMO_DRAFT.is_dir() and spec != "ar":
-            draft = DEMO_DRAFT
-    if spec in ("chain", "ddtree") and draft is None:
-        raise FlashtreeError(f"--spec {spec} needs a draft model: pass --draft DIR or use --spec ar")
-    cache_options = {"cache_type_k": cache_type_k, "cache_type_v": cache_type_v, "attn_window": attn_window}
-    GenerationConfig(**cache_options)  # a bad KV type or window fails here, before loading
-    if tensor_parallel and tensor_parallel > 1:
-        _check_rank_memory(model, draft, device, tensor_parallel, ctx, gpu_memory, budget, cache_options)
+        use_draft = args.draft is None and DEMO_DRAFT.is_dir() and args.spec != "ar"
+        args = replace(args, model=DEMO_TARGET, draft=DEMO_DRAFT if use_draft else args.draft)
+    _check_spec_has_draft(args)
+    _default_config(args, "ar")  # a bad KV type, window or request default fails here, before loading
+    if args.tensor_parallel > 1:
+        _check_rank_memory(args)
     else:
-        _check_memory(model, draft, device, gpus, layer_split, devices, draft_device, ctx, gpu_memory, budget,
-                      cache_options)
-    target = load_placed_target(model, device, progress, gpus, layer_split, tensor_parallel, devices)
-    engine = engine_from_target(target, draft, spec=spec, budget=budget, topk=topk, draft_device=draft_device,
-                                enforce_eager=enforce_eager, **cache_options)
-    if tensor_parallel and tensor_parallel > 1:  # rank 0 gets the engine back; the other ranks follow it and exit
+        _check_memory(args)
+    target = load_placed_target(args.model, args.device, args.progress, args.gpus, args.layer_split,
+                                args.tensor_parallel, args.devices)
+    engine = engine_from_target(target, args)
+    if args.tensor_parallel > 1:  # rank 0 gets the engine back; the other ranks follow it and exit
         return serve_ranks(engine)
     return engine
 
 
-def _check_rank_memory(model, draft, device, world, ctx, gpu_memory, budget, cache_options) -> None:
+def _check_rank_memory(args: EngineArgs) -> None:
     """This rank's share of tensor parallel, checked on the GPU the rank will use (LOCAL_RANK, as
     `dist.tp.init_from_env` picks it) before any weight is read."""
-    if not torch.cuda.is_available() or (device not in (None, "auto") and not str(device).startswith("cuda")):
+    if not torch.cuda.is_available() or (args.device not in (None, "auto") and not str(args.device).startswith("cuda")):
         return
-    check_rank_memory(model, draft, torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))), world, ctx,
-                      gpu_memory, budget, cache_options["cache_type_k"], cache_options["cache_type_v"])
+    check_rank_memory(args.model, args.draft, torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))),
+                      args.tensor_parallel, args.ctx, args.gpu_memory, args.budget, args.cache_type_k,
+                      args.cache_type_v)
 
 
-def _check_memory(model, draft, device, gpus, layer_split, devices, draft_device, ctx, gpu_memory, budget,
-                  cache_options) -> None:
+def _check_memory(args: EngineArgs) -> None:
     """The placement `load_placed_target` will make, planned and checked against the GPUs' memory."""
-    stages, split = resolve_placement(device, gpus, layer_split, devices)
+    stages, split = resolve_placement(args.device, args.gpus, args.layer_split, args.devices)
     if stages is None:
-        stages = [resolve_device(device)]
+        stages = [resolve_device(args.device)]
     elif split is None:
         split = [1.0] * len(stages)
-    check_memory(model, draft, stages, split, resolve_device(draft_device) if draft_device else None, ctx, gpu_memory,
-                 budget, cache_options["cache_type_k"], cache_options["cache_type_v"])
+    draft_device = resolve_device(args.draft_device) if args.draft_device else None
+    check_memory(args.model, args.draft, stages, split, draft_device, args.ctx, args.gpu_memory, args.budget,
+                 args.cache_type_k, args.cache_type_v)
 
 
-def engine_from_target(target: Target, draft: str | Path | None = None, spec: str | None = None, budget: int = 22,
-                       topk: int = 8, draft_device: str | None = None, cache_type_k: str | None = None,
-                       cache_type_v: str | None = None, attn_window: int = 0, enforce_eager: bool = False):
-    """An Engine over a loaded target (a file's or `random_target`'s), with the draft at `draft` if given;
-    the mode defaults to ddtree with a draft, else ar. `enforce_eager` turns CUDA graphs off."""
-    if spec in ("chain", "ddtree") and draft is None:
-        raise FlashtreeError(f"--spec {spec} needs a draft model: pass --draft DIR or use --spec ar")
-    cache_options = {"cache_type_k": cache_type_k, "cache_type_v": cache_type_v, "attn_window": attn_window}
-    GenerationConfig(**cache_options)
-    draft_model = load_draft(draft, target, draft_device) if draft is not None else None
-    mode = spec or ("ddtree" if draft_model is not None else "ar")
-    engine = Engine(target, draft_model, GenerationConfig(mode=mode, budget=budget, topk=topk, **cache_options))
-    engine.draft_path = Path(draft) if draft_model is not None else None
-    engine.use_cuda_graphs = not enforce_eager
-    return engine
+def engine_from_target(target: Target, args: EngineArgs = EngineArgs()):
+    """An Engine over a loaded target (a file's or `random_target`'s), with the draft at `args.draft` if
+    given; the mode defaults to ddtree with a draft, else ar. `args.enforce_eager` turns CUDA graphs off."""
+    _check_spec_has_draft(args)
+    _default_config(args, "ar")
+    draft_model = load_draft(args.draft, target, args.draft_device) if args.draft is not None else None
+    mode = args.spec or ("ddtree" if draft_model is not None else "ar")
+    return Engine(target, draft_model, _default_config(args, mode),
+                  draft_path=Path(args.draft) if draft_model is not None else None,
+                  use_cuda_graphs=not args.enforce_eager, prefill_progress=args.prefill_progress,
+                  parse_special=args.parse_special)
+
+
+def _check_spec_has_draft(args: EngineArgs) -> None:
+    if args.spec in ("chain", "ddtree") and args.draft is None:
+        raise FlashtreeError(f"--spec {args.spec} needs a draft model: pass --draft DIR or use --spec ar")
+
+
+def _default_config(args: EngineArgs, mode: str) -> GenerationConfig:
+    """The request the engine answers when a request leaves a setting out."""
+    request = {"max_new_tokens": args.max_new_tokens, "prefill_chunk": args.prefill_chunk}
+    return GenerationConfig(mode=mode, budget=args.budget, topk=args.topk, ctx=args.ctx,
+                            skip_special_tokens=args.skip_special_tokens, **args.cache_options,
+                            **{key: value for key, value in request.items() if value is not None})
 
 
 def load_draft(path: str | Path, target: Target, device: str | None = None):

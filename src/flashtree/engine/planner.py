@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from flashtree.engine.config import DEFAULT_BUDGET, DEFAULT_DRAFT_WINDOW, DEFAULT_PREFILL_CHUNK
 from flashtree.errors import FlashtreeError
 from flashtree.formats.gguf_file import GGUFFile
 from flashtree.kernels.kv_quant import kv_type
@@ -84,9 +85,9 @@ class PlanRequest:
     ctx: int
     cache_type_k: str = "f16"
     cache_type_v: str = "f16"
-    budget: int = 22
-    draft_window: int = 4096
-    prefill_chunk: int = 512
+    budget: int = DEFAULT_BUDGET
+    draft_window: int = DEFAULT_DRAFT_WINDOW
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     dtype: str = "bf16"  # compute dtype of activations, draft weights and float state
     dense_params: int = 0  # target parameters outside token_embd (for the dequantized-at-load note)
     layer_bytes: tuple[int, ...] = ()  # stored bytes of each layer's tensors (blk.i.*): a layer split's shares

@@ -8,8 +8,7 @@ import logging
 import os
 from pathlib import Path
 
-from flashtree.cli.args import (add_parse_special_arg, add_thinking_arg, cache_args, int_range, memory_args,
-                                placement_args, thinking_kwargs)
+from flashtree.cli.args import add_parse_special_arg, add_thinking_arg, engine_args, int_range, thinking_kwargs
 from flashtree.engine.prefix_cache_flags import add_prefix_cache_args
 from flashtree.serve import DEFAULT_MAX_REQUEST_MB
 
@@ -65,10 +64,8 @@ def engine_factory(args: argparse.Namespace):
         from flashtree.engine.loader import load_engine
         from flashtree.engine.prefix_cache import apply_prefix_cache_args
 
-        engine = load_engine(args.model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk,
-                             progress=True, **cache_args(args), **placement_args(args), **memory_args(args))
-        engine.default_config = engine.config_for(max_new_tokens=args.max_tokens, ctx=args.ctx,
-                                                  skip_special_tokens=not args.special)
+        engine = load_engine(engine_args(args, progress=True, max_new_tokens=args.max_tokens,
+                                         skip_special_tokens=not args.special))
         apply_prefix_cache_args(engine, args)
         return engine
 
