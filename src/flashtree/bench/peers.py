@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 
 from flashtree.bench.steps import clock
+from flashtree.models.random_weights import RandomWeights
+from flashtree.train.convert import hf_model_from_gguf
 PEERS = ("hf-ar", "zlab-dflash")
 
 
@@ -37,9 +39,6 @@ def peer_rows(engine, dataset: str, prompts: list[list[int]], max_tokens: int, a
 def _hf_target(engine):
     """transformers' model with the target's weights; an in-memory synthetic target is written to a
     temporary GGUF first (transformers reads files)."""
-    from flashtree.models.random_weights import RandomWeights
-    from flashtree.train.convert import hf_model_from_gguf
-
     device = engine.target.model.device
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     path = engine.target.path

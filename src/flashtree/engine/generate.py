@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
+from tqdm import tqdm
 
 from flashtree.engine.config import (DEFAULT_BUDGET, DEFAULT_DRAFT_WINDOW, DEFAULT_PREFILL_CHUNK, DEFAULT_TOPK,
                                      check_decoding)
@@ -302,8 +303,6 @@ class Engine:
     def prefill_bar(self, tokens: int):
         """A tqdm bar over `tokens` prompt tokens (stderr, gone when closed), drawn only when the CLI asked
         for progress (`prefill_progress`) and the prompt is long."""
-        from tqdm import tqdm
-
         return tqdm(total=tokens, desc="prefill", unit="tok", unit_scale=True, leave=False,
                     disable=not self.prefill_progress or tokens < PROGRESS_MIN_TOKENS)
 

@@ -41,7 +41,7 @@ def load_target(path: str | Path, device: str | None = None, dtype: torch.dtype 
     gguf, config, spec = _open_checked(path)
     tokenizer, template = tokenizer_and_template(spec)
     dev = resolve_device(device)
-    model = Qwen35Model.load(gguf, config, dev, dtype or default_dtype(dev), progress=_progress_bar(config) if progress else None)
+    model = Qwen35Model.load(gguf, config, dev, dtype or default_dtype(dev), progress=layer_progress_bar(config) if progress else None)
     return Target(Path(path), gguf, config, model, tokenizer, template)
 
 
@@ -54,7 +54,7 @@ def load_tp_target(path: str | Path, world: int, device: str | None = None, prog
     gguf, config, spec = _open_checked(path)
     show = progress and torch.distributed.get_rank() == 0
     # on a GPU each layer is loaded there, still quantized, and sharded block-wise (host copies would be dense)
-    model = load_tp_model(gguf, config, dev, default_dtype(dev), progress=_progress_bar(config) if show else None,
+    model = load_tp_model(gguf, config, dev, default_dtype(dev), progress=layer_progress_bar(config) if show else None,
                           host=dev if dev.type == "cuda" else None)
     tokenizer, template = tokenizer_and_template(spec)
     return Target(Path(path), gguf, config, model, tokenizer, template)
@@ -97,7 +97,7 @@ def _token_text(spec: TokenizerSpec, token_id: int | None) -> str:
     return spec.tokens[token_id] if token_id is not None and 0 <= token_id < len(spec.tokens) else ""
 
 
-def _progress_bar(config: Qwen35Config):
+def layer_progress_bar(config: Qwen35Config):
     bar = tqdm(total=config.num_layers, desc="loading layers", unit="layer", leave=False)
 
     def update(done: int, total: int) -> None:

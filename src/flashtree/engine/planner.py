@@ -25,17 +25,23 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
+
+import torch
 
 from flashtree.engine.config import DEFAULT_BUDGET, DEFAULT_DRAFT_WINDOW, DEFAULT_PREFILL_CHUNK
 from flashtree.errors import FlashtreeError
 from flashtree.formats.gguf_file import GGUFFile
+from flashtree.formats.quant_mix import quant_types
+from flashtree.formats.quants import bytes_for
 from flashtree.kernels.kv_quant import kv_type
 from flashtree.kernels.quant_matmul import DENSE_MIN_M
+from flashtree.models.dflash import DFlashDraft, DraftConfig
 from flashtree.models.gguf_config import read_config
 from flashtree.models.qwen35_config import Qwen35Config
+from flashtree.models.synthetic import tensor_shapes
 
 GIB = 1024**3
 MIB = 1024**2
@@ -54,10 +60,6 @@ class DraftShape:
 
     @classmethod
     def from_config(cls, config) -> "DraftShape":
-        import torch
-
-        from flashtree.models.dflash import DFlashDraft
-
         with torch.device("meta"):
             model = DFlashDraft(config)
         params = sum(p.numel() for p in model.parameters())
@@ -65,8 +67,6 @@ class DraftShape:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "DraftShape":
-        from flashtree.models.dflash import DraftConfig
-
         file = Path(path) / "config.json"
         if not file.is_file():
             raise FlashtreeError(f"draft model: {file} not found")
@@ -201,8 +201,6 @@ def _activation_note(req: PlanRequest) -> str:
 
 def max_ctx(req: PlanRequest, available: int) -> int:
     """Largest context (a multiple of 256) whose plan fits in `available` bytes; 0 if none."""
-    from dataclasses import replace
-
     lo, hi = 0, max(req.config.context_length, req.ctx) // 256
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -331,11 +329,6 @@ SYNTHETIC = {
 
 
 def target_from_preset(name: str) -> tuple[Qwen35Config, int, int, int, DraftShape, tuple[int, ...]]:
-    from flashtree.formats.quant_mix import quant_types
-    from flashtree.formats.quants import bytes_for
-    from flashtree.models.dflash import DraftConfig
-    from flashtree.models.synthetic import tensor_shapes
-
     if name not in SYNTHETIC:
         raise FlashtreeError(f"unknown synthetic preset {name!r}; choose one of {', '.join(SYNTHETIC)}")
     preset = SYNTHETIC[name]

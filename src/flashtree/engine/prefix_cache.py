@@ -42,6 +42,7 @@ import torch
 
 from flashtree.engine.prefix_cache_flags import DEFAULT_INTERVAL, DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES
 from flashtree.errors import FlashtreeError
+from flashtree.models.dflash import DraftContextCache
 
 BOUNDARY_TOKENS = ("<|im_start|>",)
 
@@ -171,8 +172,6 @@ class _DraftOps:
 
     @classmethod
     def of(cls, proposer) -> "_DraftOps | None":
-        from flashtree.models.dflash import DraftContextCache
-
         return cls(proposer) if isinstance(getattr(proposer, "cache", None), DraftContextCache) else None
 
     @property
