@@ -49,7 +49,7 @@ def _hf_target(engine):
 
 
 def _zlab_draft(draft, target):
-    from dflash.model import DFlashDraftModel
+    from dflash.model import DFlashDraftModel  # optional, as transformers: the peers need the test extra
     from transformers import Qwen3Config
 
     model = DFlashDraftModel(Qwen3Config(**draft.config.to_json()))
@@ -71,7 +71,7 @@ def _hf_ar_row(target, dataset, prompts, max_tokens, ar_tokens) -> dict:
 
 
 def _zlab_row(target, draft, dataset, prompts, max_tokens, ar_tokens) -> dict:
-    from dflash.model import dflash_generate
+    from dflash.model import dflash_generate  # optional: the test extra
 
     calls = [0]
     hook = target.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))

@@ -1,5 +1,8 @@
 """The flags that several `flashtree` commands share (model loading, sampling, thinking, control tokens), the
-argparse types they use, and the load and sampling options read back from parsed flags."""
+argparse types they use, and the load and sampling options read back from parsed flags.
+
+torch and the engine are imported inside the functions that need them: `flashtree --help` builds
+every subcommand's parser and must not wait for them."""
 
 from __future__ import annotations
 

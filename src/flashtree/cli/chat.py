@@ -1,4 +1,7 @@
-"""`flashtree chat`: a terminal REPL that streams replies from the same engine the server uses."""
+"""`flashtree chat`: a terminal REPL that streams replies from the same engine the server uses.
+
+torch and the engine are imported inside the functions that run the command: `flashtree --help` builds
+every subcommand's parser and must not wait for them."""
 
 from __future__ import annotations
 
@@ -282,7 +285,7 @@ def _answer(session: ChatSession, text: str, console: Console) -> None:
 
 
 def _history():
-    from prompt_toolkit.history import FileHistory, InMemoryHistory
+    from prompt_toolkit.history import FileHistory, InMemoryHistory  # deferred as torch: only the chat needs it
 
     path = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "flashtree" / "chat_history"
     try:
@@ -295,7 +298,7 @@ def _history():
 def terminal_lines(input=None, output=None) -> Iterator[str]:
     """Lines typed at a prompt_toolkit prompt with persistent history, until Ctrl-D. `input`/`output`
     default to the terminal (tests pass a pipe)."""
-    from prompt_toolkit import PromptSession
+    from prompt_toolkit import PromptSession  # deferred as torch: only the chat needs it
     from prompt_toolkit.completion import WordCompleter
     from prompt_toolkit.key_binding import KeyBindings
 

@@ -1,4 +1,7 @@
-"""`flashtree info PATH.gguf`: what a model file holds and what it needs, without loading weights."""
+"""`flashtree info PATH.gguf`: what a model file holds and what it needs, without loading weights.
+
+torch and the engine are imported inside the functions that run the command: `flashtree --help` builds
+every subcommand's parser and must not wait for them."""
 
 from __future__ import annotations
 

@@ -8,6 +8,9 @@
 Refuses (exit 1, one line) a configuration that does not fit in --gpu-memory, or in the CUDA
 device's memory when a device is present and no --gpu-memory is given. With `--layer-split` or
 `--draft-device` the budget is shown per GPU (`engine.planner.per_device`) and each GPU must fit.
+
+torch and the engine are imported inside the functions that run the command: `flashtree --help` builds
+every subcommand's parser and must not wait for them.
 """
 
 from __future__ import annotations

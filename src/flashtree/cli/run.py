@@ -1,5 +1,8 @@
 """`flashtree run "prompt"`: one-shot generation, streamed to stdout (or one JSON object with --json).
-Without a prompt it opens the chat, as `ollama run` does."""
+Without a prompt it opens the chat, as `ollama run` does.
+
+torch and the engine are imported inside the functions that run the command: `flashtree --help` builds
+every subcommand's parser and must not wait for them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""`flashtree serve`: the OpenAI- and Anthropic-compatible server on uvicorn."""
+"""`flashtree serve`: the OpenAI- and Anthropic-compatible server on uvicorn.
+
+torch and the engine are imported inside the functions that run the command: `flashtree --help` builds
+every subcommand's parser and must not wait for them."""
 
 from __future__ import annotations
 
