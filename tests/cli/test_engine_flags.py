@@ -21,9 +21,11 @@ def test_flags_become_the_engine_settings():
     args = build_parser().parse_args(["serve", "--budget", "15", "--topk", "4", "-c", "4096", "-ctk", "q8_0"])
     settings = engine_args(args, max_new_tokens=32)
     assert (settings.budget, settings.topk, settings.ctx, settings.cache_type_k) == (15, 4, 4096, "q8_0")
-    engine = load_engine(EngineArgs(device="cpu", spec="ar", budget=15, max_new_tokens=32, prefill_progress=True))
+    engine = load_engine(EngineArgs(device="cpu", spec="ar", budget=15, max_new_tokens=32, prefill_progress=True,
+                                    prefix_cache=True, prefix_cache_entries=5))
     assert (engine.default_config.budget, engine.default_config.max_new_tokens) == (15, 32)
-    assert engine.prefill_progress
+    assert engine.prefill_progress and engine.prefix_cache.max_entries == 5
+    assert load_engine(EngineArgs(device="cpu", spec="ar")).prefix_cache is None
 
 
 @pytest.mark.parametrize("bad", [{"budget": 0}, {"topk": 0}, {"spec": "beam"}, {"tensor_parallel": 0}, {"ctx": 1},

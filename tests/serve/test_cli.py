@@ -1,5 +1,4 @@
 import argparse
-from types import SimpleNamespace
 
 import pytest
 
@@ -32,10 +31,11 @@ def test_bad_limits_are_rejected(capsys, flags):
 
 def test_engine_factory_applies_flags(monkeypatch):
     calls = []
-    monkeypatch.setattr(loader, "load_engine", lambda settings: calls.append(settings) or SimpleNamespace())
+    monkeypatch.setattr(loader, "load_engine", calls.append)
     args = parse(["--model", "m.gguf", "--draft", "d", "--budget", "8", "--ctx", "2048", "--max-tokens", "99"])
     engine_factory(args)()
-    assert calls == [EngineArgs(model="m.gguf", draft="d", budget=8, ctx=2048, max_new_tokens=99, progress=True)]
+    assert calls == [EngineArgs(model="m.gguf", draft="d", budget=8, ctx=2048, max_new_tokens=99, progress=True,
+                                prefix_cache=True)]
 
 
 def test_run_serve_hands_the_app_to_uvicorn(monkeypatch, tmp_path):

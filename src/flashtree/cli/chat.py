@@ -18,7 +18,7 @@ from rich.console import Console
 
 from flashtree.cli.args import (add_parse_special_arg, add_thinking_arg, engine_args, int_range, sampling_from_args,
                                 thinking_kwargs)
-from flashtree.engine.prefix_cache_flags import add_prefix_cache_args
+from flashtree.engine.prefix_cache_flags import add_prefix_cache_args, prefix_cache_settings
 from flashtree.errors import FlashtreeError
 from flashtree.formats.chat_template import template_or_chatml
 from flashtree.serve.parsing import Delta, OutputParser, opens_thinking
@@ -336,13 +336,12 @@ def add_chat_parser(subparsers) -> argparse.ArgumentParser:
 def run_chat(args: argparse.Namespace) -> int:
     """The chat; also what `flashtree run` without a prompt opens, with its sampling flags."""
     from flashtree.engine.loader import load_engine
-    from flashtree.engine.prefix_cache import apply_prefix_cache_args
 
     console = Console()
     # The layer bar alone (stderr, erased when done): a spinner drawn beside it left stale lines behind.
-    engine = load_engine(engine_args(args, progress=True, prefill_progress=True, parse_special=args.parse_special))
+    engine = load_engine(engine_args(args, progress=True, prefill_progress=True, parse_special=args.parse_special,
+                                     **prefix_cache_settings(args)))
     sampling = sampling_from_args(args) if hasattr(args, "temperature") else None
     config = engine.config_for(max_new_tokens=args.max_tokens or CHAT_MAX_TOKENS, ctx=args.ctx, sampling=sampling)
-    apply_prefix_cache_args(engine, args)
     repl(ChatSession(engine, config, system=args.system, thinking=args.think), terminal_lines(), console)
     return 0

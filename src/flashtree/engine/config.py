@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from flashtree.engine.prefix_cache_flags import DEFAULT_INTERVAL, DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES
 from flashtree.errors import FlashtreeError
 
 MODES = ("ar", "chain", "ddtree")
@@ -60,6 +61,11 @@ class EngineArgs:
     max_new_tokens: int | None = None
     prefill_chunk: int | None = None
     skip_special_tokens: bool = True
+    # reuse of earlier prompts' state across requests (engine/prefix_cache.py)
+    prefix_cache: bool = False
+    prefix_cache_entries: int = DEFAULT_MAX_ENTRIES
+    prefix_cache_bytes: int = DEFAULT_MAX_BYTES
+    prefix_cache_interval: int = DEFAULT_INTERVAL
     # output on the terminal, and how prompts are read
     progress: bool = False  # a bar while the layers load
     prefill_progress: bool = False  # a bar while a long prompt is prefilled

@@ -124,12 +124,12 @@ class Engine:
 
     def __init__(self, target, draft=None, default_config: GenerationConfig | None = None, *,
                  draft_path: Path | None = None, use_cuda_graphs: bool = True, prefill_progress: bool = False,
-                 parse_special: bool = False):
+                 parse_special: bool = False, prefix_cache=None):
         self.target = target
         self.draft = draft
         self.draft_path = draft_path  # the directory the draft was loaded from, for reports (None: no file, or no draft)
         self.default_config = default_config or GenerationConfig(mode="ddtree" if draft is not None else "ar")
-        self.prefix_cache = None  # a flashtree.engine.prefix_cache.PrefixCache reuses prompt prefixes across requests
+        self.prefix_cache = prefix_cache  # a flashtree.engine.prefix_cache.PrefixCache reuses prompt prefixes across requests
         self.use_cuda_graphs = use_cuda_graphs  # decode and verify steps replay CUDA graphs (single-device CUDA targets)
         self._graphs = None  # the GraphedForward, made on first use
         self._kept_cache = None  # (options, cache): reused across requests so captured graphs stay valid

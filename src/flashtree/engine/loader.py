@@ -16,6 +16,7 @@ from flashtree.dist.tp import init_from_env, load_tp_model, serve_ranks
 from flashtree.engine.config import EngineArgs
 from flashtree.engine.generate import Engine, GenerationConfig
 from flashtree.engine.memory_check import check_memory, check_rank_memory
+from flashtree.engine.prefix_cache import PrefixCache
 from flashtree.errors import FlashtreeError
 from flashtree.formats.chat_template import ChatTemplate
 from flashtree.formats.gguf_file import GGUFFile
@@ -177,10 +178,12 @@ def engine_from_target(target: Target, args: EngineArgs = EngineArgs()):
     _default_config(args, "ar")
     draft_model = load_draft(args.draft, target, args.draft_device) if args.draft is not None else None
     mode = args.spec or ("ddtree" if draft_model is not None else "ar")
+    prefix_cache = PrefixCache(max_entries=args.prefix_cache_entries, max_bytes=args.prefix_cache_bytes,
+                               interval=args.prefix_cache_interval) if args.prefix_cache else None
     return Engine(target, draft_model, _default_config(args, mode),
                   draft_path=Path(args.draft) if draft_model is not None else None,
                   use_cuda_graphs=not args.enforce_eager, prefill_progress=args.prefill_progress,
-                  parse_special=args.parse_special)
+                  parse_special=args.parse_special, prefix_cache=prefix_cache)
 
 
 def _check_spec_has_draft(args: EngineArgs) -> None:

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from flashtree.cli.args import add_parse_special_arg, add_thinking_arg, engine_args, int_range, thinking_kwargs
-from flashtree.engine.prefix_cache_flags import add_prefix_cache_args
+from flashtree.engine.prefix_cache_flags import add_prefix_cache_args, prefix_cache_settings
 from flashtree.serve import DEFAULT_MAX_REQUEST_MB
 
 
@@ -65,12 +65,9 @@ def engine_factory(args: argparse.Namespace):
 
     def load():
         from flashtree.engine.loader import load_engine
-        from flashtree.engine.prefix_cache import apply_prefix_cache_args
 
-        engine = load_engine(engine_args(args, progress=True, max_new_tokens=args.max_tokens,
-                                         skip_special_tokens=not args.special))
-        apply_prefix_cache_args(engine, args)
-        return engine
+        return load_engine(engine_args(args, progress=True, max_new_tokens=args.max_tokens,
+                                       skip_special_tokens=not args.special, **prefix_cache_settings(args)))
 
     return load
 
