@@ -33,6 +33,12 @@ def check_decoding(mode: str, budget: int, topk: int, ctx: int | None, attn_wind
         raise FlashtreeError(f"attn_window must be >= 0 (0 = full attention), got {attn_window}")
 
 
+def cache_rows(tokens: int, budget: int) -> int:
+    """Cache rows for `tokens` committed tokens: they, and the scratch rows past the committed end that a
+    verify writes its tree into (budget + 2). The engine sizes its cache and the planner its plan by this."""
+    return tokens + budget + 2
+
+
 @dataclass(frozen=True)
 class EngineArgs:
     """What to load and how: the target and draft, the decoding mode, the KV cache, the placement over

@@ -12,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 from flashtree.engine.config import (DEFAULT_BUDGET, DEFAULT_DRAFT_WINDOW, DEFAULT_PREFILL_CHUNK, DEFAULT_TOPK,
-                                     check_decoding)
+                                     cache_rows, check_decoding)
 from flashtree.engine.cuda_graphs import GraphedForward
 from flashtree.engine.output import OutputTracker, TokenLogprob, logprobs_of, token_logprobs
 from flashtree.engine.sampling import Sampler, SamplingParams
@@ -215,7 +215,7 @@ class Engine:
 
     def context_size(self, prompt_len: int, config: GenerationConfig) -> int:
         """Cache rows: prompt + new tokens + tree scratch rows past the committed end."""
-        return prompt_len + self.new_token_room(prompt_len, config) + config.budget + 2
+        return cache_rows(prompt_len + self.new_token_room(prompt_len, config), config.budget)
 
     def new_cache(self, prompt_len: int, config: GenerationConfig):
         """The target cache for one request: sized by `context_size`, KV types and window from `config`.

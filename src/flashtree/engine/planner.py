@@ -31,7 +31,7 @@ from typing import Sequence
 
 import torch
 
-from flashtree.engine.config import DEFAULT_BUDGET, DEFAULT_DRAFT_WINDOW, DEFAULT_PREFILL_CHUNK
+from flashtree.engine.config import DEFAULT_BUDGET, DEFAULT_DRAFT_WINDOW, DEFAULT_PREFILL_CHUNK, cache_rows
 from flashtree.errors import FlashtreeError
 from flashtree.formats.gguf_file import GGUFFile
 from flashtree.formats.quant_mix import quant_types
@@ -141,7 +141,7 @@ def plan(req: PlanRequest) -> MemoryPlan:
         raise FlashtreeError(f"unknown dtype {req.dtype!r}; choose one of {', '.join(DTYPE_BYTES)}")
     b = DTYPE_BYTES[req.dtype]
     tk, tv = kv_type(req.cache_type_k), kv_type(req.cache_type_v)
-    rows = req.ctx + req.budget + 2
+    rows = cache_rows(req.ctx, req.budget)
     nodes = req.budget + 1
     n_gdn, n_attn = len(c.deltanet_layers), len(c.attention_layers)
     out = MemoryPlan(req)
@@ -240,7 +240,7 @@ def per_device(result: MemoryPlan, counts: Sequence[int], draft_device: int = 0)
     for name in ("draft weights", "draft context ring", "prefill feature capture"):
         if name in devices[0]:
             devices[draft_device][name] = result.bytes_of(name)
-    parts = _activation_parts(req, req.ctx + req.budget + 2, DTYPE_BYTES[req.dtype])
+    parts = _activation_parts(req, cache_rows(req.ctx, req.budget), DTYPE_BYTES[req.dtype])
     attention_owners = {stage[i] for i in c.attention_layers}
     for d in range(len(counts)):
         devices[d]["activations (estimate)"] = (parts["forward"] + parts["dense"]
