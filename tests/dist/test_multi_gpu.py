@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from flashtree.engine.config import EngineArgs
 from flashtree.engine.generate import GenerationConfig
 from flashtree.engine.loader import load_engine
 from flashtree.models.synthetic import tiny_config
@@ -33,8 +34,8 @@ def test_placement_matches_one_gpu(files, placement, mode):
     config = GenerationConfig(max_new_tokens=40, mode=mode, ignore_eos=True)
 
     def run(**options):
-        engine = load_engine(gguf, draft_dir, device="cuda", **options)
-        engine.use_cuda_graphs = False  # split targets run eagerly: compare the same kernels
+        # split targets run eagerly: compare the same kernels
+        engine = load_engine(EngineArgs(gguf, draft_dir, device="cuda", enforce_eager=True, **options))
         return [engine.generate(p, config).token_ids for p in PROMPTS]
 
     assert run(**PLACEMENTS[placement]) == run()

@@ -5,6 +5,7 @@ import torch
 
 from flashtree.dist import placement
 from flashtree.dist.placement import layer_counts, parse_split, place_layers
+from flashtree.engine.config import EngineArgs
 from flashtree.engine.generate import Engine, GenerationConfig
 from flashtree.engine.loader import load_engine, load_target
 from flashtree.errors import FlashtreeError
@@ -64,8 +65,8 @@ def test_split_places_layers_and_hops_at_boundaries(gguf, single, monkeypatch):
 def test_layer_split_and_draft_device_are_lossless(gguf, single, expected, tmp_path, mode):
     draft_dir = tmp_path / "draft"
     random_draft(single).save(draft_dir)
-    engine = load_engine(gguf, draft_dir if mode != "ar" else None, "cpu", spec=mode, budget=15, topk=4,
-                         layer_split="1,1", devices=["cpu", "cpu"], draft_device="cpu")
+    engine = load_engine(EngineArgs(gguf, draft_dir if mode != "ar" else None, "cpu", spec=mode, budget=15, topk=4,
+                                    layer_split="1,1", devices=["cpu", "cpu"], draft_device="cpu"))
     assert sorted(engine.target.model.boundaries) == [0, 2]
     config = engine.config_for(max_new_tokens=N_NEW, ignore_eos=True)
     for prompt, want in zip(PROMPTS, expected):
@@ -80,7 +81,7 @@ def test_layer_split_and_draft_device_are_lossless(gguf, single, expected, tmp_p
 def test_layer_split_with_the_prefix_cache(gguf, single):
     from flashtree.engine.prefix_cache import PrefixCache
 
-    split = load_engine(gguf, None, "cpu", spec="ar", layer_split="1,3")  # --device cpu: two "cpu" stages
+    split = load_engine(EngineArgs(gguf, None, "cpu", spec="ar", layer_split="1,3"))  # --device cpu: two "cpu" stages
     split.prefix_cache = PrefixCache()
     config = GenerationConfig(max_new_tokens=12, ignore_eos=True)
     prompt = list(range(10, 70))
@@ -97,7 +98,7 @@ def test_draft_on_its_own_device_prefetches_the_next_block(gguf, single, expecte
 
     draft_dir = tmp_path / "draft"
     random_draft(single).save(draft_dir)
-    engine = load_engine(gguf, draft_dir, "cpu", spec=mode, budget=15, topk=4, draft_device="cpu")
+    engine = load_engine(EngineArgs(gguf, draft_dir, "cpu", spec=mode, budget=15, topk=4, draft_device="cpu"))
     monkeypatch.setattr(DFlashProposer, "overlaps", property(lambda self: True))
     passes, prefetches = [], []
     real_block, real_prefetch = DFlashProposer._block_hidden, DFlashProposer.prefetch

@@ -18,6 +18,7 @@ torch.set_num_threads(1)
 
 from flashtree.dist import tp  # noqa: E402
 from flashtree.engine.generate import Engine, GenerationConfig  # noqa: E402
+from flashtree.engine import loader  # noqa: E402
 from flashtree.engine.loader import load_target  # noqa: E402
 from flashtree.models.step import Step  # noqa: E402
 from tests.spec.test_lossless import OracleProposer, random_draft  # noqa: E402
@@ -48,9 +49,9 @@ def quantized_shards(gguf: str) -> dict:
     """`gguf` loaded with its weights kept as GGUF blocks, as on a GPU (the CPU multiplies through
     quant_matmul's reference), and sharded block-wise: forward max diff against one process, and which
     kinds of linear the shards became (blocks where the columns are whole blocks, dense elsewhere)."""
-    from flashtree.engine.loader import read_config
     from flashtree.formats.gguf_file import GGUFFile
     from flashtree.models import layers
+    from flashtree.models.gguf_config import read_config
 
     file = GGUFFile(gguf)
     config, _ = read_config(file)
@@ -66,7 +67,7 @@ def quantized_shards(gguf: str) -> dict:
 def main(gguf: str, out: str, quantized_gguf: str | None = None) -> None:
     report = {}
     try:
-        target = tp.load_tp_target(gguf, 2, "cpu")
+        target = loader.load_tp_target(gguf, 2, "cpu")
         rank = dist.get_rank()
         report["rank"] = rank
         ref = load_target(gguf, device="cpu")

@@ -5,10 +5,11 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from flashtree.cli.main import main
+from flashtree.engine.config import EngineArgs
 from flashtree.engine.generate import Engine, GenerationConfig
 from flashtree.engine.loader import load_engine, load_target
 from flashtree.errors import FlashtreeError
-from flashtree.formats.gguf_writer import write_qwen35_gguf
+from flashtree.models.gguf_writer import write_qwen35_gguf
 from flashtree.models.synthetic import random_tensors, tiny_config
 
 
@@ -86,7 +87,7 @@ def test_draft_that_does_not_fit_the_target(tmp_path, make_gguf):
     draft.config = draft.config.__class__(**{**vars(draft.config), "num_target_layers": 12, "target_layer_ids": (0, 9)})
     draft.save(tmp_path / "draft")
     with pytest.raises(FlashtreeError, match="target_layer_ids"):
-        load_engine(make_gguf(), tmp_path / "draft", device="cpu")
+        load_engine(EngineArgs(make_gguf(), tmp_path / "draft", device="cpu"))
 
 
 def test_cli_reports_one_line(tmp_path, capsys):

@@ -120,9 +120,10 @@ def test_static_draft_block_equals_the_eager_one(target):
 def test_static_draft_pass_and_commit_accept_like_the_eager_ones():
     """The static draft block pass and the static draft commit (one graph with the target commit) feed
     the same context as the eager ones: on the trained demo pair, acceptance is the same."""
+    from flashtree.engine.config import EngineArgs
     from flashtree.engine.loader import load_engine
 
-    demo = load_engine(device="cpu")
+    demo = load_engine(EngineArgs(device="cpu"))
     config = GenerationConfig(max_new_tokens=64, mode="ddtree", ignore_eos=True)
     for prompt in ["def fib(n):", "Write a function that reverses a list."]:
         ids = demo.encode_prompt(prompt)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from flashtree.engine.config import EngineArgs
 from flashtree.engine.generate import GenerationConfig
 from flashtree.engine.loader import DEMO_DRAFT, DEMO_TARGET, load_engine
 
@@ -14,7 +15,7 @@ pytestmark = pytest.mark.skipif(not DEMO_TARGET.is_file(), reason="demo pair not
 
 @pytest.fixture(scope="module")
 def engine():
-    return load_engine(device="cpu")
+    return load_engine(EngineArgs(device="cpu"))
 
 
 def test_demo_pair_is_lossless_and_accepts(engine):

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import pytest
 from gguf import GGUFReader
 
-import flashtree.formats.gguf_writer as gguf_writer
+import flashtree.models.gguf_writer as gguf_writer
 from flashtree.cli.main import main
 from flashtree.engine.loader import load_target
 from flashtree.errors import FlashtreeError

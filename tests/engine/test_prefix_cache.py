@@ -289,15 +289,10 @@ def test_serve_and_chat_flags(monkeypatch):
     from flashtree.serve.cli import engine_factory
     from tests.serve.test_cli import parse
 
-    class Loaded:
-        default_config = GenerationConfig()
-        config_for = Engine.config_for
-
-    monkeypatch.setattr(loader, "load_engine", lambda *a, **k: Loaded())
-    engine = engine_factory(parse(["--prefix-cache-entries", "5", "--prefix-cache-gib", "0.5"]))()
-    assert isinstance(engine.prefix_cache, PrefixCache)
-    assert (engine.prefix_cache.max_entries, engine.prefix_cache.max_bytes) == (5, 1 << 29)
-    assert engine_factory(parse(["--no-prefix-cache"]))().prefix_cache is None
+    monkeypatch.setattr(loader, "load_engine", lambda settings: settings)
+    settings = engine_factory(parse(["--prefix-cache-entries", "5", "--prefix-cache-gib", "0.5"]))()
+    assert (settings.prefix_cache, settings.prefix_cache_entries, settings.prefix_cache_bytes) == (True, 5, 1 << 29)
+    assert not engine_factory(parse(["--no-prefix-cache"]))().prefix_cache
     from flashtree.cli.main import build_parser
 
     assert build_parser().parse_args(["chat"]).prefix_cache is True

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from flashtree.engine.loader import load_target
-from flashtree.formats.gguf_writer import write_qwen35_gguf
+from flashtree.models.gguf_writer import write_qwen35_gguf
 from flashtree.models.synthetic import random_tensors, tensor_shapes, tiny_config
 
 

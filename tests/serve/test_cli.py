@@ -3,7 +3,8 @@ import argparse
 import pytest
 
 import flashtree.engine.loader as loader
-from flashtree.engine.generate import Engine, GenerationConfig
+from flashtree.cli.args import add_model_args
+from flashtree.engine.config import EngineArgs
 from flashtree.serve import cli
 from flashtree.serve.cli import add_serve_parser, engine_factory
 
@@ -11,12 +12,7 @@ from flashtree.serve.cli import add_serve_parser, engine_factory
 def parse(argv):
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers()
-    serve = add_serve_parser(sub)
-    # what the lead's shared model flags provide
-    for flag, kind, default in (("--model", str, None), ("--draft", str, None), ("--spec", str, None),
-                                ("--budget", int, 22), ("--topk", int, 8), ("--device", str, "auto"),
-                                ("--ctx", int, None)):
-        serve.add_argument(flag, type=kind, default=default)
+    add_model_args(add_serve_parser(sub))
     return parser.parse_args(["serve", *argv])
 
 
@@ -34,16 +30,12 @@ def test_bad_limits_are_rejected(capsys, flags):
 
 
 def test_engine_factory_applies_flags(monkeypatch):
-    class Loaded:
-        default_config = GenerationConfig(max_new_tokens=256, ctx=8192)
-        config_for = Engine.config_for
-
     calls = []
-    monkeypatch.setattr(loader, "load_engine", lambda *a, **k: calls.append((a, k)) or Loaded())
+    monkeypatch.setattr(loader, "load_engine", calls.append)
     args = parse(["--model", "m.gguf", "--draft", "d", "--budget", "8", "--ctx", "2048", "--max-tokens", "99"])
-    engine = engine_factory(args)()
-    assert calls == [(("m.gguf", "d", "auto"), {"spec": None, "budget": 8, "topk": 8, "progress": True, "ctx": 2048})]
-    assert (engine.default_config.max_new_tokens, engine.default_config.ctx) == (99, 2048)
+    engine_factory(args)()
+    assert calls == [EngineArgs(model="m.gguf", draft="d", budget=8, ctx=2048, max_new_tokens=99, progress=True,
+                                prefix_cache=True)]
 
 
 def test_run_serve_hands_the_app_to_uvicorn(monkeypatch, tmp_path):

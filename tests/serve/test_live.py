@@ -35,7 +35,8 @@ def test_openai_client_non_streaming(real_url):
 
 def test_openai_client_gets_content_from_serve_with_the_demo_model():
     """`flashtree serve --model demo` as its command line builds it: the reply lands in `content`, by default."""
-    from flashtree.cli.main import build_parser, thinking_kwargs
+    from flashtree.cli.args import thinking_kwargs
+    from flashtree.cli.main import build_parser
     from flashtree.serve.cli import engine_factory
 
     args = build_parser().parse_args(["serve", "--model", "demo", "--device", "cpu"])

@@ -3,6 +3,7 @@ import argparse
 import pytest
 import torch
 
+from flashtree.engine.config import EngineArgs
 from flashtree.engine.loader import load_engine, load_target
 from flashtree.models.dflash import DFlashDraft, DraftConfig
 from flashtree.train.draft import (DraftTrainConfig, build_prompts, draft_train_forward, feature_layers,
@@ -84,7 +85,7 @@ def test_exported_draft_loads_and_decodes_losslessly(tiny_target, trained_draft)
     trained = trained_draft["draft"].state_dict()
     for name, tensor in draft.state_dict().items():  # saved in bf16
         assert torch.allclose(tensor, trained[name].float(), atol=1e-2 * (1 + trained[name].abs().max()))
-    engine = load_engine(tiny_target["path"], path, "cpu")
+    engine = load_engine(EngineArgs(tiny_target["path"], path, "cpu"))
     assert engine.default_config.mode == "ddtree"
     for prompt in PROMPTS[:2]:
         ids = engine.encode_prompt(prompt)

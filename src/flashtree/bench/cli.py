@@ -19,6 +19,9 @@ from tqdm import tqdm
 
 from flashtree.bench.datasets import BUILTIN, load_prompt_set
 from flashtree.bench.report import save_report
+from flashtree.cli.args import (add_model_args, add_sampling_args, add_thinking_arg, engine_args, int_range, one_of,
+                                sampling_from_args, thinking_kwargs)
+from flashtree.engine.config import MODES, EngineArgs
 from flashtree.errors import FlashtreeError
 
 
@@ -29,8 +32,6 @@ def synthetic_shapes() -> dict:
 
 
 def add_parser(sub) -> None:
-    from flashtree.cli.main import add_model_args, add_sampling_args, add_thinking_arg, int_range, one_of
-
     p = sub.add_parser("bench", help="benchmark decoding modes (table; JSON with --out)")
     add_model_args(p)
     add_sampling_args(p)
@@ -83,14 +84,13 @@ def add_parser(sub) -> None:
 
 def _fidelity(args: argparse.Namespace) -> int:
     from flashtree.bench.fidelity import DTYPES, run_fidelity
-    from flashtree.cli.main import thinking_kwargs
     from flashtree.engine.loader import load_engine
 
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     unknown = [d for d in dtypes if d not in DTYPES]
     if unknown or not dtypes:
         raise FlashtreeError(f"--dtypes {args.dtypes!r}: choose from {', '.join(DTYPES)}")
-    reference = load_engine(args.model, None, "cpu", spec="ar")  # float32 on the CPU: the reference
+    reference = load_engine(EngineArgs(model=args.model, device="cpu", spec="ar"))  # float32 on the CPU: the reference
     sets = [load_prompt_set(spec, args.prompts) for spec in (args.dataset or ["builtin"])]
     sequences = [reference.encode_messages(conv, **thinking_kwargs(args.think)) for s in sets for conv in s.conversations]
     run_fidelity(reference.target, args.device or "cuda", dtypes, sequences, args.out)
@@ -98,8 +98,6 @@ def _fidelity(args: argparse.Namespace) -> int:
 
 
 def _modes(text: str) -> list[str]:
-    from flashtree.engine.generate import MODES  # deferred: imports torch
-
     modes = [m.strip() for m in text.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
@@ -119,7 +117,6 @@ def _lengths(text: str) -> tuple[int, ...]:
 
 def run(args: argparse.Namespace) -> int:
     from flashtree.bench.steps import weight_bytes
-    from flashtree.cli.main import cache_args, memory_args, placement_args, thinking_kwargs
     from flashtree.engine.loader import load_engine
 
     if args.kernels:
@@ -131,17 +128,14 @@ def run(args: argparse.Namespace) -> int:
         return _fidelity(args)
     if args.synthetic and args.model:
         raise FlashtreeError(f"--synthetic {args.synthetic} builds its own model: drop --model, or drop --synthetic")
+    # --ctx is also every request's context, e.g. a multi-turn session longer than the model's trained context
+    settings = engine_args(args, prefill_chunk=args.prefill_chunk or None)
     if args.synthetic:
-        engine = _synthetic_engine(args, cache_args(args), placement_args(args))
+        engine = _synthetic_engine(args, settings)
         model = engine.target.path
     else:
         model = args.model or "embedded demo pair"
-        engine = load_engine(args.model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk,
-                             **cache_args(args), **placement_args(args), **memory_args(args))
-    if args.prefill_chunk:
-        engine.default_config = replace(engine.default_config, prefill_chunk=args.prefill_chunk)
-    if getattr(args, "ctx", None):  # e.g. a multi-turn session longer than the model's trained context
-        engine.default_config = replace(engine.default_config, ctx=args.ctx)
+        engine = load_engine(settings)
     args.prefill_chunk = engine.default_config.prefill_chunk
     if args.steps:
         from flashtree.bench.steps import run_steps
@@ -155,7 +149,6 @@ def run(args: argparse.Namespace) -> int:
     if engine.draft is None and set(modes) - {"ar"}:
         raise FlashtreeError(f"--modes {','.join(modes)} needs a draft model: pass --draft DIR or use --modes ar")
     modes = ["ar"] + [m for m in dict.fromkeys(modes) if m != "ar"]  # AR is every row's baseline
-    from flashtree.cli.main import sampling_from_args
 
     sampling = sampling_from_args(args)
     base = engine.config_for(max_new_tokens=args.max_tokens, ignore_eos=True, sampling=sampling)
@@ -250,33 +243,33 @@ def _device_name(engine) -> str:
     return torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})"
 
 
-def _synthetic_tp_engine(args, config, cache_options: dict, placement: dict):
+def _synthetic_tp_engine(args, config, settings: EngineArgs):
     """This rank's shard of the random model (every rank builds the same weights and keeps its share, as
     dist.tp shards a file) and a plain engine over it: the benchmark runs on every rank in lock step."""
     import torch.distributed as dist
 
     from flashtree.dist.tp import init_from_env, load_tp_model
-    from flashtree.engine.loader import default_dtype, engine_from_target
+    from flashtree.dist.placement import default_dtype
+    from flashtree.engine.loader import engine_from_target
     from flashtree.models.random_weights import random_source, target_of
 
-    if placement.get("layer_split") or placement.get("gpus") or placement.get("draft_device"):
+    if settings.layer_split or settings.gpus or settings.draft_device:
         raise FlashtreeError("--tensor-parallel does not combine with --gpus / --layer-split / --draft-device")
     device = init_from_env(args.device)
-    if dist.get_world_size() != placement["tensor_parallel"]:
-        raise FlashtreeError(f"--tensor-parallel {placement['tensor_parallel']} but the process group has "
+    if dist.get_world_size() != settings.tensor_parallel:
+        raise FlashtreeError(f"--tensor-parallel {settings.tensor_parallel} but the process group has "
                              f"{dist.get_world_size()} ranks")
     print(f"building random {args.synthetic} ({args.scheme}), rank {dist.get_rank()}'s shard on {device} ...")
     config, weights, spec = random_source(config, args.scheme, device, echo=args.echo)
     # each layer is generated and dequantized on the rank's own device: the host path is minutes at 27B
     model = load_tp_model(weights, config, device, default_dtype(device), host=device)
-    return engine_from_target(target_of(weights, config, model, spec), args.draft, spec=args.spec, budget=args.budget,
-                              topk=args.topk, enforce_eager=placement.get("enforce_eager", False), **cache_options)
+    return engine_from_target(target_of(weights, config, model, spec), settings)
 
 
-def _synthetic_engine(args, cache_options: dict, placement: dict):
+def _synthetic_engine(args, settings: EngineArgs):
     """The engine over a random-weight model of shape `args.synthetic`, built in device memory (no file)."""
-    from flashtree.dist.placement import parse_devices, parse_split, place_layers
-    from flashtree.engine.loader import engine_from_target, resolve_device
+    from flashtree.dist.placement import parse_devices, parse_split, place_layers, resolve_device
+    from flashtree.engine.loader import engine_from_target
     from flashtree.models.random_weights import random_target, shape_config
 
     overrides = {}
@@ -284,10 +277,10 @@ def _synthetic_engine(args, cache_options: dict, placement: dict):
         overrides["context_length"] = max(synthetic_shapes()[args.synthetic].get("context_length", 4096),
                                           2 * args.system_tokens + 8192)
     config = shape_config(args.synthetic, **overrides)
-    if placement.get("tensor_parallel", 1) > 1:
-        return _synthetic_tp_engine(args, config, cache_options, placement)
-    split = parse_split(placement["layer_split"]) if placement.get("layer_split") else None
-    n = len(split) if split is not None else placement.get("gpus") or 1
+    if settings.tensor_parallel > 1:
+        return _synthetic_tp_engine(args, config, settings)
+    split = parse_split(settings.layer_split) if settings.layer_split else None
+    n = len(split) if split is not None else settings.gpus or 1
     devices = None
     if n > 1:
         devices = ["cpu"] * n if args.device not in (None, "auto") and resolve_device(args.device).type == "cpu" \
@@ -297,6 +290,4 @@ def _synthetic_engine(args, cache_options: dict, placement: dict):
     target = random_target(config, scheme=args.scheme, device=device, echo=args.echo)
     if devices:
         place_layers(target.model, devices, split)
-    return engine_from_target(target, args.draft, spec=args.spec, budget=args.budget, topk=args.topk,
-                              draft_device=placement.get("draft_device"),
-                              enforce_eager=placement.get("enforce_eager", False), **cache_options)
+    return engine_from_target(target, settings)

@@ -16,8 +16,10 @@ from dataclasses import replace
 import torch
 
 from flashtree.bench.report import save_report
+from flashtree.bench.steps import clock
 from flashtree.engine.generate import Engine
 from flashtree.engine.prefix_cache import PrefixCache
+from flashtree.formats.chat_template import template_or_chatml
 
 QUESTIONS = (
     "Write a Python function that checks whether a string is a palindrome.",
@@ -38,8 +40,6 @@ class _ForwardTimer:
     """Stands in for `engine.prefill` (the chunk forwards both prefill paths call) and adds up their time."""
 
     def __init__(self, engine: Engine):
-        from flashtree.bench.steps import clock
-
         self.inner, self.device, self.clock, self.seconds = engine.prefill, engine.target.model.device, clock, 0.0
 
     def __call__(self, *args, **kwargs):
@@ -62,8 +62,6 @@ def system_prompt(engine, tokens: int) -> str:
 
 
 def run_multi_turn(args, engine: Engine, model_name: str, device: str) -> int:
-    from flashtree.formats.chat_template import template_or_chatml
-
     mode = args.modes[0] if args.modes else ("ddtree" if engine.draft is not None else "ar")
     template = template_or_chatml(engine.target.chat_template)  # as the server
     system = system_prompt(engine, args.system_tokens)

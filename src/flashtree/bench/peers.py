@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 
 from flashtree.bench.steps import clock
+from flashtree.models.random_weights import RandomWeights
+from flashtree.train.convert import hf_model_from_gguf
 PEERS = ("hf-ar", "zlab-dflash")
 
 
@@ -37,9 +39,6 @@ def peer_rows(engine, dataset: str, prompts: list[list[int]], max_tokens: int, a
 def _hf_target(engine):
     """transformers' model with the target's weights; an in-memory synthetic target is written to a
     temporary GGUF first (transformers reads files)."""
-    from flashtree.models.random_weights import RandomWeights
-    from flashtree.train.convert import hf_model_from_gguf
-
     device = engine.target.model.device
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     path = engine.target.path
@@ -50,7 +49,7 @@ def _hf_target(engine):
 
 
 def _zlab_draft(draft, target):
-    from dflash.model import DFlashDraftModel
+    from dflash.model import DFlashDraftModel  # optional, as transformers: the peers need the test extra
     from transformers import Qwen3Config
 
     model = DFlashDraftModel(Qwen3Config(**draft.config.to_json()))
@@ -72,7 +71,7 @@ def _hf_ar_row(target, dataset, prompts, max_tokens, ar_tokens) -> dict:
 
 
 def _zlab_row(target, draft, dataset, prompts, max_tokens, ar_tokens) -> dict:
-    from dflash.model import dflash_generate
+    from dflash.model import dflash_generate  # optional: the test extra
 
     calls = [0]
     hook = target.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))

@@ -23,7 +23,8 @@ import torch
 
 from flashtree.bench.profile import print_profile, profile_call
 from flashtree.bench.report import save_report
-from flashtree.engine.loader import resolve_device
+from flashtree.dist.placement import resolve_device
+from flashtree.engine.config import DEFAULT_BUDGET
 from flashtree.models.dflash import DFlashDraft, DraftConfig, build_target_layer_ids
 from flashtree.models.layers import Linear, QuantLinear
 from flashtree.spec.decode import make_tree, proposer_for, walk
@@ -213,10 +214,10 @@ def run_steps(args, engine, device_name: str) -> int:
         del q8, q8_proposer
         mark("draft steps (bf16, q8_0 copy)")
 
-    tree = make_tree("ddtree", bonus, draft_logits, 22, config.topk)
-    row("tree build (budget 22)", timed(lambda: make_tree("ddtree", bonus, draft_logits, 22, config.topk), device,
-                                        args.repeat))
-    result = engine.step_forward(tree.tokens, cache, tree, capture, pad_to=23)
+    tree = make_tree("ddtree", bonus, draft_logits, DEFAULT_BUDGET, config.topk)
+    row(f"tree build (budget {DEFAULT_BUDGET})",
+        timed(lambda: make_tree("ddtree", bonus, draft_logits, DEFAULT_BUDGET, config.topk), device, args.repeat))
+    result = engine.step_forward(tree.tokens, cache, tree, capture, pad_to=DEFAULT_BUDGET + 1)
     sampler = engine.sampler(prompt, config)
     row("walk", timed(lambda: walk(tree, result.logits, sampler), device, args.repeat))
     row("commit (depth-4 path)", _commit_time(engine, cache, proposer, tree, capture, args.repeat))

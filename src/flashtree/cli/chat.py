@@ -1,4 +1,7 @@
-"""`flashtree chat`: a terminal REPL that streams replies from the same engine the server uses."""
+"""`flashtree chat`: a terminal REPL that streams replies from the same engine the server uses.
+
+torch and the engine are imported inside the functions that run the command: `flashtree --help` builds
+every subcommand's parser and must not wait for them."""
 
 from __future__ import annotations
 
@@ -13,8 +16,9 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from rich.console import Console
 
-from flashtree.cli.main import add_parse_special_arg, add_thinking_arg, int_range, thinking_kwargs
-from flashtree.engine.prefix_cache_flags import add_prefix_cache_args
+from flashtree.cli.args import (add_parse_special_arg, add_thinking_arg, engine_args, int_range, sampling_from_args,
+                                thinking_kwargs)
+from flashtree.engine.prefix_cache_flags import add_prefix_cache_args, prefix_cache_settings
 from flashtree.errors import FlashtreeError
 from flashtree.formats.chat_template import template_or_chatml
 from flashtree.serve.parsing import Delta, OutputParser, opens_thinking
@@ -281,7 +285,7 @@ def _answer(session: ChatSession, text: str, console: Console) -> None:
 
 
 def _history():
-    from prompt_toolkit.history import FileHistory, InMemoryHistory
+    from prompt_toolkit.history import FileHistory, InMemoryHistory  # deferred as torch: only the chat needs it
 
     path = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "flashtree" / "chat_history"
     try:
@@ -294,7 +298,7 @@ def _history():
 def terminal_lines(input=None, output=None) -> Iterator[str]:
     """Lines typed at a prompt_toolkit prompt with persistent history, until Ctrl-D. `input`/`output`
     default to the terminal (tests pass a pipe)."""
-    from prompt_toolkit import PromptSession
+    from prompt_toolkit import PromptSession  # deferred as torch: only the chat needs it
     from prompt_toolkit.completion import WordCompleter
     from prompt_toolkit.key_binding import KeyBindings
 
@@ -331,18 +335,13 @@ def add_chat_parser(subparsers) -> argparse.ArgumentParser:
 
 def run_chat(args: argparse.Namespace) -> int:
     """The chat; also what `flashtree run` without a prompt opens, with its sampling flags."""
-    from flashtree.cli.main import cache_args, memory_args, placement_args, sampling_from_args
     from flashtree.engine.loader import load_engine
-    from flashtree.engine.prefix_cache import apply_prefix_cache_args
 
     console = Console()
     # The layer bar alone (stderr, erased when done): a spinner drawn beside it left stale lines behind.
-    engine = load_engine(args.model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk,
-                         progress=True, **cache_args(args), **placement_args(args), **memory_args(args))
-    engine.prefill_progress = True
-    engine.parse_special = args.parse_special
+    engine = load_engine(engine_args(args, progress=True, prefill_progress=True, parse_special=args.parse_special,
+                                     **prefix_cache_settings(args)))
     sampling = sampling_from_args(args) if hasattr(args, "temperature") else None
     config = engine.config_for(max_new_tokens=args.max_tokens or CHAT_MAX_TOKENS, ctx=args.ctx, sampling=sampling)
-    apply_prefix_cache_args(engine, args)
     repl(ChatSession(engine, config, system=args.system, thinking=args.think), terminal_lines(), console)
     return 0

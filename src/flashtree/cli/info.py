@@ -1,4 +1,7 @@
-"""`flashtree info PATH.gguf`: what a model file holds and what it needs, without loading weights."""
+"""`flashtree info PATH.gguf`: what a model file holds and what it needs, without loading weights.
+
+torch and the engine are imported inside the functions that run the command: `flashtree --help` builds
+every subcommand's parser and must not wait for them."""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ import argparse
 import json
 from collections import Counter
 
-from flashtree.cli.main import int_range
+from flashtree.cli.args import int_range
 from flashtree.errors import FlashtreeError
 
 GIB = 1024**3
@@ -25,9 +28,10 @@ def add_parser(sub) -> None:
 
 def describe(path: str, ctx: int) -> dict:
     # deferred: these import torch, which `flashtree info --help` must not wait for
-    from flashtree.engine.loader import check_tensor_types, model_path, read_config
+    from flashtree.engine.loader import model_path
     from flashtree.formats.gguf_file import GGUFFile
     from flashtree.formats.quants import type_name
+    from flashtree.models.gguf_config import check_tensor_types, read_config
 
     gguf = GGUFFile(model_path(path))
     config, tokenizer = read_config(gguf)

@@ -5,158 +5,22 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Callable, Iterable
 
 from flashtree import __version__
+from flashtree.bench import cli as bench
+from flashtree.cli import info, plan, run
+from flashtree.cli.args import add_model_args
+from flashtree.cli.chat import add_chat_parser
+from flashtree.cli.threads import set_threads
 from flashtree.errors import FlashtreeError
-
-
-def int_range(low: int, high: int | None = None):
-    """An argparse type: an integer in [low, high] (no upper bound when `high` is None), so a bad count
-    is refused by name before any weight loads."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low or (high is not None and value > high):
-            bounds = f">= {low}" if high is None else f"from {low} to {high}"
-            raise argparse.ArgumentTypeError(f"must be {bounds}, got {value}")
-        return value
-
-    return parse
-
-
-def one_of(names: Callable[[], Iterable[str]]):
-    """An argparse type: one of `names()`. A function, so that a table kept beside torch code is imported
-    only when its flag is given, not to build the parser."""
-
-    def parse(text: str) -> str:
-        known = sorted(names())
-        if text not in known:
-            raise argparse.ArgumentTypeError(f"unknown {text!r}; choose from {', '.join(known)}")
-        return text
-
-    return parse
-
-
-def memory_size(text: str) -> str:
-    """An argparse type: a memory size such as 24GiB, checked while parsing (kept as text)."""
-    from flashtree.engine.planner import parse_size
-
-    try:
-        parse_size(text)
-    except FlashtreeError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
-def add_model_args(parser: argparse.ArgumentParser) -> None:
-    """Flags shared by every command that loads a model (names follow llama.cpp / vLLM)."""
-    parser.add_argument("-m", "--model", help="target GGUF, or demo: the embedded demo pair (the default)")
-    parser.add_argument("--draft", help="DFlash draft directory (config.json + model.safetensors)")
-    parser.add_argument("--spec", choices=("ar", "chain", "ddtree"), default=None,
-                        help="decoding mode (default: ddtree when a draft is given, else ar)")
-    parser.add_argument("--budget", type=int_range(1), default=22, help="DDTree node budget (default 22)")
-    parser.add_argument("--topk", type=int_range(1), default=8, help="DDTree candidates per depth (default 8)")
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    parser.add_argument("-c", "--ctx", type=int_range(2), default=None, help="context size in tokens (default: fit the request)")
-    parser.add_argument("-ctk", "--cache-type-k", default=None, metavar="TYPE",
-                        help="K cache type: f16, bf16, f32, q8_0, q4_0, tq3_0 (default: the model dtype)")
-    parser.add_argument("-ctv", "--cache-type-v", default=None, metavar="TYPE",
-                        help="V cache type: f16, bf16, f32, q8_0, q4_0, tq3_0 (default: the model dtype)")
-    parser.add_argument("--attn-window", type=int_range(0), default=0, metavar="N",
-                        help="sliding-window attention over the last N positions; changes output (default 0 = full)")
-    # placement over several devices (flashtree.dist, docs/MULTI_GPU.md)
-    parser.add_argument("--gpus", type=int_range(1), default=None, metavar="N",
-                        help="split the target's layers evenly over N GPUs (cuda:0..N-1)")
-    parser.add_argument("--layer-split", default=None, metavar="A,B,...",
-                        help="layers per GPU as proportions or counts, e.g. 1,1 or 20,44 (llama.cpp -ts style)")
-    parser.add_argument("--draft-device", default=None, metavar="DEV",
-                        help="device of the draft and its context cache, e.g. cuda:1 (default: the target's)")
-    parser.add_argument("-tp", "--tensor-parallel", "--tensor-parallel-size", dest="tensor_parallel", type=int_range(1),
-                        default=1, metavar="N", help="shard the target over N GPUs, one process each (default 1)")
-    parser.add_argument("--gpu-memory", type=memory_size, default=None, metavar="SIZE",
-                        help="memory per GPU to plan for, e.g. 24GiB (default: each GPU's free memory); checked at load")
-    parser.add_argument("--enforce-eager", action="store_true",
-                        help="no CUDA graphs: launch every kernel of a step from Python (vLLM's flag; for debugging)")
-    parser.add_argument("-t", "--threads", type=int_range(1), default=None, metavar="N",
-                        help="CPU threads for torch (default: $OMP_NUM_THREADS, else the physical cores less one)")
-    parser.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="gpu_layers", type=int, default=None,
-                        metavar="N", help="accepted for llama.cpp habits and ignored: every layer goes on --device")
-
-
-def add_thinking_arg(parser: argparse.ArgumentParser) -> None:
-    """`--think` / `--no-think`; neither leaves the choice to the model's chat template (its default)."""
-    parser.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
-                        help="let the model think first, or not (default: what the model's chat template does)")
-
-
-def thinking_kwargs(think: bool | None) -> dict:
-    """Chat template arguments for a --think/--no-think choice: none when neither was given."""
-    return {} if think is None else {"enable_thinking": think}
-
-
-def cache_args(args: argparse.Namespace) -> dict:
-    """The KV cache options of `add_model_args` that were set, as keyword arguments of `load_engine`."""
-    options = {"cache_type_k": getattr(args, "cache_type_k", None), "cache_type_v": getattr(args, "cache_type_v", None),
-               "attn_window": getattr(args, "attn_window", 0)}
-    return {k: v for k, v in options.items() if v}
-
-
-def placement_args(args: argparse.Namespace) -> dict:
-    """The placement (and eager) options of `add_model_args` that were set, as keyword arguments of
-    `load_engine`."""
-    defaults = {"gpus": None, "layer_split": None, "draft_device": None, "tensor_parallel": 1, "enforce_eager": False}
-    options = {key: getattr(args, key, default) for key, default in defaults.items()}
-    return {key: value for key, value in options.items() if value is not None and value != defaults[key]}
-
-
-def memory_args(args: argparse.Namespace) -> dict:
-    """`--ctx` and `--gpu-memory` for the load-time memory check of `load_engine`, where set."""
-    options = {"ctx": getattr(args, "ctx", None), "gpu_memory": getattr(args, "gpu_memory", None)}
-    return {k: v for k, v in options.items() if v is not None}
-
-
-def add_parse_special_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--parse-special", action="store_true",
-                        help="read control-token text (<|im_start|>, <|im_end|>, ...) in prompts, messages and tools "
-                             "as control tokens, the old behaviour: lets that text open turns of its own (default: "
-                             "plain text; only the chat template's markers are control tokens)")
-
-
-def add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    """Sampling flags (llama.cpp names); defaults are greedy decoding."""
-    parser.add_argument("--temp", "--temperature", dest="temperature", type=float, default=0.0,
-                        help="sampling temperature (default 0 = greedy)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
-    parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0 = off)")
-    parser.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
-    parser.add_argument("--seed", type=int, default=None, help="random seed (same seed, same text, same mode)")
-    parser.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty (default 1.0 = off)")
-    parser.add_argument("--presence-penalty", type=float, default=0.0)
-    parser.add_argument("--frequency-penalty", type=float, default=0.0)
-
-
-def sampling_from_args(args: argparse.Namespace):
-    from flashtree.engine.sampling import SamplingParams
-
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                          seed=args.seed, repetition_penalty=args.repeat_penalty,
-                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
+from flashtree.serve.cli import add_serve_parser
+from flashtree.train import cli as train
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashtree", description=__doc__)
     parser.add_argument("--version", action="version", version=f"flashtree {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    from flashtree.bench import cli as bench
-    from flashtree.cli import info, plan, run
-    from flashtree.cli.chat import add_chat_parser
-    from flashtree.serve.cli import add_serve_parser
-    from flashtree.train import cli as train
-
     run.add_parser(sub)
     info.add_parser(sub)
     plan.add_parser(sub)
@@ -173,8 +37,6 @@ def apply_process_options(args: argparse.Namespace) -> None:
         print(f"note: -ngl {args.gpu_layers} ignored: flashtree puts all layers on --device "
               "(--layer-split spreads them over GPUs)", file=sys.stderr)
     if hasattr(args, "threads"):
-        from flashtree.cli.threads import set_threads
-
         set_threads(args.threads)
 
 
@@ -183,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         apply_process_options(args)
-        if getattr(args, "tensor_parallel", 1) > 1:  # one process per rank (flashtree.dist.tp)
-            from flashtree.dist.tp import run_rank
+        if getattr(args, "tensor_parallel", 1) > 1:  # one process per rank (flashtree.cli.tensor_parallel)
+            from flashtree.cli.tensor_parallel import run_rank  # deferred: imports torch, --help must not wait
 
             return run_rank(args, sys.argv[1:] if argv is None else list(argv))
         return args.handler(args) or 0

@@ -8,6 +8,9 @@
 Refuses (exit 1, one line) a configuration that does not fit in --gpu-memory, or in the CUDA
 device's memory when a device is present and no --gpu-memory is given. With `--layer-split` or
 `--draft-device` the budget is shown per GPU (`engine.planner.per_device`) and each GPU must fit.
+
+torch and the engine are imported inside the functions that run the command: `flashtree --help` builds
+every subcommand's parser and must not wait for them.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import json
 
 import sys
 
-from flashtree.cli.main import int_range, memory_size, one_of
+from flashtree.cli.args import int_range, memory_size, one_of
+from flashtree.engine.config import DEFAULT_BUDGET, DEFAULT_DRAFT_WINDOW, DEFAULT_PREFILL_CHUNK
 from flashtree.errors import FlashtreeError
 
 
@@ -41,9 +45,12 @@ def add_parser(sub) -> None:
     p.add_argument("-ctk", "--cache-type-k", default="f16", metavar="TYPE",
                    help="K cache type: f16, bf16, f32, q8_0, q4_0, tq3_0 (default f16)")
     p.add_argument("-ctv", "--cache-type-v", default="f16", metavar="TYPE", help="V cache type (default f16)")
-    p.add_argument("--budget", type=int_range(1), default=22, help="DDTree node budget (default 22)")
-    p.add_argument("--draft-window", type=int_range(1), default=4096, help="draft context positions (default 4096)")
-    p.add_argument("--prefill-chunk", type=int_range(1), default=512, help="prefill chunk in tokens (default 512)")
+    p.add_argument("--budget", type=int_range(1), default=DEFAULT_BUDGET,
+                   help=f"DDTree node budget (default {DEFAULT_BUDGET})")
+    p.add_argument("--draft-window", type=int_range(1), default=DEFAULT_DRAFT_WINDOW,
+                   help=f"draft context positions (default {DEFAULT_DRAFT_WINDOW})")
+    p.add_argument("--prefill-chunk", type=int_range(1), default=DEFAULT_PREFILL_CHUNK,
+                   help=f"prefill chunk in tokens (default {DEFAULT_PREFILL_CHUNK})")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "f16", "f32"), help="compute dtype (default bf16)")
     p.add_argument("--gpu-memory", type=memory_size, default=None,
                    help="memory to fit in, e.g. 24GiB or 24GB (default: the CUDA device's, if any)")

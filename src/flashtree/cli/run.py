@@ -1,5 +1,8 @@
 """`flashtree run "prompt"`: one-shot generation, streamed to stdout (or one JSON object with --json).
-Without a prompt it opens the chat, as `ollama run` does."""
+Without a prompt it opens the chat, as `ollama run` does.
+
+torch and the engine are imported inside the functions that run the command: `flashtree --help` builds
+every subcommand's parser and must not wait for them."""
 
 from __future__ import annotations
 
@@ -7,8 +10,8 @@ import argparse
 import json
 import sys
 
-from flashtree.cli.main import (add_model_args, add_parse_special_arg, add_sampling_args, add_thinking_arg, int_range,
-                                sampling_from_args, thinking_kwargs)
+from flashtree.cli.args import (add_model_args, add_parse_special_arg, add_sampling_args, add_thinking_arg,
+                                engine_args, int_range, sampling_from_args, thinking_kwargs)
 from flashtree.errors import FlashtreeError
 
 RUN_MAX_TOKENS = 256
@@ -53,13 +56,10 @@ def run(args: argparse.Namespace) -> int:
 
         return run_chat(args)
     sampling = sampling_from_args(args)  # validated before the model loads
-    from flashtree.cli.main import cache_args, memory_args, placement_args
     from flashtree.engine.loader import load_engine  # deferred: torch loads only once a command runs
 
-    engine = load_engine(args.model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk,
-                         progress=not args.json, **cache_args(args), **placement_args(args), **memory_args(args))
-    engine.prefill_progress = not args.json
-    engine.parse_special = args.parse_special
+    engine = load_engine(engine_args(args, progress=not args.json, prefill_progress=not args.json,
+                                     parse_special=args.parse_special))
     prompt_ids = engine.encode_prompt(prompt, raw=args.raw, system=args.system, **thinking_kwargs(args.think))
     max_tokens = RUN_MAX_TOKENS if args.max_tokens is None else args.max_tokens
     config = engine.config_for(max_new_tokens=max_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos,

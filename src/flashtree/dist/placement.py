@@ -16,6 +16,31 @@ from flashtree.errors import FlashtreeError
 from flashtree.models.layers import Linear, QuantLinear
 
 
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """`auto` (or None): the first GPU if there is one, else the CPU; otherwise cpu, cuda or cuda:N, checked
+    against the GPUs this torch sees."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise FlashtreeError(f"unknown device {str(device)!r}; use cpu, cuda, cuda:N or auto")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise FlashtreeError(f"device {str(device)!r} requested but this torch has no CUDA device; use --device cpu")
+        if dev.index is not None and dev.index >= count:
+            raise FlashtreeError(f"device {str(device)!r} requested but this machine has {count} CUDA device(s): "
+                                 f"cuda:0 to cuda:{count - 1}")
+    return dev
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def parse_split(text: str) -> list[float]:
     """'3,1' or '0.75,0.25' or '20,44' -> the numbers (proportions or layer counts per device)."""
     try:
@@ -48,8 +73,6 @@ def parse_devices(spec: str | Sequence[str] | None, n: int) -> list[torch.device
             raise FlashtreeError(f"a split over {n} devices needs {n} CUDA devices; "
                                  f"this machine has {torch.cuda.device_count() if torch.cuda.is_available() else 0}")
         return [torch.device("cuda", i) for i in range(n)]
-    from flashtree.engine.loader import resolve_device
-
     names = spec.split(",") if isinstance(spec, str) else list(spec)
     return [resolve_device(x.strip() if isinstance(x, str) else x) for x in names]
 
@@ -111,8 +134,6 @@ def resolve_placement(device=None, gpus: int | None = None, layer_split: str | S
         raise FlashtreeError(f"--gpus {gpus} but --layer-split has {len(split)} entries")
     if n <= 1 and devices is None:
         return None, None
-    from flashtree.engine.loader import resolve_device
-
     if devices is None and device not in (None, "auto") and resolve_device(device).type == "cpu":
         devices = ["cpu"] * n  # a split over "cpu" stages: placement and boundaries without GPUs
     devs = parse_devices(devices, n)
@@ -121,23 +142,3 @@ def resolve_placement(device=None, gpus: int | None = None, layer_split: str | S
     if len(devs) != n:
         raise FlashtreeError(f"{len(devs)} devices given for a split over {n}")
     return devs, split
-
-
-def load_placed_target(path, device=None, progress: bool = False, gpus: int | None = None,
-                       layer_split: str | Sequence[float] | None = None, tensor_parallel: int = 1, devices=None):
-    """`load_target` plus the placement options of `load_engine`."""
-    from flashtree.engine.loader import default_dtype, load_target
-
-    if tensor_parallel and tensor_parallel > 1:
-        if gpus not in (None, 1) or layer_split is not None:
-            raise FlashtreeError("--tensor-parallel does not combine with --gpus / --layer-split yet")
-        from flashtree.dist.tp import load_tp_target
-
-        return load_tp_target(path, tensor_parallel, device, progress=progress)
-    devs, split = resolve_placement(device, gpus, layer_split, devices)
-    if devs is None:
-        return load_target(path, device, progress=progress)
-    # load on the host, then move each layer to its device: no device ever holds more than its share
-    target = load_target(path, "cpu", dtype=default_dtype(devs[0]), progress=progress)
-    place_layers(target.model, devs, split)
-    return target

@@ -29,16 +29,18 @@ import os
 import random
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from flashtree.dist import CHILD_ENV
+from flashtree.dist.placement import move_layer
 from flashtree.errors import FlashtreeError
 from flashtree.formats.quants import GGML_QUANT_SIZES
 from flashtree.kernels.quant_matmul import QuantWeight
-from flashtree.models.layers import Linear, QuantLinear
+from flashtree.models.deltanet import GatedDeltaNet
+from flashtree.models.layers import Linear, QuantizedEmbedding, QuantLinear, load_weight
+from flashtree.models.qwen35 import DecoderLayer, Qwen35Model
 
 
 class _AllReduced:
@@ -165,7 +167,6 @@ def _chunk(n: int, rank: int, world: int) -> torch.Tensor:
 def shard_layer(layer, full, local, rank: int, world: int, group=None, dtype: torch.dtype = torch.bfloat16) -> None:
     """Replace a DecoderLayer's weights with this rank's shard (in place; `dtype`: the compute dtype of
     any shard that cannot stay quantized)."""
-    from flashtree.models.deltanet import GatedDeltaNet
 
     m = layer.mixer
     if isinstance(m, GatedDeltaNet):
@@ -211,10 +212,6 @@ def load_tp_model(gguf, config, device, dtype, group=None, progress=None, host=N
     """The rank's shard of the target: each layer loaded on the `host` (default the CPU), split, then moved
     to `device`. Loaded on a GPU, weights with a quantized kernel stay GGUF blocks and their shards too
     (`shard`); on the CPU they are dequantized first, so the shards are dense."""
-    from flashtree.dist.placement import move_layer
-    from flashtree.models.layers import QuantizedEmbedding, load_weight
-    from flashtree.models.qwen35 import DecoderLayer, Qwen35Model
-
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     local = local_config(config, world)
     host = torch.device("cpu") if host is None else torch.device(host)
@@ -255,32 +252,6 @@ def init_from_env(device: str | None = None) -> torch.device:
                                  "`flashtree ... --tensor-parallel N` or under torchrun")
         dist.init_process_group("nccl" if use_cuda else "gloo")
     return dev
-
-
-def load_tp_target(path, world: int, device: str | None = None, progress: bool = False):
-    """`load_target` for one rank of a tensor-parallel group of `world` processes."""
-    from flashtree.engine.loader import (Target, _progress_bar, _token_text, check_tensor_types, default_dtype,
-                                         read_config)
-    from flashtree.formats.chat_template import ChatTemplate
-    from flashtree.formats.gguf_file import GGUFFile
-    from flashtree.formats.tokenizer import Tokenizer
-
-    dev = init_from_env(device)
-    if dist.get_world_size() != world:
-        raise FlashtreeError(f"--tensor-parallel {world} but the process group has {dist.get_world_size()} ranks")
-    gguf = GGUFFile(path)
-    config, spec = read_config(gguf)
-    check_tensor_types(gguf, config)
-    if spec is None:
-        raise FlashtreeError(f"{gguf.path}: no tokenizer in the file (tokenizer.ggml.tokens missing)")
-    show = progress and dist.get_rank() == 0
-    # on a GPU each layer is loaded there, still quantized, and sharded block-wise (host copies would be dense)
-    model = load_tp_model(gguf, config, dev, default_dtype(dev), progress=_progress_bar(config) if show else None,
-                          host=dev if dev.type == "cuda" else None)
-    template = None
-    if spec.chat_template:
-        template = ChatTemplate(spec.chat_template, eos_token=_token_text(spec, spec.eos_token_id))
-    return Target(Path(path), gguf, config, model, Tokenizer(spec), template)
 
 
 # ---- keeping the ranks in lock step ----
@@ -377,33 +348,3 @@ def serve_ranks(engine):
     except Exception:
         pass  # the group is already broken when rank 0 died
     sys.exit(0)
-
-
-def run_rank(args, argv) -> int:
-    """The CLI under `--tensor-parallel N`: without RANK in the environment, start N ranks running `argv`
-    (flashtree.dist.launch); rank 0 runs the command; any other rank only loads the same engine and
-    follows rank 0 (it never reads stdin, binds a port or prints). `bench --synthetic` is SPMD instead:
-    every rank runs the whole benchmark in lock step (it calls the model outside `generate`), rank 0
-    alone prints and writes the results."""
-    if getattr(args, "synthetic", None) and getattr(args, "command", None) != "bench":
-        raise FlashtreeError("--synthetic with --tensor-parallel is for `flashtree bench` only")
-    if "RANK" not in os.environ:
-        from flashtree.dist.launch import spawn_ranks
-
-        return spawn_ranks(argv, args.tensor_parallel)
-    if getattr(args, "synthetic", None):
-        if os.environ["RANK"] != "0":
-            sys.stdout = open(os.devnull, "w")
-        try:
-            return args.handler(args) or 0
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-    if os.environ["RANK"] == "0":
-        return args.handler(args) or 0
-    from flashtree.cli.main import cache_args, placement_args
-    from flashtree.engine.loader import load_engine
-
-    load_engine(args.model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk,
-                **cache_args(args), **placement_args(args))  # follows rank 0, then exits
-    return 0

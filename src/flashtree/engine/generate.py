@@ -5,16 +5,22 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
+from tqdm import tqdm
 
-from flashtree.engine.output import OutputTracker, TokenLogprob, token_logprobs
+from flashtree.engine.config import (DEFAULT_BUDGET, DEFAULT_DRAFT_WINDOW, DEFAULT_PREFILL_CHUNK, DEFAULT_TOPK,
+                                     cache_rows, check_decoding)
+from flashtree.engine.cuda_graphs import GraphedForward
+from flashtree.engine.output import OutputTracker, TokenLogprob, logprobs_of, token_logprobs
 from flashtree.engine.sampling import Sampler, SamplingParams
 from flashtree.errors import FlashtreeError
+from flashtree.kernels.kv_quant import kv_type
 from flashtree.models.step import Step
+from flashtree.spec.decode import speculative
 
-MODES = ("ar", "chain", "ddtree")
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 SCORE_CHUNK = 128  # prompt tokens per pass when scoring a prompt: [128, vocab] float32 logits (127 MB at 248K)
 PROGRESS_MIN_TOKENS = 8192  # prompts this long show a prefill progress bar where the CLI asks for one
@@ -24,13 +30,13 @@ PROGRESS_MIN_TOKENS = 8192  # prompts this long show a prefill progress bar wher
 class GenerationConfig:
     max_new_tokens: int = 256
     mode: str = "ar"
-    budget: int = 22  # DDTree node budget (root not counted)
-    topk: int = 8  # candidates per draft position for the tree
-    draft_window: int = 4096  # committed positions the draft attends to (its context cache size)
+    budget: int = DEFAULT_BUDGET  # DDTree node budget (root not counted)
+    topk: int = DEFAULT_TOPK  # candidates per draft position for the tree
+    draft_window: int = DEFAULT_DRAFT_WINDOW
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()  # extra end-of-generation ids (vLLM's stop_token_ids)
     ignore_eos: bool = False
-    prefill_chunk: int = 512
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     ctx: int | None = None  # context size in tokens (prompt + generated); None = fit the request
     cache_type_k: str | None = None  # KV cache type (f16, bf16, f32, q8_0, q4_0, tq3_0); None = model dtype
     cache_type_v: str | None = None
@@ -41,25 +47,16 @@ class GenerationConfig:
     skip_special_tokens: bool = True  # control tokens (<|im_start|>...) left out of the text, not the ids (vLLM's)
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise FlashtreeError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        check_decoding(self.mode, self.budget, self.topk, self.ctx, self.attn_window)
         if self.max_new_tokens < 0:
             raise FlashtreeError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if self.draft_window < 1:
             raise FlashtreeError(f"draft_window must be >= 1, got {self.draft_window}")
-        if self.budget < 1 or self.topk < 1:
-            raise FlashtreeError(f"budget and topk must be >= 1, got budget={self.budget} topk={self.topk}")
-        if self.ctx is not None and self.ctx < 2:
-            raise FlashtreeError(f"ctx must be >= 2 tokens, got {self.ctx}")
         if self.prefill_chunk < 1:
             raise FlashtreeError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
-        from flashtree.kernels.kv_quant import kv_type
-
         for name in (self.cache_type_k, self.cache_type_v):
             if name is not None:
                 kv_type(name)  # raises with the supported choices
-        if self.attn_window < 0:
-            raise FlashtreeError(f"attn_window must be >= 0 (0 = full attention), got {self.attn_window}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
@@ -125,17 +122,19 @@ class GenerationResult:
 class Engine:
     """A loaded target (and optionally a draft) plus the decoding loops."""
 
-    def __init__(self, target, draft=None, default_config: GenerationConfig | None = None):
+    def __init__(self, target, draft=None, default_config: GenerationConfig | None = None, *,
+                 draft_path: Path | None = None, use_cuda_graphs: bool = True, prefill_progress: bool = False,
+                 parse_special: bool = False, prefix_cache=None):
         self.target = target
         self.draft = draft
-        self.draft_path = None  # the directory the draft was loaded from, for reports (None: no file, or no draft)
+        self.draft_path = draft_path  # the directory the draft was loaded from, for reports (None: no file, or no draft)
         self.default_config = default_config or GenerationConfig(mode="ddtree" if draft is not None else "ar")
-        self.prefix_cache = None  # a flashtree.engine.prefix_cache.PrefixCache reuses prompt prefixes across requests
-        self.use_cuda_graphs = True  # decode and verify steps replay CUDA graphs (single-device CUDA targets)
+        self.prefix_cache = prefix_cache  # a flashtree.engine.prefix_cache.PrefixCache reuses prompt prefixes across requests
+        self.use_cuda_graphs = use_cuda_graphs  # decode and verify steps replay CUDA graphs (single-device CUDA targets)
         self._graphs = None  # the GraphedForward, made on first use
         self._kept_cache = None  # (options, cache): reused across requests so captured graphs stay valid
-        self.prefill_progress = False  # a progress bar (stderr) for prompts of PROGRESS_MIN_TOKENS and more
-        self.parse_special = False  # control-token text in prompts and messages becomes control tokens (forgeable turns)
+        self.prefill_progress = prefill_progress  # a progress bar (stderr) for prompts of PROGRESS_MIN_TOKENS and more
+        self.parse_special = parse_special  # control-token text in prompts and messages becomes control tokens (forgeable turns)
 
     def config_for(self, **overrides) -> GenerationConfig:
         """The engine's defaults (mode, budget, ...) with per-request values on top."""
@@ -183,8 +182,6 @@ class Engine:
             if config.mode == "ar":
                 self._autoregressive(list(prompt_ids), config, out, stats, started)
             else:
-                from flashtree.spec.decode import speculative
-
                 speculative(self, list(prompt_ids), config, out, stats, started)
             if self.prefix_cache is not None:  # after a normal return only: the prefill of this call opened it
                 self.prefix_cache.finish(list(prompt_ids) + out.token_ids)
@@ -218,7 +215,7 @@ class Engine:
 
     def context_size(self, prompt_len: int, config: GenerationConfig) -> int:
         """Cache rows: prompt + new tokens + tree scratch rows past the committed end."""
-        return prompt_len + self.new_token_room(prompt_len, config) + config.budget + 2
+        return cache_rows(prompt_len + self.new_token_room(prompt_len, config), config.budget)
 
     def new_cache(self, prompt_len: int, config: GenerationConfig):
         """The target cache for one request: sized by `context_size`, KV types and window from `config`.
@@ -244,8 +241,6 @@ class Engine:
             model = self.target.model
             if not self.use_cuda_graphs or model.device.type != "cuda" or model.boundaries:
                 return None
-            from flashtree.engine.cuda_graphs import GraphedForward
-
             self._graphs = GraphedForward(model)
         return self._graphs
 
@@ -308,8 +303,6 @@ class Engine:
     def prefill_bar(self, tokens: int):
         """A tqdm bar over `tokens` prompt tokens (stderr, gone when closed), drawn only when the CLI asked
         for progress (`prefill_progress`) and the prompt is long."""
-        from tqdm import tqdm
-
         return tqdm(total=tokens, desc="prefill", unit="tok", unit_scale=True, leave=False,
                     disable=not self.prefill_progress or tokens < PROGRESS_MIN_TOKENS)
 
@@ -323,7 +316,7 @@ class Engine:
         logits = self.prefill_prompt(cache, prompt_ids, config, stats=stats)[None]
         stats.prefill_s = time.perf_counter() - started
         token = sampler.choose(sampler.distribution(logits)[0])
-        while not out.push(token, logprobs_of(logits, [token], config)[0]):
+        while not out.push(token, logprobs_of(logits, [token], config.logprobs)[0]):
             sampler.record(token)
             step_start = time.perf_counter()
             logits = self.step_forward(torch.tensor([token]), cache).logits
@@ -331,10 +324,3 @@ class Engine:
             stats.verify_s += time.perf_counter() - step_start
             stats.steps += 1
             stats.accepted[1] += 1
-
-
-def logprobs_of(logits: torch.Tensor | None, tokens: list[int], config: GenerationConfig) -> list[TokenLogprob | None]:
-    """Each token's entry from its row of `logits`, or None for each when the request asked for none."""
-    if config.logprobs is None:
-        return [None] * len(tokens)
-    return token_logprobs(logits, tokens, config.logprobs)

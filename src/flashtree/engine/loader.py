@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Sequence
 
 import torch
+import torch.distributed
+from tqdm import tqdm
 
+from flashtree.dist.placement import default_dtype, place_layers, resolve_device, resolve_placement
+from flashtree.dist.tp import init_from_env, load_tp_model, serve_ranks
+from flashtree.engine.config import EngineArgs
+from flashtree.engine.generate import Engine, GenerationConfig
+from flashtree.engine.memory_check import check_memory, check_rank_memory
+from flashtree.engine.prefix_cache import PrefixCache
 from flashtree.errors import FlashtreeError
 from flashtree.formats.chat_template import ChatTemplate
 from flashtree.formats.gguf_file import GGUFFile
-from flashtree.formats.quants import SUPPORTED_TYPES, type_name
 from flashtree.formats.tokenizer import Tokenizer, TokenizerSpec
+from flashtree.models.dflash import DFlashDraft
+from flashtree.models.gguf_config import check_tensor_types, read_config
 from flashtree.models.qwen35 import Qwen35Model
 from flashtree.models.qwen35_config import Qwen35Config
 
@@ -26,70 +37,55 @@ class Target:
     chat_template: ChatTemplate | None
 
 
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """`auto` (or None): the first GPU if there is one, else the CPU; otherwise cpu, cuda or cuda:N, checked
-    against the GPUs this torch sees."""
-    if device in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        dev = None
-    if dev is None or dev.type not in ("cpu", "cuda"):
-        raise FlashtreeError(f"unknown device {str(device)!r}; use cpu, cuda, cuda:N or auto")
-    if dev.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise FlashtreeError(f"device {str(device)!r} requested but this torch has no CUDA device; use --device cpu")
-        if dev.index is not None and dev.index >= count:
-            raise FlashtreeError(f"device {str(device)!r} requested but this machine has {count} CUDA device(s): "
-                                 f"cuda:0 to cuda:{count - 1}")
-    return dev
-
-
-def default_dtype(device: torch.device) -> torch.dtype:
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
-def read_config(gguf: GGUFFile) -> tuple[Qwen35Config, TokenizerSpec | None]:
-    spec = TokenizerSpec.from_metadata(gguf.metadata) if "tokenizer.ggml.tokens" in gguf.metadata else None
-    embed = gguf.tensor("token_embd.weight")
-    vocab = embed.shape[0]
-    config = Qwen35Config.from_metadata(gguf.metadata, vocab_size=vocab, blocks_in_file=_blocks_in_file(gguf))
-    if spec is not None and len(spec.tokens) > vocab:
-        raise FlashtreeError(f"{gguf.path}: tokenizer has {len(spec.tokens)} tokens but the embedding only {vocab} rows")
-    return config, spec
-
-
-def _blocks_in_file(gguf: GGUFFile) -> int:
-    """How many layers (`blk.N.` with N from 0) the tensor table could hold: one past the highest N."""
-    indexes = [name.split(".")[1] for name in gguf.tensors if name.startswith("blk.")]
-    return 1 + max((int(i) for i in indexes if i.isascii() and i.isdigit()), default=-1)
-
-
-def check_tensor_types(gguf: GGUFFile, config: Qwen35Config) -> None:
-    trunk = tuple(f"blk.{i}." for i in range(config.num_layers))
-    for info in gguf.tensors.values():
-        used = not info.name.startswith("blk.") or info.name.startswith(trunk)
-        if used and info.qtype not in SUPPORTED_TYPES:
-            supported = ", ".join(sorted(type_name(t) for t in SUPPORTED_TYPES))
-            raise FlashtreeError(
-                f"{gguf.path}: tensor {info.name} uses quant type {type_name(info.qtype)}, which flashtree does not "
-                f"support yet (supported: {supported})"
-            )
-
-
 def load_target(path: str | Path, device: str | None = None, dtype: torch.dtype | None = None,
                 progress: bool = False) -> Target:
+    gguf, config, spec = _open_checked(path)
+    tokenizer, template = tokenizer_and_template(spec)
+    dev = resolve_device(device)
+    model = Qwen35Model.load(gguf, config, dev, dtype or default_dtype(dev), progress=layer_progress_bar(config) if progress else None)
+    return Target(Path(path), gguf, config, model, tokenizer, template)
+
+
+def load_tp_target(path: str | Path, world: int, device: str | None = None, progress: bool = False) -> Target:
+    """`load_target` for one rank of a tensor-parallel group of `world` processes: the rank's shard."""
+    dev = init_from_env(device)
+    if torch.distributed.get_world_size() != world:
+        raise FlashtreeError(f"--tensor-parallel {world} but the process group has "
+                             f"{torch.distributed.get_world_size()} ranks")
+    gguf, config, spec = _open_checked(path)
+    show = progress and torch.distributed.get_rank() == 0
+    # on a GPU each layer is loaded there, still quantized, and sharded block-wise (host copies would be dense)
+    model = load_tp_model(gguf, config, dev, default_dtype(dev), progress=layer_progress_bar(config) if show else None,
+                          host=dev if dev.type == "cuda" else None)
+    tokenizer, template = tokenizer_and_template(spec)
+    return Target(Path(path), gguf, config, model, tokenizer, template)
+
+
+def load_placed_target(path, device=None, progress: bool = False, gpus: int | None = None,
+                       layer_split: str | Sequence[float] | None = None, tensor_parallel: int = 1, devices=None):
+    """`load_target` plus the placement options of `load_engine`."""
+    if tensor_parallel and tensor_parallel > 1:
+        if gpus not in (None, 1) or layer_split is not None:
+            raise FlashtreeError("--tensor-parallel does not combine with --gpus / --layer-split yet")
+        return load_tp_target(path, tensor_parallel, device, progress=progress)
+    devs, split = resolve_placement(device, gpus, layer_split, devices)
+    if devs is None:
+        return load_target(path, device, progress=progress)
+    # load on the host, then move each layer to its device: no device ever holds more than its share
+    target = load_target(path, "cpu", dtype=default_dtype(devs[0]), progress=progress)
+    place_layers(target.model, devs, split)
+    return target
+
+
+def _open_checked(path: str | Path) -> tuple[GGUFFile, Qwen35Config, TokenizerSpec]:
+    """The file, its config and its tokenizer spec, refused before any weight is read when a tensor type is
+    unsupported or the tokenizer is missing."""
     gguf = GGUFFile(path)
     config, spec = read_config(gguf)
     check_tensor_types(gguf, config)
     if spec is None:
         raise FlashtreeError(f"{gguf.path}: no tokenizer in the file (tokenizer.ggml.tokens missing)")
-    tokenizer, template = tokenizer_and_template(spec)
-    dev = resolve_device(device)
-    model = Qwen35Model.load(gguf, config, dev, dtype or default_dtype(dev), progress=_progress_bar(config) if progress else None)
-    return Target(Path(path), gguf, config, model, tokenizer, template)
+    return gguf, config, spec
 
 
 def tokenizer_and_template(spec: TokenizerSpec) -> tuple[Tokenizer, ChatTemplate | None]:
@@ -102,9 +98,7 @@ def _token_text(spec: TokenizerSpec, token_id: int | None) -> str:
     return spec.tokens[token_id] if token_id is not None and 0 <= token_id < len(spec.tokens) else ""
 
 
-def _progress_bar(config: Qwen35Config):
-    from tqdm import tqdm
-
+def layer_progress_bar(config: Qwen35Config):
     bar = tqdm(total=config.num_layers, desc="loading layers", unit="layer", leave=False)
 
     def update(done: int, total: int) -> None:
@@ -131,97 +125,81 @@ def model_path(model: str | Path | None) -> str | Path:
     return DEMO_TARGET if is_demo(model) else model
 
 
-def load_engine(model: str | Path | None = None, draft: str | Path | None = None, device: str | None = None,
-                spec: str | None = None, budget: int = 22, topk: int = 8, progress: bool = False,
-                cache_type_k: str | None = None, cache_type_v: str | None = None, attn_window: int = 0,
-                gpus: int | None = None, layer_split: str | None = None, draft_device: str | None = None,
-                tensor_parallel: int = 1, devices=None, enforce_eager: bool = False, ctx: int | None = None,
-                gpu_memory: str | None = None):
-    """Target (+ draft) ready to generate. No model means the embedded demo pair. The KV cache options
-    become the engine's default GenerationConfig (checked before any weight is loaded).
-    Placement (flashtree.dist, docs/MULTI_GPU.md): `gpus` / `layer_split` split the target's layers over
-    devices (`devices` overrides cuda:0..N-1), `draft_device` puts the draft on its own device, and
-    `tensor_parallel` > 1 shards the target over the ranks of the initialized process group. On CUDA the
-    memory plan (`ctx` tokens, each GPU's free memory or the `gpu_memory` cap) is checked before loading."""
-    from flashtree.engine.generate import GenerationConfig
-
-    if is_demo(model):
+def load_engine(args: EngineArgs = EngineArgs()):
+    """Target (+ draft) ready to generate. No model means the embedded demo pair. The default request
+    (GenerationConfig) is checked before any weight is loaded, and on CUDA so is the memory plan (`ctx`
+    tokens, each GPU's free memory or the `gpu_memory` cap) of the placement (flashtree.dist,
+    docs/MULTI_GPU.md)."""
+    if is_demo(args.model):
         if not DEMO_TARGET.is_file():
             raise FlashtreeError("no --model given and the embedded demo model is not installed; pass --model PATH.gguf")
-        model = DEMO_TARGET
-        if draft is None and DEMO_DRAFT.is_dir() and spec != "ar":
-            draft = DEMO_DRAFT
-    if spec in ("chain", "ddtree") and draft is None:
-        raise FlashtreeError(f"--spec {spec} needs a draft model: pass --draft DIR or use --spec ar")
-    cache_options = {"cache_type_k": cache_type_k, "cache_type_v": cache_type_v, "attn_window": attn_window}
-    GenerationConfig(**cache_options)  # a bad KV type or window fails here, before loading
-    from flashtree.dist.placement import load_placed_target
-
-    if tensor_parallel and tensor_parallel > 1:
-        _check_rank_memory(model, draft, device, tensor_parallel, ctx, gpu_memory, budget, cache_options)
+        use_draft = args.draft is None and DEMO_DRAFT.is_dir() and args.spec != "ar"
+        args = replace(args, model=DEMO_TARGET, draft=DEMO_DRAFT if use_draft else args.draft)
+    _check_spec_has_draft(args)
+    _default_config(args, "ar")  # a bad KV type, window or request default fails here, before loading
+    if args.tensor_parallel > 1:
+        _check_rank_memory(args)
     else:
-        _check_memory(model, draft, device, gpus, layer_split, devices, draft_device, ctx, gpu_memory, budget,
-                      cache_options)
-    target = load_placed_target(model, device, progress, gpus, layer_split, tensor_parallel, devices)
-    engine = engine_from_target(target, draft, spec=spec, budget=budget, topk=topk, draft_device=draft_device,
-                                enforce_eager=enforce_eager, **cache_options)
-    if tensor_parallel and tensor_parallel > 1:  # rank 0 gets the engine back; the other ranks follow it and exit
-        from flashtree.dist.tp import serve_ranks
-
+        _check_memory(args)
+    target = load_placed_target(args.model, args.device, args.progress, args.gpus, args.layer_split,
+                                args.tensor_parallel, args.devices)
+    engine = engine_from_target(target, args)
+    if args.tensor_parallel > 1:  # rank 0 gets the engine back; the other ranks follow it and exit
         return serve_ranks(engine)
     return engine
 
 
-def _check_rank_memory(model, draft, device, world, ctx, gpu_memory, budget, cache_options) -> None:
+def _check_rank_memory(args: EngineArgs) -> None:
     """This rank's share of tensor parallel, checked on the GPU the rank will use (LOCAL_RANK, as
     `dist.tp.init_from_env` picks it) before any weight is read."""
-    import os
-
-    from flashtree.engine.memory_check import check_rank_memory
-
-    if not torch.cuda.is_available() or (device not in (None, "auto") and not str(device).startswith("cuda")):
+    if not torch.cuda.is_available() or (args.device not in (None, "auto") and not str(args.device).startswith("cuda")):
         return
-    check_rank_memory(model, draft, torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))), world, ctx,
-                      gpu_memory, budget, cache_options["cache_type_k"], cache_options["cache_type_v"])
+    check_rank_memory(args.model, args.draft, torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))),
+                      args.tensor_parallel, args.ctx, args.gpu_memory, args.budget, args.cache_type_k,
+                      args.cache_type_v)
 
 
-def _check_memory(model, draft, device, gpus, layer_split, devices, draft_device, ctx, gpu_memory, budget,
-                  cache_options) -> None:
+def _check_memory(args: EngineArgs) -> None:
     """The placement `load_placed_target` will make, planned and checked against the GPUs' memory."""
-    from flashtree.dist.placement import resolve_placement
-    from flashtree.engine.memory_check import check_memory
-
-    stages, split = resolve_placement(device, gpus, layer_split, devices)
+    stages, split = resolve_placement(args.device, args.gpus, args.layer_split, args.devices)
     if stages is None:
-        stages = [resolve_device(device)]
+        stages = [resolve_device(args.device)]
     elif split is None:
         split = [1.0] * len(stages)
-    check_memory(model, draft, stages, split, resolve_device(draft_device) if draft_device else None, ctx, gpu_memory,
-                 budget, cache_options["cache_type_k"], cache_options["cache_type_v"])
+    draft_device = resolve_device(args.draft_device) if args.draft_device else None
+    check_memory(args.model, args.draft, stages, split, draft_device, args.ctx, args.gpu_memory, args.budget,
+                 args.cache_type_k, args.cache_type_v)
 
 
-def engine_from_target(target: Target, draft: str | Path | None = None, spec: str | None = None, budget: int = 22,
-                       topk: int = 8, draft_device: str | None = None, cache_type_k: str | None = None,
-                       cache_type_v: str | None = None, attn_window: int = 0, enforce_eager: bool = False):
-    """An Engine over a loaded target (a file's or `random_target`'s), with the draft at `draft` if given;
-    the mode defaults to ddtree with a draft, else ar. `enforce_eager` turns CUDA graphs off."""
-    from flashtree.engine.generate import Engine, GenerationConfig
+def engine_from_target(target: Target, args: EngineArgs = EngineArgs()):
+    """An Engine over a loaded target (a file's or `random_target`'s), with the draft at `args.draft` if
+    given; the mode defaults to ddtree with a draft, else ar. `args.enforce_eager` turns CUDA graphs off."""
+    _check_spec_has_draft(args)
+    _default_config(args, "ar")
+    draft_model = load_draft(args.draft, target, args.draft_device) if args.draft is not None else None
+    mode = args.spec or ("ddtree" if draft_model is not None else "ar")
+    prefix_cache = PrefixCache(max_entries=args.prefix_cache_entries, max_bytes=args.prefix_cache_bytes,
+                               interval=args.prefix_cache_interval) if args.prefix_cache else None
+    return Engine(target, draft_model, _default_config(args, mode),
+                  draft_path=Path(args.draft) if draft_model is not None else None,
+                  use_cuda_graphs=not args.enforce_eager, prefill_progress=args.prefill_progress,
+                  parse_special=args.parse_special, prefix_cache=prefix_cache)
 
-    if spec in ("chain", "ddtree") and draft is None:
-        raise FlashtreeError(f"--spec {spec} needs a draft model: pass --draft DIR or use --spec ar")
-    cache_options = {"cache_type_k": cache_type_k, "cache_type_v": cache_type_v, "attn_window": attn_window}
-    GenerationConfig(**cache_options)
-    draft_model = load_draft(draft, target, draft_device) if draft is not None else None
-    mode = spec or ("ddtree" if draft_model is not None else "ar")
-    engine = Engine(target, draft_model, GenerationConfig(mode=mode, budget=budget, topk=topk, **cache_options))
-    engine.draft_path = Path(draft) if draft_model is not None else None
-    engine.use_cuda_graphs = not enforce_eager
-    return engine
+
+def _check_spec_has_draft(args: EngineArgs) -> None:
+    if args.spec in ("chain", "ddtree") and args.draft is None:
+        raise FlashtreeError(f"--spec {args.spec} needs a draft model: pass --draft DIR or use --spec ar")
+
+
+def _default_config(args: EngineArgs, mode: str) -> GenerationConfig:
+    """The request the engine answers when a request leaves a setting out."""
+    request = {"max_new_tokens": args.max_new_tokens, "prefill_chunk": args.prefill_chunk}
+    return GenerationConfig(mode=mode, budget=args.budget, topk=args.topk, ctx=args.ctx,
+                            skip_special_tokens=args.skip_special_tokens, **args.cache_options,
+                            **{key: value for key, value in request.items() if value is not None})
 
 
 def load_draft(path: str | Path, target: Target, device: str | None = None):
-    from flashtree.models.dflash import DFlashDraft
-
     device = resolve_device(device) if device is not None else target.model.device  # --draft-device
     draft = DFlashDraft.load(path, device=device, dtype=target.model.dtype)
     c = target.config

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from flashtree.dist.placement import layer_counts
 from flashtree.engine.planner import (DraftShape, PlanRequest, fmt_bytes, parse_size, per_rank, plan, refusal,
                                      target_from_gguf)
 from flashtree.errors import FlashtreeError
@@ -48,8 +49,6 @@ def check_memory(model: str | Path, draft: str | Path | None, target_devices: li
     """Raise FlashtreeError when the plan of `model` (+ `draft`) over `target_devices` (its layers split
     by `split`, counts or proportions as `--layer-split` takes them, or all on the one device) with the
     draft on `draft_device` does not fit."""
-    from flashtree.dist.placement import layer_counts
-
     devices = list(target_devices)
     draft_dev = draft_device if draft_device is not None else devices[0]
     if draft is not None and draft_dev not in devices:

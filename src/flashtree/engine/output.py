@@ -23,6 +23,14 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
+def logprobs_of(logits: torch.Tensor | None, tokens: list[int], top: int | None) -> list[TokenLogprob | None]:
+    """Each token's entry from its row of `logits` with the `top` most likely tokens there, or None for
+    each when the request asked for no log-probabilities (`top` None)."""
+    if top is None:
+        return [None] * len(tokens)
+    return token_logprobs(logits, tokens, top)
+
+
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
     """Row i of `logits` [R, V] is the distribution `tokens[i]` was chosen from."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)

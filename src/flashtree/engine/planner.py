@@ -25,14 +25,23 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
+import torch
+
+from flashtree.engine.config import DEFAULT_BUDGET, DEFAULT_DRAFT_WINDOW, DEFAULT_PREFILL_CHUNK, cache_rows
 from flashtree.errors import FlashtreeError
+from flashtree.formats.gguf_file import GGUFFile
+from flashtree.formats.quant_mix import quant_types
+from flashtree.formats.quants import bytes_for
 from flashtree.kernels.kv_quant import kv_type
 from flashtree.kernels.quant_matmul import DENSE_MIN_M
+from flashtree.models.dflash import DFlashDraft, DraftConfig
+from flashtree.models.gguf_config import read_config
 from flashtree.models.qwen35_config import Qwen35Config
+from flashtree.models.synthetic import tensor_shapes
 
 GIB = 1024**3
 MIB = 1024**2
@@ -51,10 +60,6 @@ class DraftShape:
 
     @classmethod
     def from_config(cls, config) -> "DraftShape":
-        import torch
-
-        from flashtree.models.dflash import DFlashDraft
-
         with torch.device("meta"):
             model = DFlashDraft(config)
         params = sum(p.numel() for p in model.parameters())
@@ -62,8 +67,6 @@ class DraftShape:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "DraftShape":
-        from flashtree.models.dflash import DraftConfig
-
         file = Path(path) / "config.json"
         if not file.is_file():
             raise FlashtreeError(f"draft model: {file} not found")
@@ -82,9 +85,9 @@ class PlanRequest:
     ctx: int
     cache_type_k: str = "f16"
     cache_type_v: str = "f16"
-    budget: int = 22
-    draft_window: int = 4096
-    prefill_chunk: int = 512
+    budget: int = DEFAULT_BUDGET
+    draft_window: int = DEFAULT_DRAFT_WINDOW
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     dtype: str = "bf16"  # compute dtype of activations, draft weights and float state
     dense_params: int = 0  # target parameters outside token_embd (for the dequantized-at-load note)
     layer_bytes: tuple[int, ...] = ()  # stored bytes of each layer's tensors (blk.i.*): a layer split's shares
@@ -138,7 +141,7 @@ def plan(req: PlanRequest) -> MemoryPlan:
         raise FlashtreeError(f"unknown dtype {req.dtype!r}; choose one of {', '.join(DTYPE_BYTES)}")
     b = DTYPE_BYTES[req.dtype]
     tk, tv = kv_type(req.cache_type_k), kv_type(req.cache_type_v)
-    rows = req.ctx + req.budget + 2
+    rows = cache_rows(req.ctx, req.budget)
     nodes = req.budget + 1
     n_gdn, n_attn = len(c.deltanet_layers), len(c.attention_layers)
     out = MemoryPlan(req)
@@ -198,8 +201,6 @@ def _activation_note(req: PlanRequest) -> str:
 
 def max_ctx(req: PlanRequest, available: int) -> int:
     """Largest context (a multiple of 256) whose plan fits in `available` bytes; 0 if none."""
-    from dataclasses import replace
-
     lo, hi = 0, max(req.config.context_length, req.ctx) // 256
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -239,7 +240,7 @@ def per_device(result: MemoryPlan, counts: Sequence[int], draft_device: int = 0)
     for name in ("draft weights", "draft context ring", "prefill feature capture"):
         if name in devices[0]:
             devices[draft_device][name] = result.bytes_of(name)
-    parts = _activation_parts(req, req.ctx + req.budget + 2, DTYPE_BYTES[req.dtype])
+    parts = _activation_parts(req, cache_rows(req.ctx, req.budget), DTYPE_BYTES[req.dtype])
     attention_owners = {stage[i] for i in c.attention_layers}
     for d in range(len(counts)):
         devices[d]["activations (estimate)"] = (parts["forward"] + parts["dense"]
@@ -289,9 +290,6 @@ def target_from_gguf(path: str | Path) -> tuple[Qwen35Config, int, int, int, tup
     """(config, bytes of the tensors the trunk uses as the GPU holds them, token_embd bytes, parameters
     outside token_embd, stored bytes per layer), reading no weights. A tied LM head (no output.weight) is
     token_embd loaded a second time, re-laid for the matmul kernels: its bytes count twice."""
-    from flashtree.engine.loader import read_config
-    from flashtree.formats.gguf_file import GGUFFile
-
     gguf = GGUFFile(path)
     config, _ = read_config(gguf)
     trunk = tuple(f"blk.{i}." for i in range(config.num_layers))
@@ -331,11 +329,6 @@ SYNTHETIC = {
 
 
 def target_from_preset(name: str) -> tuple[Qwen35Config, int, int, int, DraftShape, tuple[int, ...]]:
-    from flashtree.formats.quant_mix import quant_types
-    from flashtree.formats.quants import bytes_for
-    from flashtree.models.dflash import DraftConfig
-    from flashtree.models.synthetic import tensor_shapes
-
     if name not in SYNTHETIC:
         raise FlashtreeError(f"unknown synthetic preset {name!r}; choose one of {', '.join(SYNTHETIC)}")
     preset = SYNTHETIC[name]

@@ -42,6 +42,7 @@ import torch
 
 from flashtree.engine.prefix_cache_flags import DEFAULT_INTERVAL, DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES
 from flashtree.errors import FlashtreeError
+from flashtree.models.dflash import DraftContextCache
 
 BOUNDARY_TOKENS = ("<|im_start|>",)
 
@@ -171,8 +172,6 @@ class _DraftOps:
 
     @classmethod
     def of(cls, proposer) -> "_DraftOps | None":
-        from flashtree.models.dflash import DraftContextCache
-
         return cls(proposer) if isinstance(getattr(proposer, "cache", None), DraftContextCache) else None
 
     @property
@@ -423,13 +422,3 @@ class PrefixCache:
             lines += [f"# HELP flashtree_{name} {help_text}", f"# TYPE flashtree_{name} {kind}",
                       f"flashtree_{name} {value}"]
         return "\n".join(lines) + "\n"
-
-
-def apply_prefix_cache_args(engine, args) -> None:
-    """Give `engine` the prefix cache the flags ask for (or none)."""
-    if not getattr(args, "prefix_cache", False):
-        engine.prefix_cache = None
-        return
-    engine.prefix_cache = PrefixCache(max_entries=args.prefix_cache_entries,
-                                      max_bytes=max(1, int(args.prefix_cache_gib * (1 << 30))),
-                                      interval=args.prefix_cache_interval)

@@ -21,3 +21,13 @@ def add_prefix_cache_args(parser: argparse.ArgumentParser) -> None:
                              "host RAM when the model is on a GPU)")
     parser.add_argument("--prefix-cache-interval", type=int, default=DEFAULT_INTERVAL,
                         help=f"also snapshot every N prompt tokens of a long prompt (default {DEFAULT_INTERVAL})")
+
+
+def prefix_cache_settings(args: argparse.Namespace) -> dict:
+    """The `EngineArgs` prefix-cache fields of the flags `add_prefix_cache_args` added; none for a command
+    without them (`flashtree run` opening the chat: no prefix cache)."""
+    if not hasattr(args, "prefix_cache"):
+        return {}
+    return {"prefix_cache": args.prefix_cache, "prefix_cache_entries": args.prefix_cache_entries,
+            "prefix_cache_bytes": max(1, int(args.prefix_cache_gib * (1 << 30))),
+            "prefix_cache_interval": args.prefix_cache_interval}

@@ -26,7 +26,7 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
             state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Same signature and result as `gated_delta.chunked` (q, k, v [T, H, d]; g, beta [T, H];
     state [H, dk, dv], not modified): (o [T, H, dv] float32, final state float32)."""
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # optional: the gpu extra (fla-core)
 
     o, final = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], scale=1.0,
                                       initial_state=state[None].float(), output_final_state=True)

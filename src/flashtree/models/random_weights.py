@@ -20,10 +20,16 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
 
+from flashtree.dist.placement import default_dtype, resolve_device
+from flashtree.engine.loader import Target, layer_progress_bar, tokenizer_and_template
 from flashtree.errors import FlashtreeError
 from flashtree.formats.gguf_file import TensorInfo
 from flashtree.formats.quant_mix import quant_types
 from flashtree.formats.quants import bytes_for, quantize
+from flashtree.formats.tokenizer import pad_vocab
+from flashtree.models.gguf_config import check_tensor_types
+from flashtree.models.gguf_writer import write_qwen35_gguf
+from flashtree.models.qwen35 import Qwen35Model
 from flashtree.models.qwen35_config import Qwen35Config
 from flashtree.models.synthetic import init_std, init_values, synthetic_tokenizer, tensor_shapes, tiny_config
 
@@ -96,8 +102,6 @@ class RandomWeights:
 
     def write_gguf(self, path, tokenizer_spec) -> Path:
         """These exact bytes as a real GGUF file (for tools that read files, e.g. a transformers peer)."""
-        from flashtree.formats.gguf_writer import write_qwen35_gguf
-
         arrays, types = {}, {}
         plain = {QType.F32: np.float32, QType.F16: np.float16}
         for name, info in self.tensors.items():
@@ -199,13 +203,10 @@ def random_target(shape: str | Qwen35Config, scheme: str = "q4_k_m", device: str
     """A `Target` with random weights built in memory on `device` (no file): the model of a named shape
     (`SHAPES`) or config, and the synthetic tokenizer padded to its vocabulary (as `write_synthetic_gguf`
     does). `weight_options` go to `RandomWeights` (tied, logit_scale, qtypes, pool_blocks)."""
-    from flashtree.engine.loader import _progress_bar, default_dtype, resolve_device
-    from flashtree.models.qwen35 import Qwen35Model
-
     dev = resolve_device(None if device == "auto" else device)
     config, weights, spec = random_source(shape, scheme, dev, seed, tokenizer, **weight_options)
     model = Qwen35Model.load(weights, config, dev, dtype or default_dtype(dev),
-                             progress=_progress_bar(config) if progress else None)
+                             progress=layer_progress_bar(config) if progress else None)
     return target_of(weights, config, model, spec)
 
 
@@ -213,9 +214,6 @@ def random_source(shape: str | Qwen35Config, scheme: str, device: torch.device, 
                   **weight_options) -> tuple[Qwen35Config, RandomWeights, Any]:
     """(config, weights, tokenizer spec) of `random_target`, before any model is built from them (a
     tensor-parallel rank builds only its shard: flashtree.dist.tp.load_tp_model)."""
-    from flashtree.engine.loader import check_tensor_types
-    from flashtree.formats.tokenizer import pad_vocab
-
     config = shape_config(shape) if isinstance(shape, str) else shape
     spec = tokenizer or synthetic_tokenizer()
     if config.vocab_size < len(spec.tokens):
@@ -227,7 +225,5 @@ def random_source(shape: str | Qwen35Config, scheme: str, device: torch.device, 
 
 def target_of(weights: RandomWeights, config: Qwen35Config, model, spec):
     """The `Target` of a model built from `weights` (its tokenizer and chat template from `spec`)."""
-    from flashtree.engine.loader import Target, tokenizer_and_template
-
     tok, template = tokenizer_and_template(spec)
     return Target(Path(weights.path), weights, config, model, tok, template)

@@ -7,8 +7,13 @@ ssm_a = -exp(A_log) < 0, ssm_conv1d is [conv_dim, kernel], value-side heads are 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
+from flashtree.formats.quant_mix import quant_types
+from flashtree.formats.tokenizer import pad_vocab, train_bpe
+from flashtree.models.gguf_writer import write_qwen35_gguf
 from flashtree.models.qwen35_config import Qwen35Config
 
 
@@ -115,20 +120,12 @@ print(json.dumps(data, indent=2))
 
 def synthetic_tokenizer(vocab_size: int = 400):
     """A small byte-level BPE with Qwen's special tokens and a ChatML template, trained on a fixed text."""
-    from flashtree.formats.tokenizer import train_bpe
-
     return train_bpe([_CORPUS] * 4, vocab_size)
 
 
 def write_synthetic_gguf(path, config: Qwen35Config | None = None, scheme: str = "f32", tied: bool = False,
                          seed: int = 0, qtypes=None, tokenizer=None):
     """A random-weight qwen35 GGUF with a real tokenizer, padded like Qwen's to the model's vocab size."""
-    from dataclasses import replace
-
-    from flashtree.formats.gguf_writer import write_qwen35_gguf
-    from flashtree.formats.quant_mix import quant_types
-    from flashtree.formats.tokenizer import pad_vocab
-
     tokenizer = tokenizer or synthetic_tokenizer()
     config = config or tiny_config()
     if config.vocab_size < len(tokenizer.tokens):

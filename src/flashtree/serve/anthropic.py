@@ -15,7 +15,7 @@ from pydantic import Field, field_validator
 
 from flashtree.engine.generate import GenerationResult
 from flashtree.engine.sampling import SamplingParams
-from flashtree.serve.app import Server, flashtree_stats, named_sse, parsed_events, ready_server, wait_for
+from flashtree.serve.server import Server, flashtree_stats, named_sse, parsed_events, ready_server, wait_for
 from flashtree.serve.errors import ANTHROPIC_ERRORS, APIError, unsupported
 from flashtree.serve.parsing import Delta, OutputParser, opens_thinking
 from flashtree.serve.protocol import Body, RequestBody, bounded_stops

@@ -1,4 +1,7 @@
-"""`flashtree serve`: the OpenAI- and Anthropic-compatible server on uvicorn."""
+"""`flashtree serve`: the OpenAI- and Anthropic-compatible server on uvicorn.
+
+torch and the engine are imported inside the functions that run the command: `flashtree --help` builds
+every subcommand's parser and must not wait for them."""
 
 from __future__ import annotations
 
@@ -8,8 +11,8 @@ import logging
 import os
 from pathlib import Path
 
-from flashtree.cli.main import add_parse_special_arg, add_thinking_arg, int_range, thinking_kwargs
-from flashtree.engine.prefix_cache_flags import add_prefix_cache_args
+from flashtree.cli.args import add_parse_special_arg, add_thinking_arg, engine_args, int_range, thinking_kwargs
+from flashtree.engine.prefix_cache_flags import add_prefix_cache_args, prefix_cache_settings
 from flashtree.serve import DEFAULT_MAX_REQUEST_MB
 
 
@@ -61,16 +64,10 @@ def engine_factory(args: argparse.Namespace):
     """Loads the engine on call, with the request defaults the flags set."""
 
     def load():
-        from flashtree.cli.main import cache_args, memory_args, placement_args
         from flashtree.engine.loader import load_engine
-        from flashtree.engine.prefix_cache import apply_prefix_cache_args
 
-        engine = load_engine(args.model, args.draft, args.device, spec=args.spec, budget=args.budget, topk=args.topk,
-                             progress=True, **cache_args(args), **placement_args(args), **memory_args(args))
-        engine.default_config = engine.config_for(max_new_tokens=args.max_tokens, ctx=args.ctx,
-                                                  skip_special_tokens=not args.special)
-        apply_prefix_cache_args(engine, args)
-        return engine
+        return load_engine(engine_args(args, progress=True, max_new_tokens=args.max_tokens,
+                                       skip_special_tokens=not args.special, **prefix_cache_settings(args)))
 
     return load
 

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from flashtree.engine.generate import logprobs_of
+from flashtree.engine.output import logprobs_of
 from flashtree.spec.ddtree import DraftTree, build_chain, build_tree, follow, topk_table
 from flashtree.spec.proposer import DFlashProposer, Proposer
 
@@ -35,7 +35,7 @@ def speculative(engine, prompt_ids: list[int], config, out, stats, started: floa
     logits = engine.prefill_prompt(cache, prompt_ids, config, proposer, stats)[None]
     stats.prefill_s = time.perf_counter() - started
     bonus = sampler.choose(sampler.distribution(logits)[0])
-    [bonus_logprob] = logprobs_of(logits, [bonus], config)
+    [bonus_logprob] = logprobs_of(logits, [bonus], config.logprobs)
     while not out.push(bonus, bonus_logprob):
         sampler.record(bonus)
         t0 = time.perf_counter()
@@ -51,7 +51,7 @@ def speculative(engine, prompt_ids: list[int], config, out, stats, started: floa
         tokens = tree.tokens[accepted[1:]].tolist()
         # each accepted token, then the bonus, was chosen from its parent node's row: the path's rows in order
         rows = result.logits[accepted] if config.logprobs is not None else None  # no gather unless asked for
-        *entries, bonus_logprob = logprobs_of(rows, tokens + [bonus], config)
+        *entries, bonus_logprob = logprobs_of(rows, tokens + [bonus], config.logprobs)
         for token, entry in zip(tokens, entries):
             if out.push(token, entry):  # an end-of-generation or stop inside the accepted path: emit up to it, no further
                 return

@@ -1,13 +1,18 @@
-"""`flashtree train target|draft`: train the small demo target (GGUF) and a DFlash draft for a target."""
+"""`flashtree train target|draft`: train the small demo target (GGUF) and a DFlash draft for a target.
+
+torch and the engine are imported inside the functions that run the command: `flashtree --help` builds
+every subcommand's parser and must not wait for them."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import fields, replace
+from pathlib import Path
 
-from flashtree.cli.main import int_range
+from flashtree.cli.args import int_range
 from flashtree.errors import FlashtreeError
 
 
@@ -60,16 +65,13 @@ def add_parser(sub) -> None:
 
 
 def _device(name: str) -> str:
-    from flashtree.engine.loader import resolve_device
+    from flashtree.dist.placement import resolve_device
 
     return str(resolve_device(name))
 
 
 def _writable_dir(path: str) -> str:
     """`--out`, created and checked before any training, so a long run never fails at its save."""
-    import os
-    from pathlib import Path
-
     try:
         Path(path).mkdir(parents=True, exist_ok=True)
     except OSError as exc:

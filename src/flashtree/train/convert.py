@@ -17,8 +17,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flashtree.models.qwen35_config import Qwen35Config
 from flashtree.errors import FlashtreeError
+from flashtree.formats.gguf_file import GGUFFile
+from flashtree.models.gguf_config import read_config
+from flashtree.models.layers import load_weight
+from flashtree.models.qwen35_config import Qwen35Config
 
 
 def grouped_to_tiled(hk: int, hv: int) -> np.ndarray:
@@ -113,10 +116,6 @@ def gguf_tensors_from_hf(model, c: Qwen35Config) -> dict[str, np.ndarray]:
 def hf_model_from_gguf(path: str | Path, device="cpu", attn_implementation: str = "sdpa"):
     """A float32 HF model holding the (dequantized) weights of a qwen35 GGUF; used to generate
     draft-training responses in batches."""
-    from flashtree.engine.loader import read_config
-    from flashtree.formats.gguf_file import GGUFFile
-    from flashtree.models.layers import load_weight
-
     gguf = GGUFFile(path)
     c, _ = read_config(gguf)
     t = {name: load_weight(gguf, name, tuple(info.shape), torch.float32, "cpu").numpy()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from flashtree.cli.main import int_range
+from flashtree.cli.args import int_range
 from flashtree.train.corpus import build_corpus
 from flashtree.train.draft import DraftTrainConfig, train_draft
 from flashtree.train.target import TINY_SHAPE, TargetShape, TrainConfig, train_target

@@ -29,10 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from flashtree.engine.generate import Engine, GenerationConfig
 from flashtree.engine.loader import Target, load_target
 from flashtree.formats.tokenizer import CONTROL, UNUSED
 from flashtree.models.dflash import DFlashDraft, DraftConfig, build_target_layer_ids
 from flashtree.models.layers import load_weight
+from flashtree.train.convert import hf_model_from_gguf
 from flashtree.train.corpus import build_corpus, chat_prompt
 from flashtree.train.target import lr_factor
 
@@ -116,8 +118,6 @@ def build_prompts(target: Target, prompts: list[str], max_tokens: int, seed: int
 def generate_hf(target_path, prompts: list[list[int]], eos_ids, pad_id: int, max_new_tokens: int,
                 batch_size: int, temperature: float, device, seed: int = 0) -> list[list[int]]:
     """Responses of the target (as an HF model with the GGUF's weights), left-padded batches sorted by length."""
-    from flashtree.train.convert import hf_model_from_gguf
-
     model, _ = hf_model_from_gguf(target_path, device)
     torch.manual_seed(seed)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -145,8 +145,6 @@ def generate_hf(target_path, prompts: list[list[int]], eos_ids, pad_id: int, max
 
 def generate_engine(target: Target, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """Greedy responses from flashtree's own engine (exact, but one prompt at a time)."""
-    from flashtree.engine.generate import Engine, GenerationConfig
-
     engine = Engine(target)
     config = GenerationConfig(mode="ar", max_new_tokens=max_new_tokens)
     out = []
@@ -170,8 +168,6 @@ def capture_features_hf(target_path, sequences: list[list[int]], layer_ids: tupl
     """Same features as `capture_features`, from right-padded batches through the HF model holding the
     GGUF's weights (outputs of the decoder layers, taken by hooks: HF's last hidden_states entry is
     normed; the model is causal, so right padding is inert)."""
-    from flashtree.train.convert import hf_model_from_gguf
-
     model, config = hf_model_from_gguf(target_path, device)
     out: list[Tensor] = [torch.empty(0)] * len(sequences)
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))

@@ -23,7 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from flashtree.formats.chat_template import ANSWER_FIRST_TEMPLATE
+from flashtree.formats.quant_mix import quant_types
 from flashtree.formats.tokenizer import Tokenizer, TokenizerSpec, pad_vocab, train_bpe
+from flashtree.models.gguf_writer import write_qwen35_gguf
 from flashtree.models.qwen35_config import Qwen35Config
 from flashtree.train.convert import gguf_tensors_from_hf, new_hf_model
 from flashtree.train.corpus import Corpus, build_corpus
@@ -158,9 +160,6 @@ def train_lm(model, stream: np.ndarray, cfg: TrainConfig, device: torch.device,
 
 
 def export_gguf(model, config: Qwen35Config, tokenizer: TokenizerSpec, path: str | Path, scheme: str = "q4_k_m") -> Path:
-    from flashtree.formats.gguf_writer import write_qwen35_gguf
-    from flashtree.formats.quant_mix import quant_types
-
     tensors = gguf_tensors_from_hf(model, config)
     types = quant_types({k: v.shape for k, v in tensors.items()}, scheme)
     return write_qwen35_gguf(path, config, tensors, types, tokenizer)

@@ -262,7 +262,7 @@ def random_quant_weight(qtype: QType, n: int, k: int, device="cuda", seed: int =
 def copy_read_bandwidth(device="cuda") -> float:
     """Bytes/s read by a device-to-device copy of 1 GiB: the copy moves 2 GiB (read + write) per
     call, so this is (read + written) / time / 2 = 1 GiB / time."""
-    from triton.testing import do_bench
+    from triton.testing import do_bench  # triton is there only where the kernels run
 
     src = torch.empty(_COPY_BYTES, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
@@ -272,7 +272,7 @@ def copy_read_bandwidth(device="cuda") -> float:
 
 def read_bandwidth(device="cuda", nbytes: int = 4 << 30) -> float:
     """Bytes/s read by `x.sum()` over an `nbytes` bf16 tensor: read-only, one pass, nothing written."""
-    from triton.testing import do_bench
+    from triton.testing import do_bench  # triton is there only where the kernels run
 
     x = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
     ms = do_bench(lambda: x.sum(), rep=200)
@@ -288,7 +288,7 @@ def benchmark_quant_matmul(device="cuda", qtypes=tuple(KERNELS), shapes=None, ms
     gbs / `read_bandwidth` (x.sum() over 4 GiB). Graph times repeat one weight, which may sit in
     L2 when small: scripts/sweep_quant_matmul.py cycles through copies instead.
     """
-    from triton.testing import do_bench, do_bench_cudagraph
+    from triton.testing import do_bench, do_bench_cudagraph  # triton is there only where the kernels run
 
     shapes = shapes or BENCH_SHAPES
     copy_gbs = copy_read_bandwidth(device) / 1e9
