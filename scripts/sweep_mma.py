@@ -24,7 +24,8 @@ sys.path.insert(0, str(ROOT / "src"))
 import torch  # noqa: E402
 from gguf import GGMLQuantizationType as QType  # noqa: E402
 
-from flashtree.bench.kernels import bench_dense, read_bandwidth, rotation, time_graph  # noqa: E402
+from flashtree.bench.kernels import bench_dense, rotation, time_graph  # noqa: E402
+from flashtree.bench.steps import read_bandwidth  # noqa: E402
 from flashtree.kernels.quant_matmul import mma, quant_matmul_reference, random_quant_weight  # noqa: E402
 
 SHAPES = {"ffn gate/up 17408x5120": (17408, 5120), "ffn down 5120x17408": (5120, 17408),

@@ -21,9 +21,10 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QType
 
+from flashtree.bench.steps import read_bandwidth
 from flashtree.errors import FlashtreeError
 from flashtree.kernels.quant_matmul import (KERNELS, QuantWeight, quant_matmul, quant_matmul_reference,
-                                            random_quant_weight, read_bandwidth)
+                                            random_quant_weight)
 
 SHAPES = {"attn q+gate 12288x5120": (12288, 5120), "ffn gate/up 17408x5120": (17408, 5120),
           "ffn down 5120x17408": (5120, 17408), "lm_head 248320x5120": (248320, 5120)}
@@ -90,7 +91,7 @@ def bench_dense(n: int, k: int, rows: tuple[int, ...], device) -> dict[int, floa
 def run_kernel_bench(out: str | None, types=TYPES, shapes=SHAPES, rows=ROWS, device="cuda") -> dict:
     if not torch.cuda.is_available():
         raise FlashtreeError("bench --kernels times GPU kernels: no CUDA device here")
-    read_bps = read_bandwidth(device)
+    read_bps = read_bandwidth(torch.device(device))
     print(f"{torch.cuda.get_device_name(device)}: read bandwidth {read_bps / 1e12:.2f} TB/s (x.sum over 4 GiB)",
           flush=True)
     points = []

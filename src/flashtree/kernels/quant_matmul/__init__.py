@@ -238,13 +238,7 @@ def quant_matmul_reference(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor
 
 
 # ---------------------------------------------------------------------------------------------
-# micro-benchmark (GPU only)
-
-# Qwen3.6-27B projections: hidden 5120, FFN 17408
-BENCH_SHAPES = {"hidden 5120x5120": (5120, 5120), "gate/up 17408x5120": (17408, 5120),
-                "down 5120x17408": (5120, 17408)}
-BENCH_M = (1, 16, 23, 32, 64)
-_COPY_BYTES = 1 << 30
+# random weights of a type (benchmarks and GPU tests: timing, not accuracy)
 
 
 def random_quant_weight(qtype: QType, n: int, k: int, device="cuda", seed: int = 0) -> QuantWeight:
@@ -257,58 +251,3 @@ def random_quant_weight(qtype: QType, n: int, k: int, device="cuda", seed: int =
         if f.dtype == torch.float16:
             blocks[:, f.start:f.stop] = scale
     return QuantWeight.from_gguf_bytes(blocks, qtype, (n, k))
-
-
-def copy_read_bandwidth(device="cuda") -> float:
-    """Bytes/s read by a device-to-device copy of 1 GiB: the copy moves 2 GiB (read + write) per
-    call, so this is (read + written) / time / 2 = 1 GiB / time."""
-    from triton.testing import do_bench  # triton is there only where the kernels run
-
-    src = torch.empty(_COPY_BYTES, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src))
-    return _COPY_BYTES / (ms * 1e-3)
-
-
-def read_bandwidth(device="cuda", nbytes: int = 4 << 30) -> float:
-    """Bytes/s read by `x.sum()` over an `nbytes` bf16 tensor: read-only, one pass, nothing written."""
-    from triton.testing import do_bench  # triton is there only where the kernels run
-
-    x = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
-    ms = do_bench(lambda: x.sum(), rep=200)
-    return nbytes / (ms * 1e-3)
-
-
-def benchmark_quant_matmul(device="cuda", qtypes=tuple(KERNELS), shapes=None, ms=BENCH_M) -> list[dict]:
-    """Time the skinny kernels (the whole quant_matmul call) and print a table.
-
-    us: triton.testing.do_bench (includes the Python launch cost); graph_us: do_bench_cudagraph
-    (kernel time alone, as under CUDA-graph decode). gbs = weight bytes / graph time; of_copy =
-    gbs / `copy_read_bandwidth` (bytes read per second by a big device-to-device copy); of_read =
-    gbs / `read_bandwidth` (x.sum() over 4 GiB). Graph times repeat one weight, which may sit in
-    L2 when small: scripts/sweep_quant_matmul.py cycles through copies instead.
-    """
-    from triton.testing import do_bench, do_bench_cudagraph  # triton is there only where the kernels run
-
-    shapes = shapes or BENCH_SHAPES
-    copy_gbs = copy_read_bandwidth(device) / 1e9
-    read_gbs = read_bandwidth(device) / 1e9
-    print(f"device-to-device copy, read bandwidth (1 GiB / time): {copy_gbs:.0f} GB/s; "
-          f"x.sum() over 4 GiB: {read_gbs:.0f} GB/s")
-    print(f"{'type':8} {'shape':20} {'M':>3} {'us':>8} {'graph us':>8} {'GB/s':>6} {'of copy':>7} {'of read':>7}")
-    results = []
-    for qtype in qtypes:
-        for name, (n, k) in shapes.items():
-            weight = random_quant_weight(qtype, n, k, device)
-            for m in ms:
-                x = torch.randn(m, k, dtype=torch.bfloat16, device=device)
-                call_ms = do_bench(lambda: quant_matmul(x, weight))
-                graph_ms = do_bench_cudagraph(lambda: quant_matmul(x, weight))
-                gbs = weight.nbytes / (graph_ms * 1e-3) / 1e9
-                row = {"qtype": qtype.name, "shape": name, "n": n, "k": k, "m": m, "us": call_ms * 1e3,
-                       "graph_us": graph_ms * 1e3, "gbs": gbs, "of_copy": gbs / copy_gbs,
-                       "of_read": gbs / read_gbs}
-                results.append(row)
-                print(f"{row['qtype']:8} {name:20} {m:3d} {row['us']:8.1f} {row['graph_us']:8.1f} {gbs:6.0f} "
-                      f"{row['of_copy']:7.2f} {row['of_read']:7.2f}")
-    return results
