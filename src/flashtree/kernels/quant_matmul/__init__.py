@@ -4,7 +4,11 @@
 block field (quants, high bits, scales, fp16 d...) becomes one contiguous [N, blocks, width] array,
 all concatenated in one uint8 buffer. Values are untouched (the GGUF bytes come back exactly with
 `gguf_bytes()`); the point is aligned, vectorizable loads, since GGUF block sizes (e.g. Q6_K's 210
-bytes) break alignment, and a row's quants are contiguous across blocks. `quant_matmul` runs the
+bytes) break alignment, and a row's quants are contiguous across blocks. On CUDA with cuda-python, Q4_K and
+Q6_K weights are instead re-laid in tensor-core fragment order (`mma.py`, CUDA kernels in `mma.cu`):
+1-32 bf16 rows multiply the exact quantized integers and scale each sub-block in float32 (no weight
+rounding); longer chunks go through a dense temporary and cuBLAS, float32 x through a float32 one.
+What follows describes the Triton kernels the other types (and machines without cuda-python) use. `quant_matmul` runs the
 type's Triton kernel on CUDA (or on CPU under TRITON_INTERPRET=1), else a torch
 dequantize-then-matmul. F32/F16/BF16 weights go to torch.
 
