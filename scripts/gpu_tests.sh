@@ -8,11 +8,12 @@ cd "$(dirname "$0")/.."
 marker="gpu"
 [ "${FAST:-0}" = 1 ] && marker="gpu and not slow"
 # -o addopts="": the project's -q would hide the totals line; --timeout: a hung test costs one test
-log=$(mktemp)
+# LOG=FILE keeps the full log (one line per test as it finishes, the 15 slowest last) for a run cut short
+log=${LOG:-$(mktemp)}
 python3 -m pytest -o addopts="" -p no:cacheprovider -p no:warnings -m "$marker" --timeout "${TEST_TIMEOUT:-120}" \
-    -q -rfE --tb=no ${@:-tests} > "$log" 2>&1
+    -v -rfE --tb=short --durations=15 ${@:-tests} > "$log" 2>&1
 status=$?
 grep -E "^(FAILED|ERROR) " "$log"
 tail -n 1 "$log"
-rm -f "$log"
+[ -n "${LOG:-}" ] || rm -f "$log"
 exit $status
