@@ -207,11 +207,11 @@ def mma() -> None:
             for m in (1, 8, 16, 23, 32):
                 c = kernels.choose_config(m, n, k, 132)
                 tg = kernels.token_groups(m)
-                name = kernels._instance(qtype, c.rt, tg, c.warps, c.splits)
+                name = kernels._instance(qtype, c, tg)
                 key = (name, (("rows", m),), (("shape", f"{n}x{k}"),))
                 try:
-                    cubin = kernels.compile_cubin(kernels._SOURCE.read_text() + kernels._wrapper(name, qtype, c.rt, tg, c.warps,
-                                                                                              c.splits), "sm_90")
+                    cubin = kernels.compile_cubin(kernels._SOURCE.read_text() + kernels._wrapper(name, qtype, c, tg),
+                                                  "sm_90")
                     results[key] = _machine_code_facts(cubin)
                 except Exception as e:  # noqa: BLE001 - report and go on
                     results[key] = {"error": str(e).splitlines()[-1]}

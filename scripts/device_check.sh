@@ -1,7 +1,5 @@
-#!/usr/bin/env bash
-# One device call: CUDA tests, then a synthetic benchmark. Carry .whl (gguf wheel); results under $OUT.
 source scripts/device_env.sh
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
-python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py tests/formats/test_quants.py tests/spec/test_lossless.py "$@" 2>&1 | tee "$OUT/pytest.txt" | tail -15
-python3 -m flashtree.cli.main bench --synthetic qwen3.5-0.8b --scheme q8_0 --device cuda -n 64 --prompts 4 --out "$OUT/bench-0.8b.json" 2>&1 | tee "$OUT/bench.txt"
+export FLASHTREE_CACHE=/tmp/ftcache
+python3 -m pytest -o addopts="" -p no:cacheprovider -m gpu tests/kernels/test_mma.py -q --timeout 150 -rfE --tb=short 2>&1 | tail -8
+timeout 200 python3 scripts/sweep_mma.py --out $OUT/sweep_mma.json --budget-s 170 > $OUT/sweep.txt 2>&1; cat $OUT/sweep.txt | tail -52
+timeout 220 python3 -m flashtree.cli.main bench --synthetic qwen3.6-27b --echo --scheme q4_k_m --device cuda --steps -n 8 --repeat 2 --replay-al 0 --prefill-lengths 1024 --enforce-eager --profile --out $OUT/profile.json > $OUT/profile.txt 2>&1; grep -A60 "profile of one" $OUT/profile.txt | head -60

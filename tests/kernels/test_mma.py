@@ -9,6 +9,7 @@ float32 reference, bit-identical rows whatever M, CUDA-graph capture, the dense 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 
 import pytest
 import torch
@@ -86,7 +87,9 @@ def _nvrtc_available() -> bool:
 @pytest.mark.skipif(not _nvrtc_available(), reason="needs cuda-python and NVRTC")
 def test_cuda_source_compiles_for_sm90():
     """CI has no GPU: this is what keeps the CUDA source compiling (one instance of each kind)."""
-    wrappers = (mma._wrapper("a", QType.Q4_K, 1, 1, 8, 2) + mma._wrapper("b", QType.Q6_K, 2, 4, 4, 1)
+    wrappers = (mma._wrapper("a", QType.Q4_K, mma.MMAConfig(1, 8, 2), 1)
+                + mma._wrapper("b", QType.Q6_K, mma.MMAConfig(2, 4, 1), 4)
+                + mma._wrapper("e", QType.Q4_K, mma.MMAConfig(2, 4, 2, own_rows=True), 3)
                 + mma._dequant_wrapper("c", QType.Q4_K, 0) + mma._dequant_wrapper("d", QType.Q6_K, 2))
     cubin = mma.compile_cubin(mma._SOURCE.read_text() + wrappers, "sm_90")
     assert cubin[:4] == b"\x7fELF"
@@ -121,16 +124,14 @@ def test_every_row_count_matches_the_float32_reference(qtype, shape):
 @gpu
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_every_launch_configuration_is_right(qtype):
-    n, k = 1024, 4096
+    n, k = 1056, 4096  # 66 tiles: with own rows the last CTA's warps run past N
     weight = random_quant_weight(qtype, n, k, "cuda")
     x = torch.randn(23, k, dtype=torch.bfloat16, device="cuda")
     ref = quant_matmul_reference(x.float(), weight)
-    for rt in (1, 2):
-        for warps in (1, 2, 4, 8):
-            for splits in (1, 2, 4):
-                y = mma.matmul(x, weight.raw, qtype, n, k, mma.MMAConfig(rt, warps, splits))
-                _check_close(y, ref)
-                assert torch.equal(y, mma.matmul(x, weight.raw, qtype, n, k, mma.MMAConfig(rt, warps, splits)))
+    for config in itertools.starmap(mma.MMAConfig, itertools.product((1, 2), (1, 2, 4, 8), (1, 2, 4), (False, True))):
+        y = mma.matmul(x, weight.raw, qtype, n, k, config)
+        _check_close(y, ref)
+        assert torch.equal(y, mma.matmul(x, weight.raw, qtype, n, k, config)), config
 
 
 @pytest.mark.gpu

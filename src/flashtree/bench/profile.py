@@ -26,6 +26,9 @@ FAMILIES = (
 )
 
 
+TOP_NAMES = 25  # individual kernels listed, by launch count: what a fusion would remove
+
+
 def family(name: str) -> str:
     lowered = name.lower()
     for pattern, label in FAMILIES:
@@ -48,6 +51,7 @@ def profile_call(fn, device: torch.device, warmup: int = 2) -> dict:
         if cuda:
             torch.cuda.synchronize(device)
     families: dict[str, dict] = defaultdict(lambda: {"count": 0, "ms": 0.0})
+    names: dict[str, dict] = defaultdict(lambda: {"count": 0, "ms": 0.0})
     for event in prof.events():
         if cuda and event.device_type != torch.autograd.DeviceType.CUDA:
             continue
@@ -57,9 +61,12 @@ def profile_call(fn, device: torch.device, warmup: int = 2) -> dict:
         entry = families[family(event.name)]
         entry["count"] += 1
         entry["ms"] += microseconds / 1e3
+        names[event.name]["count"] += 1
+        names[event.name]["ms"] += microseconds / 1e3
     total = {"kernels": sum(f["count"] for f in families.values()),
              "ms": sum(f["ms"] for f in families.values())}
-    return {**total, "families": dict(sorted(families.items(), key=lambda item: -item[1]["ms"]))}
+    top = sorted(names.items(), key=lambda item: -item[1]["count"])[:TOP_NAMES]
+    return {**total, "families": dict(sorted(families.items(), key=lambda item: -item[1]["ms"])), "top": dict(top)}
 
 
 def print_profile(name: str, report: dict, device: torch.device) -> None:
@@ -69,3 +76,6 @@ def print_profile(name: str, report: dict, device: torch.device) -> None:
     for label, entry in report["families"].items():
         share = entry["ms"] / report["ms"] if report["ms"] else 0.0
         print(f"  {label:28} {entry['count']:6d} {entry['ms']:10.3f} ms {100 * share:5.1f} %")
+    print(f"  most launched ({unit}, count, ms):")
+    for label, entry in report.get("top", {}).items():
+        print(f"    {entry['count']:6d} {entry['ms']:9.3f}  {label[:110]}")

@@ -8,10 +8,10 @@
 // (128 and Q4_K's min) is removed with the sub-block's sum of x, itself an MMA against ones. So the
 // weights are never rounded; only x (already bf16) and the float32 accumulation round.
 //
-// A warp owns RT tiles of 16 rows and walks a share of the 256-value super-blocks (K); the CTA's
-// warps split K and are summed in a fixed order through shared memory; with SPLITS > 1 CTAs of one
-// row group split K further and the last CTA to finish sums their float32 partials in split order
-// (an atomic ticket, reset for the next call): results are deterministic and there is one launch.
+// A warp owns RT tiles of 16 rows; the CTA's warps either split K (their sums meet in shared memory)
+// or each own their rows (MAP, below); with SPLITS > 1 CTAs of one row group split K further and the
+// last CTA to finish sums their float32 partials in split order (an atomic ticket, reset for the next
+// call): results are deterministic and there is one launch.
 // No headers: NVRTC compiles this with nothing but the CUDA built-ins.
 
 typedef unsigned int u32;
@@ -270,7 +270,95 @@ __device__ __forceinline__ void multiply(const Weights<QT, RT>& w, const u16* co
     }
 }
 
-template <int QT, int RT, int TG, int WARPS, int SPLITS>
+// A finished sum of (token, row) over this CTA's K range: the output itself with one split, else this
+// split's float32 partial.
+template <int SPLITS>
+__device__ __forceinline__ void store_sum(float v, int tok, int row, u16* __restrict__ out,
+                                          float* __restrict__ partial, int M, int N) {
+    if (SPLITS == 1) out[(long)tok * N + row] = float_to_bf16(v);
+    else partial[(long)blockIdx.y * M * N + (long)tok * N + row] = v;
+}
+
+// With several splits, the last CTA of a row group to arrive (an atomic ticket, reset for the next
+// call) adds the splits' partials of rows [row0, row0 + rows) in split order, so the result does not
+// depend on timing.
+template <int SPLITS, int THREADS>
+__device__ __forceinline__ void finish_splits(u16* __restrict__ out, const float* __restrict__ partial,
+                                              int* __restrict__ tickets, int row0, int rows, int M, int N) {
+    __threadfence();
+    __syncthreads();
+    __shared__ int last;
+    if (threadIdx.x == 0) last = atomicAdd(tickets + blockIdx.x, 1) == SPLITS - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const long stride = (long)M * N;
+    for (int e = threadIdx.x; e < rows * M; e += THREADS) {
+        const int tok = e / rows, row = row0 + e % rows;
+        const volatile float* src = partial + (long)tok * N + row;
+        float total = 0.0f;
+        for (int s = 0; s < SPLITS; ++s) total += src[s * stride];
+        out[(long)tok * N + row] = float_to_bf16(total);
+    }
+    if (threadIdx.x == 0) tickets[blockIdx.x] = 0;
+}
+
+// MAP 1's end: each warp holds whole sums of its own rows.
+template <int RT, int TG, int WARPS, int SPLITS>
+__device__ __forceinline__ void own_rows_epilogue(const float (&acc)[RT][TG][4], bool active, int tile0,
+                                                  u16* __restrict__ out, float* __restrict__ partial,
+                                                  int* __restrict__ tickets, int M, int N) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    if (active) {
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+            for (int tg = 0; tg < TG; ++tg)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const int tok = 8 * tg + 2 * t + (c & 1);
+                    if (tok < M) store_sum<SPLITS>(acc[rt][tg][c], tok, 16 * (tile0 + rt) + g + 8 * (c >> 1), out, partial, M, N);
+                }
+    }
+    constexpr int ROWS = 16 * RT * WARPS;
+    if constexpr (SPLITS > 1) finish_splits<SPLITS, WARPS * 32>(out, partial, tickets, ROWS * blockIdx.x,
+                                                                 min(ROWS, N - ROWS * (int)blockIdx.x), M, N);
+}
+
+// MAP 0's end: the warps' partial sums of the CTA's RT tiles meet in shared memory, added in warp order.
+template <int RT, int TG, int WARPS, int SPLITS>
+__device__ __forceinline__ void split_k_epilogue(const float (&acc)[RT][TG][4], int tile0, u16* __restrict__ out,
+                                                 float* __restrict__ partial, int* __restrict__ tickets, int M, int N) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    constexpr int VALS = RT * TG * 4;
+    __shared__ float red[WARPS][VALS][32];
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int tg = 0; tg < TG; ++tg)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) red[warp][(rt * TG + tg) * 4 + c][lane] = acc[rt][tg][c];
+    __syncthreads();
+    for (int e = threadIdx.x; e < VALS * 32; e += WARPS * 32) {  // element e = (value index, lane)
+        const int v = e >> 5, l = e & 31;
+        const int rt = v / (TG * 4), tg = (v / 4) % TG, c = v & 3;
+        const int tok = 8 * tg + 2 * (l & 3) + (c & 1);
+        if (tok >= M) continue;
+        float total = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) total += red[w][v][l];
+        store_sum<SPLITS>(total, tok, 16 * (tile0 + rt) + (l >> 2) + 8 * (c >> 1), out, partial, M, N);
+    }
+    if constexpr (SPLITS > 1) finish_splits<SPLITS, WARPS * 32>(out, partial, tickets, 16 * tile0, 16 * RT, M, N);
+}
+
+// Two ways to give a CTA's warps work (MAP):
+//   0 "split K": the warps share RT row tiles and each takes every WARPS-th super-block; their partial
+//     sums meet in shared memory. Few tiles still fill the GPU.
+//   1 "own rows": each warp owns RT tiles of its own and walks the CTA's whole K range, so the warps
+//     read the same x at about the same time: one L2 read of x serves the CTA through L1. With more
+//     than 8 tokens x's traffic, not the weights', is what limits MAP 0.
+template <int QT, int RT, int TG, int WARPS, int SPLITS, int MAP>
 __device__ __forceinline__ void qmm(const u16* __restrict__ x, const unsigned char* __restrict__ quants,
                                     const unsigned char* __restrict__ high, const unsigned char* __restrict__ scales,
                                     const u16* __restrict__ dvals, u16* __restrict__ out, float* __restrict__ partial,
@@ -279,7 +367,8 @@ __device__ __forceinline__ void qmm(const u16* __restrict__ x, const unsigned ch
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int SB = K >> 8;  // super-blocks per row
-    const int tile0 = blockIdx.x * RT;
+    const int tile0 = MAP == 0 ? blockIdx.x * RT : (blockIdx.x * WARPS + warp) * RT;
+    const bool active = tile0 < (N >> 4);  // MAP 1: the last CTA's warps past N have no rows
     // this CTA's super-blocks: split blockIdx.y of SPLITS
     const int per = (SB + SPLITS - 1) / SPLITS;
     const int sb_begin = blockIdx.y * per;
@@ -306,70 +395,20 @@ __device__ __forceinline__ void qmm(const u16* __restrict__ x, const unsigned ch
     // so each warp keeps a super-block of loads in flight while it computes.
     const Consts k = make_consts();
     Weights<QT, RT> w0, w1;  // two named buffers (unrolled by two): an indexed pair would go to local memory
-    int sb = sb_begin + warp;
+    constexpr int STEP = MAP == 0 ? WARPS : 1;
+    int sb = active ? sb_begin + (MAP == 0 ? warp : 0) : sb_end;
     if (sb < sb_end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb, lane, g, w0);
     while (sb < sb_end) {
-        if (sb + WARPS < sb_end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb + WARPS, lane, g, w1);
+        if (sb + STEP < sb_end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb + STEP, lane, g, w1);
         multiply<QT, RT, TG>(w0, xrow, sb, k, acc);
-        sb += WARPS;
+        sb += STEP;
         if (sb >= sb_end) break;
-        if (sb + WARPS < sb_end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb + WARPS, lane, g, w0);
+        if (sb + STEP < sb_end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb + STEP, lane, g, w0);
         multiply<QT, RT, TG>(w1, xrow, sb, k, acc);
-        sb += WARPS;
+        sb += STEP;
     }
-
-    // sum the warps in order through shared memory
-    constexpr int VALS = RT * TG * 4;
-    __shared__ float red[WARPS][VALS][32];
-#pragma unroll
-    for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-        for (int tg = 0; tg < TG; ++tg)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) red[warp][(rt * TG + tg) * 4 + c][lane] = acc[rt][tg][c];
-    __syncthreads();
-
-    // element e = (value index, lane) -> (row, token)
-    if constexpr (SPLITS == 1) {
-        for (int e = threadIdx.x; e < VALS * 32; e += WARPS * 32) {
-            const int v = e >> 5, l = e & 31;
-            float total = 0.0f;
-#pragma unroll
-            for (int w = 0; w < WARPS; ++w) total += red[w][v][l];
-            const int rt = v / (TG * 4), tg = (v / 4) % TG, c = v & 3;
-            const int row = 16 * (tile0 + rt) + (l >> 2) + 8 * (c >> 1);
-            const int tok = 8 * tg + 2 * (l & 3) + (c & 1);
-            if (tok < M) out[(long)tok * N + row] = float_to_bf16(total);
-        }
-    } else {
-        // this split's partial sums, then the last CTA of the row group adds all splits in order
-        const long stride = (long)M * N;
-        for (int e = threadIdx.x; e < VALS * 32; e += WARPS * 32) {
-            const int v = e >> 5, l = e & 31;
-            float total = 0.0f;
-#pragma unroll
-            for (int w = 0; w < WARPS; ++w) total += red[w][v][l];
-            const int rt = v / (TG * 4), tg = (v / 4) % TG, c = v & 3;
-            const int row = 16 * (tile0 + rt) + (l >> 2) + 8 * (c >> 1);
-            const int tok = 8 * tg + 2 * (l & 3) + (c & 1);
-            if (tok < M) partial[blockIdx.y * stride + (long)tok * N + row] = total;
-        }
-        __threadfence();
-        __syncthreads();
-        __shared__ int last;
-        if (threadIdx.x == 0) last = atomicAdd(tickets + blockIdx.x, 1) == SPLITS - 1;
-        __syncthreads();
-        if (!last) return;
-        __threadfence();
-        for (int e = threadIdx.x; e < 16 * RT * M; e += WARPS * 32) {
-            const int tok = e / (16 * RT), row = 16 * tile0 + e % (16 * RT);
-            const volatile float* src = partial + (long)tok * N + row;
-            float total = 0.0f;
-            for (int s = 0; s < SPLITS; ++s) total += src[s * stride];
-            out[(long)tok * N + row] = float_to_bf16(total);
-        }
-        if (threadIdx.x == 0) tickets[blockIdx.x] = 0;
-    }
+    if constexpr (MAP == 1) own_rows_epilogue<RT, TG, WARPS, SPLITS>(acc, active, tile0, out, partial, tickets, M, N);
+    else split_k_epilogue<RT, TG, WARPS, SPLITS>(acc, tile0, out, partial, tickets, M, N);
 }
 
 // Dense dequantization (prefill chunks that go to cuBLAS, and float32/float16 x): one warp per tile

@@ -285,19 +285,28 @@ def dequantize_emulated(raw: torch.Tensor, qtype: QType, n: int, k: int) -> torc
 
 @dataclass(frozen=True)
 class MMAConfig:
-    """rt: 16-row tiles per warp; warps: per CTA (they split K); splits: CTAs per row group (split K)."""
+    """rt: 16-row tiles per warp; warps: per CTA; splits: CTAs per row group (split K); own_rows: the
+    CTA's warps each own rt tiles and walk the CTA's whole K range (else they share rt tiles and split
+    K between them; mma.cu, MAP)."""
 
     rt: int
     warps: int
     splits: int
+    own_rows: bool = False
+
+    def row_groups(self, n: int) -> int:
+        """CTAs along N."""
+        rows = 16 * self.rt * (self.warps if self.own_rows else 1)
+        return -(-n // rows)
 
 
 def token_groups(m: int) -> int:
     return (m + 7) // 8
 
 
-def _instance(qtype: QType, rt: int, tg: int, warps: int, splits: int) -> str:
-    return f"qmm_{qtype.name.lower()}_r{rt}_t{tg}_w{warps}_s{splits}"
+def _instance(qtype: QType, config: MMAConfig, tg: int) -> str:
+    c = config
+    return f"qmm_{qtype.name.lower()}_r{c.rt}_t{tg}_w{c.warps}_s{c.splits}_m{int(c.own_rows)}"
 
 
 def _dequant_instance(qtype: QType, out: int) -> str:
@@ -307,11 +316,12 @@ def _dequant_instance(qtype: QType, out: int) -> str:
 _OUT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
-def _wrapper(name: str, qtype: QType, rt: int, tg: int, warps: int, splits: int) -> str:
-    return (f'extern "C" __global__ void __launch_bounds__({warps * 32}) {name}(const u16* x, const unsigned char* q, '
+def _wrapper(name: str, qtype: QType, config: MMAConfig, tg: int) -> str:
+    c = config
+    return (f'extern "C" __global__ void __launch_bounds__({c.warps * 32}) {name}(const u16* x, const unsigned char* q, '
             f"const unsigned char* h, const unsigned char* s, const u16* d, u16* out, float* part, int* tickets, "
-            f"int M, int N, int K) {{ qmm<{qtype.name}, {rt}, {tg}, {warps}, {splits}>(x, q, h, s, d, out, part, "
-            f"tickets, M, N, K); }}\n")
+            f"int M, int N, int K) {{ qmm<{qtype.name}, {c.rt}, {tg}, {c.warps}, {c.splits}, {int(c.own_rows)}>(x, q, h, "
+            f"s, d, out, part, tickets, M, N, K); }}\n")
 
 
 def _dequant_wrapper(name: str, qtype: QType, out: int) -> str:
@@ -486,11 +496,11 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: QType, n: int, k: int,
     tg = token_groups(m)
     if n % (16 * config.rt):
         raise FlashtreeError(f"rt={config.rt} needs N % {16 * config.rt} == 0, N = {n}")
-    name = _instance(qtype, config.rt, tg, config.warps, config.splits)
-    fn = _program(x.device).function(name, _wrapper(name, qtype, config.rt, tg, config.warps, config.splits))
+    name = _instance(qtype, config, tg)
+    fn = _program(x.device).function(name, _wrapper(name, qtype, config, tg))
     p = pieces_of(raw, qtype, n, k)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-    groups = n // (16 * config.rt)
+    groups = config.row_groups(n)
     partial = (torch.empty(config.splits, m, n, dtype=torch.float32, device=x.device) if config.splits > 1
                else out)
     _launch(fn, (groups, config.splits), 32 * config.warps,
@@ -518,12 +528,13 @@ def _sm_count(device: torch.device) -> int:
 
 def instances(splits=(1, 2, 4, 8)) -> list[tuple[str, str]]:
     """(name, wrapper) of every instance a launch can pick: both types, 1-2 row tiles, 1-4 token
-    groups, 1-8 warps, the given splits; and the dense dequantizations."""
+    groups, 1-8 warps, the given splits, both warp maps; and the dense dequantizations."""
     out = []
     for qtype in MMA_TYPES:
-        for rt, tg, warps, split in itertools.product((1, 2), range(1, 5), (1, 2, 4, 8), splits):
-            name = _instance(qtype, rt, tg, warps, split)
-            out.append((name, _wrapper(name, qtype, rt, tg, warps, split)))
+        for rt, tg, warps, split, own in itertools.product((1, 2), range(1, 5), (1, 2, 4, 8), splits, (False, True)):
+            config = MMAConfig(rt, warps, split, own)
+            name = _instance(qtype, config, tg)
+            out.append((name, _wrapper(name, qtype, config, tg)))
         for code in _OUT_CODES.values():
             name = _dequant_instance(qtype, code)
             out.append((name, _dequant_wrapper(name, qtype, code)))
