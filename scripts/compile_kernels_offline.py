@@ -205,7 +205,7 @@ def mma() -> None:
             if n == 248320 and qtype.name != "Q6_K":
                 continue
             for m in (1, 8, 16, 23, 32):
-                c = kernels.choose_config(m, n, k, 132)
+                c = kernels.choose_config(qtype, m, n, k, 132)
                 tg = kernels.token_groups(m)
                 name = kernels._instance(qtype, c, tg)
                 key = (name, (("rows", m),), (("shape", f"{n}x{k}"),))

@@ -34,13 +34,13 @@ SHAPES = {"ffn gate/up 17408x5120": (17408, 5120), "ffn down 5120x17408": (5120,
 ROWS = (1, 16, 23, 32, 8)
 
 
-def configs(n: int, k: int, m: int) -> list[mma.MMAConfig]:
+def configs(qtype: QType, n: int, k: int, m: int) -> list[mma.MMAConfig]:
     out = []
-    for rt, warps, splits, own in itertools.product((1, 2), (2, 4, 8), (1, 2, 4, 8), (False, True)):
-        if n % (16 * rt) or (k // 256) < splits * (1 if own else warps):
+    for rt, warps, splits in itertools.product((1, 2), (2, 4, 8), (1, 2, 4, 8)):
+        if n % (16 * rt) or (k // 256) < splits * warps:
             continue
-        out.append(mma.MMAConfig(rt, warps, splits, own))
-    default = mma.choose_config(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+        out.append(mma.MMAConfig(rt, warps, splits))
+    default = mma.choose_config(qtype, m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
     return [default] + [c for c in out if c != default]
 
 
@@ -60,7 +60,7 @@ def main() -> int:
             if name.startswith("lm_head") and qtype != QType.Q6_K:
                 continue
             for m in ROWS:
-                plan.append((qtype, name, n, k, m, configs(n, k, m)))
+                plan.append((qtype, name, n, k, m, configs(qtype, n, k, m)))
     start = time.time()
     jobs = {}
     for qtype, _, _, _, m, cs in plan:
@@ -96,13 +96,12 @@ def main() -> int:
             out = mma.matmul(x, weights[0].raw, qtype, n, k, c).float()
             err = ((out - ref).abs().max() / ref.abs().max()).item()
             us = time_graph([lambda w=w: mma.matmul(x, w.raw, qtype, n, k, c) for w in weights], replays=10) * 1e6
-            row["configs"].append({"rt": c.rt, "warps": c.warps, "splits": c.splits, "own_rows": c.own_rows,
-                                   "us": us, "err": err})
+            row["configs"].append({"rt": c.rt, "warps": c.warps, "splits": c.splits, "us": us, "err": err})
         results.append(row)
         default, best = row["configs"][0], min(row["configs"], key=lambda r: r["us"])
         print(f"{qtype.name:5} {name:24} {m:3d} {default['us']:10.1f} {100 * floor * 1e6 / default['us']:3.0f}% "
               f"{best['us']:8.1f} {100 * floor * 1e6 / best['us']:3.0f}% {row['bf16_us']:7.1f} rt{best['rt']} w{best['warps']} "
-              f"s{best['splits']} m{int(best['own_rows'])} / {max(c['err'] for c in row['configs']):.1e}", flush=True)
+              f"s{best['splits']} / {max(c['err'] for c in row['configs']):.1e}", flush=True)
         Path(args.out).write_text(json.dumps({"read_tbs": read_bps / 1e12, "points": results}, indent=2))
     return 0
 

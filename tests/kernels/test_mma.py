@@ -69,9 +69,22 @@ def test_cpu_weights_keep_the_gguf_field_layout():
 
 def test_warps_and_splits_do_not_depend_on_the_row_count():
     """They fix a row's summation order: decode and verify rows must round the same."""
-    for n, k in [(17408, 5120), (5120, 17408), (1024, 5120), (248320, 5120)]:
-        configs = {m: mma.choose_config(m, n, k) for m in range(1, 33)}
-        assert len({(c.warps, c.splits) for c in configs.values()}) == 1, (n, k)
+    for qtype in TYPES:
+        for n, k in [(17408, 5120), (5120, 17408), (1024, 5120), (248320, 5120)]:
+            configs = {m: mma.choose_config(qtype, m, n, k) for m in range(1, 33)}
+            assert len({(c.warps, c.splits) for c in configs.values()}) == 1, (qtype, n, k)
+
+
+def test_configurations_follow_the_sweep():
+    """The H200 sweep's choices (docs/PERFORMANCE.md): the LM head on 2 warps, small matrices split K,
+    Q6_K pairs row tiles from 17 rows and Q4_K at 9-16 and 25-32."""
+    assert mma.choose_config(QType.Q6_K, 1, 248320, 5120) == mma.MMAConfig(1, 2, 1)
+    assert mma.choose_config(QType.Q6_K, 23, 248320, 5120) == mma.MMAConfig(2, 2, 1)
+    assert mma.choose_config(QType.Q4_K, 1, 5120, 17408) == mma.MMAConfig(1, 4, 1)
+    assert mma.choose_config(QType.Q4_K, 1, 1024, 5120) == mma.MMAConfig(1, 4, 4)
+    assert mma.choose_config(QType.Q4_K, 32, 1024, 5120).rt == 1  # too few tiles to pair
+    assert [mma.choose_config(QType.Q4_K, m, 17408, 5120).rt for m in (8, 16, 23, 32)] == [1, 2, 1, 2]
+    assert [mma.choose_config(QType.Q6_K, m, 17408, 5120).rt for m in (8, 16, 23, 32)] == [1, 1, 2, 2]
 
 
 def _nvrtc_available() -> bool:
@@ -89,7 +102,6 @@ def test_cuda_source_compiles_for_sm90():
     """CI has no GPU: this is what keeps the CUDA source compiling (one instance of each kind)."""
     wrappers = (mma._wrapper("a", QType.Q4_K, mma.MMAConfig(1, 8, 2), 1)
                 + mma._wrapper("b", QType.Q6_K, mma.MMAConfig(2, 4, 1), 4)
-                + mma._wrapper("e", QType.Q4_K, mma.MMAConfig(2, 4, 2, own_rows=True), 3)
                 + mma._dequant_wrapper("c", QType.Q4_K, 0) + mma._dequant_wrapper("d", QType.Q6_K, 2))
     cubin = mma.compile_cubin(mma._SOURCE.read_text() + wrappers, "sm_90")
     assert cubin[:4] == b"\x7fELF"
@@ -124,11 +136,11 @@ def test_every_row_count_matches_the_float32_reference(qtype, shape):
 @gpu
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_every_launch_configuration_is_right(qtype):
-    n, k = 1056, 4096  # 66 tiles: with own rows the last CTA's warps run past N
+    n, k = 1024, 4096
     weight = random_quant_weight(qtype, n, k, "cuda")
     x = torch.randn(23, k, dtype=torch.bfloat16, device="cuda")
     ref = quant_matmul_reference(x.float(), weight)
-    for config in itertools.starmap(mma.MMAConfig, itertools.product((1, 2), (1, 2, 4, 8), (1, 2, 4), (False, True))):
+    for config in itertools.starmap(mma.MMAConfig, itertools.product((1, 2), (1, 2, 4, 8), (1, 2, 4))):
         y = mma.matmul(x, weight.raw, qtype, n, k, config)
         _check_close(y, ref)
         assert torch.equal(y, mma.matmul(x, weight.raw, qtype, n, k, config)), config

@@ -8,10 +8,12 @@
 // (128 and Q4_K's min) is removed with the sub-block's sum of x, itself an MMA against ones. So the
 // weights are never rounded; only x (already bf16) and the float32 accumulation round.
 //
-// A warp owns RT tiles of 16 rows; the CTA's warps either split K (their sums meet in shared memory)
-// or each own their rows (MAP, below); with SPLITS > 1 CTAs of one row group split K further and the
-// last CTA to finish sums their float32 partials in split order (an atomic ticket, reset for the next
-// call): results are deterministic and there is one launch.
+// A warp owns RT tiles of 16 rows and walks a share of the 256-value super-blocks (K); the CTA's
+// warps split K and are summed in a fixed order through shared memory; with SPLITS > 1 CTAs of one
+// row group split K further and the last CTA to finish sums their float32 partials in split order
+// (an atomic ticket, reset for the next call): results are deterministic and there is one launch.
+// (Giving each warp rows of its own, so that the CTA's warps share x through L1, measured no faster
+// on the H200: with more than 8 tokens the loop's instructions limit, not x's L2 traffic.)
 // No headers: NVRTC compiles this with nothing but the CUDA built-ins.
 
 typedef unsigned int u32;
@@ -303,31 +305,9 @@ __device__ __forceinline__ void finish_splits(u16* __restrict__ out, const float
     if (threadIdx.x == 0) tickets[blockIdx.x] = 0;
 }
 
-// MAP 1's end: each warp holds whole sums of its own rows.
+// The end of a CTA: its warps' partial sums of the CTA's RT tiles meet in shared memory, added in warp order.
 template <int RT, int TG, int WARPS, int SPLITS>
-__device__ __forceinline__ void own_rows_epilogue(const float (&acc)[RT][TG][4], bool active, int tile0,
-                                                  u16* __restrict__ out, float* __restrict__ partial,
-                                                  int* __restrict__ tickets, int M, int N) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    if (active) {
-#pragma unroll
-        for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-            for (int tg = 0; tg < TG; ++tg)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    const int tok = 8 * tg + 2 * t + (c & 1);
-                    if (tok < M) store_sum<SPLITS>(acc[rt][tg][c], tok, 16 * (tile0 + rt) + g + 8 * (c >> 1), out, partial, M, N);
-                }
-    }
-    constexpr int ROWS = 16 * RT * WARPS;
-    if constexpr (SPLITS > 1) finish_splits<SPLITS, WARPS * 32>(out, partial, tickets, ROWS * blockIdx.x,
-                                                                 min(ROWS, N - ROWS * (int)blockIdx.x), M, N);
-}
-
-// MAP 0's end: the warps' partial sums of the CTA's RT tiles meet in shared memory, added in warp order.
-template <int RT, int TG, int WARPS, int SPLITS>
-__device__ __forceinline__ void split_k_epilogue(const float (&acc)[RT][TG][4], int tile0, u16* __restrict__ out,
+__device__ __forceinline__ void epilogue(const float (&acc)[RT][TG][4], int tile0, u16* __restrict__ out,
                                                  float* __restrict__ partial, int* __restrict__ tickets, int M, int N) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     constexpr int VALS = RT * TG * 4;
@@ -352,13 +332,7 @@ __device__ __forceinline__ void split_k_epilogue(const float (&acc)[RT][TG][4], 
     if constexpr (SPLITS > 1) finish_splits<SPLITS, WARPS * 32>(out, partial, tickets, 16 * tile0, 16 * RT, M, N);
 }
 
-// Two ways to give a CTA's warps work (MAP):
-//   0 "split K": the warps share RT row tiles and each takes every WARPS-th super-block; their partial
-//     sums meet in shared memory. Few tiles still fill the GPU.
-//   1 "own rows": each warp owns RT tiles of its own and walks the CTA's whole K range, so the warps
-//     read the same x at about the same time: one L2 read of x serves the CTA through L1. With more
-//     than 8 tokens x's traffic, not the weights', is what limits MAP 0.
-template <int QT, int RT, int TG, int WARPS, int SPLITS, int MAP>
+template <int QT, int RT, int TG, int WARPS, int SPLITS>
 __device__ __forceinline__ void qmm(const u16* __restrict__ x, const unsigned char* __restrict__ quants,
                                     const unsigned char* __restrict__ high, const unsigned char* __restrict__ scales,
                                     const u16* __restrict__ dvals, u16* __restrict__ out, float* __restrict__ partial,
@@ -367,8 +341,7 @@ __device__ __forceinline__ void qmm(const u16* __restrict__ x, const unsigned ch
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int SB = K >> 8;  // super-blocks per row
-    const int tile0 = MAP == 0 ? blockIdx.x * RT : (blockIdx.x * WARPS + warp) * RT;
-    const bool active = tile0 < (N >> 4);  // MAP 1: the last CTA's warps past N have no rows
+    const int tile0 = blockIdx.x * RT;
     // this CTA's super-blocks: split blockIdx.y of SPLITS
     const int per = (SB + SPLITS - 1) / SPLITS;
     const int sb_begin = blockIdx.y * per;
@@ -395,20 +368,18 @@ __device__ __forceinline__ void qmm(const u16* __restrict__ x, const unsigned ch
     // so each warp keeps a super-block of loads in flight while it computes.
     const Consts k = make_consts();
     Weights<QT, RT> w0, w1;  // two named buffers (unrolled by two): an indexed pair would go to local memory
-    constexpr int STEP = MAP == 0 ? WARPS : 1;
-    int sb = active ? sb_begin + (MAP == 0 ? warp : 0) : sb_end;
+    int sb = sb_begin + warp;
     if (sb < sb_end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb, lane, g, w0);
     while (sb < sb_end) {
-        if (sb + STEP < sb_end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb + STEP, lane, g, w1);
+        if (sb + WARPS < sb_end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb + WARPS, lane, g, w1);
         multiply<QT, RT, TG>(w0, xrow, sb, k, acc);
-        sb += STEP;
+        sb += WARPS;
         if (sb >= sb_end) break;
-        if (sb + STEP < sb_end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb + STEP, lane, g, w0);
+        if (sb + WARPS < sb_end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb + WARPS, lane, g, w0);
         multiply<QT, RT, TG>(w1, xrow, sb, k, acc);
-        sb += STEP;
+        sb += WARPS;
     }
-    if constexpr (MAP == 1) own_rows_epilogue<RT, TG, WARPS, SPLITS>(acc, active, tile0, out, partial, tickets, M, N);
-    else split_k_epilogue<RT, TG, WARPS, SPLITS>(acc, tile0, out, partial, tickets, M, N);
+    epilogue<RT, TG, WARPS, SPLITS>(acc, tile0, out, partial, tickets, M, N);
 }
 
 // Dense dequantization (prefill chunks that go to cuBLAS, and float32/float16 x): one warp per tile

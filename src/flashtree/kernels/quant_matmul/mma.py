@@ -285,19 +285,11 @@ def dequantize_emulated(raw: torch.Tensor, qtype: QType, n: int, k: int) -> torc
 
 @dataclass(frozen=True)
 class MMAConfig:
-    """rt: 16-row tiles per warp; warps: per CTA; splits: CTAs per row group (split K); own_rows: the
-    CTA's warps each own rt tiles and walk the CTA's whole K range (else they share rt tiles and split
-    K between them; mma.cu, MAP)."""
+    """rt: 16-row tiles per warp; warps: per CTA (they split K); splits: CTAs per row group (split K)."""
 
     rt: int
     warps: int
     splits: int
-    own_rows: bool = False
-
-    def row_groups(self, n: int) -> int:
-        """CTAs along N."""
-        rows = 16 * self.rt * (self.warps if self.own_rows else 1)
-        return -(-n // rows)
 
 
 def token_groups(m: int) -> int:
@@ -306,7 +298,7 @@ def token_groups(m: int) -> int:
 
 def _instance(qtype: QType, config: MMAConfig, tg: int) -> str:
     c = config
-    return f"qmm_{qtype.name.lower()}_r{c.rt}_t{tg}_w{c.warps}_s{c.splits}_m{int(c.own_rows)}"
+    return f"qmm_{qtype.name.lower()}_r{c.rt}_t{tg}_w{c.warps}_s{c.splits}"
 
 
 def _dequant_instance(qtype: QType, out: int) -> str:
@@ -320,7 +312,7 @@ def _wrapper(name: str, qtype: QType, config: MMAConfig, tg: int) -> str:
     c = config
     return (f'extern "C" __global__ void __launch_bounds__({c.warps * 32}) {name}(const u16* x, const unsigned char* q, '
             f"const unsigned char* h, const unsigned char* s, const u16* d, u16* out, float* part, int* tickets, "
-            f"int M, int N, int K) {{ qmm<{qtype.name}, {c.rt}, {tg}, {c.warps}, {c.splits}, {int(c.own_rows)}>(x, q, h, "
+            f"int M, int N, int K) {{ qmm<{qtype.name}, {c.rt}, {tg}, {c.warps}, {c.splits}>(x, q, h, "
             f"s, d, out, part, tickets, M, N, K); }}\n")
 
 
@@ -468,20 +460,22 @@ def _launch(fn, grid: tuple[int, int], threads: int, args: list, device: torch.d
 _H200_SMS = 132
 
 
-def choose_config(m: int, n: int, k: int, sms: int = _H200_SMS) -> MMAConfig:
-    """From the H200 sweep of 2026-11-30 (scripts/sweep_mma.py, docs/PERFORMANCE.md): 4 warps per CTA
-    (8 when the matrix has fewer 16-row tiles than SMs), split-K only to fill the GPU; two row tiles
-    per warp for 9-16 rows (beyond, 255 registers spill). Warps and splits depend on the matrix only,
-    never on M: they fix the order in which a row's K is summed, so a row gets the same bits whether
-    it is multiplied alone (decode) or with 31 others (a tree verify), and the two agree on every
-    greedy token."""
-    rt = 2 if token_groups(m) == 2 and n % 32 == 0 else 1
-    sb = k // SUPER
-    tiles = n // 16
-    warps = 4 if tiles >= sms else 8
-    wanted = 16 * sms // warps  # CTAs of one 16-row tile
+def choose_config(qtype: QType, m: int, n: int, k: int, sms: int = _H200_SMS) -> MMAConfig:
+    """From the H200 sweep of 2026-11-30 21:35 UTC (scripts/sweep_mma.py, docs/PERFORMANCE.md).
+
+    Warps and splits depend on the matrix only, never on M: they fix the order in which a row's K is
+    summed, so a row gets the same bits whether it is multiplied alone (decode) or with 31 others (a
+    tree verify), and the two agree on every greedy token. 4 warps per CTA (2 on LM-head-sized
+    matrices); split K only when the row tiles cannot give every SM about two CTAs. Two row tiles per
+    warp (x's fragments reused from registers) where the sweep found them faster: Q4_K at 9-16 and
+    25-32 rows, Q6_K from 17 rows; never on matrices with fewer tiles than SMs."""
+    tiles, sb = n // 16, k // SUPER
+    tg = token_groups(m)
+    pairs = tg in ((2, 4) if qtype == QType.Q4_K else (3, 4))
+    rt = 2 if pairs and tiles >= sms and n % 32 == 0 else 1
+    warps = 2 if tiles >= 32 * sms else 4
     splits = 1
-    while tiles * splits < wanted and sb // (splits * 2) >= 2 * warps:
+    while tiles * splits < 1.5 * sms and sb // (splits * 2) >= warps:
         splits *= 2
     return MMAConfig(rt, warps, splits)
 
@@ -492,7 +486,7 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: QType, n: int, k: int,
     m = x.shape[0]
     if not 1 <= m <= MAX_M or x.dtype != torch.bfloat16:
         raise FlashtreeError(f"the MMA kernel takes 1..{MAX_M} bf16 rows, got {m} of {x.dtype}")
-    config = config or choose_config(m, n, k, _sm_count(x.device))
+    config = config or choose_config(qtype, m, n, k, _sm_count(x.device))
     tg = token_groups(m)
     if n % (16 * config.rt):
         raise FlashtreeError(f"rt={config.rt} needs N % {16 * config.rt} == 0, N = {n}")
@@ -500,7 +494,7 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: QType, n: int, k: int,
     fn = _program(x.device).function(name, _wrapper(name, qtype, config, tg))
     p = pieces_of(raw, qtype, n, k)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-    groups = config.row_groups(n)
+    groups = n // (16 * config.rt)
     partial = (torch.empty(config.splits, m, n, dtype=torch.float32, device=x.device) if config.splits > 1
                else out)
     _launch(fn, (groups, config.splits), 32 * config.warps,
@@ -528,11 +522,11 @@ def _sm_count(device: torch.device) -> int:
 
 def instances(splits=(1, 2, 4, 8)) -> list[tuple[str, str]]:
     """(name, wrapper) of every instance a launch can pick: both types, 1-2 row tiles, 1-4 token
-    groups, 1-8 warps, the given splits, both warp maps; and the dense dequantizations."""
+    groups, 1-8 warps, the given splits; and the dense dequantizations."""
     out = []
     for qtype in MMA_TYPES:
-        for rt, tg, warps, split, own in itertools.product((1, 2), range(1, 5), (1, 2, 4, 8), splits, (False, True)):
-            config = MMAConfig(rt, warps, split, own)
+        for rt, tg, warps, split in itertools.product((1, 2), range(1, 5), (1, 2, 4, 8), splits):
+            config = MMAConfig(rt, warps, split)
             name = _instance(qtype, config, tg)
             out.append((name, _wrapper(name, qtype, config, tg)))
         for code in _OUT_CODES.values():
