@@ -1,5 +1,18 @@
+#!/usr/bin/env bash
+# One device call after a change to code the GPU runs (carry .whl, made by scripts/fetch_device_wheels.sh):
+# the fast GPU tests, the 27B-shape steps with the eager step's kernel profile, and the demo pair's
+# speculative-against-AR token identity. Each part has its own time limit; results under $OUT.
 source scripts/device_env.sh
 export FLASHTREE_CACHE=/tmp/ftcache
-python3 -m pytest -o addopts="" -p no:cacheprovider -m gpu tests/kernels/test_mma.py -q --timeout 150 -rfE --tb=short 2>&1 | tail -8
-timeout 200 python3 scripts/sweep_mma.py --out $OUT/sweep_mma.json --budget-s 170 > $OUT/sweep.txt 2>&1; cat $OUT/sweep.txt | tail -52
-timeout 220 python3 -m flashtree.cli.main bench --synthetic qwen3.6-27b --echo --scheme q4_k_m --device cuda --steps -n 8 --repeat 2 --replay-al 0 --prefill-lengths 1024 --enforce-eager --profile --out $OUT/profile.json > $OUT/profile.txt 2>&1; grep -A60 "profile of one" $OUT/profile.txt | head -60
+t=$(date +%s); LOG=$OUT/gpu_tests.log FAST=${FAST:-1} timeout "${TESTS_TIMEOUT:-240}" bash scripts/gpu_tests.sh \
+    ${TEST_ARGS:-tests --continue-on-collection-errors}; echo "gpu tests rc=$? in $(( $(date +%s) - t )) s"
+if [ "${STEPS:-1}" = 1 ]; then
+  timeout "${STEPS_TIMEOUT:-260}" python3 -m flashtree.cli.main bench --synthetic qwen3.6-27b --echo --scheme q4_k_m \
+      --device cuda --steps -n 16 --repeat 5 --replay-al 0 --prefill-lengths 1024,13000 --profile \
+      --out "$OUT/steps.json" > "$OUT/steps.txt" 2>&1
+  grep -vE "^\s+[0-9]+ +[0-9.]+  " "$OUT/steps.txt" | tail -40
+fi
+if [ "${DEMO:-1}" = 1 ]; then
+  timeout "${DEMO_TIMEOUT:-150}" python3 -m flashtree.cli.main bench --device cuda --dataset humaneval --prompts 20 \
+      -n 256 --out "$OUT/demo.json" > "$OUT/demo.txt" 2>&1; tail -6 "$OUT/demo.txt"
+fi

@@ -21,7 +21,7 @@ N_NEW = 12
 def run(path: str, dtype: torch.dtype) -> dict:
     torch.manual_seed(0)
     target = load_target(path, device="cpu", dtype=dtype)
-    quantized = isinstance(target.model.layers[0].mlp.gate, QuantLinear)
+    quantized = isinstance(target.model.layers[0].mlp.inputs.groups[0][0], QuantLinear)
     logits = target.model.forward(torch.tensor(PROMPT), target.model.new_cache(64)).logits.float()
     tokens = {}
     runs = [("ar", None), ("ddtree", None)]

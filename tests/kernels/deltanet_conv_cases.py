@@ -19,8 +19,11 @@ PARENTS = {
 }
 
 
+RUNS = {"decode-advance": 1, "run-advance": 7}  # parents None (a run) and the state shifted by the call
+
+
 def case_ids() -> list[str]:
-    return [f"{shape}-{d}" for shape in PARENTS for d in DTYPES]
+    return [f"{shape}-{d}" for shape in [*PARENTS, *RUNS] for d in DTYPES]
 
 
 def main() -> None:
@@ -37,6 +40,17 @@ def main() -> None:
             args = (inputs.to(dtype), parents, state, weight, HK, HV, D)
             got, want = conv_qkv(*args), conv_qkv_reference(*args)
             result[f"{name}-{dname}"] = max(((g - w).abs().max() / w.abs().max()).item() for g, w in zip(got, want))
+    for name, n in RUNS.items():
+        inputs = torch.randn(n, conv_dim, generator=gen)
+        state = torch.randn(3, conv_dim, generator=gen)
+        for dname, dtype in DTYPES.items():
+            states = [state.clone(), state.clone()]
+            got = conv_qkv(inputs.to(dtype), None, states[0], weight, HK, HV, D, advance_state=True)
+            want = conv_qkv_reference(inputs.to(dtype), None, states[1], weight, HK, HV, D, advance_state=True)
+            errors = [((g - w).abs().max() / w.abs().max()).item() for g, w in zip(got, want)]
+            # the shifted state is copied, not computed: it must be exact
+            errors.append(0.0 if torch.equal(states[0], states[1]) else float("inf"))
+            result[f"{name}-{dname}"] = max(errors)
     json.dump(result, sys.stdout)
 
 

@@ -133,6 +133,7 @@ def test_every_row_count_matches_the_float32_reference(qtype, shape):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow  # 24 configurations: the full GPU suite; the default ones are in the fast subset
 @gpu
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_every_launch_configuration_is_right(qtype):

@@ -117,7 +117,8 @@ def test_errors_name_the_problem():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("shape", [(5120, 5120), (17408, 5120)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("shape", [(5120, 5120), pytest.param((17408, 5120), marks=pytest.mark.slow)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("qtype", list(KERNELS), ids=lambda t: t.name)
 def test_real_sizes_on_gpu(qtype, shape):
     w = random_quant_weight(qtype, *shape, device="cuda")

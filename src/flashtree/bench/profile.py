@@ -1,8 +1,8 @@
 """`flashtree bench --steps --profile`: where one step's time goes, by kernel family (torch.profiler).
 
 On CUDA it counts the GPU kernels one call launches and their device time; on the CPU the operators and
-their CPU time. Run it with `--enforce-eager` to see the kernels inside a step (a CUDA-graph replay shows
-up as one launch).
+their CPU time. The step profiled is the eager forward, whose kernels are those a CUDA-graph replay
+launches (the timed steps still replay the graphs).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from flashtree.bench.report import save_report
 from flashtree.dist.placement import resolve_device
 from flashtree.engine.config import DEFAULT_BUDGET
 from flashtree.models.dflash import DFlashDraft, DraftConfig, build_target_layer_ids
-from flashtree.models.layers import Linear, QuantLinear
+from flashtree.models.layers import Linear, Projections, QuantLinear
 from flashtree.spec.decode import make_tree, proposer_for, walk
 from flashtree.spec.proposer import DFlashProposer
 
@@ -36,7 +36,8 @@ VERIFY_BUDGETS = (15, 22, 32, 64)
 def weight_bytes(model) -> int:
     """Bytes of matrix weights one target step reads (the embedding lookup excluded)."""
     return model.lm_head.nbytes + sum(value.nbytes for layer in model.layers for obj in (layer.mixer, layer.mlp)
-                                      for value in vars(obj).values() if isinstance(value, (Linear, QuantLinear)))
+                                      for value in vars(obj).values()
+                                      if isinstance(value, (Linear, QuantLinear, Projections)))
 
 
 def read_bandwidth(device: torch.device, gib: float = 4.0) -> float:
@@ -190,8 +191,8 @@ def run_steps(args, engine, device_name: str) -> int:
     token = torch.tensor([prompt[-1]])
     ar = timed(lambda: engine.step_forward(token, cache), device, args.repeat)
     row("ar step", ar, roofline_s, tok_s=round(1 / ar, 1), GBps=round(report["weights_bytes_per_step"] / ar / 1e9, 1))
-    if getattr(args, "profile", False):
-        report["profile_ar_step"] = profile_call(lambda: engine.step_forward(token, cache), device)
+    if getattr(args, "profile", False):  # the eager forward: the kernels a graph replay launches, one by one
+        report["profile_ar_step"] = profile_call(lambda: model.forward(token, cache), device)
         print_profile("AR step", report["profile_ar_step"], device)
 
     bonus = prompt[-1]

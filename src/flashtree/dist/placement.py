@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 
 from flashtree.errors import FlashtreeError
-from flashtree.models.layers import Linear, QuantLinear
+from flashtree.models.layers import Linear, Projections, QuantLinear
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -112,7 +112,7 @@ def _move_attributes(obj, device: torch.device) -> None:
     for name, value in vars(obj).items():
         if isinstance(value, torch.Tensor):
             setattr(obj, name, value.to(device))
-        elif isinstance(value, (Linear, QuantLinear)):
+        elif isinstance(value, (Linear, QuantLinear, Projections)):
             setattr(obj, name, value.to(device))
 
 

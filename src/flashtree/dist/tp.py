@@ -39,7 +39,7 @@ from flashtree.errors import FlashtreeError
 from flashtree.formats.quants import GGML_QUANT_SIZES
 from flashtree.kernels.quant_matmul import QuantWeight
 from flashtree.models.deltanet import GatedDeltaNet
-from flashtree.models.layers import Linear, QuantizedEmbedding, QuantLinear, load_weight
+from flashtree.models.layers import Linear, Projections, QuantizedEmbedding, QuantLinear, load_weight
 from flashtree.models.qwen35 import DecoderLayer, Qwen35Model
 
 
@@ -174,21 +174,23 @@ def shard_layer(layer, full, local, rank: int, world: int, group=None, dtype: to
         dh, hk = full.gdn_head_dim, full.gdn_qk_heads
         # conv channels: [q heads | k heads | v heads], dh channels each
         conv_heads = torch.cat([qk, hk + qk, 2 * hk + v])
-        m.qkv = shard(m.qkv, conv_heads, dh, 0, dtype)
+        qkv, z, beta, alpha = m.inputs.linears
+        m.inputs = Projections.separate([shard(qkv, conv_heads, dh, 0, dtype), shard(z, v, dh, 0, dtype),
+                                         shard(beta, v, 1, 0, dtype), shard(alpha, v, 1, 0, dtype)])
         m.conv_weight = _rows(m.conv_weight, conv_heads, dh)
-        m.z = shard(m.z, v, dh, 0, dtype)
-        m.beta, m.alpha = shard(m.beta, v, 1, 0, dtype), shard(m.alpha, v, 1, 0, dtype)
         m.decay_rate, m.dt_bias = m.decay_rate[v].contiguous(), m.dt_bias[v].contiguous()
         m.out = row_parallel(shard(m.out, v, dh, 1, dtype), group)
     else:
         heads, kv = _chunk(full.num_heads, rank, world), _chunk(full.num_kv_heads, rank, world)
         hd = full.head_dim
-        m.q = shard(m.q, heads, 2 * hd, 0, dtype)  # per head: [query ; gate]
-        m.k, m.v = shard(m.k, kv, hd, 0, dtype), shard(m.v, kv, hd, 0, dtype)
+        q, k, v = m.inputs.linears
+        m.inputs = Projections.separate([shard(q, heads, 2 * hd, 0, dtype),  # per head: [query ; gate]
+                                         shard(k, kv, hd, 0, dtype), shard(v, kv, hd, 0, dtype)])
         m.out = row_parallel(shard(m.out, heads, hd, 1, dtype), group)
     m.config = local
     mlp, cols = layer.mlp, _chunk(full.intermediate_size, rank, world)
-    mlp.gate, mlp.up = shard(mlp.gate, cols, 1, 0, dtype), shard(mlp.up, cols, 1, 0, dtype)
+    gate, up = mlp.inputs.linears
+    mlp.inputs = Projections.separate([shard(gate, cols, 1, 0, dtype), shard(up, cols, 1, 0, dtype)])
     mlp.down = row_parallel(shard(mlp.down, cols, 1, 1, dtype), group)
 
 
@@ -223,6 +225,7 @@ def load_tp_model(gguf, config, device, dtype, group=None, progress=None, host=N
     for i in range(config.num_layers):
         layer = DecoderLayer.load(gguf, i, config, dtype, host)
         shard_layer(layer, config, local, rank, world, group, dtype)
+        layer.fuse()
         move_layer(layer, device)
         layers.append(layer)
         if progress is not None:

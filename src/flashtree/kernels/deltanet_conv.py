@@ -27,20 +27,30 @@ except ImportError:  # pragma: no cover - triton is a dependency where kernels r
 EPS = 1e-6
 
 
-def conv_qkv_reference(inputs: torch.Tensor, parents: torch.Tensor, conv_state: torch.Tensor,
-                       conv_weight: torch.Tensor, qk_heads: int, v_heads: int,
-                       head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """inputs [T, conv_dim] (the qkv projection, activation dtype), parents [T] int64, conv_state
-    [kernel-1, conv_dim] (oldest first), conv_weight [conv_dim, kernel] (last tap: the token itself).
-    Returns q, k [T, v_heads, head_dim] and v [T, v_heads, head_dim], float32."""
+def conv_qkv_reference(inputs: torch.Tensor, parents: torch.Tensor | None, conv_state: torch.Tensor,
+                       conv_weight: torch.Tensor, qk_heads: int, v_heads: int, head_dim: int,
+                       advance_state: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """inputs [T, conv_dim] (the qkv projection, activation dtype), parents [T] int64 (None: a run, each
+    token's parent the previous one), conv_state [kernel-1, conv_dim] (oldest first), conv_weight
+    [conv_dim, kernel] (last tap: the token itself). Returns q, k [T, v_heads, head_dim] and v [T, v_heads,
+    head_dim], float32. `advance_state` (a run only): the state then ends with the run's last inputs."""
     n, key_dim = inputs.shape[0], qk_heads * head_dim
+    if parents is None:
+        parents = torch.arange(-1, n - 1, device=inputs.device)
     mixed = F.silu(_conv(inputs, parents, conv_state, conv_weight))
+    if advance_state:
+        _advance(conv_state, inputs)
     q, k, v = mixed.split([key_dim, key_dim, v_heads * head_dim], dim=-1)
     q, k = q.reshape(n, qk_heads, head_dim).float(), k.reshape(n, qk_heads, head_dim).float()
     q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + EPS) * head_dim**-0.5
     k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + EPS)
     repeats = v_heads // qk_heads
     return q.repeat(1, repeats, 1), k.repeat(1, repeats, 1), v.reshape(n, v_heads, head_dim).float()
+
+
+def _advance(conv_state: torch.Tensor, inputs: torch.Tensor) -> None:
+    """In place (a captured CUDA graph keeps reading the buffer): the state's rows shifted by the run."""
+    conv_state.copy_(torch.cat([conv_state, inputs.to(conv_state.dtype)])[-conv_state.shape[0]:])
 
 
 def _conv(inputs: torch.Tensor, parents: torch.Tensor, conv_state: torch.Tensor,
@@ -60,20 +70,30 @@ def _conv(inputs: torch.Tensor, parents: torch.Tensor, conv_state: torch.Tensor,
     return (windows.float() * conv_weight.t()[None]).sum(1).to(inputs.dtype)
 
 
-def conv_qkv(inputs: torch.Tensor, parents: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor,
-             qk_heads: int, v_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def conv_qkv(inputs: torch.Tensor, parents: torch.Tensor | None, conv_state: torch.Tensor, conv_weight: torch.Tensor,
+             qk_heads: int, v_heads: int, head_dim: int,
+             advance_state: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`conv_qkv_reference`'s result; the Triton kernel where Triton runs (a 4-tap conv, power-of-two
-    head_dim), else the reference."""
+    head_dim), else the reference. A decode token (one token, advance_state) also shifts the conv
+    state inside the same launch; a longer run shifts it after."""
     n, conv_dim = inputs.shape
+    if advance_state and parents is not None:
+        raise ValueError("advance_state is for a run of tokens (parents None), not a tree")
     if (triton is None or not triton_runs_on(inputs.device) or conv_weight.shape[1] != 4 or n == 0
-            or head_dim & (head_dim - 1) or conv_dim != (2 * qk_heads + v_heads) * head_dim):
-        return conv_qkv_reference(inputs, parents, conv_state, conv_weight, qk_heads, v_heads, head_dim)
-    inputs, conv_state = inputs.contiguous(), conv_state.contiguous()
+            or head_dim & (head_dim - 1) or conv_dim != (2 * qk_heads + v_heads) * head_dim
+            or not conv_state.is_contiguous()):
+        return conv_qkv_reference(inputs, parents, conv_state, conv_weight, qk_heads, v_heads, head_dim,
+                                  advance_state)
+    inputs = inputs.contiguous()
     q = torch.empty(n, v_heads, head_dim, dtype=torch.float32, device=inputs.device)
     k, v = torch.empty_like(q), torch.empty_like(q)
+    in_kernel = advance_state and n == 1  # one program per channel block reads the window, then shifts it
     _conv_qkv_kernel[(n, conv_dim // head_dim)](
-        inputs, parents.to(torch.int64).contiguous(), conv_state, conv_weight.contiguous(), q, k, v, conv_dim,
-        head_dim**-0.5, EPS, HK=qk_heads, HV=v_heads, D=head_dim, num_warps=4)
+        inputs, inputs if parents is None else parents.to(torch.int64).contiguous(), conv_state, conv_weight.contiguous(), q, k, v, conv_dim,
+        head_dim**-0.5, EPS, HK=qk_heads, HV=v_heads, D=head_dim, RUN=parents is None, ADVANCE=in_kernel,
+        num_warps=4)
+    if advance_state and not in_kernel:  # several programs read the state: shift it once they are done
+        _advance(conv_state, inputs)
     return q, k, v
 
 
@@ -90,22 +110,30 @@ if triton is not None:
         return tl.where(from_state, state_row, input_row.to(tl.float32))
 
     @triton.jit
-    def _previous(parents_ptr, e, HISTORY: tl.constexpr):
-        """The buffer row before row e in e's window (see the reference's `previous`)."""
+    def _previous(parents_ptr, e, HISTORY: tl.constexpr, RUN: tl.constexpr):
+        """The buffer row before row e in e's window (see the reference's `previous`); in a run (no
+        parents) simply the row before."""
+        if RUN:
+            return tl.maximum(e - 1, 0)
         is_node = e >= HISTORY
         parent = tl.load(parents_ptr + tl.where(is_node, e - HISTORY, 0))
         return tl.where(is_node, tl.where(parent < 0, HISTORY - 1, parent + HISTORY), tl.maximum(e - 1, 0))
 
     @triton.jit
     def _conv_qkv_kernel(inputs_ptr, parents_ptr, state_ptr, w_ptr, q_ptr, k_ptr, v_ptr, conv_dim, scale, eps,
-                         HK: tl.constexpr, HV: tl.constexpr, D: tl.constexpr):
+                         HK: tl.constexpr, HV: tl.constexpr, D: tl.constexpr, RUN: tl.constexpr,
+                         ADVANCE: tl.constexpr):
         token = tl.program_id(0)
         block = tl.program_id(1)  # D channels: q head `block`, k head `block - HK` or v head `block - 2 HK`
         cols = block * D + tl.arange(0, D)
         e0 = token + 3  # the token's own row in [state (3 rows) ; inputs]
-        e1 = _previous(parents_ptr, e0, 3)
-        e2 = _previous(parents_ptr, e1, 3)
-        e3 = _previous(parents_ptr, e2, 3)
+        e1 = _previous(parents_ptr, e0, 3, RUN)
+        e2 = _previous(parents_ptr, e1, 3, RUN)
+        e3 = _previous(parents_ptr, e2, 3, RUN)
+        if ADVANCE:  # one decode token: this program alone reads these channels' state, so shift it here
+            s1 = tl.load(state_ptr + conv_dim + cols)
+            s2 = tl.load(state_ptr + 2 * conv_dim + cols)
+            newest = tl.load(inputs_ptr + cols).to(state_ptr.dtype.element_ty)
         # oldest tap first, as the reference sums
         acc = _window_row(inputs_ptr, state_ptr, e3, cols, conv_dim, 3) * tl.load(w_ptr + cols * 4)
         acc += _window_row(inputs_ptr, state_ptr, e2, cols, conv_dim, 3) * tl.load(w_ptr + cols * 4 + 1)
@@ -123,3 +151,8 @@ if triton is not None:
             tl.store(k_ptr + base + (block - HK + r * HK) * D + offs, x * inv_norm,
                      mask=(lane_block >= HK) & (lane_block < 2 * HK))
         tl.store(v_ptr + base + (block - 2 * HK) * D + offs, x, mask=lane_block >= 2 * HK)
+        if ADVANCE:
+            tl.debug_barrier()  # the window's state rows were read above
+            tl.store(state_ptr + cols, s1)
+            tl.store(state_ptr + conv_dim + cols, s2)
+            tl.store(state_ptr + 2 * conv_dim + cols, newest)

@@ -35,6 +35,26 @@ def gated_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, 
     return (rms_norm_reference(x, weight, eps) * F.silu(gate.float())).to(out_dtype)
 
 
+def add_rms_norm_reference(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream's add and the next norm: (h + delta, rms_norm(h + delta)), the sum in h's dtype."""
+    total = h + delta
+    return total, rms_norm_reference(total, weight, eps)
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_rms_norm_reference` in one launch where Triton runs (h, delta [T, D] contiguous, same dtype)."""
+    if not (_runs(h) and h.dim() == 2 and h.is_contiguous() and delta.is_contiguous() and delta.dtype == h.dtype
+            and delta.shape == h.shape and h.shape[0]):
+        return add_rms_norm_reference(h, delta, weight, eps)
+    total, normed = torch.empty_like(h), torch.empty_like(h)
+    dim = h.shape[-1]
+    _add_rms_norm_kernel[(h.shape[0],)](h, delta, weight, total, normed, dim, eps, BLOCK=triton.next_power_of_2(dim),
+                                        num_warps=4 if dim <= 1024 else 8)
+    return total, normed
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., D] (any float dtype; rows may be strided, the last dimension contiguous), weight [D]."""
     if not _runs(x):
@@ -83,3 +103,17 @@ if triton is not None:
             g = tl.load(gate_ptr + row * gate_stride + cols, mask=mask, other=0.0).to(tl.float32)
             y = y * (g * tl.sigmoid(g))
         tl.store(out_ptr + row * D + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _add_rms_norm_kernel(h_ptr, delta_ptr, w_ptr, total_ptr, normed_ptr, D, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < D
+        h = tl.load(h_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+        delta = tl.load(delta_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+        total = (h + delta).to(total_ptr.dtype.element_ty)  # the stream keeps its dtype; the norm reads it so
+        tl.store(total_ptr + row * D + cols, total, mask=mask)
+        x = total.to(tl.float32)
+        inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(normed_ptr + row * D + cols, (x * inv * w).to(normed_ptr.dtype.element_ty), mask=mask)

@@ -19,11 +19,12 @@ from torch.nn.attention.bias import causal_lower_right
 from flashtree.engine.cache import AttentionKV
 from flashtree.formats.gguf_file import GGUFFile
 from flashtree.kernels import triton_runs_on
+from flashtree.kernels.activations import gated_heads
 from flashtree.kernels.kv_dequant import dequantize_kv
 from flashtree.kernels.kv_quant import FloatKV, rotate, unrotate
+from flashtree.kernels.qk_norm_rope import qk_norm_rope
 from flashtree.kernels.tree_attention import MAX_TREE_QUERIES, tree_attention
-from flashtree.kernels.rms_norm import rms_norm
-from flashtree.models.layers import Linear, apply_rope, load_weight
+from flashtree.models.layers import Linear, Projections, load_weight
 from flashtree.models.qwen35_config import Qwen35Config
 from flashtree.models.step import Step
 
@@ -31,8 +32,12 @@ from flashtree.models.step import Step
 class GatedAttention:
     def __init__(self, config: Qwen35Config, q: Linear, k: Linear, v: Linear, out: Linear, q_norm, k_norm):
         self.config = config
-        self.q, self.k, self.v, self.out = q, k, v, out
+        self.inputs = Projections.separate([q, k, v])  # one matmul once `fuse`d
+        self.out = out
         self.q_norm, self.k_norm = q_norm, k_norm
+
+    def fuse(self) -> None:
+        self.inputs = self.inputs.fused()
 
     @classmethod
     def load(cls, gguf: GGUFFile, prefix: str, config: Qwen35Config, dtype, device) -> "GatedAttention":
@@ -50,13 +55,13 @@ class GatedAttention:
     def __call__(self, x: torch.Tensor, step: Step, kv: AttentionKV) -> torch.Tensor:
         c = self.config
         n = x.shape[0]
-        qg = self.q(x).view(n, c.num_heads, 2, c.head_dim)
-        q, gate = qg[:, :, 0], qg[:, :, 1].reshape(n, -1)
-        q = rms_norm(q, self.q_norm, c.rms_eps)
-        k = rms_norm(self.k(x).view(n, c.num_kv_heads, c.head_dim), self.k_norm, c.rms_eps)
-        v = self.v(x).view(n, c.num_kv_heads, c.head_dim)
+        qg, k, v = self.inputs(x)
+        qg = qg.reshape(n, c.num_heads, 2, c.head_dim)
+        q, gate = qg[:, :, 0], qg[:, :, 1]
         cos, sin = step.rope(c.rope_dim, c.rope_theta)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = qk_norm_rope(q, self.q_norm, c.rms_eps, cos, sin)
+        k = qk_norm_rope(k.reshape(n, c.num_kv_heads, c.head_dim), self.k_norm, c.rms_eps, cos, sin)
+        v = v.reshape(n, c.num_kv_heads, c.head_dim)
 
         kv.k.index_copy_(1, step.slots, kv.type_k.quantize(k.transpose(0, 1)))
         kv.v.index_copy_(1, step.slots, kv.type_v.quantize(v.transpose(0, 1)))
@@ -73,8 +78,7 @@ class GatedAttention:
             out = self._attend(q, keys, values, step, lo, kv.window)  # [heads, n, hd]
         if kv.type_v.rotated:  # softmax(.) @ (R v) = R (softmax(.) @ v): rotate the output back
             out = unrotate(out)
-        out = out.transpose(0, 1).reshape(n, -1) * torch.sigmoid(gate.float()).to(x.dtype)
-        return self.out(out)
+        return self.out(gated_heads(out, gate))
 
     def _attend(self, q, keys, values, step: Step, lo: int, window: int):
         keys, values = keys.to(q.dtype), values.to(q.dtype)

@@ -8,14 +8,14 @@ its parent chain, which makes a plain run (parent = previous token) and a draft 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from flashtree.engine.cache import DeltaNetState, TreeScratch
 from flashtree.formats.gguf_file import GGUFFile
 from flashtree.kernels import gated_delta, gated_delta_fla, gated_delta_triton, triton_runs_on
 from flashtree.kernels.deltanet_conv import conv_qkv
+from flashtree.kernels.deltanet_gates import gates
 from flashtree.kernels.rms_norm import gated_rms_norm
-from flashtree.models.layers import Linear, load_weight
+from flashtree.models.layers import Linear, Projections, load_weight
 from flashtree.models.qwen35_config import Qwen35Config
 from flashtree.models.step import Step
 
@@ -23,8 +23,9 @@ from flashtree.models.step import Step
 class GatedDeltaNet:
     def __init__(self, config: Qwen35Config, weights: dict[str, object]):
         self.config = config
-        self.qkv, self.z, self.beta, self.alpha, self.out = (
-            weights["qkv"], weights["z"], weights["beta"], weights["alpha"], weights["out"])
+        # qkv (the conv's input), z (the output gate), beta, alpha: one matmul once `fuse`d
+        self.inputs = Projections.separate([weights["qkv"], weights["z"], weights["beta"], weights["alpha"]])
+        self.out = weights["out"]
         self.conv_weight = weights["conv"]  # [conv_dim, kernel]; the last tap multiplies the current token
         self.decay_rate = weights["a"]  # ssm_a = -exp(A_log), already negative
         self.dt_bias = weights["dt_bias"]
@@ -46,15 +47,18 @@ class GatedDeltaNet:
             "norm": load_weight(gguf, f"{prefix}.ssm_norm.weight", (c.gdn_head_dim,), f32, device),
         })
 
+    def fuse(self) -> None:
+        self.inputs = self.inputs.fused()
+
     def __call__(self, x: torch.Tensor, step: Step, state: DeltaNetState) -> tuple[torch.Tensor, TreeScratch | None]:
         c = self.config
         n = x.shape[0]
-        conv_inputs = self.qkv(x)
-        parents = step.parents if step.is_tree else torch.arange(-1, n - 1, device=x.device)
-        q, k, v = conv_qkv(conv_inputs, parents, state.conv, self.conv_weight, c.gdn_qk_heads, c.gdn_v_heads,
-                           c.gdn_head_dim)
-        beta = torch.sigmoid(self.beta(x).float())
-        g = self.decay_rate * F.softplus(self.alpha(x).float() + self.dt_bias)
+        conv_inputs, z, b, a = self.inputs(x)
+        # a run shifts the conv state by its inputs here (a decode token inside the conv's launch); a tree
+        # leaves it to the commit of the accepted path
+        q, k, v = conv_qkv(conv_inputs, step.parents, state.conv, self.conv_weight, c.gdn_qk_heads, c.gdn_v_heads,
+                           c.gdn_head_dim, advance_state=not step.is_tree)
+        g, beta = gates(b, a, self.decay_rate, self.dt_bias)
 
         scratch = None
         # Triton kernels on the GPU for short runs and trees; the torch forms are the CPU reference
@@ -76,14 +80,8 @@ class GatedDeltaNet:
                     run = gated_delta_fla.chunked
                 o, ssm = run(q, k, v, g, beta, state.ssm)
                 state.ssm.copy_(ssm)  # in place: a captured CUDA graph keeps reading these buffers
-            state.conv.copy_(torch.cat([state.conv, conv_inputs.to(state.conv.dtype)])[-(c.conv_kernel - 1):])
-        return self._output(o, x), scratch
-
-    def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        c = self.config
-        n = x.shape[0]
-        z = self.z(x).view(n, c.gdn_v_heads, c.gdn_head_dim)
-        return self.out(gated_rms_norm(o, self.norm, c.rms_eps, z, x.dtype).reshape(n, -1))
+        z = z.reshape(n, c.gdn_v_heads, c.gdn_head_dim)
+        return self.out(gated_rms_norm(o, self.norm, c.rms_eps, z, x.dtype).reshape(n, -1)), scratch
 
 
 def commit_layers(layers: list[tuple[GatedDeltaNet, DeltaNetState, TreeScratch]], path: torch.Tensor) -> None:

@@ -95,6 +95,77 @@ class QuantLinear:
         return quant_matmul(rows, self.quant).reshape(*x.shape[:-1], self.quant.shape[0])
 
 
+def out_features(linear: Linear | QuantLinear) -> int:
+    return linear.quant.shape[0] if isinstance(linear, QuantLinear) else linear.weight.shape[0]
+
+
+def _joinable(a: Linear | QuantLinear, b: Linear | QuantLinear) -> bool:
+    """Whether two projections of one input can share one matrix: same class (not a tensor-parallel
+    subclass), device, and encoding (GGUF type, or dtype) and K."""
+    if type(a) is not type(b) or a.device != b.device:
+        return False
+    if type(a) is QuantLinear:
+        return a.quant.qtype == b.quant.qtype and a.quant.shape[1] == b.quant.shape[1]
+    return type(a) is Linear and a.weight.dtype == b.weight.dtype and a.weight.shape[1] == b.weight.shape[1]
+
+
+def _concatenated(linears: list[Linear | QuantLinear]) -> Linear | QuantLinear:
+    """One matrix holding `linears`' rows in order (GGUF bytes unchanged, only appended)."""
+    if len(linears) == 1:
+        return linears[0]
+    if isinstance(linears[0], QuantLinear):
+        q = linears[0].quant
+        rows = torch.cat([linear.quant.gguf_bytes().reshape(-1) for linear in linears])
+        n = sum(linear.quant.shape[0] for linear in linears)
+        return QuantLinear(QuantWeight.from_gguf_bytes(rows, q.qtype, (n, q.shape[1])))
+    return Linear(torch.cat([linear.weight for linear in linears]))
+
+
+class Projections:
+    """Projections of one input (DeltaNet's qkv/z/beta/alpha, attention's q/k/v, the MLP's gate/up),
+    returned as a list in the order given. Loaded one matrix each; `fused()` appends neighbours that can
+    share a matrix (`_joinable`) into one, so that each group is one matmul (one launch, and one read of
+    x) whose output is split back into views."""
+
+    def __init__(self, groups: list[tuple[Linear | QuantLinear, list[int]]]):
+        self.groups = groups  # (matrix, output sizes of the projections it holds)
+
+    @classmethod
+    def separate(cls, linears: list[Linear | QuantLinear]) -> "Projections":
+        return cls([(linear, [out_features(linear)]) for linear in linears])
+
+    @property
+    def linears(self) -> list[Linear | QuantLinear]:
+        """The separate projections (before `fused`), e.g. for tensor-parallel sharding."""
+        if any(len(sizes) > 1 for _, sizes in self.groups):
+            raise FlashtreeError("these projections are fused into one matrix; shard or inspect them before fusing")
+        return [linear for linear, _ in self.groups]
+
+    def fused(self) -> "Projections":
+        runs: list[list[Linear | QuantLinear]] = []
+        for linear, _ in self.groups:
+            if runs and _joinable(runs[-1][-1], linear):
+                runs[-1].append(linear)
+            else:
+                runs.append([linear])
+        return Projections([(_concatenated(run), [out_features(linear) for linear in run]) for run in runs])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(linear.nbytes for linear, _ in self.groups)
+
+    def to(self, device) -> "Projections":
+        self.groups = [(linear.to(device), sizes) for linear, sizes in self.groups]
+        return self
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        outputs = []
+        for linear, sizes in self.groups:
+            y = linear(x)
+            outputs.extend(y.split(sizes, dim=-1) if len(sizes) > 1 else (y,))
+        return outputs
+
+
 class QuantizedEmbedding:
     """Token embedding kept in its file encoding; only the looked-up rows are dequantized.
 
@@ -127,13 +198,3 @@ def rope_tables(positions: torch.Tensor, rot_dim: int, theta: float) -> tuple[to
     freqs = positions.float()[:, None] * inv_freq[None, :]
     angles = torch.cat([freqs, freqs], dim=-1)
     return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first cos.shape[-1] dims of each head of x [T, H, D]; the rest pass through."""
-    rot = cos.shape[-1]
-    xr, rest = x[..., :rot].float(), x[..., rot:]
-    half = rot // 2
-    rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
-    out = xr * cos[:, None, :] + rotated * sin[:, None, :]
-    return torch.cat([out.to(x.dtype), rest], dim=-1)

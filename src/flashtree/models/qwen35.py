@@ -2,6 +2,9 @@
 
     h = x + Mixer(norm(x)) ; h = h + MLP(norm(h))  for every layer, then output_norm and the LM head.
 
+(Each residual add runs inside the launch of the norm after it, `add_rms_norm`; the projections of one
+input are one matmul where their types allow, `Projections.fused`.)
+
 `forward` processes either a run of new tokens after the cache (prefill, decode) or a draft tree
 (verify); `commit` then folds the accepted root-to-leaf path of a verified tree into the cache.
 """
@@ -13,23 +16,27 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from flashtree.engine.cache import TargetCache
 from flashtree.errors import FlashtreeError
 from flashtree.formats.gguf_file import GGUFFile
 from flashtree.kernels import on_device
-from flashtree.kernels.rms_norm import rms_norm
+from flashtree.kernels.activations import silu_mul
+from flashtree.kernels.rms_norm import add_rms_norm, rms_norm
 from flashtree.models.attention import GatedAttention
 from flashtree.models.deltanet import GatedDeltaNet, commit_layers
-from flashtree.models.layers import Linear, QuantizedEmbedding, load_weight
+from flashtree.models.layers import Linear, Projections, QuantizedEmbedding, load_weight
 from flashtree.models.qwen35_config import Qwen35Config
 from flashtree.models.step import Step
 
 
 class MLP:
     def __init__(self, gate: Linear, up: Linear, down: Linear):
-        self.gate, self.up, self.down = gate, up, down
+        self.inputs = Projections.separate([gate, up])  # one matmul once `fuse`d
+        self.down = down
+
+    def fuse(self) -> None:
+        self.inputs = self.inputs.fused()
 
     @classmethod
     def load(cls, gguf: GGUFFile, prefix: str, config: Qwen35Config, dtype, device) -> "MLP":
@@ -41,7 +48,8 @@ class MLP:
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        gate, up = self.inputs(x)
+        return self.down(silu_mul(gate, up))
 
 
 class DecoderLayer:
@@ -71,16 +79,28 @@ class DecoderLayer:
             config.rms_eps,
         )
 
-    def __call__(self, h: torch.Tensor, step: Step, cache: TargetCache) -> torch.Tensor:
-        x = rms_norm(h, self.attn_norm, self.eps)
+    def fuse(self) -> None:
+        """Concatenate the projections of one input where their types allow (`Projections.fused`)."""
+        self.mixer.fuse()
+        self.mlp.fuse()
+
+    def __call__(self, h: torch.Tensor, delta: torch.Tensor | None, step: Step,
+                 cache: TargetCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, delta) -> (h', delta'): the residual stream arrives with the previous layer's MLP output
+        not yet added (`delta`; None for the first layer), so that each add runs in the launch of the
+        norm that follows it. The layer's output is h' + delta'."""
+        if delta is None:
+            x = rms_norm(h, self.attn_norm, self.eps)
+        else:
+            h, x = add_rms_norm(h, delta, self.attn_norm, self.eps)
         if self.is_recurrent:
             mixed, scratch = self.mixer(x, step, cache.deltanet[self.index])
             if scratch is not None:
                 cache.pending[self.index] = scratch
         else:
             mixed = self.mixer(x, step, cache.attention[self.index])
-        h = h + mixed
-        return h + self.mlp(rms_norm(h, self.post_norm, self.eps))
+        h, x = add_rms_norm(h, mixed, self.post_norm, self.eps)
+        return h, self.mlp(x)
 
 
 @dataclass
@@ -107,6 +127,7 @@ class Qwen35Model:
         layers = []
         for i in range(config.num_layers):
             layers.append(DecoderLayer.load(gguf, i, config, dtype, device))
+            layers[-1].fuse()
             if progress is not None:
                 progress(i + 1, config.num_layers)
         output_norm = load_weight(gguf, "output_norm.weight", (d,), torch.float32, device)
@@ -122,10 +143,15 @@ class Qwen35Model:
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embed(tokens.to(self.device))
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of the hidden states `hidden` (+ `delta`, the last layer's MLP output not yet added)."""
         hidden = hidden.to(self.output_norm.device)
         with on_device(hidden.device):
-            return self.lm_head(rms_norm(hidden, self.output_norm, self.config.rms_eps)).float().to(self.device)
+            if delta is None:
+                normed = rms_norm(hidden, self.output_norm, self.config.rms_eps)
+            else:
+                normed = add_rms_norm(hidden, delta.to(hidden.device), self.output_norm, self.config.rms_eps)[1]
+            return self.lm_head(normed).float().to(self.device)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: TargetCache, step: Step | None = None,
@@ -148,19 +174,20 @@ class Qwen35Model:
         """The device work of `forward`, without checks, syncs or the cache length update: what a CUDA
         graph captures (engine/cuda_graphs.py)."""
         cache.pending.clear()
-        h = self.embed(tokens)
+        h, delta = self.embed(tokens), None
         captured = {}
         wanted = set(capture)
         for layer in self.layers:
             if layer.index in self.boundaries:  # layer split: the hidden state hops to the next device
                 device = self.boundaries[layer.index]
                 h, step = h.to(device), step.to(device)
+                delta = None if delta is None else delta.to(device)
             with on_device(h.device) if self.boundaries else contextlib.nullcontext():
-                h = layer(h, step, cache)
+                h, delta = layer(h, delta, step, cache)
             if layer.index in wanted:
-                captured[layer.index] = h
+                captured[layer.index] = h + delta  # the layer's output
         features = torch.cat([captured[i].to(self.device) for i in capture], dim=-1) if capture else None
-        logits = self.logits(h[-1:] if last_only else h)
+        logits = self.logits(h[-1:], delta[-1:]) if last_only else self.logits(h, delta)
         return ForwardOutput(logits, features)
 
     @torch.inference_mode()

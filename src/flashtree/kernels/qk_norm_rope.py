@@ -1,0 +1,78 @@
+"""Attention's per-head query/key preparation in one launch: RMSNorm over each head (float32, rounded to
+the activation dtype as the model does), then NeoX (rotate-half) RoPE on the first `rot_dim` dims, the
+rest passing through. PyTorch spends about a dozen kernels per tensor on this (casts, norm, slices, two
+concatenations, negation, products); the Triton kernel is one program per (token, head) and reads the
+query straight out of the interleaved [query ; gate] projection rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashtree.kernels import triton_runs_on
+from flashtree.kernels.rms_norm import rms_norm_reference
+
+try:  # the kernel needs triton; the reference does not
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is a dependency where kernels run
+    triton = None
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first cos.shape[-1] dims of each head of x [T, H, D]; the rest pass through."""
+    rot = cos.shape[-1]
+    xr, rest = x[..., :rot].float(), x[..., rot:]
+    half = rot // 2
+    rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
+    out = xr * cos[:, None, :] + rotated * sin[:, None, :]
+    return torch.cat([out.to(x.dtype), rest], dim=-1)
+
+
+def qk_norm_rope_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                           sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] (rows may be strided), weight [D], cos/sin float32 [T, rot_dim] -> [T, H, D] in x's dtype."""
+    return apply_rope(rms_norm_reference(x, weight, eps), cos, sin)
+
+
+def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                 sin: torch.Tensor) -> torch.Tensor:
+    """`qk_norm_rope_reference` in one launch where Triton runs (power-of-two head size, even rot_dim)."""
+    t, heads, dim = x.shape
+    rot = cos.shape[-1]
+    if (triton is None or not triton_runs_on(x.device) or t == 0 or x.stride(-1) != 1 or dim & (dim - 1)
+            or rot % 2 or rot > dim):
+        return qk_norm_rope_reference(x, weight, eps, cos, sin)
+    out = torch.empty(t, heads, dim, dtype=x.dtype, device=x.device)
+    _qk_norm_rope_kernel[(t, heads)](x, weight, cos.contiguous(), sin.contiguous(), out, x.stride(0), x.stride(1),
+                                     eps, D=dim, ROT=rot, num_warps=1 if dim <= 128 else 2)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _normed(x_ptr, w_ptr, offs, mask, inv):
+        """Normalized, weighted values at `offs`, rounded to the activation dtype like the reference's norm."""
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        return (x * inv * w).to(x_ptr.dtype.element_ty).to(tl.float32)
+
+    @triton.jit
+    def _qk_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, token_stride, head_stride, eps,
+                             D: tl.constexpr, ROT: tl.constexpr):
+        token = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        row = x_ptr + token * token_stride + head * head_stride
+        offs = tl.arange(0, D)
+        x = tl.load(row + offs).to(tl.float32)
+        inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+        y = _normed(row, w_ptr, offs, offs < D, inv)
+        rotating = offs < ROT
+        first_half = offs < ROT // 2
+        partner = _normed(row, w_ptr, tl.where(first_half, offs + ROT // 2, offs - ROT // 2), rotating, inv)
+        cos = tl.load(cos_ptr + token * ROT + offs, mask=rotating, other=1.0)
+        sin = tl.load(sin_ptr + token * ROT + offs, mask=rotating, other=0.0)
+        rotated = y * cos + tl.where(first_half, -partner, partner) * sin
+        out = tl.where(rotating, rotated, y)
+        tl.store(out_ptr + (token * tl.num_programs(1) + head) * D + offs, out.to(out_ptr.dtype.element_ty))
