@@ -267,6 +267,29 @@ def norms_and_conv() -> None:
                  torch.zeros(3, conv_dim, dtype=torch.bfloat16), torch.zeros(conv_dim, 4), 16, 48, 128)
 
 
+def fusion() -> None:
+    """The small kernels of the fused decode step, at the 27B shapes (1 and 23 rows)."""
+    from flashtree.kernels.activations import gated_heads, silu_mul
+    from flashtree.kernels.deltanet_conv import conv_qkv
+    from flashtree.kernels.deltanet_gates import gates
+    from flashtree.kernels.qk_norm_rope import qk_norm_rope
+    from flashtree.kernels.rms_norm import add_rms_norm
+
+    bf16 = torch.bfloat16
+    conv_dim = 2 * 16 * 128 + 48 * 128
+    for rows in (1, 23):
+        ba = torch.zeros(rows, 96, dtype=bf16)
+        gates(ba[:, :48], ba[:, 48:], torch.zeros(48), torch.zeros(48))
+        qg = torch.zeros(rows, 24, 2, 256, dtype=bf16)
+        qk_norm_rope(qg[:, :, 0], torch.ones(256), 1e-6, torch.zeros(rows, 64), torch.zeros(rows, 64))
+        gated_heads(torch.zeros(24, rows, 256, dtype=bf16), qg[:, :, 1])
+        gate_up = torch.zeros(rows, 2 * 17408, dtype=bf16)
+        silu_mul(gate_up[:, :17408], gate_up[:, 17408:])
+        add_rms_norm(torch.zeros(rows, 5120, dtype=bf16), torch.zeros(rows, 5120, dtype=bf16), torch.ones(5120), 1e-6)
+        conv_qkv(torch.zeros(rows, conv_dim, dtype=bf16), None, torch.zeros(3, conv_dim), torch.zeros(conv_dim, 4),
+                 16, 48, 128, advance_state=True)
+
+
 def gated_delta() -> None:
     from flashtree.kernels import gated_delta_triton
 
@@ -281,7 +304,7 @@ def gated_delta() -> None:
 PARTS = {"quant_matmul": quant_matmul, "decode_issue_bound": decode_issue_bound, "mma": mma,
          "tree_attention": tree_attention,
          "kv_dequant": kv_dequant,
-         "norms_and_conv": norms_and_conv, "gated_delta": gated_delta}
+         "norms_and_conv": norms_and_conv, "fusion": fusion, "gated_delta": gated_delta}
 
 
 def main() -> None:

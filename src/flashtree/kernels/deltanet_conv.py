@@ -13,6 +13,8 @@ summation order.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -89,12 +91,18 @@ def conv_qkv(inputs: torch.Tensor, parents: torch.Tensor | None, conv_state: tor
     k, v = torch.empty_like(q), torch.empty_like(q)
     in_kernel = advance_state and n == 1  # one program per channel block reads the window, then shifts it
     _conv_qkv_kernel[(n, conv_dim // head_dim)](
-        inputs, inputs if parents is None else parents.to(torch.int64).contiguous(), conv_state, conv_weight.contiguous(), q, k, v, conv_dim,
+        inputs, _no_parents(inputs.device) if parents is None else parents.to(torch.int64).contiguous(), conv_state, conv_weight.contiguous(), q, k, v, conv_dim,
         head_dim**-0.5, EPS, HK=qk_heads, HV=v_heads, D=head_dim, RUN=parents is None, ADVANCE=in_kernel,
         num_warps=4)
     if advance_state and not in_kernel:  # several programs read the state: shift it once they are done
         _advance(conv_state, inputs)
     return q, k, v
+
+
+@functools.cache
+def _no_parents(device: torch.device) -> torch.Tensor:
+    """The parents argument of a run (never read: RUN): an int64 pointer, so the kernel's types hold."""
+    return torch.zeros(1, dtype=torch.int64, device=device)
 
 
 if triton is not None:
@@ -113,11 +121,12 @@ if triton is not None:
     def _previous(parents_ptr, e, HISTORY: tl.constexpr, RUN: tl.constexpr):
         """The buffer row before row e in e's window (see the reference's `previous`); in a run (no
         parents) simply the row before."""
-        if RUN:
-            return tl.maximum(e - 1, 0)
-        is_node = e >= HISTORY
-        parent = tl.load(parents_ptr + tl.where(is_node, e - HISTORY, 0))
-        return tl.where(is_node, tl.where(parent < 0, HISTORY - 1, parent + HISTORY), tl.maximum(e - 1, 0))
+        before = tl.maximum(e - 1, 0)
+        if not RUN:
+            is_node = e >= HISTORY
+            parent = tl.load(parents_ptr + tl.where(is_node, e - HISTORY, 0)).to(tl.int32)
+            before = tl.where(is_node, tl.where(parent < 0, HISTORY - 1, parent + HISTORY), before)
+        return before
 
     @triton.jit
     def _conv_qkv_kernel(inputs_ptr, parents_ptr, state_ptr, w_ptr, q_ptr, k_ptr, v_ptr, conv_dim, scale, eps,

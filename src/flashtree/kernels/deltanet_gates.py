@@ -21,9 +21,6 @@ try:  # the kernel needs triton; the reference does not
 except ImportError:  # pragma: no cover - triton is a dependency where kernels run
     triton = None
 
-SOFTPLUS_LINEAR_ABOVE = 20.0  # torch's softplus threshold: above it softplus(x) = x in float32
-
-
 def gates_reference(b: torch.Tensor, a: torch.Tensor, decay_rate: torch.Tensor,
                     dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """b, a [T, H] (any float dtype, rows may be strided), decay_rate and dt_bias float32 [H] -> (g, beta)."""
@@ -57,8 +54,8 @@ if triton is not None:
         b = tl.load(b_ptr + row * b_stride + cols, mask=mask, other=0.0).to(tl.float32)
         x = tl.load(a_ptr + row * a_stride + cols, mask=mask, other=0.0).to(tl.float32)
         x += tl.load(bias_ptr + cols, mask=mask, other=0.0)
-        # softplus: x past the threshold, exp(x) where 1 + exp(x) would round to 1, else log(1 + exp(x))
-        softplus = tl.where(x > SOFTPLUS_LINEAR_ABOVE, x, tl.where(x < -15.0, tl.exp(x), tl.log(1.0 + tl.exp(x))))
+        # softplus: x past torch's threshold (20), exp(x) where 1 + exp(x) would round to 1, else log(1 + exp(x))
+        softplus = tl.where(x > 20.0, x, tl.where(x < -15.0, tl.exp(x), tl.log(1.0 + tl.exp(x))))
         g = tl.load(decay_ptr + cols, mask=mask, other=0.0) * softplus
         tl.store(g_ptr + row * H + cols, g, mask=mask)
         tl.store(beta_ptr + row * H + cols, tl.sigmoid(b), mask=mask)
