@@ -8,7 +8,7 @@ t=$(date +%s); LOG=$OUT/gpu_tests.log FAST=${FAST:-1} timeout "${TESTS_TIMEOUT:-
     ${TEST_ARGS:-tests --continue-on-collection-errors}; echo "gpu tests rc=$? in $(( $(date +%s) - t )) s"
 if [ "${STEPS:-1}" = 1 ]; then
   timeout "${STEPS_TIMEOUT:-260}" python3 -m flashtree.cli.main bench --synthetic qwen3.6-27b --echo --scheme q4_k_m \
-      --device cuda --steps -n 16 --repeat 5 --replay-al 0 --prefill-lengths 1024,13000 --profile \
+      --device cuda --steps -n 16 --repeat 5 --replay-al 0 ${STEPS_ARGS:---prefill-lengths 1024,13000 --profile} \
       --out "$OUT/steps.json" > "$OUT/steps.txt" 2>&1
   grep -vE "^\s+[0-9]+ +[0-9.]+  " "$OUT/steps.txt" | tail -40
 fi

@@ -16,7 +16,7 @@ if [ "${LONG_256K:-0}" = 1 ]; then  # plain (untied) random model: a real file's
   CUDA_VISIBLE_DEVICES=1 TAIL=20 steps 256k-tq3 "${LIMIT_256K:-300}" --context 262000 --prefill-chunk 512 \
       --prefill-lengths 1024 -ctk tq3_0 -ctv tq3_0 > "$OUT/long.log" 2>&1 &
 fi
-timeout "${LIMIT_TESTS:-100}" python3 -m pytest -q -p no:cacheprovider -p no:warnings -m gpu tests/dist \
+timeout "${LIMIT_TESTS:-100}" python3 -m pytest -q -p no:cacheprovider -p no:warnings -m gpu tests/parallel \
     > "$OUT/pytest.txt" 2>&1  # the single-GPU tests run in scripts/device_figures.sh (part tests)
 echo "== gpu tests (rc $?)"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.txt" | tail -15
 CUDA_VISIBLE_DEVICES=0 steps one 200 --echo --prefill-lengths 1024

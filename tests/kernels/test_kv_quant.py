@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from flashtree.engine.cache import AttentionKV
+from flashtree.models.cache import AttentionKV
 from flashtree.errors import FlashtreeError
 from flashtree.kernels.kv_quant import KV_TYPES, TQ3_LEVELS, FloatKV, kv_type, rotate, unrotate
 from flashtree.models.attention import GatedAttention

@@ -245,11 +245,11 @@ def _device_name(engine) -> str:
 
 def _synthetic_tp_engine(args, config, settings: EngineArgs):
     """This rank's shard of the random model (every rank builds the same weights and keeps its share, as
-    dist.tp shards a file) and a plain engine over it: the benchmark runs on every rank in lock step."""
+    parallel.tp shards a file) and a plain engine over it: the benchmark runs on every rank in lock step."""
     import torch.distributed as dist
 
-    from flashtree.dist.tp import init_from_env, load_tp_model
-    from flashtree.dist.placement import default_dtype
+    from flashtree.parallel.tp import init_from_env, load_tp_model
+    from flashtree.parallel.placement import default_dtype
     from flashtree.engine.loader import engine_from_target
     from flashtree.models.random_weights import random_source, target_of
 
@@ -268,7 +268,7 @@ def _synthetic_tp_engine(args, config, settings: EngineArgs):
 
 def _synthetic_engine(args, settings: EngineArgs):
     """The engine over a random-weight model of shape `args.synthetic`, built in device memory (no file)."""
-    from flashtree.dist.placement import parse_devices, parse_split, place_layers, resolve_device
+    from flashtree.parallel.placement import parse_devices, parse_split, place_layers, resolve_device
     from flashtree.engine.loader import engine_from_target
     from flashtree.models.random_weights import random_target, shape_config
 

@@ -23,7 +23,7 @@ import torch
 
 from flashtree.bench.profile import print_profile, profile_call
 from flashtree.bench.report import save_report
-from flashtree.dist.placement import resolve_device
+from flashtree.parallel.placement import resolve_device
 from flashtree.engine.config import DEFAULT_BUDGET
 from flashtree.models.dflash import DFlashDraft, DraftConfig, build_target_layer_ids
 from flashtree.models.layers import Linear, Projections, QuantLinear

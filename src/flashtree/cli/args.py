@@ -72,7 +72,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="V cache type: f16, bf16, f32, q8_0, q4_0, tq3_0 (default: the model dtype)")
     parser.add_argument("--attn-window", type=int_range(0), default=EngineArgs.attn_window, metavar="N",
                         help="sliding-window attention over the last N positions; changes output (default 0 = full)")
-    # placement over several devices (flashtree.dist, docs/MULTI_GPU.md)
+    # placement over several devices (flashtree.parallel, docs/MULTI_GPU.md)
     parser.add_argument("--gpus", type=int_range(1), default=None, metavar="N",
                         help="split the target's layers evenly over N GPUs (cuda:0..N-1)")
     parser.add_argument("--layer-split", default=None, metavar="A,B,...",

@@ -101,7 +101,7 @@ def available_memory(text: str | None) -> tuple[int | None, str]:
 
 def placement(args: argparse.Namespace, num_layers: int) -> tuple[list[int], int] | None:
     """(layers per GPU, the draft's GPU index) when a placement flag is given, else None."""
-    from flashtree.dist.placement import layer_counts, parse_split
+    from flashtree.parallel.placement import layer_counts, parse_split
 
     if args.layer_split is None and args.draft_device is None:
         return None

@@ -8,14 +8,14 @@ import sys
 import torch.distributed
 
 from flashtree.cli.args import engine_args
-from flashtree.dist.launch import spawn_ranks
+from flashtree.parallel.launch import spawn_ranks
 from flashtree.engine.loader import load_engine
 from flashtree.errors import FlashtreeError
 
 
 def run_rank(args, argv) -> int:
     """The CLI under `--tensor-parallel N`: without RANK in the environment, start N ranks running `argv`
-    (flashtree.dist.launch); rank 0 runs the command; any other rank only loads the same engine and
+    (flashtree.parallel.launch); rank 0 runs the command; any other rank only loads the same engine and
     follows rank 0 (it never reads stdin, binds a port or prints). `bench --synthetic` is SPMD instead:
     every rank runs the whole benchmark in lock step (it calls the model outside `generate`), rank 0
     alone prints and writes the results."""

@@ -53,7 +53,7 @@ class EngineArgs:
     cache_type_k: str | None = None  # KV cache types (f16, bf16, f32, q8_0, q4_0, tq3_0); None: the model dtype
     cache_type_v: str | None = None
     attn_window: int = 0  # > 0: sliding-window attention over the last N positions (changes output)
-    # placement (flashtree.dist, docs/MULTI_GPU.md)
+    # placement (flashtree.parallel, docs/MULTI_GPU.md)
     gpus: int | None = None  # split the target's layers evenly over cuda:0..N-1
     layer_split: str | Sequence[float] | None = None  # layers per device, as proportions or counts
     devices: Sequence[str] | None = None  # the split's devices instead of cuda:0..N-1 (tests split over "cpu")

@@ -11,8 +11,8 @@ import torch
 import torch.distributed
 from tqdm import tqdm
 
-from flashtree.dist.placement import default_dtype, place_layers, resolve_device, resolve_placement
-from flashtree.dist.tp import init_from_env, load_tp_model, serve_ranks
+from flashtree.parallel.placement import default_dtype, place_layers, resolve_device, resolve_placement
+from flashtree.parallel.tp import init_from_env, load_tp_model, serve_ranks
 from flashtree.engine.config import EngineArgs
 from flashtree.engine.generate import Engine, GenerationConfig
 from flashtree.engine.memory_check import check_memory, check_rank_memory
@@ -128,7 +128,7 @@ def model_path(model: str | Path | None) -> str | Path:
 def load_engine(args: EngineArgs = EngineArgs()):
     """Target (+ draft) ready to generate. No model means the embedded demo pair. The default request
     (GenerationConfig) is checked before any weight is loaded, and on CUDA so is the memory plan (`ctx`
-    tokens, each GPU's free memory or the `gpu_memory` cap) of the placement (flashtree.dist,
+    tokens, each GPU's free memory or the `gpu_memory` cap) of the placement (flashtree.parallel,
     docs/MULTI_GPU.md)."""
     if is_demo(args.model):
         if not DEMO_TARGET.is_file():
@@ -151,7 +151,7 @@ def load_engine(args: EngineArgs = EngineArgs()):
 
 def _check_rank_memory(args: EngineArgs) -> None:
     """This rank's share of tensor parallel, checked on the GPU the rank will use (LOCAL_RANK, as
-    `dist.tp.init_from_env` picks it) before any weight is read."""
+    `parallel.tp.init_from_env` picks it) before any weight is read."""
     if not torch.cuda.is_available() or (args.device not in (None, "auto") and not str(args.device).startswith("cuda")):
         return
     check_rank_memory(args.model, args.draft, torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))),

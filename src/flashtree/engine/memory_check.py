@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from flashtree.dist.placement import layer_counts
+from flashtree.parallel.placement import layer_counts
 from flashtree.engine.planner import (DraftShape, PlanRequest, fmt_bytes, parse_size, per_rank, plan, refusal,
                                      target_from_gguf)
 from flashtree.errors import FlashtreeError

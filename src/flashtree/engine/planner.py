@@ -214,7 +214,7 @@ def max_ctx(req: PlanRequest, available: int) -> int:
 def per_device(result: MemoryPlan, counts: Sequence[int], draft_device: int = 0) -> list[dict[str, int]]:
     """`result`'s lines shared out over the devices of a layer split (`counts`: layers per device, in
     order; the embedding on the first device, the output norm and LM head on the last, as
-    `dist.placement` places them) with the draft, its ring and the prefill capture on device
+    `parallel.placement` places them) with the draft, its ring and the prefill capture on device
     `draft_device` (which may be past the split's devices: a draft on a GPU of its own). Every device
     running layers needs its own forward intermediates; the logits are made on the last device and
     copied to the first."""
@@ -250,7 +250,7 @@ def per_device(result: MemoryPlan, counts: Sequence[int], draft_device: int = 0)
 
 
 def per_rank(result: MemoryPlan, world: int) -> dict[str, int]:
-    """One rank's share of `result` under tensor parallel over `world` ranks (`dist.tp`): the layers' and
+    """One rank's share of `result` under tensor parallel over `world` ranks (`parallel.tp`): the layers' and
     the LM head's weights, the KV cache, the DeltaNet state and the tree buffers split; the embedding, the
     draft (a replica per rank), its ring and the prefill capture whole. The activations are not split (an
     upper bound: the logits, the hidden states and the dequantized K/V of a chunk stay whole)."""

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from flashtree.engine.cache import AttentionKV
+from flashtree.models.cache import AttentionKV
 from flashtree.formats.gguf_file import GGUFFile
 from flashtree.kernels import triton_runs_on
 from flashtree.kernels.activations import gated_heads

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from flashtree.engine.cache import DeltaNetState, TreeScratch
+from flashtree.models.cache import DeltaNetState, TreeScratch
 from flashtree.formats.gguf_file import GGUFFile
 from flashtree.kernels import gated_delta, gated_delta_fla, gated_delta_triton, triton_runs_on
 from flashtree.kernels.deltanet_conv import conv_qkv

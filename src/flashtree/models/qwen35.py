@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from flashtree.engine.cache import TargetCache
+from flashtree.models.cache import TargetCache
 from flashtree.errors import FlashtreeError
 from flashtree.formats.gguf_file import GGUFFile
 from flashtree.kernels import on_device
@@ -115,7 +115,7 @@ class Qwen35Model:
         self.config, self.embed, self.layers = config, embed, layers
         self.output_norm, self.lm_head = output_norm, lm_head
         self.device, self.dtype = device, dtype  # `device`: where the embedding, inputs and outputs live
-        self.boundaries: dict[int, torch.device] = {}  # layer split (flashtree.dist): layer index -> its device
+        self.boundaries: dict[int, torch.device] = {}  # layer split (flashtree.parallel): layer index -> its device
 
     @classmethod
     def load(cls, gguf: GGUFFile, config: Qwen35Config, device="cpu", dtype=torch.float32, progress=None) -> "Qwen35Model":

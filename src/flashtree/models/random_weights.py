@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
 
-from flashtree.dist.placement import default_dtype, resolve_device
+from flashtree.parallel.placement import default_dtype, resolve_device
 from flashtree.engine.loader import Target, layer_progress_bar, tokenizer_and_template
 from flashtree.errors import FlashtreeError
 from flashtree.formats.gguf_file import TensorInfo
@@ -213,7 +213,7 @@ def random_target(shape: str | Qwen35Config, scheme: str = "q4_k_m", device: str
 def random_source(shape: str | Qwen35Config, scheme: str, device: torch.device, seed: int = 0, tokenizer=None,
                   **weight_options) -> tuple[Qwen35Config, RandomWeights, Any]:
     """(config, weights, tokenizer spec) of `random_target`, before any model is built from them (a
-    tensor-parallel rank builds only its shard: flashtree.dist.tp.load_tp_model)."""
+    tensor-parallel rank builds only its shard: flashtree.parallel.tp.load_tp_model)."""
     config = shape_config(shape) if isinstance(shape, str) else shape
     spec = tokenizer or synthetic_tokenizer()
     if config.vocab_size < len(spec.tokens):

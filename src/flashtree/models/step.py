@@ -75,7 +75,7 @@ class Step:
         return graphed_mask(self.start_t, self.visible, self.positions, self.kv_end, window)
 
     def to(self, device) -> "Step":
-        """The same step with its tensors on `device` (a layer-split boundary, flashtree.dist)."""
+        """The same step with its tensors on `device` (a layer-split boundary, flashtree.parallel)."""
         parents = None if self.parents is None else self.parents.to(device)
         start_t = None if self.start_t is None else self.start_t.to(device)
         return Step(self.positions.to(device), self.start, self.visible.to(device), parents, self.slots.to(device),

@@ -65,7 +65,7 @@ def add_parser(sub) -> None:
 
 
 def _device(name: str) -> str:
-    from flashtree.dist.placement import resolve_device
+    from flashtree.parallel.placement import resolve_device
 
     return str(resolve_device(name))
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from flashtree.dist import placement
-from flashtree.dist.placement import layer_counts, parse_split, place_layers
+from flashtree.parallel import placement
+from flashtree.parallel.placement import layer_counts, parse_split, place_layers
 from flashtree.engine.config import EngineArgs
 from flashtree.engine.generate import Engine, GenerationConfig
 from flashtree.engine.loader import load_engine, load_target

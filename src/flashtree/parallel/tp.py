@@ -33,8 +33,8 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from flashtree.dist import CHILD_ENV
-from flashtree.dist.placement import move_layer
+from flashtree.parallel import CHILD_ENV
+from flashtree.parallel.placement import move_layer
 from flashtree.errors import FlashtreeError
 from flashtree.formats.quants import GGML_QUANT_SIZES
 from flashtree.kernels.quant_matmul import QuantWeight

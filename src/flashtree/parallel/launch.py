@@ -1,6 +1,6 @@
 """`--tensor-parallel N` without torchrun: flashtree starts N copies of its own command line, one per
 rank, with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) on a free
-local port, and with NVLink multicast off in every child (flashtree.dist.CHILD_ENV)."""
+local port, and with NVLink multicast off in every child (flashtree.parallel.CHILD_ENV)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Sequence
 
-from flashtree.dist import CHILD_ENV
+from flashtree.parallel import CHILD_ENV
 
 
 def free_port() -> int:

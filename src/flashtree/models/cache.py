@@ -70,7 +70,7 @@ class TargetCache:
         if attn_window < 0:
             raise FlashtreeError(f"attention window must be >= 0 (0 = full attention), got {attn_window}")
         heads, hd = config.num_kv_heads, config.head_dim
-        # `device` may list one device per layer (a layer split, flashtree.dist): each layer's state lives with it
+        # `device` may list one device per layer (a layer split, flashtree.parallel): each layer's state lives with it
         devices = list(device) if isinstance(device, (list, tuple)) else [device] * config.num_layers
         attention = {
             i: AttentionKV(type_k.allocate(heads, capacity, hd, devices[i]), type_v.allocate(heads, capacity, hd, devices[i]),

@@ -1,4 +1,4 @@
-"""One rank of the tensor-parallel test (tests/dist/test_tp.py starts two with flashtree.dist.launch).
+"""One rank of the tensor-parallel test (tests/parallel/test_tp.py starts two with flashtree.parallel.launch).
 
 Checks, on every rank: forward (prefill, tree verify, commit, decode) logits and features equal to the
 single-process model's; greedy AR / DDTree generation through TensorParallelEngine equal to one process;
@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 torch.set_num_threads(1)
 
-from flashtree.dist import tp  # noqa: E402
+from flashtree.parallel import tp  # noqa: E402
 from flashtree.engine.generate import Engine, GenerationConfig  # noqa: E402
 from flashtree.engine import loader  # noqa: E402
 from flashtree.engine.loader import load_target  # noqa: E402
@@ -57,8 +57,10 @@ def quantized_shards(gguf: str) -> dict:
     config, _ = read_config(file)
     with mock.patch.object(layers, "keeps_quantized", lambda qtype, device: True):
         model = tp.load_tp_model(file, config, torch.device("cpu"), torch.float32)
-    kinds = collections.Counter(type(value).__name__ for layer in model.layers for part in (layer.mixer, layer.mlp)
-                                for value in vars(part).values() if isinstance(value, (layers.Linear, layers.QuantLinear)))
+    linears = [linear for layer in model.layers for part in (layer.mixer, layer.mlp) for value in vars(part).values()
+               for linear in ([g for g, _ in value.groups] if isinstance(value, layers.Projections) else [value])
+               if isinstance(linear, (layers.Linear, layers.QuantLinear))]
+    kinds = collections.Counter(type(linear).__name__ for linear in linears)
     kinds[type(model.lm_head.inner).__name__ + " head"] += 1
     ours, theirs = forward_trace(model), forward_trace(load_target(gguf, device="cpu").model)
     return {"max_diff": max(float((x - y).abs().max()) for x, y in zip(ours, theirs)), "kinds": dict(kinds)}

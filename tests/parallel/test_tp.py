@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from flashtree.dist import CHILD_ENV, launch, tp
+from flashtree.parallel import CHILD_ENV, launch, tp
 from flashtree.errors import FlashtreeError
 from flashtree.models.synthetic import tiny_config
 
@@ -45,7 +45,7 @@ def test_two_gloo_ranks_match_one_process(make_gguf, tmp_path, monkeypatch):
     quantized = make_gguf("spec-q8", config=tiny_config(num_layers=4, gdn_v_heads=4), scheme="q8_0")
     path = os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])
     monkeypatch.setenv("PYTHONPATH", path)
-    code = launch.spawn_ranks([str(gguf), str(tmp_path), str(quantized)], 2, module="tests.dist.tp_worker")
+    code = launch.spawn_ranks([str(gguf), str(tmp_path), str(quantized)], 2, module="tests.parallel.tp_worker")
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)
                if (tmp_path / f"rank{r}.json").exists()]
     errors = [r.get("error") for r in reports if "error" in r]
