@@ -119,9 +119,10 @@ def _real_inputs(cache, n, kv_end, dtype=torch.bfloat16, heads=24, kv_heads=4, d
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("window", [0, 1024])
+# the fast GPU subset keeps one window and the short cache; the full GPU suite (slow) runs all
+@pytest.mark.parametrize("window", [0, pytest.param(1024, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("n", [1, 23])
-@pytest.mark.parametrize("kv_end", [4096, pytest.param(65536, marks=pytest.mark.slow)])  # slow: the full GPU suite only
+@pytest.mark.parametrize("kv_end", [4096, pytest.param(65536, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("cache", ["bf16", "q8_0", "q4_0", "tq3_0"])
 def test_real_sizes_on_gpu(cache, kv_end, n, window):
     for dtype, bound in ((torch.bfloat16, 2e-2), (torch.float32, 1e-4)):

@@ -67,8 +67,7 @@ def run_multi_turn(args, engine: Engine, model_name: str, device: str) -> int:
     system = system_prompt(engine, args.system_tokens)
     base = engine.config_for(max_new_tokens=args.max_tokens, mode=mode, ignore_eos=True)
     plain = Engine(engine.target, engine.draft, base)
-    cached = Engine(engine.target, engine.draft, base)
-    cached.prefix_cache = PrefixCache(interval=args.prefix_cache_interval)
+    cached = Engine(engine.target, engine.draft, base, prefix_cache=PrefixCache(interval=args.prefix_cache_interval))
     cached.prefill = forwards = _ForwardTimer(cached)
     first = [{"role": "system", "content": system}, {"role": "user", "content": QUESTIONS[0]}]
     # warm-up at full size (allocator, kernels for every chunk shape), so turn 1 is timed like the rest

@@ -389,9 +389,12 @@ class PrefixCache:
             return
         cache = session.cache
         length = cache.length
-        if length > len(token_ids) or cache.pending:
+        if length > len(token_ids):
             return  # not the state these tokens describe (should not happen): store nothing
-        if length > session.pending[-1].length:
+        # a speculative request that stopped inside a verified tree leaves its scratch pending (never
+        # committed): the committed state is still token_ids[:length], but the draft's context may have run
+        # ahead of it, so only the prompt's snapshots (taken during prefill) are stored then
+        if not cache.pending and length > session.pending[-1].length:
             session.pending.append(self._snapshot(session))
         rows = _copy_rows(cache, length, session.host, session.parent, session.base)
         for snap in session.pending:
