@@ -17,7 +17,7 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k steps-256k-tq3}; do
   case $part in
     # the engine's GPU tests first (greedy identity, graphs), then kernels at real sizes; slowest listed
     tests) timeout "${LIMIT_TESTS:-150}" python3 -m pytest -q -p no:cacheprovider -p no:warnings -m gpu --durations=12 \
-               tests/engine tests/spec tests/kernels tests/models tests/formats tests/parallel tests/bench tests/cli \
+               tests/engine tests/drafting tests/kernels tests/models tests/formats tests/parallel tests/bench tests/cli \
                tests/serve tests/train \
                > "$OUT/pytest.txt" 2>&1; echo "== gpu tests (rc $?)"; grep -E "^(FAILED|ERROR)|passed|failed|s call" "$OUT/pytest.txt" | tail -30 ;;
     diagnose) timeout 150 python3 scripts/diagnose_gpu.py --parts fla,agree --out "$OUT/diagnose.json" \

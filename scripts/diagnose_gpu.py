@@ -31,7 +31,7 @@ from flashtree.engine.generate import Engine  # noqa: E402
 from flashtree.kernels import gated_delta_fla  # noqa: E402
 from flashtree.models import deltanet  # noqa: E402
 from flashtree.models.random_weights import random_target, shape_config  # noqa: E402
-from flashtree.spec.ddtree import DraftTree  # noqa: E402
+from flashtree.drafting.ddtree import DraftTree  # noqa: E402
 
 DEVICE = os.environ.get("DIAG_DEVICE", "cuda")
 SHAPE = os.environ.get("DIAG_SHAPE", "qwen3.6-27b")
@@ -149,8 +149,8 @@ def profile(report: dict) -> None:
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     from flashtree.bench.steps import random_draft
-    from flashtree.spec.decode import make_tree
-    from flashtree.spec.proposer import DFlashProposer
+    from flashtree.drafting.proposer import DFlashProposer
+    from flashtree.engine.decode import make_tree
 
     target = random_target(SHAPE, "q4_k_m", DEVICE, torch.bfloat16)
     engine = Engine(target)

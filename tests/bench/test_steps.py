@@ -7,9 +7,10 @@ import torch
 
 from flashtree.bench.steps import ReplayProposer, random_draft
 from flashtree.cli.main import main
-from flashtree.engine.generate import Engine, GenerationConfig
+from flashtree.engine.config import GenerationConfig
+from flashtree.engine.generate import Engine
 from flashtree.models.random_weights import random_target, shape_config
-from flashtree.spec.proposer import DFlashProposer
+from flashtree.drafting.proposer import DFlashProposer
 
 
 def test_steps_report_on_cpu(tmp_path, capsys):

@@ -9,7 +9,8 @@ from prompt_toolkit.output import DummyOutput
 from rich.console import Console
 
 from flashtree.cli.chat import CHAT_MAX_TOKENS, ChatSession, add_chat_parser, repl, terminal_lines
-from flashtree.engine.generate import Engine, GenerationConfig
+from flashtree.engine.config import GenerationConfig
+from flashtree.engine.generate import Engine
 from flashtree.engine.loader import load_target
 from flashtree.errors import FlashtreeError
 from tests.serve.fakes import ScriptedEngine

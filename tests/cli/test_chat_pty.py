@@ -14,7 +14,8 @@ import pytest
 
 import flashtree
 from flashtree.cli.chat import ChatSession, repl
-from flashtree.engine.generate import Engine, GenerationConfig
+from flashtree.engine.config import GenerationConfig
+from flashtree.engine.generate import Engine
 from flashtree.engine.loader import load_target
 
 pty = pytest.importorskip("pty")

@@ -130,7 +130,7 @@ def test_special_tokens_stay_in_run_text_only_with_special(capsys, monkeypatch):
 
     def generate(engine, prompt_ids, config, on_text=None, **kwargs):
         # what a model that writes <|im_start|> gets from the tracker: the same ids, text by --special
-        from flashtree.engine.generate import GenerationResult, GenerationStats
+        from flashtree.engine.config import GenerationResult, GenerationStats
         from flashtree.engine.output import OutputTracker
 
         out = OutputTracker(engine.tokenizer, (), (), 10, skip_special=config.skip_special_tokens)

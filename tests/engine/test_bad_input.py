@@ -5,8 +5,8 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from flashtree.cli.main import main
-from flashtree.engine.config import EngineArgs
-from flashtree.engine.generate import Engine, GenerationConfig
+from flashtree.engine.config import EngineArgs, GenerationConfig
+from flashtree.engine.generate import Engine
 from flashtree.engine.loader import load_engine, load_target
 from flashtree.errors import FlashtreeError
 from flashtree.models.gguf_writer import write_qwen35_gguf
@@ -80,7 +80,7 @@ def test_prompt_longer_than_context(make_gguf):
 
 
 def test_draft_that_does_not_fit_the_target(tmp_path, make_gguf):
-    from tests.spec.test_lossless import random_draft
+    from tests.drafting.test_lossless import random_draft
 
     target = load_target(make_gguf(), device="cpu")
     draft = random_draft(target)

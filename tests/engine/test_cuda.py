@@ -3,10 +3,11 @@
 import pytest
 import torch
 
-from flashtree.engine.generate import Engine, GenerationConfig
+from flashtree.engine.config import GenerationConfig
+from flashtree.engine.generate import Engine
 from flashtree.engine.loader import load_target
 from flashtree.models.synthetic import tiny_config
-from tests.spec.test_lossless import OracleProposer, random_draft
+from tests.drafting.test_lossless import OracleProposer, random_draft
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from flashtree.engine import cuda_graphs
+from flashtree.engine.config import GenerationConfig
 from flashtree.engine.cuda_graphs import GraphedForward, bucket_rows
-from flashtree.engine.generate import Engine, GenerationConfig
+from flashtree.engine.generate import Engine
 from flashtree.engine.loader import load_target
 from flashtree.models.synthetic import tiny_config
-from tests.spec.test_lossless import OracleProposer, prompts, random_draft
+from tests.drafting.test_lossless import OracleProposer, prompts, random_draft
 
 N_NEW = 120
 
@@ -102,7 +103,7 @@ def test_cuda_graph_replay_equals_eager_cuda(make_gguf, mode):
 def test_static_draft_block_equals_the_eager_one(target):
     """Bucketed context reads with invalid slots masked give the eager block pass's logits, before and
     after the draft's context ring wraps."""
-    from flashtree.spec.proposer import DFlashProposer
+    from flashtree.drafting.proposer import DFlashProposer
 
     draft = random_draft(target)
     eager = DFlashProposer(target.model, draft, window=40)

@@ -6,8 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flashtree.engine.config import EngineArgs
-from flashtree.engine.generate import GenerationConfig
+from flashtree.engine.config import EngineArgs, GenerationConfig
 from flashtree.engine.loader import DEMO_DRAFT, DEMO_TARGET, load_engine
 
 pytestmark = pytest.mark.skipif(not DEMO_TARGET.is_file(), reason="demo pair not installed")

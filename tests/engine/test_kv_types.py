@@ -8,13 +8,14 @@ import pytest
 import torch
 
 from flashtree.cli.main import build_parser, main
-from flashtree.engine.generate import Engine, GenerationConfig
+from flashtree.engine.config import GenerationConfig
+from flashtree.engine.generate import Engine
 from flashtree.engine.loader import load_target
 from flashtree.engine.planner import (PlanRequest, kv_bytes_per_token, max_ctx, parse_size, per_device, per_rank,
                                       plan, target_from_preset)
 from flashtree.errors import FlashtreeError
 from flashtree.models.synthetic import tiny_config
-from tests.spec.test_lossless import OracleProposer, random_draft
+from tests.drafting.test_lossless import OracleProposer, random_draft
 
 N_NEW = 48
 KV_COMBOS = [("f32", "f32"), ("f16", "f16"), ("bf16", "bf16"), ("q8_0", "q8_0"), ("q4_0", "q4_0"),

@@ -1,8 +1,9 @@
 """Prefill hands each chunk's captured features to the proposer at once (memory flat in prompt length)."""
 
-from flashtree.engine.generate import Engine, GenerationConfig
+from flashtree.engine.config import GenerationConfig
+from flashtree.engine.generate import Engine
 from flashtree.engine.loader import load_target
-from tests.spec.test_lossless import OracleProposer
+from tests.drafting.test_lossless import OracleProposer
 
 
 class RecordingProposer(OracleProposer):

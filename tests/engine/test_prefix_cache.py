@@ -8,12 +8,13 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from flashtree.engine.generate import Engine, GenerationConfig
+from flashtree.engine.config import GenerationConfig
+from flashtree.engine.generate import Engine
 from flashtree.engine.loader import load_target
 from flashtree.engine.prefix_cache import PrefixCache, _restore_recurrent, _restore_rows
 from flashtree.models.synthetic import tiny_config
 from flashtree.serve.app import build_app
-from tests.spec.test_lossless import random_draft
+from tests.drafting.test_lossless import random_draft
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +90,7 @@ def test_draft_context_ring_wraps(target, draft):
 def test_restored_draft_context_equals_a_fresh_prefill(target, draft, window):
     """The draft's context cache after a hit is the one an unbroken prefill builds (the seed's other bug:
     a restore that leaves the draft's feature mirror stale)."""
-    from flashtree.spec.decode import proposer_for
+    from flashtree.engine.decode import proposer_for
 
     rng = random.Random(9)
     plain, cached = engines(target, draft, "ddtree", interval=32)

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashtree.engine.generate import Engine, GenerationConfig
+from flashtree.engine.config import GenerationConfig
+from flashtree.engine.generate import Engine
 from flashtree.engine.loader import load_target
 from flashtree.models.synthetic import tiny_config
 from tests.engine.triton_path_cases import N_NEW, PROMPT

@@ -8,11 +8,12 @@ import sys
 
 import torch
 
+from flashtree.engine.config import GenerationConfig
 from flashtree.engine.cuda_graphs import GraphedForward
-from flashtree.engine.generate import Engine, GenerationConfig
+from flashtree.engine.generate import Engine
 from flashtree.engine.loader import load_target
 from flashtree.models.layers import QuantLinear
-from tests.spec.test_lossless import random_draft
+from tests.drafting.test_lossless import random_draft
 
 PROMPT = [3, 17, 99, 250, 8, 41, 7]
 N_NEW = 12

@@ -3,11 +3,10 @@
 import pytest
 import torch
 
-from flashtree.engine.config import EngineArgs
-from flashtree.engine.generate import GenerationConfig
+from flashtree.engine.config import EngineArgs, GenerationConfig
 from flashtree.engine.loader import load_engine
 from flashtree.models.synthetic import tiny_config
-from tests.spec.test_lossless import random_draft
+from tests.drafting.test_lossless import random_draft
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]

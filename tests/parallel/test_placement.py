@@ -5,13 +5,13 @@ import torch
 
 from flashtree.parallel import placement
 from flashtree.parallel.placement import layer_counts, parse_split, place_layers
-from flashtree.engine.config import EngineArgs
-from flashtree.engine.generate import Engine, GenerationConfig
+from flashtree.engine.config import EngineArgs, GenerationConfig
+from flashtree.engine.generate import Engine
 from flashtree.engine.loader import load_engine, load_target
 from flashtree.errors import FlashtreeError
 from flashtree.models.step import Step
 from flashtree.models.synthetic import tiny_config
-from tests.spec.test_lossless import OracleProposer, random_draft
+from tests.drafting.test_lossless import OracleProposer, random_draft
 
 PROMPTS = [[3, 17, 99, 250, 8], [400, 2, 2, 71, 5, 33, 120, 9, 61]]
 N_NEW = 40
@@ -94,7 +94,7 @@ def test_draft_on_its_own_device_prefetches_the_next_block(gguf, single, expecte
     """With a draft device of its own, each commit starts the next block pass before the target's commit
     (two "devices" = the CPU here: `overlaps` forced on); output is unchanged and each step's block pass
     runs once, not again in `propose`."""
-    from flashtree.spec.proposer import DFlashProposer
+    from flashtree.drafting.proposer import DFlashProposer
 
     draft_dir = tmp_path / "draft"
     random_draft(single).save(draft_dir)

@@ -67,7 +67,7 @@ def test_cli_tensor_parallel_run_matches_one_process(make_gguf, tmp_path, monkey
     """`flashtree run -tp 2` spawns two ranks itself (rank 0 prints, rank 1 follows and exits)."""
     from flashtree.cli.main import main
     from flashtree.engine.loader import load_target
-    from tests.spec.test_lossless import random_draft
+    from tests.drafting.test_lossless import random_draft
 
     gguf = make_gguf("spec", config=tiny_config(num_layers=4, gdn_v_heads=4))
     random_draft(load_target(gguf, device="cpu")).save(tmp_path / "draft")

@@ -17,11 +17,12 @@ import torch.distributed as dist
 torch.set_num_threads(1)
 
 from flashtree.parallel import tp  # noqa: E402
-from flashtree.engine.generate import Engine, GenerationConfig  # noqa: E402
+from flashtree.engine.config import GenerationConfig  # noqa: E402
+from flashtree.engine.generate import Engine  # noqa: E402
 from flashtree.engine import loader  # noqa: E402
 from flashtree.engine.loader import load_target  # noqa: E402
 from flashtree.models.step import Step  # noqa: E402
-from tests.spec.test_lossless import OracleProposer, random_draft  # noqa: E402
+from tests.drafting.test_lossless import OracleProposer, random_draft  # noqa: E402
 
 PROMPTS = [[3, 17, 99, 250, 8], [400, 2, 2, 71, 5, 33, 120, 9, 61]]
 N_NEW = 30

@@ -1,7 +1,8 @@
 import pytest
 from fastapi.testclient import TestClient
 
-from flashtree.engine.generate import Engine, GenerationConfig
+from flashtree.engine.config import GenerationConfig
+from flashtree.engine.generate import Engine
 from flashtree.engine.loader import load_target
 from flashtree.serve.app import build_app
 from tests.serve.fakes import ScriptedEngine

@@ -10,7 +10,8 @@ import time
 
 import uvicorn
 
-from flashtree.engine.generate import Engine, GenerationConfig, GenerationResult, GenerationStats
+from flashtree.engine.config import GenerationConfig, GenerationResult, GenerationStats
+from flashtree.engine.generate import Engine
 from flashtree.engine.output import OutputTracker
 
 

@@ -6,7 +6,8 @@ import threading
 import pytest
 from fastapi.testclient import TestClient
 
-from flashtree.engine.generate import Engine, GenerationConfig
+from flashtree.engine.config import GenerationConfig
+from flashtree.engine.generate import Engine
 from flashtree.engine.sampling import SamplingParams
 from flashtree.errors import FlashtreeError
 from flashtree.serve.app import build_app

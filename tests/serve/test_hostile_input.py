@@ -8,7 +8,7 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from flashtree.engine.generate import GenerationConfig
+from flashtree.engine.config import GenerationConfig
 from flashtree.errors import FlashtreeError
 from flashtree.serve.app import build_app
 from tests.serve.conftest import MODEL

@@ -1,6 +1,6 @@
 import asyncio
 
-from flashtree.engine.generate import GenerationConfig
+from flashtree.engine.config import GenerationConfig
 from flashtree.serve.scheduler import Job, Metrics, Scheduler
 from tests.serve.fakes import ScriptedEngine
 

@@ -27,8 +27,8 @@ from flashtree.parallel.placement import resolve_device
 from flashtree.engine.config import DEFAULT_BUDGET
 from flashtree.models.dflash import DFlashDraft, DraftConfig, build_target_layer_ids
 from flashtree.models.layers import Linear, Projections, QuantLinear
-from flashtree.spec.decode import make_tree, proposer_for, walk
-from flashtree.spec.proposer import DFlashProposer
+from flashtree.drafting.proposer import DFlashProposer
+from flashtree.engine.decode import make_tree, proposer_for, walk
 
 VERIFY_BUDGETS = (15, 22, 32, 64)
 

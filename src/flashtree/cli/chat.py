@@ -24,7 +24,7 @@ from flashtree.formats.chat_template import template_or_chatml
 from flashtree.serve.parsing import Delta, OutputParser, opens_thinking
 
 if TYPE_CHECKING:  # the engine imports torch, which `flashtree chat --help` must not wait for
-    from flashtree.engine.generate import GenerationConfig, GenerationResult, GenerationStats
+    from flashtree.engine.config import GenerationConfig, GenerationResult, GenerationStats
 
 CHAT_MAX_TOKENS = 1024  # a reply's length cap unless --max-tokens or /set max_tokens changes it
 

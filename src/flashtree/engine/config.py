@@ -1,23 +1,30 @@
 """The engine's settings: everything `load_engine` takes, in one frozen object checked on construction, and
-the decoding defaults that the command line, the planner and `GenerationConfig` share.
+the decoding defaults that the command line, the planner and `GenerationConfig` share; and the per-request
+side: `GenerationConfig` (one request's settings), `GenerationStats` and `GenerationResult` (what it gave).
 
 No torch here: the command line imports this module to build its parser, and `flashtree --help` must not
-wait for torch."""
+wait for torch (the modules of `SamplingParams` and `kv_type` import it, so they are imported when used)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from flashtree.engine.prefix_cache_flags import DEFAULT_INTERVAL, DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES
 from flashtree.errors import FlashtreeError
+
+if TYPE_CHECKING:
+    from flashtree.engine.output import TokenLogprob
+    from flashtree.engine.sampling import SamplingParams
 
 MODES = ("ar", "chain", "ddtree")
 DEFAULT_BUDGET = 22  # DDTree node budget (root not counted)
 DEFAULT_TOPK = 8  # DDTree candidates per draft position
 DEFAULT_DRAFT_WINDOW = 4096  # committed positions the draft attends to (its context cache size)
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per prefill forward
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 
 
 def check_decoding(mode: str, budget: int, topk: int, ctx: int | None, attn_window: int) -> None:
@@ -88,3 +95,105 @@ class EngineArgs:
     def cache_options(self) -> dict:
         """The KV cache settings, as `GenerationConfig` takes them."""
         return {"cache_type_k": self.cache_type_k, "cache_type_v": self.cache_type_v, "attn_window": self.attn_window}
+
+
+def _greedy() -> SamplingParams:
+    """`GenerationConfig`'s default sampling: greedy."""
+    from flashtree.engine.sampling import SamplingParams  # torch: not at import (see above)
+
+    return SamplingParams()
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 256
+    mode: str = "ar"
+    budget: int = DEFAULT_BUDGET  # DDTree node budget (root not counted)
+    topk: int = DEFAULT_TOPK  # candidates per draft position for the tree
+    draft_window: int = DEFAULT_DRAFT_WINDOW
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # extra end-of-generation ids (vLLM's stop_token_ids)
+    ignore_eos: bool = False
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    ctx: int | None = None  # context size in tokens (prompt + generated); None = fit the request
+    cache_type_k: str | None = None  # KV cache type (f16, bf16, f32, q8_0, q4_0, tq3_0); None = model dtype
+    cache_type_v: str | None = None
+    attn_window: int = 0  # > 0: sliding-window attention over the last N positions (changes output)
+    logprobs: int | None = None  # None: off; k >= 0: each token's log-probability and the k most likely there
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (one more pass over the prompt)
+    sampling: SamplingParams = field(default_factory=_greedy)  # greedy by default
+    skip_special_tokens: bool = True  # control tokens (<|im_start|>...) left out of the text, not the ids (vLLM's)
+
+    def __post_init__(self) -> None:
+        check_decoding(self.mode, self.budget, self.topk, self.ctx, self.attn_window)
+        if self.max_new_tokens < 0:
+            raise FlashtreeError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.draft_window < 1:
+            raise FlashtreeError(f"draft_window must be >= 1, got {self.draft_window}")
+        if self.prefill_chunk < 1:
+            raise FlashtreeError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        for name in (self.cache_type_k, self.cache_type_v):
+            if name is not None:
+                from flashtree.kernels.kv_quant import kv_type  # torch: not at import (see above)
+
+                kv_type(name)  # raises with the supported choices
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+                raise FlashtreeError(f"{name} must be from 0 to {MAX_TOP_LOGPROBS}, got {value}")
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, restored from the prefix cache instead of prefilled
+    new_tokens: int = 0
+    steps: int = 0  # target forwards after prefill (decode steps or verify steps)
+    accepted: Counter = field(default_factory=Counter)  # committed tokens per verify step -> count
+    proposed: int = 0  # draft tokens offered for verification (tree nodes below the root)
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        """Committed tokens per target step (1.0 for autoregressive decoding)."""
+        committed = sum(k * v for k, v in self.accepted.items())
+        return committed / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / proposed draft tokens (0 without a draft)."""
+        accepted = sum((k - 1) * v for k, v in self.accepted.items())
+        return accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def decode_s(self) -> float:
+        return self.total_s - self.prefill_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens, "new_tokens": self.new_tokens,
+            "steps": self.steps,
+            "acceptance_length": round(self.acceptance_length, 4), "acceptance_rate": round(self.acceptance_rate, 4),
+            "acceptance_histogram": {str(k): v for k, v in sorted(self.accepted.items())},
+            "prefill_s": round(self.prefill_s, 6), "draft_s": round(self.draft_s, 6),
+            "verify_s": round(self.verify_s, 6), "overhead_s": round(max(self.decode_s - self.draft_s - self.verify_s, 0.0), 6),
+            "total_s": round(self.total_s, 6), "tokens_per_s": round(self.tokens_per_s, 3),
+        }
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    stats: GenerationStats
+    stop_string: str | None = None  # which stop string ended it ("stop" without one: an end-of-generation token)
+    logprobs: list[TokenLogprob] | None = None  # per token of `token_ids` whose text was kept, when asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (the first has none), when asked for

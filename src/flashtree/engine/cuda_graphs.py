@@ -109,10 +109,10 @@ class GraphedForward:
         self.steps = CapturedSteps(model.device, capture_graphs)
         self.cache = None
         self.verify_key = None  # the shape of the last verify: the commit graph reads its outputs
-        self.proposer = None  # the draft proposer kept across requests (spec/decode.py)
+        self.proposer = None  # the draft proposer kept across requests (engine/decode.py)
 
     def forward(self, tokens: torch.Tensor, cache, tree=None, capture=(), pad_to: int | None = None) -> ForwardOutput:
-        """`tokens` on the host; `tree` a spec.ddtree.DraftTree whose tokens they are, or None for a run."""
+        """`tokens` on the host; `tree` a drafting.ddtree.DraftTree whose tokens they are, or None for a run."""
         if cache is not self.cache:  # captured addresses belong to one cache
             self.release()
             self.cache = cache

@@ -13,8 +13,8 @@ from tqdm import tqdm
 
 from flashtree.parallel.placement import default_dtype, place_layers, resolve_device, resolve_placement
 from flashtree.parallel.tp import init_from_env, load_tp_model, serve_ranks
-from flashtree.engine.config import EngineArgs
-from flashtree.engine.generate import Engine, GenerationConfig
+from flashtree.engine.config import EngineArgs, GenerationConfig
+from flashtree.engine.generate import Engine
 from flashtree.engine.memory_check import check_memory, check_rank_memory
 from flashtree.engine.prefix_cache import PrefixCache
 from flashtree.errors import FlashtreeError

@@ -12,7 +12,7 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
-from flashtree.engine.generate import GenerationResult
+from flashtree.engine.config import GenerationResult
 from flashtree.engine.output import TokenLogprob
 from flashtree.serve.errors import OPENAI_ERRORS, APIError
 from flashtree.serve.logprobs import Echo, chat_logprobs, completion_logprobs, joined, token_text

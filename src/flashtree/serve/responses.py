@@ -13,7 +13,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 from pydantic import Field
 
-from flashtree.engine.generate import GenerationResult
+from flashtree.engine.config import GenerationResult
 from flashtree.engine.sampling import SamplingParams
 from flashtree.serve.server import Server, flashtree_stats, named_sse, parsed_events, ready_server, wait_for
 from flashtree.serve.errors import OPENAI_ERRORS, APIError, unsupported

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import AsyncIterator, Sequence
 
-from flashtree.engine.generate import GenerationConfig, GenerationResult
+from flashtree.engine.config import GenerationConfig, GenerationResult
 from flashtree.errors import FlashtreeError
 from flashtree.serve.errors import APIError
 

@@ -17,7 +17,7 @@ from fastapi import Depends, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
-from flashtree.engine.generate import GenerationResult
+from flashtree.engine.config import GenerationResult
 from flashtree.errors import FlashtreeError
 from flashtree.formats.chat_template import ChatTemplate, template_or_chatml
 from flashtree.serve.errors import APIError

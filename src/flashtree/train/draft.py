@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flashtree.engine.generate import Engine, GenerationConfig
+from flashtree.engine.config import GenerationConfig
+from flashtree.engine.generate import Engine
 from flashtree.engine.loader import Target, load_target
 from flashtree.formats.tokenizer import CONTROL, UNUSED
 from flashtree.models.dflash import DFlashDraft, DraftConfig, build_target_layer_ids

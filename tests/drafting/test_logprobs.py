@@ -5,11 +5,12 @@ import math
 
 import pytest
 
-from flashtree.engine.generate import Engine, GenerationConfig
+from flashtree.engine.config import GenerationConfig
+from flashtree.engine.generate import Engine
 from flashtree.engine.loader import load_target
 from flashtree.errors import FlashtreeError
 from flashtree.models.synthetic import tiny_config
-from tests.spec.test_lossless import OracleProposer, random_draft
+from tests.drafting.test_lossless import OracleProposer, random_draft
 
 PROMPT = [3, 17, 99, 250, 8, 41]
 

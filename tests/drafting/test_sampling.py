@@ -6,13 +6,14 @@ from collections import Counter
 import pytest
 import torch
 
-import flashtree.spec.decode as decode
-from flashtree.engine.generate import Engine, GenerationConfig
+import flashtree.engine.decode as decode
+from flashtree.engine.config import GenerationConfig
+from flashtree.engine.generate import Engine
 from flashtree.engine.loader import load_target
 from flashtree.engine.sampling import SamplingParams
 from flashtree.models.synthetic import tiny_config
-from flashtree.spec.ddtree import follow
-from tests.spec.test_lossless import OracleProposer
+from flashtree.drafting.ddtree import follow
+from tests.drafting.test_lossless import OracleProposer
 
 PROMPT = [11, 42, 7, 99, 23]
 N_SAMPLES = 600

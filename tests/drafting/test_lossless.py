@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from flashtree.engine.generate import Engine, GenerationConfig
+from flashtree.engine.config import GenerationConfig
+from flashtree.engine.generate import Engine
 from flashtree.engine.loader import load_target
 from flashtree.models.dflash import DFlashDraft, DraftConfig
 from flashtree.models.synthetic import tiny_config

@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from flashtree.spec.ddtree import DraftTree, build_chain, build_tree, follow, topk_table
+from flashtree.drafting.ddtree import DraftTree, build_chain, build_tree, follow, topk_table
 
 ROOT = 7
 

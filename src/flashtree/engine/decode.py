@@ -1,5 +1,8 @@
-"""Speculative decoding loop: draft a block, build a chain or DDTree, verify it in one target
-forward, commit the longest target-agreeing path.
+"""The decoding loops `Engine.generate` runs after its checks: `autoregressive` (mode ar: one target
+step per token) and `speculative` (modes chain and ddtree).
+
+Speculative decoding: draft a block, build a chain or DDTree, verify it in one target forward, commit
+the longest target-agreeing path.
 
 Lossless: the tree mask and the ancestor-path DeltaNet recurrence make each node's logits those of
 its root-to-node sequence, and each node's distribution is processed with that sequence's own
@@ -16,9 +19,26 @@ import time
 
 import torch
 
-from flashtree.engine.output import logprobs_of
-from flashtree.spec.ddtree import DraftTree, build_chain, build_tree, follow, topk_table
-from flashtree.spec.proposer import DFlashProposer, Proposer
+from flashtree.drafting.ddtree import DraftTree, build_chain, build_tree, follow, topk_table
+from flashtree.drafting.proposer import DFlashProposer, Proposer
+from flashtree.engine.config import GenerationStats
+from flashtree.engine.output import OutputTracker, logprobs_of
+
+
+def autoregressive(engine, prompt_ids, config, out: OutputTracker, stats: GenerationStats, started: float) -> None:
+    sampler = engine.sampler(prompt_ids, config)
+    cache = engine.new_cache(len(prompt_ids), config)
+    logits = engine.prefill_prompt(cache, prompt_ids, config, stats=stats)[None]
+    stats.prefill_s = time.perf_counter() - started
+    token = sampler.choose(sampler.distribution(logits)[0])
+    while not out.push(token, logprobs_of(logits, [token], config.logprobs)[0]):
+        sampler.record(token)
+        step_start = time.perf_counter()
+        logits = engine.step_forward(torch.tensor([token]), cache).logits
+        token = sampler.choose(sampler.distribution(logits)[0])
+        stats.verify_s += time.perf_counter() - step_start
+        stats.steps += 1
+        stats.accepted[1] += 1
 
 
 def make_tree(mode: str, bonus: int, draft_logits: torch.Tensor, budget: int, topk: int) -> DraftTree:
