@@ -72,20 +72,20 @@ def run_variant(config, dtype, flags, prompt, steps=4) -> dict:
     with variant(quant, fla, fused_deltanet):
         target = random_target(config, "q4_k_m", DEVICE, dtype)
         engine = Engine(target)
-        engine.use_cuda_graphs = graphed
+        engine.runner.use_cuda_graphs = graphed
         model = target.model
         cache = model.new_cache(len(prompt) + 64)
         prefill = model.forward(torch.tensor(prompt), cache).logits[-1].float().cpu()
         decode, tokens = [], [int(prefill.argmax())]
         for _ in range(steps):
-            logits = engine.step_forward(torch.tensor(tokens[-1:]), cache).logits[-1].float().cpu()
+            logits = engine.runner.step_forward(torch.tensor(tokens[-1:]), cache).logits[-1].float().cpu()
             decode.append(logits)
             tokens.append(int(logits.argmax()))
         # the same tokens again as one chain verify from the prompt's end
         cache2 = model.new_cache(len(prompt) + 64)
         model.forward(torch.tensor(prompt), cache2)
         tree = chain_tree(tokens[:steps])
-        verify = engine.step_forward(tree.tokens, cache2, tree, (), pad_to=23).logits[:steps].float().cpu()
+        verify = engine.runner.step_forward(tree.tokens, cache2, tree, (), pad_to=23).logits[:steps].float().cpu()
     del engine, target, model, cache, cache2
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -154,21 +154,21 @@ def profile(report: dict) -> None:
 
     target = random_target(SHAPE, "q4_k_m", DEVICE, torch.bfloat16)
     engine = Engine(target)
-    engine.use_cuda_graphs = False
+    engine.runner.use_cuda_graphs = False
     model = target.model
     prompt = torch.randint(0, model.config.vocab_size - 1, (1024,), generator=torch.Generator().manual_seed(0)).tolist()
     draft = random_draft(model.config, model.device, model.dtype)
     config = engine.config_for(mode="ddtree", max_new_tokens=64, ignore_eos=True)
     proposer = DFlashProposer(model, draft, config.draft_window)
-    cache = engine.new_cache(len(prompt), config)
-    engine.prefill_prompt(cache, prompt, config, proposer)
+    cache = engine.runner.new_cache(len(prompt), config)
+    engine.runner.prefill_prompt(cache, prompt, config, proposer)
     draft_logits = proposer.propose(prompt[-1], cache.length)
     tree = make_tree("ddtree", prompt[-1], draft_logits, 22, config.topk)
     chunk = torch.tensor(prompt[:512])
     fresh = model.new_cache(1024)
     work = {
-        "ar step": lambda: engine.step_forward(torch.tensor(prompt[-1:]), cache),
-        "verify 22": lambda: engine.step_forward(tree.tokens, cache, tree, proposer.capture_layers, pad_to=23),
+        "ar step": lambda: engine.runner.step_forward(torch.tensor(prompt[-1:]), cache),
+        "verify 22": lambda: engine.runner.step_forward(tree.tokens, cache, tree, proposer.capture_layers, pad_to=23),
         "prefill 512": lambda: (fresh.reset(), model.forward(chunk, fresh, last_only=True)),
         "draft step": lambda: proposer.propose(prompt[-1], cache.length),
     }

@@ -50,7 +50,7 @@ def test_replay_through_the_static_graph_ready_path():
     target = random_target(shape_config("tiny"), scheme="f32", device="cpu")
     prompt = list(range(5, 25))
     engine = Engine(target)
-    engine._graphs = GraphedForward(target.model, capture_graphs=False)
+    engine.runner._graphs = GraphedForward(target.model, capture_graphs=False)
     reference = engine.generate(prompt, GenerationConfig(max_new_tokens=60, ignore_eos=True)).token_ids
     inner = DFlashProposer(target.model, random_draft(target.config, "cpu", torch.float32), 256, capture_graphs=False)
     static_commits, commit_static = [], inner.commit_static

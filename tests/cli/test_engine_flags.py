@@ -13,8 +13,8 @@ def test_enforce_eager_turns_cuda_graphs_off():
     args = build_parser().parse_args(["run", "--enforce-eager", "hi"])
     assert engine_args(args).enforce_eager
     assert engine_args(build_parser().parse_args(["run", "hi"])) == EngineArgs()
-    assert not load_engine(engine_args(args, device="cpu")).use_cuda_graphs
-    assert load_engine(EngineArgs(device="cpu")).use_cuda_graphs
+    assert not load_engine(engine_args(args, device="cpu")).runner.use_cuda_graphs
+    assert load_engine(EngineArgs(device="cpu")).runner.use_cuda_graphs
 
 
 def test_flags_become_the_engine_settings():
@@ -24,7 +24,7 @@ def test_flags_become_the_engine_settings():
     engine = load_engine(EngineArgs(device="cpu", spec="ar", budget=15, max_new_tokens=32, prefill_progress=True,
                                     prefix_cache=True, prefix_cache_entries=5))
     assert (engine.default_config.budget, engine.default_config.max_new_tokens) == (15, 32)
-    assert engine.prefill_progress and engine.prefix_cache.max_entries == 5
+    assert engine.runner.prefill_progress and engine.prefix_cache.max_entries == 5
     assert load_engine(EngineArgs(device="cpu", spec="ar")).prefix_cache is None
 
 

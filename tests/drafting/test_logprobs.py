@@ -85,12 +85,12 @@ def test_prompt_scores_are_what_decoding_the_prompt_would_report(target):
 
 
 def test_prompt_scores_do_not_depend_on_the_chunking(target, monkeypatch):
-    import flashtree.engine.generate as generate
+    import flashtree.engine.runner as runner
 
     prompt = PROMPT * 3
     config = GenerationConfig(max_new_tokens=1, prompt_logprobs=1)
     whole = Engine(target).generate(prompt, config).prompt_logprobs
-    monkeypatch.setattr(generate, "SCORE_CHUNK", 4)
+    monkeypatch.setattr(runner, "SCORE_CHUNK", 4)
     chunked = Engine(target).generate(prompt, config).prompt_logprobs
     assert [e.token for e in chunked[1:]] == [e.token for e in whole[1:]] == prompt[1:]
     assert all(math.isclose(a.logprob, b.logprob, abs_tol=1e-4) for a, b in zip(whole[1:], chunked[1:]))

@@ -31,7 +31,7 @@ def reference(target, prompt, **options):
 
 def static_engine(target, draft=None) -> Engine:
     engine = Engine(target, draft)
-    engine._graphs = GraphedForward(target.model, capture_graphs=False)
+    engine.runner._graphs = GraphedForward(target.model, capture_graphs=False)
     return engine
 
 
@@ -58,7 +58,7 @@ def test_static_steps_equal_eager_autoregressive(target, mode, budget):
         config = GenerationConfig(max_new_tokens=N_NEW, mode=mode, budget=budget, ignore_eos=True)
         result = engine.generate(prompt, config)
         assert result.token_ids == expected, f"prompt {i}"
-        caches.add(id(engine._kept_cache[1]))
+        caches.add(id(engine.runner._kept_cache[1]))
         if mode == "ddtree":
             assert result.stats.acceptance_length > 2  # real multi-token acceptance through padded trees
     assert len(caches) == 1  # one cache, reset and reused by every request (graphs stay valid)
@@ -78,9 +78,9 @@ def test_a_larger_request_reallocates_the_cache(target):
     engine = static_engine(target)
     short = GenerationConfig(max_new_tokens=8, ignore_eos=True)
     engine.generate([1, 2, 3], short)
-    first = engine._kept_cache[1]
+    first = engine.runner._kept_cache[1]
     engine.generate([1, 2, 3], GenerationConfig(max_new_tokens=N_NEW, ignore_eos=True))
-    assert engine._kept_cache[1] is not first and engine._kept_cache[1].capacity > first.capacity
+    assert engine.runner._kept_cache[1] is not first and engine.runner._kept_cache[1].capacity > first.capacity
 
 
 @pytest.mark.gpu
@@ -92,12 +92,12 @@ def test_cuda_graph_replay_equals_eager_cuda(make_gguf, mode):
     vocab = gpu.config.vocab_size
     for i, prompt in enumerate(prompts(vocab)[:3]):
         eager = Engine(gpu)
-        eager.use_cuda_graphs = False
+        eager.runner.use_cuda_graphs = False
         expected = eager.generate(prompt, GenerationConfig(max_new_tokens=N_NEW, ignore_eos=True)).token_ids
         graphed = Engine(gpu, OracleProposer(prompt + expected, vocab, seed=i))
         config = GenerationConfig(max_new_tokens=N_NEW, mode=mode, ignore_eos=True)
         assert graphed.generate(prompt, config).token_ids == expected
-        assert graphed.graph_runner().steps.capture_graphs and graphed.graph_runner().steps.entries
+        assert graphed.runner.graph_runner().steps.capture_graphs and graphed.runner.graph_runner().steps.entries
 
 
 def test_static_draft_block_equals_the_eager_one(target):

@@ -28,16 +28,16 @@ def test_prefill_streams_features_chunk_by_chunk(make_gguf):
 
 
 def test_long_prompts_show_a_prefill_progress_bar_when_asked(make_gguf, monkeypatch, capsys):
-    from flashtree.engine import generate
+    from flashtree.engine import runner
     from flashtree.engine.prefix_cache import PrefixCache
 
-    monkeypatch.setattr(generate, "PROGRESS_MIN_TOKENS", 40)
+    monkeypatch.setattr(runner, "PROGRESS_MIN_TOKENS", 40)
     target = load_target(make_gguf(), device="cpu")
     config = GenerationConfig(max_new_tokens=1, prefill_chunk=16, ignore_eos=True)
     engine = Engine(target)
     engine.generate(list(range(5, 55)), config)
     assert "prefill" not in capsys.readouterr().err  # not asked (library use, serve)
-    engine.prefill_progress = True
+    engine.runner.prefill_progress = True
     engine.generate(list(range(5, 35)), config)
     assert "prefill" not in capsys.readouterr().err  # short prompt
     engine.generate(list(range(5, 55)), config)

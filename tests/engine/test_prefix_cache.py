@@ -100,9 +100,9 @@ def test_restored_draft_context_equals_a_fresh_prefill(target, draft, window):
     follow = prompt + answer + words(rng, target.config.vocab_size, 9)
 
     def draft_context(engine):
-        proposer = proposer_for(engine, run)
-        cache = target.model.new_cache(engine.context_size(len(follow), run))
-        engine.prefill_prompt(cache, follow, run, proposer)
+        proposer = proposer_for(engine.runner, run)
+        cache = target.model.new_cache(engine.runner.context_size(len(follow), run))
+        engine.runner.prefill_prompt(cache, follow, run, proposer)
         return proposer.cache
 
     want, got = draft_context(plain), draft_context(cached)
@@ -129,8 +129,8 @@ def test_restored_state_is_the_state_at_exactly_the_prefix_end(target):
 
     model = target.model
     fresh, restored = model.new_cache(64), model.new_cache(64)
-    want = plain.prefill_prompt(fresh, question, config("ar"))
-    got = cached.prefill_prompt(restored, question, config("ar"))
+    want = plain.runner.prefill_prompt(fresh, question, config("ar"))
+    got = cached.runner.prefill_prompt(restored, question, config("ar"))
     assert restored.length == fresh.length == len(question)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     for i in fresh.deltanet:

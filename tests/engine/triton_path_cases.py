@@ -30,7 +30,7 @@ def run(path: str, dtype: torch.dtype) -> dict:
         runs.append(("ddtree", "q8_0"))
     for mode, cache_type in runs:
         engine = Engine(target, random_draft(target))
-        engine._graphs = GraphedForward(target.model, capture_graphs=False)
+        engine.runner._graphs = GraphedForward(target.model, capture_graphs=False)
         config = GenerationConfig(max_new_tokens=N_NEW, mode=mode, budget=6, ignore_eos=True,
                                   cache_type_k=cache_type, cache_type_v=cache_type)
         tokens[mode if cache_type is None else f"{mode}-{cache_type}"] = engine.generate(PROMPT, config).token_ids

@@ -19,6 +19,7 @@ from flashtree.bench.report import save_report
 from flashtree.bench.steps import clock
 from flashtree.engine.generate import Engine
 from flashtree.engine.prefix_cache import PrefixCache
+from flashtree.engine.runner import ModelRunner
 from flashtree.formats.chat_template import template_or_chatml
 
 QUESTIONS = (
@@ -37,10 +38,10 @@ FILLER = ("You are a careful senior engineer. Follow the style guide: type hints
 
 
 class _ForwardTimer:
-    """Stands in for `engine.prefill` (the chunk forwards both prefill paths call) and adds up their time."""
+    """Stands in for `engine.runner.prefill` (the chunk forwards both prefill paths call) and adds up their time."""
 
-    def __init__(self, engine: Engine):
-        self.inner, self.device, self.clock, self.seconds = engine.prefill, engine.target.model.device, clock, 0.0
+    def __init__(self, runner: ModelRunner):
+        self.inner, self.device, self.clock, self.seconds = runner.prefill, runner.target.model.device, clock, 0.0
 
     def __call__(self, *args, **kwargs):
         start = self.clock(self.device)
@@ -68,7 +69,7 @@ def run_multi_turn(args, engine: Engine, model_name: str, device: str) -> int:
     base = engine.config_for(max_new_tokens=args.max_tokens, mode=mode, ignore_eos=True)
     plain = Engine(engine.target, engine.draft, base)
     cached = Engine(engine.target, engine.draft, base, prefix_cache=PrefixCache(interval=args.prefix_cache_interval))
-    cached.prefill = forwards = _ForwardTimer(cached)
+    cached.runner.prefill = forwards = _ForwardTimer(cached.runner)
     first = [{"role": "system", "content": system}, {"role": "user", "content": QUESTIONS[0]}]
     # warm-up at full size (allocator, kernels for every chunk shape), so turn 1 is timed like the rest
     warm_ids = engine.tokenizer.encode(template.render(first, add_generation_prompt=True))

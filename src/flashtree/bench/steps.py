@@ -148,7 +148,8 @@ def run_steps(args, engine, device_name: str) -> int:
     dtype = model.dtype
     _, ranks = _rank_and_world()
     report: dict = {"date": time.strftime("%Y-%m-%d"), "device": device_name, "model": str(engine.target.path),
-                    "weights_bytes_per_step": weight_bytes(model), "cuda_graphs": engine.graph_runner() is not None,
+                    "weights_bytes_per_step": weight_bytes(model),
+                    "cuda_graphs": engine.runner.graph_runner() is not None,
                     "tensor_parallel": ranks}
     bandwidth = read_bandwidth(device)
     report["read_bandwidth_GBps"] = round(bandwidth / 1e9, 1)
@@ -175,10 +176,10 @@ def run_steps(args, engine, device_name: str) -> int:
 
     prompt = _prompt(model.config.vocab_size, args.context)
     config = engine.config_for(mode="ddtree", max_new_tokens=args.max_tokens + 64 * args.repeat, ignore_eos=True)
-    proposer = proposer_for(engine, config)  # as the engine's own loop builds it (graph-ready on CUDA)
-    cache = engine.new_cache(len(prompt), config)
+    proposer = proposer_for(engine.runner, config)  # as the engine's own loop builds it (graph-ready on CUDA)
+    cache = engine.runner.new_cache(len(prompt), config)
     started = clock(device)
-    engine.prefill_prompt(cache, prompt, config, proposer)
+    engine.runner.prefill_prompt(cache, prompt, config, proposer)
     seconds = clock(device) - started  # includes the first calls' kernel compiles
     report["context_prefill"] = {"tokens": len(prompt), "s": round(seconds, 3), "tok_s": round(len(prompt) / seconds, 1)}
     peaks = report["peak_memory_by_phase_GiB"] = {}  # the peak so far after each phase (main device)
@@ -189,7 +190,7 @@ def run_steps(args, engine, device_name: str) -> int:
 
     mark("context prefill")
     token = torch.tensor([prompt[-1]])
-    ar = timed(lambda: engine.step_forward(token, cache), device, args.repeat)
+    ar = timed(lambda: engine.runner.step_forward(token, cache), device, args.repeat)
     row("ar step", ar, roofline_s, tok_s=round(1 / ar, 1), GBps=round(report["weights_bytes_per_step"] / ar / 1e9, 1))
     if getattr(args, "profile", False):  # the eager forward: the kernels a graph replay launches, one by one
         report["profile_ar_step"] = profile_call(lambda: model.forward(token, cache), device)
@@ -200,7 +201,7 @@ def run_steps(args, engine, device_name: str) -> int:
     capture = proposer.capture_layers
     for budget in VERIFY_BUDGETS:
         tree = make_tree("ddtree", bonus, draft_logits, budget, config.topk)
-        verify = timed(lambda: engine.step_forward(tree.tokens, cache, tree, capture, pad_to=budget + 1), device,
+        verify = timed(lambda: engine.runner.step_forward(tree.tokens, cache, tree, capture, pad_to=budget + 1), device,
                        args.repeat)
         row(f"verify budget {budget}", verify, roofline_s, vs_ar=round(verify / ar, 2))
         mark(f"ar and verify up to budget {budget}")
@@ -218,8 +219,8 @@ def run_steps(args, engine, device_name: str) -> int:
     tree = make_tree("ddtree", bonus, draft_logits, DEFAULT_BUDGET, config.topk)
     row(f"tree build (budget {DEFAULT_BUDGET})",
         timed(lambda: make_tree("ddtree", bonus, draft_logits, DEFAULT_BUDGET, config.topk), device, args.repeat))
-    result = engine.step_forward(tree.tokens, cache, tree, capture, pad_to=DEFAULT_BUDGET + 1)
-    sampler = engine.sampler(prompt, config)
+    result = engine.runner.step_forward(tree.tokens, cache, tree, capture, pad_to=DEFAULT_BUDGET + 1)
+    sampler = engine.runner.sampler(prompt, config)
     row("walk", timed(lambda: walk(tree, result.logits, sampler), device, args.repeat))
     row("commit (depth-4 path)", _commit_time(engine, cache, proposer, tree, capture, args.repeat))
 
@@ -228,7 +229,7 @@ def run_steps(args, engine, device_name: str) -> int:
         if length + 8 > model.config.context_length:
             continue
         ids = _prompt(model.config.vocab_size, length, seed=length)
-        fresh = engine.new_cache(length, replace(config, max_new_tokens=8))
+        fresh = engine.runner.new_cache(length, replace(config, max_new_tokens=8))
         once = length >= LONG_PREFILL  # minutes-long prompts run once (the shorter rows warmed the kernels up)
         seconds = timed(lambda: _prefill(engine, fresh, ids, args.prefill_chunk), device, repeat=1 if once else 2,
                         warmup=0 if once else 1)
@@ -257,7 +258,7 @@ def _rank_and_world() -> tuple[int, int]:
 
 def _captures(engine) -> bool | None:
     """How `proposer_for` builds the engine's draft passes (None: eager, no graph runner), for a sibling."""
-    runner = engine.graph_runner()
+    runner = engine.runner.graph_runner()
     return None if runner is None else runner.steps.capture_graphs
 
 
@@ -273,7 +274,7 @@ def _prompt(vocab: int, length: int, seed: int = 0) -> list[int]:
 
 def _prefill(engine, cache, ids: list[int], chunk: int) -> None:
     cache.reset()
-    engine.prefill(cache, ids, chunk)
+    engine.runner.prefill(cache, ids, chunk)
 
 
 def _commit_time(engine, cache, proposer, tree, capture, repeat: int) -> float:
@@ -288,9 +289,9 @@ def _commit_time(engine, cache, proposer, tree, capture, repeat: int) -> float:
     device = engine.target.model.device
     times = []
     for _ in range(repeat):
-        result = engine.step_forward(tree.tokens, cache, tree, capture, pad_to=23)
+        result = engine.runner.step_forward(tree.tokens, cache, tree, capture, pad_to=23)
         start = clock(device)
-        engine.commit_step(cache, path, proposer, result.features)
+        engine.runner.commit_step(cache, path, proposer, result.features)
         times.append(clock(device) - start)
     return statistics.median(times)
 

@@ -47,7 +47,7 @@ class DFlashProposer:
     @property
     def overlaps(self) -> bool:
         """The draft has a device of its own (--draft-device): its next block pass can run while the
-        target's device commits the last verify (`Engine.commit_step` then calls `prefetch`)."""
+        target's device commits the last verify (`ModelRunner.commit_step` then calls `prefetch`)."""
         return self.device != self.target.device
 
     def start(self) -> None:

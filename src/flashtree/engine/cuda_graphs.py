@@ -15,7 +15,7 @@ and replayed:
   function on the same inputs: that run is the warm-up and yields the step's result, and capturing
   records kernels without running them, so the cache is advanced exactly once.
 Graphs hold the addresses of one cache's tensors; the engine reuses its cache across requests so
-that they stay valid (`Engine.new_cache`).
+that they stay valid (`ModelRunner.new_cache`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The decoding loops `Engine.generate` runs after its checks: `autoregressive` (mode ar: one target
-step per token) and `speculative` (modes chain and ddtree).
+"""The decoding loops `Engine.generate` runs after its checks, on the engine's `ModelRunner`
+(engine/runner.py): `autoregressive` (mode ar: one target step per token) and `speculative` (modes chain
+and ddtree).
 
 Speculative decoding: draft a block, build a chain or DDTree, verify it in one target forward, commit
 the longest target-agreeing path.
@@ -21,11 +22,13 @@ import torch
 
 from flashtree.drafting.ddtree import DraftTree, build_chain, build_tree, follow, topk_table
 from flashtree.drafting.proposer import DFlashProposer, Proposer
-from flashtree.engine.config import GenerationStats
+from flashtree.engine.config import GenerationConfig, GenerationStats
 from flashtree.engine.output import OutputTracker, logprobs_of
+from flashtree.engine.runner import ModelRunner
 
 
-def autoregressive(engine, prompt_ids, config, out: OutputTracker, stats: GenerationStats, started: float) -> None:
+def autoregressive(engine: ModelRunner, prompt_ids: list[int], config: GenerationConfig, out: OutputTracker,
+                   stats: GenerationStats, started: float) -> None:
     sampler = engine.sampler(prompt_ids, config)
     cache = engine.new_cache(len(prompt_ids), config)
     logits = engine.prefill_prompt(cache, prompt_ids, config, stats=stats)[None]
@@ -48,7 +51,8 @@ def make_tree(mode: str, bonus: int, draft_logits: torch.Tensor, budget: int, to
     return build_tree(bonus, logprobs, ids, budget)
 
 
-def speculative(engine, prompt_ids: list[int], config, out, stats, started: float) -> None:
+def speculative(engine: ModelRunner, prompt_ids: list[int], config: GenerationConfig, out: OutputTracker,
+                stats: GenerationStats, started: float) -> None:
     proposer = proposer_for(engine, config)
     sampler = engine.sampler(prompt_ids, config)
     cache = engine.new_cache(len(prompt_ids), config)
@@ -103,7 +107,7 @@ def _path_counts(tree: DraftTree, ancestors: torch.Tensor, vocab: int) -> torch.
     return below_root @ one_hot
 
 
-def proposer_for(engine, config) -> Proposer:
+def proposer_for(engine: ModelRunner, config: GenerationConfig) -> Proposer:
     """The engine's proposer for a request: the draft itself, or a DFlashProposer over it (graph-ready and
     kept across requests where the target's steps replay CUDA graphs)."""
     draft = engine.draft

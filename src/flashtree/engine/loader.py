@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
@@ -17,6 +17,7 @@ from flashtree.engine.config import EngineArgs, GenerationConfig
 from flashtree.engine.generate import Engine
 from flashtree.engine.memory_check import check_memory, check_rank_memory
 from flashtree.engine.prefix_cache import PrefixCache
+from flashtree.engine.runner import Target
 from flashtree.errors import FlashtreeError
 from flashtree.formats.chat_template import ChatTemplate
 from flashtree.formats.gguf_file import GGUFFile
@@ -25,16 +26,6 @@ from flashtree.models.dflash import DFlashDraft
 from flashtree.models.gguf_config import check_tensor_types, read_config
 from flashtree.models.qwen35 import Qwen35Model
 from flashtree.models.qwen35_config import Qwen35Config
-
-
-@dataclass
-class Target:
-    path: Path
-    gguf: GGUFFile
-    config: Qwen35Config
-    model: Qwen35Model
-    tokenizer: Tokenizer
-    chat_template: ChatTemplate | None
 
 
 def load_target(path: str | Path, device: str | None = None, dtype: torch.dtype | None = None,

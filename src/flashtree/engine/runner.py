@@ -1,0 +1,178 @@
+"""The target/draft step machinery the decoding loops (engine/decode.py) run on: cache creation, one
+decode or verify step, the commit of an accepted path, prompt prefill, samplers, prompt scoring and
+context sizing, with decode/verify steps replayed from CUDA graphs where possible."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from tqdm import tqdm
+
+from flashtree.drafting.proposer import Proposer
+from flashtree.engine.config import GenerationConfig, GenerationStats, cache_rows
+from flashtree.engine.cuda_graphs import GraphedForward
+from flashtree.engine.output import TokenLogprob, token_logprobs
+from flashtree.engine.prefix_cache import PrefixCache
+from flashtree.engine.sampling import Sampler
+from flashtree.errors import FlashtreeError
+from flashtree.formats.chat_template import ChatTemplate
+from flashtree.formats.gguf_file import GGUFFile
+from flashtree.formats.tokenizer import Tokenizer
+from flashtree.models.dflash import DFlashDraft
+from flashtree.models.qwen35 import Qwen35Model
+from flashtree.models.qwen35_config import Qwen35Config
+from flashtree.models.step import Step
+
+SCORE_CHUNK = 128  # prompt tokens per pass when scoring a prompt: [128, vocab] float32 logits (127 MB at 248K)
+PROGRESS_MIN_TOKENS = 8192  # prompts this long show a prefill progress bar where the CLI asks for one
+
+
+@dataclass
+class Target:
+    path: Path
+    gguf: GGUFFile
+    config: Qwen35Config
+    model: Qwen35Model
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate | None
+
+
+class ModelRunner:
+    """A loaded target (and optionally a draft) and its steps: what the decoding loops run on."""
+
+    def __init__(self, target: Target, draft: DFlashDraft | Proposer | None = None, *, use_cuda_graphs: bool = True,
+                 prefill_progress: bool = False, prefix_cache: PrefixCache | None = None):
+        self.target = target
+        self.draft = draft
+        self.prefix_cache = prefix_cache  # a flashtree.engine.prefix_cache.PrefixCache reuses prompt prefixes across requests
+        self.use_cuda_graphs = use_cuda_graphs  # decode and verify steps replay CUDA graphs (single-device CUDA targets)
+        self._graphs = None  # the GraphedForward, made on first use
+        self._kept_cache = None  # (options, cache): reused across requests so captured graphs stay valid
+        self.prefill_progress = prefill_progress  # a progress bar (stderr) for prompts of PROGRESS_MIN_TOKENS and more
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.target.tokenizer
+
+    @torch.inference_mode()
+    def score_prompt(self, prompt_ids: list[int], config: GenerationConfig) -> list[TokenLogprob | None]:
+        """Each prompt token's log-probability given the tokens before it (and the `config.prompt_logprobs`
+        most likely there): a pass of its own over the prompt, in chunks small enough that their full
+        logits stay a few hundred MB, into a cache of its own."""
+        cache = self.new_cache(len(prompt_ids), config)  # sized as the generation's: a kept (graphed) cache serves both
+        model, rows = self.target.model, SCORE_CHUNK
+        entries: list[TokenLogprob | None] = [None]
+        for start in range(0, len(prompt_ids) - 1, rows):
+            piece = prompt_ids[start : start + rows]
+            logits = model.forward(torch.tensor(piece, dtype=torch.long), cache).logits
+            following = prompt_ids[start + 1 : start + 1 + len(piece)]
+            entries += token_logprobs(logits[: len(following)], following, config.prompt_logprobs)
+        return entries
+
+    def new_token_room(self, prompt_len: int, config: GenerationConfig) -> int:
+        """New tokens this request may generate: max_new_tokens, capped by the context (--ctx or the model's)."""
+        limit = config.ctx or self.target.config.context_length
+        if prompt_len >= limit:
+            raise FlashtreeError(f"the prompt has {prompt_len} tokens but the context holds {limit}; "
+                                 "shorten the prompt or raise --ctx")
+        return min(config.max_new_tokens, limit - prompt_len)
+
+    def context_size(self, prompt_len: int, config: GenerationConfig) -> int:
+        """Cache rows: prompt + new tokens + tree scratch rows past the committed end."""
+        return cache_rows(prompt_len + self.new_token_room(prompt_len, config), config.budget)
+
+    def new_cache(self, prompt_len: int, config: GenerationConfig):
+        """The target cache for one request: sized by `context_size`, KV types and window from `config`.
+        With CUDA graphs the previous request's cache is reset and reused when it is large enough."""
+        size = self.context_size(prompt_len, config)
+        options = (config.cache_type_k, config.cache_type_v, config.attn_window)
+        if self.graph_runner() is not None and self._kept_cache is not None:
+            kept_options, cache = self._kept_cache
+            if kept_options == options and cache.capacity >= size:
+                cache.reset()
+                return cache
+        if self._graphs is not None:  # free the old cache and its graphs before allocating the new one
+            self._kept_cache = None
+            self._graphs.release()
+        cache = self.target.model.new_cache(size, *options)
+        if self.graph_runner() is not None:
+            self._kept_cache = (options, cache)
+        return cache
+
+    def graph_runner(self):
+        """The CUDA graph runner of decode/verify steps, or None (CPU, a layer split, or turned off)."""
+        if self._graphs is None:
+            model = self.target.model
+            if not self.use_cuda_graphs or model.device.type != "cuda" or model.boundaries:
+                return None
+            self._graphs = GraphedForward(model)
+        return self._graphs
+
+    def step_forward(self, tokens: torch.Tensor, cache, tree=None, capture=(), pad_to: int | None = None):
+        """One decode step (`tree` None) or one tree verify of the target, replayed from a CUDA graph
+        where possible; a verify is padded to `pad_to` nodes so that every step of a request has one shape."""
+        runner = self.graph_runner()
+        if runner is not None:
+            return runner.forward(tokens, cache, tree, capture, pad_to)
+        model = self.target.model
+        step = None
+        if tree is not None:
+            dev = model.device
+            step = Step.tree(cache.length, tree.parents.to(dev), tree.depths.to(dev), tree.ancestor_mask().to(dev))
+        return model.forward(tokens, cache, step=step, capture=capture)
+
+    def commit_step(self, cache, accepted: list[int], proposer, features: torch.Tensor,
+                    next_bonus: int | None = None) -> None:
+        """Keep the accepted nodes (root first) of the last verify, and give the proposer their features.
+        A draft on a device of its own is given them first and starts on the block after `next_bonus`,
+        so both devices work while the target commits."""
+        runner = self.graph_runner()
+        if runner is not None:
+            return runner.commit(cache, accepted, proposer, features)
+        model = self.target.model
+        path = torch.tensor(accepted, device=model.device)
+        positions = torch.arange(cache.length, cache.length + len(accepted), device=model.device)
+        proposer.commit(features[path], positions)
+        if next_bonus is not None and getattr(proposer, "overlaps", False):
+            proposer.prefetch(next_bonus, cache.length + len(accepted))
+        model.commit(cache, path)
+
+    def prefill_prompt(self, cache, prompt_ids: list[int], config: GenerationConfig, proposer=None,
+                       stats: GenerationStats | None = None) -> torch.Tensor:
+        """Fill the fresh `cache` with the prompt (through the prefix cache when there is one; `stats` gets
+        how many prompt tokens it restored) and start `proposer` on it; returns the last position's logits."""
+        if self.prefix_cache is not None:
+            return self.prefix_cache.prefill(self, cache, prompt_ids, config, proposer, stats)
+        if proposer is None:
+            return self.prefill(cache, prompt_ids, config.prefill_chunk)
+        proposer.start()
+        return self.prefill(cache, prompt_ids, config.prefill_chunk, proposer.capture_layers, proposer.commit)
+
+    def prefill(self, cache, prompt_ids: list[int], chunk: int, capture: Sequence[int] = (),
+                on_features: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> torch.Tensor:
+        """Run the prompt in chunks; returns the last position's logits. Each chunk's captured features go
+        to `on_features(features, positions)` as soon as they exist, so nothing grows with the prompt but
+        the KV cache (a 256K prompt's features would be ~12 GiB at the 27B shape)."""
+        model = self.target.model
+        with self.prefill_bar(len(prompt_ids)) as bar:
+            for start in range(0, len(prompt_ids), chunk):
+                piece = torch.tensor(prompt_ids[start : start + chunk], dtype=torch.long)
+                first = cache.length
+                result = model.forward(piece, cache, capture=capture, last_only=True)
+                if on_features is not None:
+                    on_features(result.features, torch.arange(first, cache.length, device=result.features.device))
+                bar.update(piece.shape[0])
+        return result.logits[-1]
+
+    def prefill_bar(self, tokens: int):
+        """A tqdm bar over `tokens` prompt tokens (stderr, gone when closed), drawn only when the CLI asked
+        for progress (`prefill_progress`) and the prompt is long."""
+        return tqdm(total=tokens, desc="prefill", unit="tok", unit_scale=True, leave=False,
+                    disable=not self.prefill_progress or tokens < PROGRESS_MIN_TOKENS)
+
+    def sampler(self, prompt_ids: list[int], config: GenerationConfig) -> Sampler:
+        model = self.target.model
+        return Sampler(config.sampling, prompt_ids, model.config.vocab_size, model.device)
