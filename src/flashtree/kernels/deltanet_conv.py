@@ -90,10 +90,10 @@ def conv_qkv(inputs: torch.Tensor, parents: torch.Tensor | None, conv_state: tor
     q = torch.empty(n, v_heads, head_dim, dtype=torch.float32, device=inputs.device)
     k, v = torch.empty_like(q), torch.empty_like(q)
     in_kernel = advance_state and n == 1  # one program per channel block reads the window, then shifts it
+    parents_arg = _no_parents(inputs.device) if parents is None else parents.to(torch.int64).contiguous()
     _conv_qkv_kernel[(n, conv_dim // head_dim)](
-        inputs, _no_parents(inputs.device) if parents is None else parents.to(torch.int64).contiguous(), conv_state, conv_weight.contiguous(), q, k, v, conv_dim,
-        head_dim**-0.5, EPS, HK=qk_heads, HV=v_heads, D=head_dim, RUN=parents is None, ADVANCE=in_kernel,
-        num_warps=4)
+        inputs, parents_arg, conv_state, conv_weight.contiguous(), q, k, v, conv_dim, head_dim**-0.5, EPS,
+        HK=qk_heads, HV=v_heads, D=head_dim, RUN=parents is None, ADVANCE=in_kernel, num_warps=4)
     if advance_state and not in_kernel:  # several programs read the state: shift it once they are done
         _advance(conv_state, inputs)
     return q, k, v
