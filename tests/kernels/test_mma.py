@@ -102,6 +102,8 @@ def test_cuda_source_compiles_for_sm90():
     """CI has no GPU: this is what keeps the CUDA source compiling (one instance of each kind)."""
     wrappers = (mma._wrapper("a", QType.Q4_K, mma.MMAConfig(1, 8, 2), 1)
                 + mma._wrapper("b", QType.Q6_K, mma.MMAConfig(2, 4, 1), 4)
+                + mma._wrapper("e", QType.Q4_K, mma.MMAConfig(2, 4, 2), mma.ONE_ROW)
+                + mma._wrapper("f", QType.Q6_K, mma.MMAConfig(1, 2, 1), mma.ONE_ROW)
                 + mma._dequant_wrapper("c", QType.Q4_K, 0) + mma._dequant_wrapper("d", QType.Q6_K, 2))
     cubin = mma.compile_cubin(mma._SOURCE.read_text() + wrappers, "sm_90")
     assert cubin[:4] == b"\x7fELF"
@@ -133,18 +135,19 @@ def test_every_row_count_matches_the_float32_reference(qtype, shape):
 
 
 @pytest.mark.gpu
-@pytest.mark.slow  # 24 configurations: the full GPU suite; the default ones are in the fast subset
+@pytest.mark.slow  # 24 configurations x 2 kernels: the full GPU suite; the default ones are in the fast subset
 @gpu
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_every_launch_configuration_is_right(qtype):
     n, k = 1024, 4096
     weight = random_quant_weight(qtype, n, k, "cuda")
-    x = torch.randn(23, k, dtype=torch.bfloat16, device="cuda")
-    ref = quant_matmul_reference(x.float(), weight)
-    for config in itertools.starmap(mma.MMAConfig, itertools.product((1, 2), (1, 2, 4, 8), (1, 2, 4))):
-        y = mma.matmul(x, weight.raw, qtype, n, k, config)
-        _check_close(y, ref)
-        assert torch.equal(y, mma.matmul(x, weight.raw, qtype, n, k, config)), config
+    for rows in (1, 23):  # the one-row kernel (qmv) and qmm
+        x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
+        ref = quant_matmul_reference(x.float(), weight)
+        for config in itertools.starmap(mma.MMAConfig, itertools.product((1, 2), (1, 2, 4, 8), (1, 2, 4))):
+            y = mma.matmul(x, weight.raw, qtype, n, k, config)
+            _check_close(y, ref)
+            assert torch.equal(y, mma.matmul(x, weight.raw, qtype, n, k, config)), (rows, config)
 
 
 @pytest.mark.gpu

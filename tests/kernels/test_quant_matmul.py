@@ -152,12 +152,13 @@ def test_real_sizes_on_gpu(qtype, shape):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q6_K, QType.Q8_0])
 def test_rows_do_not_depend_on_how_many_rows_there_are(qtype):
-    """Verify sizes 2-64 give each row the same bits (Q4_K and Q6_K: decode's single row too); a Q8_0 decode
-    row takes the faster v1 kernel, which sums K in another order."""
+    """Verify sizes 2-64 give each row the same bits; a decode row (one row) takes a faster kernel that sums
+    K in another order (Q4_K/Q6_K: the one-row MMA kernel; Q8_0: the v1 kernel): within an output rounding."""
     weight = random_quant_weight(qtype, 5120, 5120, "cuda")
     x = torch.randn(23, 5120, dtype=torch.bfloat16, device="cuda")
     together = quant_matmul(x, weight)
     for i in (0, 7, 21):
         assert torch.equal(quant_matmul(x[i : i + 2], weight)[0], together[i])
-        if qtype == QType.Q6_K or weight.mma_layout:
-            assert torch.equal(quant_matmul(x[i : i + 1], weight)[0], together[i])
+        alone = quant_matmul(x[i : i + 1], weight)[0].float()
+        row = together[i].float()
+        assert ((alone - row).abs() <= row.abs() * 2.0**-7 + 1e-5 * row.abs().max()).all()

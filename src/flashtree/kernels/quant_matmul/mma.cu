@@ -13,7 +13,9 @@
 // row group split K further and the last CTA to finish sums their float32 partials in split order
 // (an atomic ticket, reset for the next call): results are deterministic and there is one launch.
 // (Giving each warp rows of its own, so that the CTA's warps share x through L1, measured no faster
-// on the H200: with more than 8 tokens the loop's instructions limit, not x's L2 traffic.)
+// on the H200: with more than 8 tokens the loop's instructions limit, not x's L2 traffic. Nor did a
+// cp.async pipeline through shared memory: it keeps more bytes in flight, but these loops are bound
+// by the instructions they issue, not by memory latency.) `qmv` is the one-row (decode) form.
 // No headers: NVRTC compiles this with nothing but the CUDA built-ins.
 
 typedef unsigned int u32;
@@ -382,15 +384,150 @@ __device__ __forceinline__ void qmm(const u16* __restrict__ x, const unsigned ch
     epilogue<RT, TG, WARPS, SPLITS>(acc, tile0, out, partial, tickets, M, N);
 }
 
+// ---------------------------------------------------------------------------------------------
+// One row of x (decode): the MMA's 8 columns hold 8 scaled sub-blocks of that row instead of 8 tokens.
+// Lane (g, t)'s B fragment carries x only in the steps of sub-block g (of each group of 8) and zeros
+// elsewhere, so column j of the accumulator collects sub-block j's partial dot product over the whole
+// super-block without any float work in between; each lane then scales the 2 (Q6_K: 4) sub-blocks of
+// its columns, and the 4 lanes of a row add theirs at the end. A quarter of the scale decoding and
+// an eighth of the scaling FMAs of the token-column kernel, for the same MMA count.
+
+// x values of lane (g, t) for super-block sb: Q4_K sub-block g (8 values, both its steps); Q6_K
+// sub-blocks g and g + 8 (4 values each).
+template <int QT> struct VectorX;
+template <> struct VectorX<Q4_K> {
+    uint4 v;
+    __device__ __forceinline__ void load(const u16* row, int sb, int g, int t) {
+        v = __ldg(reinterpret_cast<const uint4*>(row + (sb << 8) + 32 * g + 8 * t));
+    }
+    // B registers of step s, zero unless the step belongs to this lane's sub-block
+    __device__ __forceinline__ void fragment(int s, int g, u32& b0, u32& b1) const {
+        const bool mine = (s >> 1) == g;
+        b0 = mine ? ((s & 1) ? v.z : v.x) : 0u;
+        b1 = mine ? ((s & 1) ? v.w : v.y) : 0u;
+    }
+};
+template <> struct VectorX<Q6_K> {
+    uint2 v[2];
+    __device__ __forceinline__ void load(const u16* row, int sb, int g, int t) {
+        v[0] = __ldg(reinterpret_cast<const uint2*>(row + (sb << 8) + 16 * g + 4 * t));
+        v[1] = __ldg(reinterpret_cast<const uint2*>(row + (sb << 8) + 16 * (g + 8) + 4 * t));
+    }
+    __device__ __forceinline__ void fragment(int s, int g, u32& b0, u32& b1) const {
+        const bool mine = (s & 7) == g;
+        b0 = mine ? v[s >> 3].x : 0u;
+        b1 = mine ? v[s >> 3].y : 0u;
+    }
+};
+
+// Column sets: Q4_K's 8 sub-blocks fill the 8 columns once; Q6_K's 16 fill them twice (steps 0-7, 8-15).
+template <int QT> __device__ constexpr int column_sets() { return QT == Q4_K ? 1 : 2; }
+
+template <int QT, int RT>
+__device__ __forceinline__ void multiply_vector(const Weights<QT, RT>& w, const u16* row, int sb, int g, int t,
+                                                const Consts& k, float (&acc)[RT][2]) {
+    typedef Type<QT> T;
+    constexpr int SETS = column_sets<QT>();
+    VectorX<QT> x;
+    x.load(row, sb, g, t);
+    float xs[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // Q4_K: column j's sum of x (sub-block j)
+    if constexpr (T::NEEDS_XSUM) {
+#pragma unroll
+        for (int s = 0; s < 16; ++s) {
+            u32 b0, b1;
+            x.fragment(s, g, b0, b1);
+            mma_ones(xs, b0, b1);
+        }
+    }
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt) {
+        float p[SETS][4];
+#pragma unroll
+        for (int c = 0; c < SETS; ++c) p[c][0] = p[c][1] = p[c][2] = p[c][3] = 0.0f;
+#pragma unroll
+        for (int s = 0; s < 16; ++s) {
+            u32 frag[4], b0, b1;
+            const u32 lo = word_of(w.q[rt][s >> 2], s & 3);
+            const u32 hi = T::HIGH_BYTES > 0 ? word_of(w.qh[rt][s >> 3], (s >> 1) & 3) : 0u;
+            decode<QT>(lo, hi, s, k, frag);
+            x.fragment(s, g, b0, b1);
+            mma_bf16(p[(s >> 3) & (SETS - 1)], frag, b0, b1);
+        }
+        // p[set][c]: row g (c < 2) or g + 8, column 2t + (c & 1), i.e. sub-block 8 set + 2t + (c & 1)
+#pragma unroll
+        for (int set = 0; set < SETS; ++set)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                float a, b;
+                T::sub_scale(w.sc[rt], c >> 1, 8 * set + 2 * t + (c & 1), k, a, b);
+                acc[rt][c >> 1] = fmaf(a, p[set][c], acc[rt][c >> 1]);
+                if constexpr (T::NEEDS_XSUM) acc[rt][c >> 1] = fmaf(-b, xs[c & 1], acc[rt][c >> 1]);
+            }
+    }
+}
+
+template <int QT, int RT, int WARPS, int SPLITS>
+__device__ __forceinline__ void qmv(const u16* __restrict__ x, const unsigned char* __restrict__ quants,
+                                    const unsigned char* __restrict__ high, const unsigned char* __restrict__ scales,
+                                    const u16* __restrict__ dvals, u16* __restrict__ out, float* __restrict__ partial,
+                                    int* __restrict__ tickets, int M, int N, int K) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int SB = K >> 8;
+    const int tile0 = blockIdx.x * RT;
+    const int per = (SB + SPLITS - 1) / SPLITS;
+    const int sb_begin = blockIdx.y * per;
+    const int sb_end = min(SB, sb_begin + per);
+    float acc[RT][2];  // rows g and g + 8 of each tile: this lane's columns' share
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt) acc[rt][0] = acc[rt][1] = 0.0f;
+
+    const Consts k = make_consts();
+    Weights<QT, RT> w0, w1;  // double-buffered as in qmm
+    int sb = sb_begin + warp;
+    if (sb < sb_end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb, lane, g, w0);
+    while (sb < sb_end) {
+        if (sb + WARPS < sb_end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb + WARPS, lane, g, w1);
+        multiply_vector<QT, RT>(w0, x, sb, g, t, k, acc);
+        sb += WARPS;
+        if (sb >= sb_end) break;
+        if (sb + WARPS < sb_end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb + WARPS, lane, g, w0);
+        multiply_vector<QT, RT>(w1, x, sb, g, t, k, acc);
+        sb += WARPS;
+    }
+    // the 4 lanes of a row hold its columns' shares: add them (every lane ends with the row's sum), then
+    // hand them to qmm's epilogue as token 0 (column 0: lane t = 0, accumulators 0 and 2)
+    float sums[RT][1][4];
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float v = acc[rt][h];
+            v += __shfl_xor_sync(0xFFFFFFFFu, v, 1);
+            v += __shfl_xor_sync(0xFFFFFFFFu, v, 2);
+            sums[rt][0][2 * h] = sums[rt][0][2 * h + 1] = v;
+        }
+    epilogue<RT, 1, WARPS, SPLITS>(sums, tile0, out, partial, tickets, M, N);
+}
+
 // Dense dequantization (prefill chunks that go to cuBLAS, and float32/float16 x): one warp per tile
-// super-block writes its 16 x 256 values in the output's type (OUT 0: bf16, 1: f16, 2: f32).
+// super-block decodes its 16 x 256 values into shared memory in the output's type (OUT 0: bf16, 1: f16,
+// 2: f32), then writes them row by row, each row one coalesced store per lane group.
+template <int OUT> struct DequantOut {
+    static constexpr int VALUE_BYTES = OUT == 2 ? 4 : 2;
+    static constexpr int ROW_BYTES = 256 * VALUE_BYTES;
+    static constexpr int WARPS = OUT == 2 ? 2 : 4;  // 32 KB of shared memory per CTA either way
+};
+
 template <int QT, int OUT>
 __device__ __forceinline__ void dequant(const unsigned char* __restrict__ quants, const unsigned char* __restrict__ high,
                                         const unsigned char* __restrict__ scales, const u16* __restrict__ dvals,
                                         void* __restrict__ dense, int N, int K) {
     typedef Type<QT> T;
-    const int lane = threadIdx.x & 31;
-    const long warp_id = (long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    typedef DequantOut<OUT> O;
+    __shared__ __align__(16) unsigned char tiles[O::WARPS][16 * O::ROW_BYTES];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const long warp_id = (long)blockIdx.x * O::WARPS + warp;
     const int SB = K >> 8;
     if (warp_id >= (long)(N >> 4) * SB) return;
     const int tile = (int)(warp_id / SB), sb = (int)(warp_id % SB);
@@ -407,6 +544,7 @@ __device__ __forceinline__ void dequant(const unsigned char* __restrict__ quants
     typename T::Scales sc;
     load_scales<QT>(scales, dvals, warp_id, g, sc);
     const Consts k = make_consts();
+    unsigned char* mine = tiles[warp];
 #pragma unroll
     for (int s = 0; s < 16; ++s) {
         u32 frag[4];
@@ -417,20 +555,26 @@ __device__ __forceinline__ void dequant(const unsigned char* __restrict__ quants
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
             const int h = r & 1, half = r >> 1;  // A register r: row g + 8h, columns + 8 * half
-            const int row = 16 * tile + g + 8 * h;
             // the value this fragment column holds (mma.py `_lane_columns`)
             const int within = QT == Q4_K ? 32 * (s >> 1) + 8 * t + 4 * (s & 1) + 2 * half : 16 * s + 4 * t + 2 * half;
-            const long col = ((long)sb << 8) + within;
             const float v0 = a[h] * __uint_as_float(frag[r] << 16) - b[h];
             const float v1 = a[h] * __uint_as_float(frag[r] & 0xFFFF0000u) - b[h];
-            const long at = (long)row * K + col;
+            unsigned char* at = mine + (g + 8 * h) * O::ROW_BYTES + within * O::VALUE_BYTES;
             if (OUT == 2) {
-                reinterpret_cast<float2*>(dense)[at >> 1] = make_float2(v0, v1);
+                *reinterpret_cast<float2*>(at) = make_float2(v0, v1);
             } else {
                 const u32 lo = OUT == 0 ? float_to_bf16(v0) : float_to_half(v0);
                 const u32 hi = OUT == 0 ? float_to_bf16(v1) : float_to_half(v1);
-                reinterpret_cast<u32*>(dense)[at >> 1] = lo | (hi << 16);
+                *reinterpret_cast<u32*>(at) = lo | (hi << 16);
             }
         }
     }
+    __syncwarp();
+    unsigned char* base = reinterpret_cast<unsigned char*>(dense) + ((long)16 * tile * K + ((long)sb << 8)) * O::VALUE_BYTES;
+#pragma unroll
+    for (int row = 0; row < 16; ++row)
+#pragma unroll
+        for (int c = lane * 16; c < O::ROW_BYTES; c += 512)
+            *reinterpret_cast<uint4*>(base + (long)row * K * O::VALUE_BYTES + c) =
+                *reinterpret_cast<const uint4*>(mine + row * O::ROW_BYTES + c);
 }

@@ -292,12 +292,18 @@ class MMAConfig:
     splits: int
 
 
+ONE_ROW = 0  # `token_groups` of one row of x: the qmv kernel (sub-blocks in the MMA's columns), not qmm
+
+
 def token_groups(m: int) -> int:
-    return (m + 7) // 8
+    """Groups of 8 tokens the qmm kernel instance multiplies; ONE_ROW for a single row (decode)."""
+    return ONE_ROW if m == 1 else (m + 7) // 8
 
 
 def _instance(qtype: QType, config: MMAConfig, tg: int) -> str:
     c = config
+    if tg == ONE_ROW:
+        return f"qmv_{qtype.name.lower()}_r{c.rt}_w{c.warps}_s{c.splits}"
     return f"qmm_{qtype.name.lower()}_r{c.rt}_t{tg}_w{c.warps}_s{c.splits}"
 
 
@@ -306,14 +312,17 @@ def _dequant_instance(qtype: QType, out: int) -> str:
 
 
 _OUT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+# warps per CTA of the dense dequantization: mma.cu's DequantOut<OUT>::WARPS (32 KB of staged rows per CTA)
+_DEQUANT_WARPS = {torch.bfloat16: 4, torch.float16: 4, torch.float32: 2}
 
 
 def _wrapper(name: str, qtype: QType, config: MMAConfig, tg: int) -> str:
     c = config
+    kernel = (f"qmv<{qtype.name}, {c.rt}, {c.warps}, {c.splits}>" if tg == ONE_ROW
+              else f"qmm<{qtype.name}, {c.rt}, {tg}, {c.warps}, {c.splits}>")
     return (f'extern "C" __global__ void __launch_bounds__({c.warps * 32}) {name}(const u16* x, const unsigned char* q, '
             f"const unsigned char* h, const unsigned char* s, const u16* d, u16* out, float* part, int* tickets, "
-            f"int M, int N, int K) {{ qmm<{qtype.name}, {c.rt}, {tg}, {c.warps}, {c.splits}>(x, q, h, "
-            f"s, d, out, part, tickets, M, N, K); }}\n")
+            f"int M, int N, int K) {{ {kernel}(x, q, h, s, d, out, part, tickets, M, N, K); }}\n")
 
 
 def _dequant_wrapper(name: str, qtype: QType, out: int) -> str:
@@ -464,11 +473,14 @@ def choose_config(qtype: QType, m: int, n: int, k: int, sms: int = _H200_SMS) ->
     """From the H200 sweep of 2026-11-30 21:35 UTC (scripts/sweep_mma.py, docs/PERFORMANCE.md).
 
     Warps and splits depend on the matrix only, never on M: they fix the order in which a row's K is
-    summed, so a row gets the same bits whether it is multiplied alone (decode) or with 31 others (a
-    tree verify), and the two agree on every greedy token. 4 warps per CTA (2 on LM-head-sized
-    matrices); split K only when the row tiles cannot give every SM about two CTAs. Two row tiles per
-    warp (x's fragments reused from registers) where the sweep found them faster: Q4_K at 9-16 and
-    25-32 rows, Q6_K from 17 rows; never on matrices with fewer tiles than SMs."""
+    summed, so qmm gives a row the same bits whether it is multiplied with 1 or 31 others (every
+    verify width agrees). The one-row kernel (decode) sums each sub-block in its own MMA column and
+    adds them per lane, a different order: a decode row and a verify row of the same token can differ
+    in the last bits (near-ties only; the bench shows the margin where greedy outputs part).
+    4 warps per CTA (2 on LM-head-sized matrices); split K only when the row tiles cannot give every
+    SM about two CTAs. Two row tiles per warp (x's fragments reused from registers) where the sweep
+    found them faster: Q4_K at 9-16 and 25-32 rows, Q6_K from 17 rows; never on matrices with fewer
+    tiles than SMs."""
     tiles, sb = n // 16, k // SUPER
     tg = token_groups(m)
     pairs = tg in ((2, 4) if qtype == QType.Q4_K else (3, 4))
@@ -509,9 +521,10 @@ def dequantize(raw: torch.Tensor, qtype: QType, n: int, k: int, dtype: torch.dty
     fn = _program(raw.device).function(name, _dequant_wrapper(name, qtype, _OUT_CODES[dtype]))
     p = pieces_of(raw, qtype, n, k)
     dense = torch.empty(n, k, dtype=dtype, device=raw.device)
-    warps = (n // 16) * (k // SUPER)
-    _launch(fn, ((warps + 7) // 8, 1), 256, [p["quants"], p.get("high", p["quants"]), p["scales"],
-                                              p.get("d", p["scales"]), dense, n, k], raw.device)
+    tiles = (n // 16) * (k // SUPER)  # one warp each
+    per_cta = _DEQUANT_WARPS[dtype]
+    _launch(fn, ((tiles + per_cta - 1) // per_cta, 1), 32 * per_cta,
+            [p["quants"], p.get("high", p["quants"]), p["scales"], p.get("d", p["scales"]), dense, n, k], raw.device)
     return dense
 
 
@@ -521,11 +534,11 @@ def _sm_count(device: torch.device) -> int:
 
 
 def instances(splits=(1, 2, 4, 8)) -> list[tuple[str, str]]:
-    """(name, wrapper) of every instance a launch can pick: both types, 1-2 row tiles, 1-4 token
-    groups, 1-8 warps, the given splits; and the dense dequantizations."""
+    """(name, wrapper) of every instance a launch can pick: both types, 1-2 row tiles, the one-row
+    kernel and 1-4 token groups, 1-8 warps, the given splits; and the dense dequantizations."""
     out = []
     for qtype in MMA_TYPES:
-        for rt, tg, warps, split in itertools.product((1, 2), range(1, 5), (1, 2, 4, 8), splits):
+        for rt, tg, warps, split in itertools.product((1, 2), (ONE_ROW, 1, 2, 3, 4), (1, 2, 4, 8), splits):
             config = MMAConfig(rt, warps, split)
             name = _instance(qtype, config, tg)
             out.append((name, _wrapper(name, qtype, config, tg)))
