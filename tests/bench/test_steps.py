@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from flashtree.bench.steps import ReplayProposer, random_draft
+from flashtree.bench.steps import ReplayProposer, q8_sibling, random_draft
 from flashtree.cli.main import main
 from flashtree.engine.config import GenerationConfig
 from flashtree.engine.generate import Engine
@@ -89,3 +89,11 @@ def test_family_names():
 def test_kernel_bench_without_a_gpu_says_so(capsys):
     assert main(["bench", "--kernels"]) != 0
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_q8_sibling_shares_the_drafts_tensors_and_leaves_it_whole():
+    draft = random_draft(shape_config("tiny"), "cpu", torch.float32)
+    sibling = q8_sibling(draft)
+    assert sibling.fc.weight is draft.fc.weight  # shared, not copied
+    assert isinstance(draft.layers[0].mlp.up_proj, torch.nn.Linear)  # the original keeps its float layers
+    assert type(sibling.layers[0].mlp.up_proj).__name__ == "_Q8Linear"

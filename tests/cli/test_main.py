@@ -23,6 +23,9 @@ from flashtree.errors import FlashtreeError
     (["train", "target", "--out", "x", "--steps", "0"], "argument --steps: must be >= 1, got 0"),
     (["info", "x.gguf", "--ctx", "0"], "argument --ctx: must be >= 1, got 0"),
     (["run", "hi", "--gpu-memory", "lots"], "argument --gpu-memory: cannot read memory size 'lots'"),
+    (["plan", "--synthetic", "qwen3.6-27b", "--gpu-memory", "24Gi"],
+     "argument --gpu-memory: cannot read memory size '24Gi'"),
+    (["bench", "--cuda-overhead", "lots"], "argument --cuda-overhead: cannot read memory size 'lots'"),
     (["bench", "--modes", "ar,bogus"], "argument --modes: unknown mode(s) bogus; choose from ar, chain, ddtree"),
 ])
 def test_bad_counts_are_refused_by_name_while_parsing(argv, message, capsys):

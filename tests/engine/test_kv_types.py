@@ -112,7 +112,8 @@ def test_planner_lines_and_scaling():
     p = plan(_request())
     names = [n for n, _, _ in p.lines]
     assert names == ["target weights", "draft weights", "KV cache", "DeltaNet state", "tree buffers",
-                     "draft context ring", "prefill feature capture", "activations (estimate)"]
+                     "draft context ring", "prefill feature capture", "activations (estimate)",
+                     "CUDA context + libraries"]
     assert 14 * 2**30 < p.bytes_of("target weights") < 17 * 2**30  # 27B Q4_K_M
     assert p.bytes_of("DeltaNet state") == pytest.approx(48 * 3 * 2**20, rel=0.03)
     assert p.total == sum(b for _, b, _ in p.lines)
@@ -191,7 +192,8 @@ def test_per_device_shares_add_up_and_follow_the_placement():
     draft_gpu = per_device(p, [64], draft_device=1)  # the draft on a GPU of its own
     assert draft_gpu[1]["target weights"] == draft_gpu[1]["KV cache"] == 0
     assert sum(draft_gpu[1].values()) == sum(p.bytes_of(n) for n in ("draft weights", "draft context ring",
-                                                                       "prefill feature capture"))
+                                                                       "prefill feature capture",
+                                                                       "CUDA context + libraries"))
     with pytest.raises(FlashtreeError, match="does not cover the 64 layers"):
         per_device(p, [32, 31])
 

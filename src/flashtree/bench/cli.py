@@ -251,6 +251,7 @@ def _synthetic_tp_engine(args, config, settings: EngineArgs):
     from flashtree.parallel.tp import init_from_env, load_tp_model
     from flashtree.parallel.placement import default_dtype
     from flashtree.engine.loader import engine_from_target
+    from flashtree.engine.process_memory import cap_process_memory
     from flashtree.models.random_weights import random_source, target_of
 
     if settings.layer_split or settings.gpus or settings.draft_device:
@@ -259,6 +260,7 @@ def _synthetic_tp_engine(args, config, settings: EngineArgs):
     if dist.get_world_size() != settings.tensor_parallel:
         raise FlashtreeError(f"--tensor-parallel {settings.tensor_parallel} but the process group has "
                              f"{dist.get_world_size()} ranks")
+    cap_process_memory([device], settings.gpu_memory, settings.cuda_overhead)
     print(f"building random {args.synthetic} ({args.scheme}), rank {dist.get_rank()}'s shard on {device} ...")
     config, weights, spec = random_source(config, args.scheme, device, echo=args.echo)
     # each layer is generated and dequantized on the rank's own device: the host path is minutes at 27B
@@ -270,6 +272,7 @@ def _synthetic_engine(args, settings: EngineArgs):
     """The engine over a random-weight model of shape `args.synthetic`, built in device memory (no file)."""
     from flashtree.parallel.placement import parse_devices, parse_split, place_layers, resolve_device
     from flashtree.engine.loader import engine_from_target
+    from flashtree.engine.process_memory import cap_process_memory
     from flashtree.models.random_weights import random_target, shape_config
 
     overrides = {}
@@ -286,6 +289,8 @@ def _synthetic_engine(args, settings: EngineArgs):
         devices = ["cpu"] * n if args.device not in (None, "auto") and resolve_device(args.device).type == "cpu" \
             else parse_devices(None, n)
     device = resolve_device(str(devices[0]) if devices else args.device)
+    draft_device = [resolve_device(settings.draft_device)] if settings.draft_device else []
+    cap_process_memory([*(devices or [device]), *draft_device], settings.gpu_memory, settings.cuda_overhead)
     print(f"building random {args.synthetic} ({args.scheme}) in memory on {device} ...")
     target = random_target(config, scheme=args.scheme, device=device, echo=args.echo)
     if devices:

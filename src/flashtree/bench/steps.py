@@ -5,7 +5,8 @@ model shape, each held against a floor measured in the same run.
   matrices one step reads / read bandwidth measured here (a sum over a large buffer).
 - Draft step against the draft's own floor (its weights + the LM head it borrows from the target).
 - Host-side tree build, walk and commit.
-- Prefill throughput at 1K and 13K prompt tokens; peak GPU memory.
+- Prefill throughput at 1K and 13K prompt tokens; peak GPU memory: the allocator's, and the whole
+  process's (the device's used memory, CUDA context and library modules included: engine/process_memory.py).
 - Replay end to end: the real draft runs every step, but its proposal is replaced by the target's own
   recorded continuation cut so that accepted lengths average --replay-al (the seed reports 5.17); the
   whole loop (draft, tree, verify, walk, commit, rollback of rejected nodes) is timed against AR on the
@@ -25,6 +26,7 @@ from flashtree.bench.profile import print_profile, profile_call
 from flashtree.bench.report import save_report
 from flashtree.parallel.placement import resolve_device
 from flashtree.engine.config import DEFAULT_BUDGET
+from flashtree.engine.process_memory import measure_process_memory
 from flashtree.models.dflash import DFlashDraft, DraftConfig, build_target_layer_ids
 from flashtree.models.layers import Linear, Projections, QuantLinear
 from flashtree.drafting.proposer import DFlashProposer
@@ -154,7 +156,10 @@ def run_steps(args, engine, device_name: str) -> int:
     bandwidth = read_bandwidth(device)
     report["read_bandwidth_GBps"] = round(bandwidth / 1e9, 1)
     if device.type == "cuda":
+        torch.cuda.empty_cache()  # the probe's buffer out of the allocator's reservation: the process is measured
         report["memory_after_load_GiB"] = round(torch.cuda.memory_allocated(device) / 2**30, 2)
+        report["device_used_after_load_GiB"] = measure_process_memory(device).as_gib()["device_used"]
+        report["gpu_memory_cap"] = getattr(args, "gpu_memory", None)
         for i in range(torch.cuda.device_count()):  # peaks from here on: not the build's or the probe's buffers
             torch.cuda.reset_peak_memory_stats(i)
     roofline_s = report["weights_bytes_per_step"] / bandwidth
@@ -207,8 +212,10 @@ def run_steps(args, engine, device_name: str) -> int:
         mark(f"ar and verify up to budget {budget}")
     row("draft step", timed(lambda: proposer.propose(bonus, cache.length), device, args.repeat),
         draft_bytes / bandwidth)
-    if device.type == "cuda":  # the same draft with its layers in Q8_0, reading the same context cache
-        q8 = copy.deepcopy(draft).quantize_layers("q8_0")
+    # the same draft with its layers in Q8_0, reading the same context cache; not under a --gpu-memory cap,
+    # where its 1.7 GiB (at 27B) beside the bf16 draft is not part of the configuration being measured
+    if device.type == "cuda" and not getattr(args, "gpu_memory", None):
+        q8 = q8_sibling(draft)
         q8_proposer = DFlashProposer(model, q8, config.draft_window, capture_graphs=_captures(engine))
         q8_proposer.cache = proposer.cache
         row("draft step (q8_0)", timed(lambda: q8_proposer.propose(bonus, cache.length), device, args.repeat),
@@ -239,14 +246,29 @@ def run_steps(args, engine, device_name: str) -> int:
     if args.replay_al > 0:  # 0 skips it (each of its three generations prefills the context again)
         report["replay"] = _replay(engine, draft, prompt, args, config)
         mark("replay")
-    if device.type == "cuda":  # every GPU this run touched (a layer split or a draft device adds some)
-        report["peak_memory_GiB"] = {f"cuda:{i}": round(torch.cuda.max_memory_allocated(i) / 2**30, 2)
-                                     for i in range(torch.cuda.device_count()) if torch.cuda.max_memory_allocated(i)}
+    if device.type == "cuda":
+        report.update(cuda_memory_report())
     report["rows"] = rows
     if _rank_and_world()[0] == 0:  # a tensor-parallel benchmark runs on every rank: rank 0 writes
         save_report(report, args.out)
     _print(report)
     return 0
+
+
+def q8_sibling(draft: DFlashDraft) -> DFlashDraft:
+    """`draft` with its layers in Q8_0, beside it: the module tree copied with the bf16 tensors shared, not
+    copied (a second 3.2 GiB at 27B), until `quantize_layers` packs each matrix into a buffer of its own."""
+    shared = {id(t): t for t in (*draft.parameters(), *draft.buffers())}
+    return copy.deepcopy(draft, memo=shared).quantize_layers("q8_0")
+
+
+def cuda_memory_report() -> dict:
+    """Every GPU this run touched (a layer split or a draft device adds some): the allocator's peak, and the
+    process as the device sees it (`ProcessMemory`: used memory, what lies outside the allocator, the peak
+    footprint)."""
+    touched = [i for i in range(torch.cuda.device_count()) if torch.cuda.max_memory_allocated(i)]
+    return {"peak_memory_GiB": {f"cuda:{i}": round(torch.cuda.max_memory_allocated(i) / 2**30, 2) for i in touched},
+            "process_memory_GiB": {f"cuda:{i}": measure_process_memory(i).as_gib() for i in touched}}
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -325,7 +347,10 @@ def _print_header(report: dict) -> None:
              if report["tensor_parallel"] > 1 else ""))
     print(f"weights read per step: {report['weights_bytes_per_step'] / 1e9:.2f} GB   "
           f"read bandwidth: {report['read_bandwidth_GBps']} GB/s"
-          + (f"   GPU memory after load: {report['memory_after_load_GiB']} GiB" if "memory_after_load_GiB" in report else ""))
+          + (f"   GPU memory after load: {report['memory_after_load_GiB']} GiB allocated, "
+             f"{report['device_used_after_load_GiB']} GiB used on the device"
+             if "memory_after_load_GiB" in report else "")
+          + (f"   held to --gpu-memory {report['gpu_memory_cap']}" if report.get("gpu_memory_cap") else ""))
     print(f"{'step':<24}{'ms':>10}{'floor ms':>10}{'vs floor':>10}  notes", flush=True)
 
 
@@ -344,5 +369,9 @@ def _print(report: dict) -> None:
               f"({rp['same_prefix_tokens']}/{rp['tokens']} positions equal)  same as AR {rp['identical_to_ar']}"
               f"  draft rows not finite {rp['draft_nonfinite_rows']}")
     if "peak_memory_GiB" in report:
-        print(f"peak GPU memory: {report['peak_memory_GiB']} GiB; peak so far after each phase: "
+        print(f"peak GPU memory (allocated): {report['peak_memory_GiB']} GiB; peak so far after each phase: "
               f"{report['peak_memory_by_phase_GiB']}")
+        for name, m in report["process_memory_GiB"].items():
+            print(f"process on {name}: peak footprint {m['peak_footprint']} GiB = allocator peak reserved "
+                  f"{m['allocator_peak_reserved']} + outside the allocator {m['outside_allocator']} (CUDA context, "
+                  f"libraries; device used now {m['device_used']}, allocator reserved now {m['allocator_reserved']})")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable, Iterable
 
-from flashtree.engine.config import DEFAULT_BUDGET, DEFAULT_TOPK, MODES, EngineArgs
+from flashtree.engine.config import DEFAULT_BUDGET, DEFAULT_CUDA_OVERHEAD, DEFAULT_TOPK, MODES, EngineArgs
 from flashtree.errors import FlashtreeError
 
 
@@ -54,6 +54,23 @@ def memory_size(text: str) -> str:
     return text
 
 
+def memory_bytes(text: str) -> int:
+    """An argparse type: a memory size such as 0.5GiB, in bytes."""
+    from flashtree.engine.planner import parse_size
+
+    return parse_size(memory_size(text))
+
+
+def add_memory_args(parser: argparse.ArgumentParser, gpu_memory_help: str) -> None:
+    """`--gpu-memory` and `--cuda-overhead`: what each GPU has, and what the process holds there outside
+    PyTorch's allocator (shared by the commands that load a model and by `flashtree plan`)."""
+    parser.add_argument("--gpu-memory", type=memory_size, default=None, metavar="SIZE", help=gpu_memory_help)
+    parser.add_argument("--cuda-overhead", type=memory_bytes, default=DEFAULT_CUDA_OVERHEAD, metavar="SIZE",
+                        help="memory per GPU outside PyTorch's allocator: CUDA context, cuBLAS workspaces, Triton and "
+                             f"NVRTC modules (default {DEFAULT_CUDA_OVERHEAD / 2**30:g}GiB, the top of the range "
+                             "issue #20 states; `bench --steps` measures it as outside_allocator)")
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     """Flags shared by every command that loads a model (names follow llama.cpp / vLLM)."""
     parser.add_argument("-m", "--model", help="target GGUF, or demo: the embedded demo pair (the default)")
@@ -81,8 +98,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="device of the draft and its context cache, e.g. cuda:1 (default: the target's)")
     parser.add_argument("-tp", "--tensor-parallel", "--tensor-parallel-size", dest="tensor_parallel", type=int_range(1),
                         default=EngineArgs.tensor_parallel, metavar="N", help="shard the target over N GPUs, one process each (default 1)")
-    parser.add_argument("--gpu-memory", type=memory_size, default=None, metavar="SIZE",
-                        help="memory per GPU to plan for, e.g. 24GiB (default: each GPU's free memory); checked at load")
+    add_memory_args(parser, "memory per GPU, e.g. 24GiB: the load-time check plans for it and the process is held "
+                            "to it (PyTorch's allocator capped at it less --cuda-overhead), so a 24 GiB card can be "
+                            "played on a larger one (default: each GPU's free memory, no cap)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="no CUDA graphs: launch every kernel of a step from Python (vLLM's flag; for debugging)")
     parser.add_argument("-t", "--threads", type=int_range(1), default=None, metavar="N",
@@ -109,7 +127,7 @@ def engine_args(args: argparse.Namespace, **settings) -> EngineArgs:
              "cache_type_v": args.cache_type_v, "attn_window": args.attn_window, "gpus": args.gpus,
              "layer_split": args.layer_split, "draft_device": args.draft_device,
              "tensor_parallel": args.tensor_parallel, "enforce_eager": args.enforce_eager, "ctx": args.ctx,
-             "gpu_memory": args.gpu_memory}
+             "gpu_memory": args.gpu_memory, "cuda_overhead": args.cuda_overhead}
     return EngineArgs(**{**flags, **settings})
 
 

@@ -20,7 +20,7 @@ import json
 
 import sys
 
-from flashtree.cli.args import int_range, memory_size, one_of
+from flashtree.cli.args import add_memory_args, int_range, one_of
 from flashtree.engine.config import DEFAULT_BUDGET, DEFAULT_DRAFT_WINDOW, DEFAULT_PREFILL_CHUNK
 from flashtree.errors import FlashtreeError
 
@@ -52,8 +52,8 @@ def add_parser(sub) -> None:
     p.add_argument("--prefill-chunk", type=int_range(1), default=DEFAULT_PREFILL_CHUNK,
                    help=f"prefill chunk in tokens (default {DEFAULT_PREFILL_CHUNK})")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "f16", "f32"), help="compute dtype (default bf16)")
-    p.add_argument("--gpu-memory", type=memory_size, default=None,
-                   help="memory to fit in, e.g. 24GiB or 24GB (default: the CUDA device's, if any)")
+    add_memory_args(p, "memory per GPU to fit in, the whole process counted, e.g. 24GiB or 24GB (default: the "
+                       "CUDA device's, if any)")
     p.add_argument("--layer-split", default=None, metavar="A,B,...",
                    help="layers per GPU as proportions or counts (as `run --layer-split`): plan each GPU")
     p.add_argument("--draft-device", default=None, metavar="cuda:N",
@@ -80,7 +80,7 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
         draft = None
     return PlanRequest(config, weights, embed, draft, args.ctx or config.context_length, args.cache_type_k,
                        args.cache_type_v, args.budget, args.draft_window, args.prefill_chunk, args.dtype, dense,
-                       layers)
+                       layers, args.cuda_overhead)
 
 
 def available_memory(text: str | None) -> tuple[int | None, str]:
@@ -144,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({
             "model": c.name, "ctx": req.ctx, "cache_type_k": req.cache_type_k, "cache_type_v": req.cache_type_v,
             "budget": req.budget, "draft": req.draft is not None, "lines": {n: b for n, b, _ in result.lines},
+            "cuda_overhead": req.cuda_overhead,
             "total": result.total, "available": available, "fits": available is None or result.total <= available,
             "max_ctx": fits_to, "target_weights_dequantized": result.dequantized_weights()}, indent=2))
     else:
@@ -157,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
     if available is not None and result.total > available:
         raise FlashtreeError(
             f"does not fit: ctx {req.ctx} with K {req.cache_type_k} / V {req.cache_type_v} needs {fmt_bytes(result.total)} "
-            f"(weights {fmt_bytes(result.bytes_of('target weights'))}, KV {fmt_bytes(result.bytes_of('KV cache'))}) "
+            f"(weights {fmt_bytes(result.bytes_of('target weights'))}, KV {fmt_bytes(result.bytes_of('KV cache'))}, "
+            f"CUDA context + libraries {fmt_bytes(req.cuda_overhead)}) "
             f"but {fmt_bytes(available)} is available; largest ctx that fits: {fits_to}")
     return 0
 

@@ -25,6 +25,11 @@ DEFAULT_TOPK = 8  # DDTree candidates per draft position
 DEFAULT_DRAFT_WINDOW = 4096  # committed positions the draft attends to (its context cache size)
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per prefill forward
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+# What a CUDA process holds on each GPU outside PyTorch's allocator: the CUDA context, cuBLAS workspaces,
+# Triton and NVRTC modules. The planner counts it per GPU and `--gpu-memory` caps the allocator at the cap
+# less this. A placeholder: the top of issue #20's stated range (0.4-0.8 GiB), until the H200 figure
+# (`outside_allocator` of `flashtree bench --steps`, engine/process_memory.py) replaces it.
+DEFAULT_CUDA_OVERHEAD = int(0.8 * 2**30)
 
 
 def check_decoding(mode: str, budget: int, topk: int, ctx: int | None, attn_window: int) -> None:
@@ -69,7 +74,8 @@ class EngineArgs:
     enforce_eager: bool = False  # no CUDA graphs
     # the memory check before loading (on CUDA), and the requests' context size
     ctx: int | None = None  # context size in tokens; None: fit each request
-    gpu_memory: str | None = None  # memory per GPU to plan for, e.g. 24GiB; None: each GPU's free memory
+    gpu_memory: str | None = None  # memory per GPU, e.g. 24GiB: planned for and held to; None: each GPU's free memory
+    cuda_overhead: int = DEFAULT_CUDA_OVERHEAD  # bytes per GPU outside PyTorch's allocator (context, libraries)
     # the default request; None: GenerationConfig's own default
     max_new_tokens: int | None = None
     prefill_chunk: int | None = None
@@ -90,6 +96,8 @@ class EngineArgs:
             raise FlashtreeError(f"gpus must be >= 1, got {self.gpus}")
         if self.tensor_parallel < 1:
             raise FlashtreeError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
+        if self.cuda_overhead < 0:
+            raise FlashtreeError(f"cuda_overhead must be >= 0 bytes, got {self.cuda_overhead}")
 
     @property
     def cache_options(self) -> dict:

@@ -17,6 +17,7 @@ from flashtree.engine.config import EngineArgs, GenerationConfig
 from flashtree.engine.generate import Engine
 from flashtree.engine.memory_check import check_memory, check_rank_memory
 from flashtree.engine.prefix_cache import PrefixCache
+from flashtree.engine.process_memory import cap_process_memory
 from flashtree.engine.runner import Target
 from flashtree.errors import FlashtreeError
 from flashtree.formats.chat_template import ChatTemplate
@@ -120,7 +121,7 @@ def load_engine(args: EngineArgs = EngineArgs()):
     """Target (+ draft) ready to generate. No model means the embedded demo pair. The default request
     (GenerationConfig) is checked before any weight is loaded, and on CUDA so is the memory plan (`ctx`
     tokens, each GPU's free memory or the `gpu_memory` cap) of the placement (flashtree.parallel,
-    docs/MULTI_GPU.md)."""
+    docs/MULTI_GPU.md); with `gpu_memory` the process is then held to it on those GPUs."""
     if is_demo(args.model):
         if not DEMO_TARGET.is_file():
             raise FlashtreeError("no --model given and the embedded demo model is not installed; pass --model PATH.gguf")
@@ -142,16 +143,18 @@ def load_engine(args: EngineArgs = EngineArgs()):
 
 def _check_rank_memory(args: EngineArgs) -> None:
     """This rank's share of tensor parallel, checked on the GPU the rank will use (LOCAL_RANK, as
-    `parallel.tp.init_from_env` picks it) before any weight is read."""
+    `parallel.tp.init_from_env` picks it) before any weight is read, and held to `--gpu-memory` there."""
     if not torch.cuda.is_available() or (args.device not in (None, "auto") and not str(args.device).startswith("cuda")):
         return
-    check_rank_memory(args.model, args.draft, torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))),
-                      args.tensor_parallel, args.ctx, args.gpu_memory, args.budget, args.cache_type_k,
-                      args.cache_type_v)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    check_rank_memory(args.model, args.draft, device, args.tensor_parallel, args.ctx, args.gpu_memory, args.budget,
+                      args.cache_type_k, args.cache_type_v, args.cuda_overhead)
+    cap_process_memory([device], args.gpu_memory, args.cuda_overhead)
 
 
 def _check_memory(args: EngineArgs) -> None:
-    """The placement `load_placed_target` will make, planned and checked against the GPUs' memory."""
+    """The placement `load_placed_target` will make, planned and checked against the GPUs' memory, and
+    held to `--gpu-memory` on them."""
     stages, split = resolve_placement(args.device, args.gpus, args.layer_split, args.devices)
     if stages is None:
         stages = [resolve_device(args.device)]
@@ -159,7 +162,9 @@ def _check_memory(args: EngineArgs) -> None:
         split = [1.0] * len(stages)
     draft_device = resolve_device(args.draft_device) if args.draft_device else None
     check_memory(args.model, args.draft, stages, split, draft_device, args.ctx, args.gpu_memory, args.budget,
-                 args.cache_type_k, args.cache_type_v)
+                 args.cache_type_k, args.cache_type_v, args.cuda_overhead)
+    cap_process_memory([*stages, *([draft_device] if draft_device is not None else [])], args.gpu_memory,
+                       args.cuda_overhead)
 
 
 def engine_from_target(target: Target, args: EngineArgs = EngineArgs()):

@@ -1,5 +1,7 @@
 """The memory planner's check at load time: before any weight is read, a configuration whose plan does not
 fit the GPUs it would use (their free memory, or a `--gpu-memory` cap per GPU) is refused with the numbers.
+The plan counts the whole process: its tensors and, per GPU, the CUDA context and library workspaces held
+outside PyTorch's allocator (`cuda_overhead`, engine/process_memory.py).
 
 Only CUDA devices are checked (the CPU path dequantizes at load and has no fixed device memory); a
 tensor-parallel rank checks its own share on its own GPU (`check_rank_memory`). Without
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from flashtree.engine.config import DEFAULT_CUDA_OVERHEAD
 from flashtree.parallel.placement import layer_counts
 from flashtree.engine.planner import (DraftShape, PlanRequest, fmt_bytes, parse_size, per_rank, plan, refusal,
                                      target_from_gguf)
@@ -23,11 +26,11 @@ DEFAULT_CTX = 4096
 
 def check_rank_memory(model: str | Path, draft: str | Path | None, device: torch.device, world: int,
                       ctx: int | None, gpu_memory: str | None, budget: int, cache_type_k: str | None,
-                      cache_type_v: str | None) -> None:
+                      cache_type_v: str | None, cuda_overhead: int = DEFAULT_CUDA_OVERHEAD) -> None:
     """Raise FlashtreeError when one rank's share of `world`-way tensor parallel does not fit `device`."""
     if device.type != "cuda":
         return
-    req = _request(model, draft, ctx, budget, cache_type_k, cache_type_v)
+    req = _request(model, draft, ctx, budget, cache_type_k, cache_type_v, cuda_overhead)
     need = sum(per_rank(plan(req), world).values())
     (free,), source = _available([device], gpu_memory)
     if need > free:
@@ -36,16 +39,18 @@ def check_rank_memory(model: str | Path, draft: str | Path | None, device: torch
                              f"smaller --ctx or -ctk/-ctv q8_0, q4_0 or tq3_0 (`flashtree plan ... -tp {world}`)")
 
 
-def _request(model, draft, ctx, budget, cache_type_k, cache_type_v) -> PlanRequest:
+def _request(model, draft, ctx, budget, cache_type_k, cache_type_v, cuda_overhead) -> PlanRequest:
     config, weights, embed, dense, layers = target_from_gguf(model)
     shape = DraftShape.from_dir(draft) if draft is not None else None
     return PlanRequest(config, weights, embed, shape, ctx or min(DEFAULT_CTX, config.context_length),
-                       cache_type_k or "bf16", cache_type_v or "bf16", budget, dense_params=dense, layer_bytes=layers)
+                       cache_type_k or "bf16", cache_type_v or "bf16", budget, dense_params=dense, layer_bytes=layers,
+                       cuda_overhead=cuda_overhead)
 
 
 def check_memory(model: str | Path, draft: str | Path | None, target_devices: list[torch.device],
                  split: list[float] | None, draft_device: torch.device | None, ctx: int | None,
-                 gpu_memory: str | None, budget: int, cache_type_k: str | None, cache_type_v: str | None) -> None:
+                 gpu_memory: str | None, budget: int, cache_type_k: str | None, cache_type_v: str | None,
+                 cuda_overhead: int = DEFAULT_CUDA_OVERHEAD) -> None:
     """Raise FlashtreeError when the plan of `model` (+ `draft`) over `target_devices` (its layers split
     by `split`, counts or proportions as `--layer-split` takes them, or all on the one device) with the
     draft on `draft_device` does not fit."""
@@ -55,7 +60,7 @@ def check_memory(model: str | Path, draft: str | Path | None, target_devices: li
         devices.append(draft_dev)
     if not any(d.type == "cuda" for d in devices):
         return
-    req = _request(model, draft, ctx, budget, cache_type_k, cache_type_v)
+    req = _request(model, draft, ctx, budget, cache_type_k, cache_type_v, cuda_overhead)
     config, context = req.config, req.ctx
     available, source = _available(devices, gpu_memory)
     counts = layer_counts(config.num_layers, split) if split is not None else [config.num_layers]

@@ -18,6 +18,9 @@ Every line is bytes the engine allocates or a stated estimate:
 * activations (estimate): the largest forward (a prefill chunk or a verify) -- hidden, MLP and
   projection intermediates, logits, and one layer's K/V dequantized to the compute dtype (quantized
   types, torch reference path). Attention scores are assumed not materialized (fused / flash kernel).
+* CUDA context + libraries: what the process holds on each GPU outside PyTorch's allocator (the CUDA
+  context, cuBLAS workspaces, Triton and NVRTC modules), `PlanRequest.cuda_overhead`: the plan's total
+  is the whole process's footprint, what a card's memory must hold.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from typing import Sequence
 
 import torch
 
-from flashtree.engine.config import DEFAULT_BUDGET, DEFAULT_DRAFT_WINDOW, DEFAULT_PREFILL_CHUNK, cache_rows
+from flashtree.engine.config import (DEFAULT_BUDGET, DEFAULT_CUDA_OVERHEAD, DEFAULT_DRAFT_WINDOW, DEFAULT_PREFILL_CHUNK,
+                                     cache_rows)
 from flashtree.errors import FlashtreeError
 from flashtree.formats.gguf_file import GGUFFile
 from flashtree.formats.quant_mix import quant_types
@@ -46,6 +50,7 @@ from flashtree.models.synthetic import tensor_shapes
 GIB = 1024**3
 MIB = 1024**2
 DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+CUDA_OVERHEAD_LINE = "CUDA context + libraries"  # every GPU holds its own (per_device, per_rank)
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,7 @@ class PlanRequest:
     dtype: str = "bf16"  # compute dtype of activations, draft weights and float state
     dense_params: int = 0  # target parameters outside token_embd (for the dequantized-at-load note)
     layer_bytes: tuple[int, ...] = ()  # stored bytes of each layer's tensors (blk.i.*): a layer split's shares
+    cuda_overhead: int = DEFAULT_CUDA_OVERHEAD  # bytes per GPU outside PyTorch's allocator
 
     def __post_init__(self) -> None:
         counts = {"ctx": (self.ctx, 2), "budget": (self.budget, 1), "draft_window": (self.draft_window, 1),
@@ -98,6 +104,8 @@ class PlanRequest:
         for name, (value, low) in counts.items():
             if value < low:
                 raise FlashtreeError(f"{name} must be >= {low}, got {value}")
+        if self.cuda_overhead < 0:
+            raise FlashtreeError(f"cuda_overhead must be >= 0 bytes, got {self.cuda_overhead}")
 
 
 @dataclass
@@ -167,6 +175,8 @@ def plan(req: PlanRequest) -> MemoryPlan:
         add(("prefill feature capture", chunk * d.feature_size * b,
              f"{chunk} tokens (one prefill chunk) x {d.feature_size} features, streamed into the ring"))
     add(("activations (estimate)", _activations(req, rows, b), _activation_note(req)))
+    add((CUDA_OVERHEAD_LINE, req.cuda_overhead, "outside PyTorch's allocator: CUDA context, cuBLAS workspaces, "
+         "Triton/NVRTC modules (--cuda-overhead)"))
     return out
 
 
@@ -217,7 +227,7 @@ def per_device(result: MemoryPlan, counts: Sequence[int], draft_device: int = 0)
     `parallel.placement` places them) with the draft, its ring and the prefill capture on device
     `draft_device` (which may be past the split's devices: a draft on a GPU of its own). Every device
     running layers needs its own forward intermediates; the logits are made on the last device and
-    copied to the first."""
+    copied to the first. Every device holds its own CUDA context and library workspaces."""
     req = result.request
     c = req.config
     if sum(counts) != c.num_layers or any(n < 1 for n in counts):
@@ -240,6 +250,8 @@ def per_device(result: MemoryPlan, counts: Sequence[int], draft_device: int = 0)
     for name in ("draft weights", "draft context ring", "prefill feature capture"):
         if name in devices[0]:
             devices[draft_device][name] = result.bytes_of(name)
+    for device in devices:
+        device[CUDA_OVERHEAD_LINE] = req.cuda_overhead
     parts = _activation_parts(req, cache_rows(req.ctx, req.budget), DTYPE_BYTES[req.dtype])
     attention_owners = {stage[i] for i in c.attention_layers}
     for d in range(len(counts)):
@@ -252,8 +264,9 @@ def per_device(result: MemoryPlan, counts: Sequence[int], draft_device: int = 0)
 def per_rank(result: MemoryPlan, world: int) -> dict[str, int]:
     """One rank's share of `result` under tensor parallel over `world` ranks (`parallel.tp`): the layers' and
     the LM head's weights, the KV cache, the DeltaNet state and the tree buffers split; the embedding, the
-    draft (a replica per rank), its ring and the prefill capture whole. The activations are not split (an
-    upper bound: the logits, the hidden states and the dequantized K/V of a chunk stay whole)."""
+    draft (a replica per rank), its ring and the prefill capture whole, as is each rank's CUDA context. The
+    activations are not split (an upper bound: the logits, the hidden states and the dequantized K/V of a
+    chunk stay whole)."""
     req = result.request
     if world < 1 or req.config.num_kv_heads % world:
         raise FlashtreeError(f"tensor parallel {world} needs the {req.config.num_kv_heads} KV heads to divide evenly")
@@ -271,7 +284,8 @@ def refusal(result: MemoryPlan, counts: Sequence[int], draft_device: int, availa
     `available[i]` bytes on each device; None when it fits."""
     shares = per_device(result, counts, draft_device)
     over = [f"{name} needs {fmt_bytes(sum(share.values()))} of {fmt_bytes(free)} "
-            f"(weights {fmt_bytes(share['target weights'])}, KV {fmt_bytes(share['KV cache'])})"
+            f"(weights {fmt_bytes(share['target weights'])}, KV {fmt_bytes(share['KV cache'])}, "
+            f"CUDA context + libraries {fmt_bytes(share[CUDA_OVERHEAD_LINE])})"
             for name, share, free in zip(names, shares, available) if sum(share.values()) > free]
     if not over:
         return None
@@ -343,19 +357,23 @@ def target_from_preset(name: str) -> tuple[Qwen35Config, int, int, int, DraftSha
     return config, sum(sizes.values()), sizes["token_embd.weight"], dense, draft, _layer_bytes(sizes, config)
 
 
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
+# a number, then a prefix with iB (binary), B (decimal) or nothing (binary, as llama.cpp's 24G), or B alone
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt])(ib|b)?|(b))?\s*$", re.IGNORECASE)
 
 
 def parse_size(text: str) -> int:
-    """'24GiB', '24GB', '24G', '24' (GiB) -> bytes. GB is 10^9, GiB (or a bare G) is 2^30."""
+    """'24GiB', '24G', '23.5GiB', '24000MiB' (powers of 2), '24GB' (powers of 10), '4096B' (bytes), '24'
+    (GiB) -> bytes."""
     m = _SIZE.match(str(text))
-    if not m or (m.group(4) == "" and m.group(3) != ""):
-        raise FlashtreeError(f"cannot read memory size {text!r}; write e.g. 24GiB, 24GB or 80")
-    value, unit, binary, byte = m.groups()
-    unit = (unit or "g").lower()
-    power = "kmgt".index(unit) + 1
-    decimal = byte and not binary and m.group(2) != ""
-    return int(float(value) * (1000**power if decimal else 1024**power))
+    if not m:
+        raise FlashtreeError(f"cannot read memory size {text!r}; write e.g. 24GiB, 23.5GiB, 24000MiB or 24GB "
+                             "(a bare number is GiB)")
+    value, prefix, suffix, bytes_only = m.groups()
+    if bytes_only:
+        return int(float(value))
+    power = "kmgt".index((prefix or "g").lower()) + 1
+    base = 1000 if (suffix or "").lower() == "b" else 1024
+    return int(float(value) * base**power)
 
 
 def _gib(n: int) -> str:
