@@ -9,7 +9,7 @@ from flashtree.cli.main import main
 
 def test_multi_turn_report_on_cpu(tmp_path):
     out = tmp_path / "multi_turn.json"
-    assert main(["bench", "--multi-turn", "--modes", "ddtree", "--turns", "3", "--system-tokens", "96",
+    assert main(["bench", "--multi-turn", "--modes", "ddtree", "--turns", "3", "--system-tokens", "96", "--prefill-chunk", "32",
                  "--prefix-cache-interval", "32", "-n", "4", "--device", "cpu", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     rows = report["rows"]
