@@ -248,8 +248,9 @@ class Entry:
         return len(self.tokens)
 
     def copies(self) -> list[_Copies]:
-        """What a restore of this entry reads: its own state and its rows chain (shared with other entries)."""
-        return [self.state, *(segment.copies for segment in self.rows.chain())]
+        """What a restore of this entry reads: its rows chain (shared with other entries) and its own state,
+        last, so that the most recently used entry's state is the last thing to leave the device."""
+        return [*(segment.copies for segment in self.rows.chain()), self.state]
 
 
 @dataclass
