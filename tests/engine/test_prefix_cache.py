@@ -206,12 +206,14 @@ def test_bounds_lru_and_shared_rows(target):
     vocab = target.config.vocab_size
     _, cached = engines(target, None, "ar", max_entries=3, interval=16)
     prompt = words(rng, vocab, 40)
-    cached.generate(prompt, config("ar", max_new_tokens=4, prefill_chunk=16))  # snapshots at 16, 32, 40, 43: the oldest goes
+    # snapshots at 16, 32, 40, 43: the oldest goes
+    cached.generate(prompt, config("ar", max_new_tokens=4, prefill_chunk=16))
     pc = cached.prefix_cache
     assert [e.length for e in pc.entries.values()] == [32, 40, 43] and pc.stats.evictions == 1
     rows = {id(e.rows) for e in pc.entries.values()}
     assert len(rows) == 1  # one copy of the attention rows for all snapshots of a request
-    assert pc.nbytes == next(iter(pc.entries.values())).rows.copies.nbytes + sum(e.state.nbytes for e in pc.entries.values())
+    rows_bytes = next(iter(pc.entries.values())).rows.copies.nbytes
+    assert pc.nbytes == rows_bytes + sum(e.state.nbytes for e in pc.entries.values())
     longest = next(reversed(pc.entries))
     pc.lookup(list(longest) + [1])  # touch 43: now most recently used
     cached.generate(words(rng, vocab, 10), config("ar", max_new_tokens=2))  # entries 10, 11
@@ -291,8 +293,10 @@ def test_serve_and_chat_flags(monkeypatch):
     from tests.serve.test_cli import parse
 
     monkeypatch.setattr(loader, "load_engine", lambda settings: settings)
-    settings = engine_factory(parse(["--prefix-cache-entries", "5", "--prefix-cache-gib", "0.5"]))()
+    settings = engine_factory(parse(["--prefix-cache-entries", "5", "--prefix-cache-gib", "0.5",
+                                     "--prefix-cache-device-gib", "0.25"]))()
     assert (settings.prefix_cache, settings.prefix_cache_entries, settings.prefix_cache_bytes) == (True, 5, 1 << 29)
+    assert settings.prefix_cache_device_bytes == 1 << 28
     assert not engine_factory(parse(["--no-prefix-cache"]))().prefix_cache
     from flashtree.cli.main import build_parser
 

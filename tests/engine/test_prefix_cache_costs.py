@@ -3,6 +3,7 @@ prefill, a hit runs forwards only over the tokens after the restored prefix, in 
 past the device budget move to host RAM, least recently used first, and restore from there."""
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch
 from flashtree.engine.config import GenerationConfig
 from flashtree.engine.generate import Engine
 from flashtree.engine.loader import load_target
+from flashtree.engine.planner import PlanRequest, plan, target_from_preset
 from flashtree.engine.prefix_cache import PrefixCache
 from flashtree.models.synthetic import tiny_config
 from tests.drafting.test_lossless import random_draft
@@ -181,3 +183,12 @@ def test_cuda_spill_is_pinned_and_restore_does_not_sync(make_gguf):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert cached.generate(follow, config("ar")).token_ids == plain.generate(follow, config("ar")).token_ids
+
+
+def test_the_plan_counts_the_device_budget():
+    config, weights, embed, dense, draft, layers = target_from_preset("qwen3.6-27b")
+    request = PlanRequest(config, weights, embed, draft, 8192, dense_params=dense, layer_bytes=layers)
+    budget = 3 << 30
+    with_cache = plan(replace(request, prefix_cache_device_bytes=budget))
+    assert with_cache.total == plan(request).total + budget
+    assert with_cache.bytes_of("prefix cache snapshots") == budget

@@ -55,7 +55,8 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="bf16", choices=("bf16", "f16", "f32"), help="compute dtype (default bf16)")
     p.add_argument("--prefix-cache-device-gib", type=float, default=0.0, metavar="GIB",
                    help="count a prefix cache's device budget (serve and chat keep "
-                        f"{DEFAULT_DEVICE_BYTES / GIB:g} GiB of snapshots on the GPU by default; default 0: not counted)")
+                        f"{DEFAULT_DEVICE_BYTES / GIB:g} GiB of snapshots on the GPU by default; "
+                        "default 0: not counted)")
     p.add_argument("--gpu-memory", type=memory_size, default=None,
                    help="memory to fit in, e.g. 24GiB or 24GB (default: the CUDA device's, if any)")
     p.add_argument("--layer-split", default=None, metavar="A,B,...",

@@ -22,8 +22,9 @@ def add_prefix_cache_args(parser: argparse.ArgumentParser) -> None:
                         help=f"most memory the snapshots take in all, device and host RAM, in GiB "
                              f"(default {DEFAULT_MAX_BYTES / GIB:g})")
     parser.add_argument("--prefix-cache-device-gib", type=float, default=DEFAULT_DEVICE_BYTES / GIB,
-                        help=f"of that, most kept in device memory (counted by the memory plan); the least "
-                             f"recently used snapshots past it move to host RAM (default {DEFAULT_DEVICE_BYTES / GIB:g})")
+                        help="of that, most kept in device memory (counted by the memory plan); the least "
+                             "recently used snapshots past it move to host RAM "
+                             f"(default {DEFAULT_DEVICE_BYTES / GIB:g})")
     parser.add_argument("--prefix-cache-interval", type=int, default=DEFAULT_INTERVAL,
                         help=f"also snapshot every N prompt tokens of a long prompt (default {DEFAULT_INTERVAL})")
 
