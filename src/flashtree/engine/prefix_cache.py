@@ -196,8 +196,6 @@ def _restore_recurrent(cache, saved: _Copies) -> int:
 class _DraftOps:
     """Snapshot / restore of a DFlash proposer's DraftContextCache (a ring of `max_context` slots)."""
 
-    FIELDS = ("keys", "values", "positions")
-
     def __init__(self, proposer):
         self.proposer = proposer
         self.cache = proposer.cache
