@@ -64,7 +64,7 @@ def test_multi_turn_identical_with_and_without_cache(target, draft, mode):
     segments = list(newest.rows.chain())
     assert len(segments) == 6 and segments[-1].base == 0
     for seg in segments:
-        k = seg.layers[next(iter(seg.layers))]["k"][1]
+        k = next(t for (_, name), t in seg.copies.tensors.items() if name == "k")
         assert k.shape[1] == seg.rows - seg.base and (seg.parent is None or seg.base <= seg.parent.rows)
     # every later turn restored the previous answer's end: prompt + all generated tokens but the last
     assert stats.hit_tokens > 5 * 90
@@ -143,7 +143,7 @@ def test_restored_state_is_the_state_at_exactly_the_prefix_end(target):
     longer = next(e for e in cached.prefix_cache.entries.values() if e.length == 49)
     buggy = model.new_cache(64)
     _restore_rows(buggy, longer.rows, 40)
-    _restore_recurrent(buggy, longer.recurrent)
+    _restore_recurrent(buggy, longer.state)
     buggy.length = 40
     model.forward(torch.tensor(question[40:]), buggy)
     i = next(iter(fresh.deltanet))
@@ -158,16 +158,16 @@ def test_interval_snapshots_inside_a_long_prompt(target, draft, mode):
     plain, cached = engines(target, draft, mode, interval=32)
     prompt = words(rng, vocab, 150)
     run = config(mode, prefill_chunk=20, max_new_tokens=8)
-    cached.generate(prompt, run)  # chunks end at 20, 32, 40, 60, 64, ...: exactly at every snapshot point
+    cached.generate(prompt, run)  # chunks end at 20, 40, 60, ...: each interval point takes the chunk end below it
     lengths = sorted(e.length for e in cached.prefix_cache.entries.values())
-    assert lengths[:5] == [32, 64, 96, 128, 150]
+    assert lengths[:5] == [20, 60, 80, 120, 150]  # for 32, 64, 96, 128 and the prompt end
     other = prompt[:100] + words(rng, vocab, 10)  # a different question after the same long system prompt
     got = cached.generate(other, run)
-    assert cached.prefix_cache.stats.hit_tokens == 96
+    assert cached.prefix_cache.stats.hit_tokens == 80
     assert got.token_ids == plain.generate(other, run).token_ids
     # the same prompt again: at least one token is prefilled, so the snapshot below it is used
     again = cached.generate(prompt, run)
-    assert cached.prefix_cache.stats.hit_tokens == 96 + 128
+    assert cached.prefix_cache.stats.hit_tokens == 80 + 120
     assert again.token_ids == plain.generate(prompt, run).token_ids
 
 
@@ -204,14 +204,16 @@ def test_ar_entries_do_not_serve_spec_requests(target, draft):
 def test_bounds_lru_and_shared_rows(target):
     rng = random.Random(6)
     vocab = target.config.vocab_size
-    _, cached = engines(target, None, "ar", max_entries=3, interval=16, offload=True)
+    _, cached = engines(target, None, "ar", max_entries=3, interval=16)
     prompt = words(rng, vocab, 40)
-    cached.generate(prompt, config("ar", max_new_tokens=4))  # snapshots at 16, 32, 40, 43: the oldest goes
+    # snapshots at 16, 32, 40, 43: the oldest goes
+    cached.generate(prompt, config("ar", max_new_tokens=4, prefill_chunk=16))
     pc = cached.prefix_cache
     assert [e.length for e in pc.entries.values()] == [32, 40, 43] and pc.stats.evictions == 1
     rows = {id(e.rows) for e in pc.entries.values()}
     assert len(rows) == 1  # one copy of the attention rows for all snapshots of a request
-    assert pc.nbytes == next(iter(pc.entries.values())).rows.nbytes + sum(e.own_bytes for e in pc.entries.values())
+    rows_bytes = next(iter(pc.entries.values())).rows.copies.nbytes
+    assert pc.nbytes == rows_bytes + sum(e.state.nbytes for e in pc.entries.values())
     longest = next(reversed(pc.entries))
     pc.lookup(list(longest) + [1])  # touch 43: now most recently used
     cached.generate(words(rng, vocab, 10), config("ar", max_new_tokens=2))  # entries 10, 11
@@ -291,8 +293,10 @@ def test_serve_and_chat_flags(monkeypatch):
     from tests.serve.test_cli import parse
 
     monkeypatch.setattr(loader, "load_engine", lambda settings: settings)
-    settings = engine_factory(parse(["--prefix-cache-entries", "5", "--prefix-cache-gib", "0.5"]))()
+    settings = engine_factory(parse(["--prefix-cache-entries", "5", "--prefix-cache-gib", "0.5",
+                                     "--prefix-cache-device-gib", "0.25"]))()
     assert (settings.prefix_cache, settings.prefix_cache_entries, settings.prefix_cache_bytes) == (True, 5, 1 << 29)
+    assert settings.prefix_cache_device_bytes == 1 << 28
     assert not engine_factory(parse(["--no-prefix-cache"]))().prefix_cache
     from flashtree.cli.main import build_parser
 
@@ -304,6 +308,6 @@ def test_serve_and_chat_flags(monkeypatch):
 def test_interval_snapshots_are_capped_per_prompt(target):
     rng = random.Random(10)
     _, cached = engines(target, None, "ar", interval=8, max_interval_snapshots=4, boundaries=0)
-    cached.generate(words(rng, target.config.vocab_size, 150), config("ar", max_new_tokens=1))
+    cached.generate(words(rng, target.config.vocab_size, 150), config("ar", max_new_tokens=1, prefill_chunk=8))
     # 150 tokens / (8 x 4): snapshots every 40 tokens (a multiple of the interval), then the prompt end
     assert sorted(e.length for e in cached.prefix_cache.entries.values()) == [40, 80, 120, 150]

@@ -22,6 +22,7 @@ from flashtree.bench.report import save_report
 from flashtree.cli.args import (add_model_args, add_sampling_args, add_thinking_arg, engine_args, int_range, one_of,
                                 sampling_from_args, thinking_kwargs)
 from flashtree.engine.config import MODES, EngineArgs
+from flashtree.engine.prefix_cache_flags import DEFAULT_DEVICE_BYTES, DEFAULT_INTERVAL, GIB
 from flashtree.errors import FlashtreeError
 
 
@@ -56,8 +57,11 @@ def add_parser(sub) -> None:
                    help="time to first token per turn of a chat with a long system prompt, prefix cache off vs on")
     p.add_argument("--turns", type=int_range(1), default=5, help="--multi-turn: chat turns (default 5)")
     p.add_argument("--system-tokens", type=int_range(1), default=8192, help="--multi-turn: system prompt size (default 8192)")
-    p.add_argument("--prefix-cache-interval", type=int_range(1), default=1024,
-                   help="--multi-turn: snapshot interval inside long prompts (default 1024)")
+    p.add_argument("--prefix-cache-interval", type=int_range(1), default=DEFAULT_INTERVAL,
+                   help=f"--multi-turn: snapshot interval inside long prompts (default {DEFAULT_INTERVAL})")
+    p.add_argument("--prefix-cache-device-gib", type=float, default=DEFAULT_DEVICE_BYTES / GIB,
+                   help="--multi-turn: snapshots kept in device memory before the least recently used move to "
+                        f"host RAM, in GiB (default {DEFAULT_DEVICE_BYTES / GIB:g})")
     p.add_argument("--peers", action="store_true",
                    help="add rows for transformers greedy generate and the z-lab dflash loop on the same prompts")
     p.add_argument("--kernels", action="store_true",

@@ -3,9 +3,11 @@ prompt, with and without the prefix cache (docs/PREFIX_CACHE.md).
 
 Both runs use the same weights and the same greedy settings; each turn resends the whole
 conversation, as chat clients do. TTFT is the time from the request to the logits of the first
-token (prefill, including restoring a cached prefix). "forwards on" is the part of the cached TTFT spent
-in the prompt chunks' forwards (timed with a device sync around each); the rest is the cache's own cost
-(lookup, restore, snapshots).
+token (prefill, including restoring a cached prefix). Per turn the report also gives, for both runs,
+the time in the prompt chunks' forwards and their count, and for the cached run the cache's own
+costs: restoring the prefix, taking the snapshots (during prefill and at the end of the turn, where
+copies past the device budget also move to host RAM) and the bytes those copies moved. Every timer
+waits for the device, so on a GPU the times are device times (the waits add a little to both runs).
 """
 
 from __future__ import annotations
@@ -13,14 +15,15 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-import torch
-
 from flashtree.bench.report import save_report
 from flashtree.bench.steps import clock
 from flashtree.engine.generate import Engine
 from flashtree.engine.prefix_cache import PrefixCache
 from flashtree.engine.runner import ModelRunner
 from flashtree.formats.chat_template import template_or_chatml
+
+MIB = 1 << 20
+GIB = 1 << 30
 
 QUESTIONS = (
     "Write a Python function that checks whether a string is a palindrome.",
@@ -38,17 +41,23 @@ FILLER = ("You are a careful senior engineer. Follow the style guide: type hints
 
 
 class _ForwardTimer:
-    """Stands in for `engine.runner.prefill` (the chunk forwards both prefill paths call) and adds up their time."""
+    """Stands in for `runner.prefill_chunk` (one prompt chunk's forward) and adds up their time and count."""
 
     def __init__(self, runner: ModelRunner):
-        self.inner, self.device, self.clock, self.seconds = runner.prefill, runner.target.model.device, clock, 0.0
+        self.inner, self.device = runner.prefill_chunk, runner.target.model.device
+        self.seconds, self.chunks = 0.0, 0
+        runner.prefill_chunk = self
 
     def __call__(self, *args, **kwargs):
-        start = self.clock(self.device)
+        start = clock(self.device)
         try:
             return self.inner(*args, **kwargs)
         finally:
-            self.seconds += self.clock(self.device) - start
+            self.seconds += clock(self.device) - start
+            self.chunks += 1
+
+    def reset(self) -> None:
+        self.seconds, self.chunks = 0.0, 0
 
 
 def system_prompt(engine, tokens: int) -> str:
@@ -67,49 +76,71 @@ def run_multi_turn(args, engine: Engine, model_name: str, device: str) -> int:
     template = template_or_chatml(engine.target.chat_template)  # as the server
     system = system_prompt(engine, args.system_tokens)
     base = engine.config_for(max_new_tokens=args.max_tokens, mode=mode, ignore_eos=True)
-    plain = Engine(engine.target, engine.draft, base)
-    cached = Engine(engine.target, engine.draft, base, prefix_cache=PrefixCache(interval=args.prefix_cache_interval))
-    cached.runner.prefill = forwards = _ForwardTimer(cached.runner)
+    model_device = engine.target.model.device
+    cache = PrefixCache(interval=args.prefix_cache_interval, device_bytes=int(args.prefix_cache_device_gib * GIB),
+                        clock=lambda: clock(model_device))
+    engines = {"off": Engine(engine.target, engine.draft, base), "on": Engine(engine.target, engine.draft, base,
+                                                                             prefix_cache=cache)}
     first = [{"role": "system", "content": system}, {"role": "user", "content": QUESTIONS[0]}]
     # warm-up at full size (allocator, kernels for every chunk shape), so turn 1 is timed like the rest
     warm_ids = engine.tokenizer.encode(template.render(first, add_generation_prompt=True))
-    plain.generate(warm_ids, replace(base, max_new_tokens=4))
-    runs = {}
-    for name, eng in (("off", plain), ("on", cached)):
-        messages = [{"role": "system", "content": system}]
-        turns = []
-        for turn in range(args.turns):
-            messages.append({"role": "user", "content": QUESTIONS[turn % len(QUESTIONS)]})
-            ids = engine.tokenizer.encode(template.render(messages, add_generation_prompt=True))
-            hit_before = eng.prefix_cache.stats.hit_tokens if eng.prefix_cache else 0
-            forwards.seconds = 0.0
-            result = eng.generate(ids, base)
-            if engine.target.model.device.type == "cuda":
-                torch.cuda.synchronize()
-            hit = (eng.prefix_cache.stats.hit_tokens - hit_before) if eng.prefix_cache else 0
-            turns.append({"prompt_tokens": len(ids), "cached_tokens": hit, "ttft_s": result.stats.prefill_s,
-                          "total_s": result.stats.total_s, "token_ids": result.token_ids,
-                          "forwards_s": forwards.seconds})
-            messages.append({"role": "assistant", "content": result.text})
-        runs[name] = turns
-    rows = []
-    for turn, (off, on) in enumerate(zip(runs["off"], runs["on"]), start=1):
-        rows.append({"turn": turn, "prompt_tokens": on["prompt_tokens"], "cached_tokens": on["cached_tokens"],
-                     "ttft_off_s": round(off["ttft_s"], 4), "ttft_on_s": round(on["ttft_s"], 4),
-                     "forwards_on_s": round(on["forwards_s"], 4),
-                     "speedup": round(off["ttft_s"] / on["ttft_s"], 2) if on["ttft_s"] else None,
-                     "identical": off["token_ids"] == on["token_ids"]})
+    engines["off"].generate(warm_ids, replace(base, max_new_tokens=4))
+    runs = {name: _session(eng, template, system, args.turns, base) for name, eng in engines.items()}
+    rows = [_row(turn, off, on) for turn, (off, on) in enumerate(zip(runs["off"], runs["on"]), start=1)]
     report = {"date": time.strftime("%Y-%m-%d"), "device": device, "model": model_name, "mode": mode,
               "system_tokens": args.system_tokens, "turns": args.turns, "max_tokens": args.max_tokens,
-              "prefix_cache_entries": len(cached.prefix_cache.entries),
-              "prefix_cache_bytes": cached.prefix_cache.nbytes, "rows": rows}
+              "prefill_chunk": base.prefill_chunk, "prefix_cache_entries": len(cache.entries),
+              "prefix_cache_bytes": cache.nbytes, "prefix_cache_device_bytes": cache.device_nbytes, "rows": rows}
     save_report(report, args.out)
-    print(f"device: {device}   model: {model_name}   mode: {mode}   system prompt ~{args.system_tokens} tokens, "
-          f"{args.max_tokens} new tokens per turn")
-    print(f"{'turn':>4}{'prompt':>8}{'cached':>8}{'TTFT off (s)':>14}{'TTFT on (s)':>13}{'forwards on':>13}"
-          f"{'speedup':>9}  identical")
-    for r in rows:
-        print(f"{r['turn']:>4}{r['prompt_tokens']:>8}{r['cached_tokens']:>8}{r['ttft_off_s']:>14.3f}"
-              f"{r['ttft_on_s']:>13.3f}{r['forwards_on_s']:>13.3f}{(r['speedup'] or 0):>8.1f}x  "
-              f"{'yes' if r['identical'] else 'NO'}")
+    _print_table(report)
     return 0 if all(r["identical"] for r in rows) else 1
+
+
+def _session(engine: Engine, template, system: str, turns: int, config) -> list[dict]:
+    """One chat of `turns` turns; per turn what it cost and what it produced."""
+    forwards = _ForwardTimer(engine.runner)
+    messages = [{"role": "system", "content": system}]
+    out = []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": QUESTIONS[turn % len(QUESTIONS)]})
+        ids = engine.tokenizer.encode(template.render(messages, add_generation_prompt=True))
+        forwards.reset()
+        result = engine.generate(ids, config)
+        clock(engine.target.model.device)  # the turn's last copies done before the next turn's timers start
+        out.append({"prompt_tokens": len(ids), "ttft_s": result.stats.prefill_s, "forwards_s": forwards.seconds,
+                    "chunks": forwards.chunks, "token_ids": result.token_ids,
+                    "cache": engine.prefix_cache.last_request if engine.prefix_cache is not None else None})
+        messages.append({"role": "assistant", "content": result.text})
+    return out
+
+
+def _row(turn: int, off: dict, on: dict) -> dict:
+    cache = on["cache"]
+    return {"turn": turn, "prompt_tokens": on["prompt_tokens"], "cached_tokens": cache.restored_tokens,
+            "ttft_off_s": round(off["ttft_s"], 4), "ttft_on_s": round(on["ttft_s"], 4),
+            "forwards_off_s": round(off["forwards_s"], 4), "forwards_on_s": round(on["forwards_s"], 4),
+            "chunks_off": off["chunks"], "chunks_on": on["chunks"],
+            "restore_s": round(cache.restore_s, 4), "snapshot_s": round(cache.snapshot_s, 4),
+            "snapshots": cache.snapshots, "restored_bytes": cache.restored_bytes,
+            "snapshot_bytes": cache.snapshot_bytes, "spilled_bytes": cache.spilled_bytes,
+            "copied_bytes": cache.copied_bytes,
+            "speedup": round(off["ttft_s"] / on["ttft_s"], 2) if on["ttft_s"] else None,
+            "identical": off["token_ids"] == on["token_ids"]}
+
+
+def _print_table(report: dict) -> None:
+    print(f"device: {report['device']}   model: {report['model']}   mode: {report['mode']}   system prompt "
+          f"~{report['system_tokens']} tokens, {report['max_tokens']} new tokens per turn, prefill chunk "
+          f"{report['prefill_chunk']}")
+    print("TTFT and forwards in s, off / on; restore and snapshot (during prefill and at the turn's end) in s; "
+          "copied: MiB restored + snapshotted + spilled to host")
+    print(f"{'turn':>4}{'prompt':>8}{'cached':>8}{'TTFT off':>10}{'TTFT on':>9}{'fwd off':>9}{'fwd on':>8}"
+          f"{'chunks':>8}{'restore':>9}{'snapshot':>10}{'copied':>9}{'speedup':>9}  identical")
+    for r in report["rows"]:
+        print(f"{r['turn']:>4}{r['prompt_tokens']:>8}{r['cached_tokens']:>8}{r['ttft_off_s']:>10.3f}"
+              f"{r['ttft_on_s']:>9.3f}{r['forwards_off_s']:>9.3f}{r['forwards_on_s']:>8.3f}"
+              f"{r['chunks_off']:>4}/{r['chunks_on']:<3}{r['restore_s']:>9.4f}{r['snapshot_s']:>10.4f}"
+              f"{r['copied_bytes'] / MIB:>9.1f}{(r['speedup'] or 0):>8.1f}x  {'yes' if r['identical'] else 'NO'}")
+    print(f"prefix cache at the end: {report['prefix_cache_entries']} entries, "
+          f"{report['prefix_cache_bytes'] / MIB:.1f} MiB, of which {report['prefix_cache_device_bytes'] / MIB:.1f} "
+          "MiB in device memory")

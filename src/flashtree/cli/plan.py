@@ -22,6 +22,7 @@ import sys
 
 from flashtree.cli.args import add_memory_args, int_range, one_of
 from flashtree.engine.config import DEFAULT_BUDGET, DEFAULT_DRAFT_WINDOW, DEFAULT_PREFILL_CHUNK
+from flashtree.engine.prefix_cache_flags import DEFAULT_DEVICE_BYTES, GIB
 from flashtree.errors import FlashtreeError
 
 
@@ -54,6 +55,10 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="bf16", choices=("bf16", "f16", "f32"), help="compute dtype (default bf16)")
     add_memory_args(p, "memory per GPU to fit in, the whole process counted, e.g. 24GiB or 24GB (default: the "
                        "CUDA device's, if any)")
+    p.add_argument("--prefix-cache-device-gib", type=float, default=0.0, metavar="GIB",
+                   help="count a prefix cache's device budget (serve and chat keep "
+                        f"{DEFAULT_DEVICE_BYTES / GIB:g} GiB of snapshots on the GPU by default; "
+                        "default 0: not counted)")
     p.add_argument("--layer-split", default=None, metavar="A,B,...",
                    help="layers per GPU as proportions or counts (as `run --layer-split`): plan each GPU")
     p.add_argument("--draft-device", default=None, metavar="cuda:N",
@@ -80,7 +85,7 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
         draft = None
     return PlanRequest(config, weights, embed, draft, args.ctx or config.context_length, args.cache_type_k,
                        args.cache_type_v, args.budget, args.draft_window, args.prefill_chunk, args.dtype, dense,
-                       layers, args.cuda_overhead)
+                       layers, args.cuda_overhead, int(args.prefix_cache_device_gib * GIB))
 
 
 def available_memory(text: str | None) -> tuple[int | None, str]:

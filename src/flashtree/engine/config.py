@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from flashtree.engine.prefix_cache_flags import DEFAULT_INTERVAL, DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES
+from flashtree.engine.prefix_cache_flags import (DEFAULT_DEVICE_BYTES, DEFAULT_INTERVAL, DEFAULT_MAX_BYTES,
+                                                DEFAULT_MAX_ENTRIES)
 from flashtree.errors import FlashtreeError
 
 if TYPE_CHECKING:
@@ -51,6 +52,13 @@ def cache_rows(tokens: int, budget: int) -> int:
     return tokens + budget + 2
 
 
+def prefill_chunk_ends(start: int, end: int, chunk: int) -> list[int]:
+    """Where the prefill chunks over positions [start, end) end: at absolute multiples of `chunk`, then at
+    `end`. A prefill resumed at a restored prefix runs, from there on, the very chunks (shapes and
+    boundaries) of an unbroken prefill of the same prompt."""
+    return [*range((start // chunk + 1) * chunk, end, chunk), end]
+
+
 @dataclass(frozen=True)
 class EngineArgs:
     """What to load and how: the target and draft, the decoding mode, the KV cache, the placement over
@@ -84,6 +92,7 @@ class EngineArgs:
     prefix_cache: bool = False
     prefix_cache_entries: int = DEFAULT_MAX_ENTRIES
     prefix_cache_bytes: int = DEFAULT_MAX_BYTES
+    prefix_cache_device_bytes: int = DEFAULT_DEVICE_BYTES
     prefix_cache_interval: int = DEFAULT_INTERVAL
     # output on the terminal, and how prompts are read
     progress: bool = False  # a bar while the layers load

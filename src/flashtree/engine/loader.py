@@ -175,6 +175,7 @@ def engine_from_target(target: Target, args: EngineArgs = EngineArgs()):
     draft_model = load_draft(args.draft, target, args.draft_device) if args.draft is not None else None
     mode = args.spec or ("ddtree" if draft_model is not None else "ar")
     prefix_cache = PrefixCache(max_entries=args.prefix_cache_entries, max_bytes=args.prefix_cache_bytes,
+                               device_bytes=args.prefix_cache_device_bytes,
                                interval=args.prefix_cache_interval) if args.prefix_cache else None
     return Engine(target, draft_model, _default_config(args, mode),
                   draft_path=Path(args.draft) if draft_model is not None else None,

@@ -97,6 +97,7 @@ class PlanRequest:
     dense_params: int = 0  # target parameters outside token_embd (for the dequantized-at-load note)
     layer_bytes: tuple[int, ...] = ()  # stored bytes of each layer's tensors (blk.i.*): a layer split's shares
     cuda_overhead: int = DEFAULT_CUDA_OVERHEAD  # bytes per GPU outside PyTorch's allocator
+    prefix_cache_device_bytes: int = 0  # the prefix cache's device budget (snapshots past it go to host RAM)
 
     def __post_init__(self) -> None:
         counts = {"ctx": (self.ctx, 2), "budget": (self.budget, 1), "draft_window": (self.draft_window, 1),
@@ -175,6 +176,9 @@ def plan(req: PlanRequest) -> MemoryPlan:
         add(("prefill feature capture", chunk * d.feature_size * b,
              f"{chunk} tokens (one prefill chunk) x {d.feature_size} features, streamed into the ring"))
     add(("activations (estimate)", _activations(req, rows, b), _activation_note(req)))
+    if req.prefix_cache_device_bytes:
+        add(("prefix cache snapshots", req.prefix_cache_device_bytes,
+             "device budget of the prefix cache (least recently used snapshots past it go to host RAM)"))
     add((CUDA_OVERHEAD_LINE, req.cuda_overhead, "outside PyTorch's allocator: CUDA context, cuBLAS workspaces, "
          "Triton/NVRTC modules (--cuda-overhead)"))
     return out

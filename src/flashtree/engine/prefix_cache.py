@@ -11,15 +11,22 @@ token is always prefilled: its logits start generation). There is no "longest co
 of a longer entry: a prompt that leaves a cached sequence mid-way falls back to the longest entry
 that ends at or before the divergence (the seed's bug was restoring the longer entry's state).
 
-Snapshots are taken at every multiple of `interval` inside the prompt (prefill chunks end there),
-before the last `boundaries` message headers of the prompt (`<|im_start|>`: chat templates re-render
-the previous generation prompt and answer differently, e.g. without the `<think>` block, so the
-last position every later turn shares is the start of the previous assistant header), at the end of
-the prompt and at the end of the generated answer (whatever was committed, also when the request
-was cancelled). The attention rows of a request are copied once, at its end: rows below
-the committed length never change afterwards, so every snapshot of the request shares that copy.
-Entries are evicted least-recently-used beyond `max_entries` or `max_bytes`; with `offload` (the
-default on CUDA) snapshots live in host RAM.
+The cache never changes how a prompt is prefilled: `ModelRunner.prefill` runs the chunks an uncached
+prefill runs (ending at absolute multiples of the chunk size), and snapshots are taken only at chunk
+ends, so a miss runs exactly the uncached forwards. The policy wants snapshots at every multiple of
+`interval`, before the last `boundaries` message headers of the prompt (`<|im_start|>`: chat
+templates re-render the previous generation prompt and answer differently, e.g. without the
+`<think>` block, so the last position every later turn shares is the start of the previous assistant
+header) and at the end of the prompt; each point inside a chunk is served by the chunk end at or
+below it. Another snapshot is taken at the end of the generated answer (whatever was committed, also
+when the request was cancelled): no forward is needed for it. The attention rows of a request are
+copied once, at its end: rows below the committed length never change afterwards, so every snapshot
+of the request shares that copy.
+
+Snapshot copies are device-to-device clones, ordered on the stream like the kernels around them, so
+the host never waits for one. They stay in device memory up to `device_bytes`; past it the least
+recently used move to host RAM (pinned on CUDA, copied without blocking) and are restored from there.
+Entries are evicted least-recently-used beyond `max_entries` or `max_bytes` (device and host together).
 
 Spec modes: the draft's context cache (K/V of projected target features of committed positions) is
 snapshotted with the target state, so a restored speculative run proposes exactly as an unbroken
@@ -32,15 +39,19 @@ KV layouts need no change here as long as rows below the committed length are fi
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
-from flashtree.engine.prefix_cache_flags import DEFAULT_INTERVAL, DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES
+from flashtree.engine.config import prefill_chunk_ends
+from flashtree.engine.prefix_cache_flags import (DEFAULT_DEVICE_BYTES, DEFAULT_INTERVAL, DEFAULT_MAX_BYTES,
+                                                DEFAULT_MAX_ENTRIES)
 from flashtree.errors import FlashtreeError
 from flashtree.models.dflash import DraftContextCache
 
@@ -90,31 +101,54 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _store(t: torch.Tensor, host: bool) -> torch.Tensor:
-    """A snapshot copy of `t`: on the device, or in host RAM. From a GPU the host copy goes to pinned
-    memory without blocking: stream order runs it before any later kernel changes `t`, and the host
-    never reads it (restores copy it back in the same order), so the request's prefill does not wait."""
-    if not host:
-        return t.clone()
+def _snapshot_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` on its own device. On a GPU the clone is queued on the stream like any kernel: the
+    host does not wait for it, and the kernels that later change `t` run after it."""
+    return t.clone()
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """`t` in host RAM: from a GPU into pinned memory without blocking (stream-ordered, like the snapshot
+    copy; the host never reads it, restores copy it back in the same order). A CPU tensor is already there."""
     if not t.is_cuda:
-        return t.to("cpu", copy=True)
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return out.copy_(t, non_blocking=True)
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
 
-def _load(dst: torch.Tensor, saved: torch.Tensor) -> None:
-    """Restore a `_store` copy into `dst` (asynchronously from pinned host memory: stream-ordered)."""
-    dst.copy_(saved, non_blocking=saved.device.type == "cpu" and dst.is_cuda and saved.is_pinned())
+def _load(dst: torch.Tensor, saved: torch.Tensor) -> int:
+    """Copy a snapshot into the cache without a host synchronisation (device to device, or from pinned host
+    memory); returns the bytes copied."""
+    dst.copy_(saved, non_blocking=True)
+    return _nbytes(saved)
 
 
-@dataclass
+@dataclass(eq=False)
+class _Copies:
+    """Snapshot copies that live in one place together: device memory, or host RAM once spilled past the
+    device budget (`PrefixCache.device_bytes`)."""
+
+    tensors: dict[tuple, torch.Tensor]
+    on_device: bool = True
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_nbytes(t) for t in self.tensors.values())
+
+    def spill(self) -> int:
+        """Move the copies to host RAM; returns the bytes moved."""
+        self.tensors = {key: _to_host(t) for key, t in self.tensors.items()}
+        self.on_device = False
+        return self.nbytes
+
+
+@dataclass(eq=False)
 class _Rows:
     """Attention rows [0, rows) of one request's sequence, shared by all its snapshots. Rows below `base`
     are those of the entry the request restored (`parent`), so a turn copies only what it added."""
 
-    layers: dict[int, dict[str, tuple[int | None, torch.Tensor]]]  # layer -> field -> (position dim, copy)
+    copies: _Copies  # (layer, field) -> rows [base, rows) of the field (the whole field if it has no position dim)
+    dims: dict[tuple[int, str], int | None]  # (layer, field) -> its position dimension
     rows: int
-    nbytes: int  # of this segment's own copies
     base: int = 0
     parent: "_Rows | None" = None
 
@@ -125,42 +159,38 @@ class _Rows:
             segment = segment.parent
 
 
-def _copy_rows(cache, rows: int, host: bool, parent: _Rows | None = None, base: int = 0) -> _Rows:
-    layers, total = {}, 0
+def _copy_rows(cache, rows: int, parent: _Rows | None = None, base: int = 0) -> _Rows:
+    copies, dims = {}, {}
     for index, kv in cache.attention.items():
-        saved = {}
         for name, t in _tensor_fields(kv).items():
-            dim = _position_dim(t, cache.capacity)
-            copy = _store(t.narrow(dim, base, rows - base) if dim is not None else t, host)
-            saved[name] = (dim, copy)
-            total += _nbytes(copy)
-        layers[index] = saved
-    return _Rows(layers, rows, total, base, parent if base > 0 else None)
+            dim = dims[index, name] = _position_dim(t, cache.capacity)
+            copies[index, name] = _snapshot_copy(t.narrow(dim, base, rows - base) if dim is not None else t)
+    return _Rows(_Copies(copies), dims, rows, base, parent if base > 0 else None)
 
 
-def _restore_rows(cache, saved: _Rows, length: int) -> None:
-    if saved.parent is not None:
-        _restore_rows(cache, saved.parent, min(length, saved.base))
+def _restore_rows(cache, saved: _Rows, length: int) -> int:
+    """Rows [0, length) of `saved`'s chain into `cache`; returns the bytes copied."""
+    copied = _restore_rows(cache, saved.parent, min(length, saved.base)) if saved.parent is not None else 0
     for index, kv in cache.attention.items():
-        fields = _tensor_fields(kv)
-        for name, (dim, copy) in saved.layers[index].items():
-            dst = fields[name]
+        for name, dst in _tensor_fields(kv).items():
+            dim, copy = saved.dims[index, name], saved.copies.tensors[index, name]
             if dim is None:
-                _load(dst, copy)
+                copied += _load(dst, copy)
             elif length > saved.base:
-                _load(dst.narrow(dim, saved.base, length - saved.base), copy.narrow(dim, 0, length - saved.base))
+                count = length - saved.base
+                copied += _load(dst.narrow(dim, saved.base, count), copy.narrow(dim, 0, count))
+    return copied
 
 
-def _copy_recurrent(cache, host: bool) -> dict[int, dict[str, torch.Tensor]]:
-    return {i: {name: _store(t, host) for name, t in _tensor_fields(state).items()}
-            for i, state in cache.deltanet.items()}
+def _copy_recurrent(cache) -> dict[tuple, torch.Tensor]:
+    return {("deltanet", i, name): _snapshot_copy(t)
+            for i, state in cache.deltanet.items() for name, t in _tensor_fields(state).items()}
 
 
-def _restore_recurrent(cache, saved: dict[int, dict[str, torch.Tensor]]) -> None:
-    for i, state in cache.deltanet.items():
-        fields = _tensor_fields(state)
-        for name, t in saved[i].items():
-            _load(fields[name], t)
+def _restore_recurrent(cache, saved: _Copies) -> int:
+    """The DeltaNet state of `saved` into `cache`; returns the bytes copied."""
+    return sum(_load(t, saved.tensors["deltanet", i, name])
+               for i, state in cache.deltanet.items() for name, t in _tensor_fields(state).items())
 
 
 class _DraftOps:
@@ -178,23 +208,24 @@ class _DraftOps:
     def window(self) -> int:
         return self.cache.max_context
 
-    def snapshot(self, host: bool) -> dict:
+    def snapshot(self) -> tuple[dict[tuple, torch.Tensor], dict]:
+        """(copies of the valid slots, {"window", "count"})."""
         n = self.cache.length  # valid slots are always the first `length`
-        return {"window": self.window, "count": self.cache.count,
-                "keys": _store(self.cache.keys[:, :, :n], host), "values": _store(self.cache.values[:, :, :n], host),
-                "positions": _store(self.cache.positions[:n], host)}
+        c = self.cache
+        copies = {("draft", "keys"): _snapshot_copy(c.keys[:, :, :n]),
+                  ("draft", "values"): _snapshot_copy(c.values[:, :, :n]),
+                  ("draft", "positions"): _snapshot_copy(c.positions[:n])}
+        return copies, {"window": self.window, "count": c.count}
 
-    def restore(self, saved: dict) -> None:
-        n = saved["positions"].shape[0]
-        self.cache.reset()
-        _load(self.cache.keys[:, :, :n], saved["keys"])
-        _load(self.cache.values[:, :, :n], saved["values"])
-        _load(self.cache.positions[:n], saved["positions"])
-        self.cache.count = saved["count"]
-
-
-def _draft_bytes(saved: dict | None) -> int:
-    return 0 if saved is None else sum(_nbytes(saved[k]) for k in ("keys", "values", "positions"))
+    def restore(self, saved: _Copies, meta: dict) -> int:
+        """The draft context of `saved` into the proposer's (started) cache; returns the bytes copied."""
+        n = saved.tensors["draft", "positions"].shape[0]
+        c = self.cache
+        copied = (_load(c.keys[:, :, :n], saved.tensors["draft", "keys"])
+                  + _load(c.values[:, :, :n], saved.tensors["draft", "values"])
+                  + _load(c.positions[:n], saved.tensors["draft", "positions"]))
+        c.count = meta["count"]
+        return copied
 
 
 # --------------------------------------------------------------------------------------------
@@ -202,38 +233,56 @@ def _draft_bytes(saved: dict | None) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(eq=False)
 class Entry:
     tokens: tuple[int, ...]  # the exact sequence the state belongs to
     rows: _Rows  # attention rows (shared; at least len(tokens) rows)
-    recurrent: dict[int, dict[str, torch.Tensor]]  # DeltaNet state after exactly len(tokens) tokens
-    draft: dict | None  # draft context cache after len(tokens) tokens, or None (AR-made entry)
+    state: _Copies  # DeltaNet state after exactly len(tokens) tokens (+ the draft context then)
+    draft: dict | None  # {"window", "count"} of the draft context in `state`, or None (AR-made entry)
     signature: tuple = ()  # cache layout it came from (_signature): restored only into the same layout
 
     @property
     def length(self) -> int:
         return len(self.tokens)
 
-    @property
-    def own_bytes(self) -> int:
-        return sum(_nbytes(t) for state in self.recurrent.values() for t in state.values()) + _draft_bytes(self.draft)
+    def copies(self) -> list[_Copies]:
+        """What a restore of this entry reads: its rows chain (shared with other entries) and its own state,
+        last, so that the most recently used entry's state is the last thing to leave the device."""
+        return [*(segment.copies for segment in self.rows.chain()), self.state]
 
 
 @dataclass
 class _Pending:
     length: int
-    recurrent: dict[int, dict[str, torch.Tensor]]
+    state: _Copies
     draft: dict | None
+
+
+@dataclass
+class RequestCacheStats:
+    """One request's use of the cache (`PrefixCache.last_request`; `bench --multi-turn` prints it per turn)."""
+
+    restored_tokens: int = 0
+    restored_bytes: int = 0
+    restore_s: float = 0.0
+    snapshots: int = 0
+    snapshot_bytes: int = 0  # DeltaNet (+ draft) states and the request's attention rows
+    snapshot_s: float = 0.0  # during prefill and at the request's end (rows, answer-end state, spills)
+    spilled_bytes: int = 0  # moved from device memory to host RAM at the request's end (the device budget)
+
+    @property
+    def copied_bytes(self) -> int:
+        return self.restored_bytes + self.snapshot_bytes + self.spilled_bytes
 
 
 @dataclass
 class _Session:
     cache: object
-    host: bool  # snapshots go to host RAM
     draft: _DraftOps | None
     signature: tuple
     parent: _Rows | None  # rows of the restored entry: [0, base) need no new copy
     base: int
+    request: RequestCacheStats
     pending: list[_Pending] = field(default_factory=list)
 
 
@@ -244,27 +293,33 @@ class PrefixCacheStats:
     hit_tokens: int = 0  # prompt tokens restored instead of prefilled
     prefilled_tokens: int = 0  # prompt tokens prefilled while the cache was on
     evictions: int = 0
+    spilled_bytes: int = 0  # moved from device memory to host RAM
 
 
 class PrefixCache:
     """Token-id keyed snapshots of the target (and draft context) state; one per Engine.
 
-    Not re-entrant, like the engine: `prefill` opens a session that `finish` closes."""
+    Not re-entrant, like the engine: `prefill` opens a session that `finish` closes. `clock` times the
+    restores and snapshots (`last_request`); the default does not wait for the device, a benchmark
+    passes one that does."""
 
     def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES, max_bytes: int = DEFAULT_MAX_BYTES,
-                 interval: int = DEFAULT_INTERVAL, offload: bool | None = None, boundaries: int = 2,
-                 boundary_tokens: Sequence[str] = BOUNDARY_TOKENS, max_interval_snapshots: int = 8):
-        if max_entries < 1 or max_bytes < 1 or interval < 1:
+                 interval: int = DEFAULT_INTERVAL, device_bytes: int = DEFAULT_DEVICE_BYTES, boundaries: int = 2,
+                 boundary_tokens: Sequence[str] = BOUNDARY_TOKENS, max_interval_snapshots: int = 8,
+                 clock: Callable[[], float] = time.perf_counter):
+        if max_entries < 1 or max_bytes < 1 or interval < 1 or device_bytes < 0:
             raise FlashtreeError(f"prefix cache limits must be >= 1 (entries={max_entries}, bytes={max_bytes}, "
-                                 f"interval={interval})")
+                                 f"interval={interval}) and the device budget >= 0 (device_bytes={device_bytes})")
         self.max_entries, self.max_bytes, self.interval = max_entries, max_bytes, interval
-        self.offload = offload  # None: host RAM when the model is on a GPU
+        self.device_bytes = device_bytes
         self.max_interval_snapshots = max(1, max_interval_snapshots)
         self.boundaries = boundaries  # snapshots before this many of the last message headers of a prompt
         self.boundary_tokens = tuple(boundary_tokens)
         self._boundary_ids: frozenset[int] | None = None  # resolved with the first engine's tokenizer
+        self.clock = clock
         self.entries: OrderedDict[tuple[int, ...], Entry] = OrderedDict()  # least recently used first
         self.stats = PrefixCacheStats()
+        self.last_request: RequestCacheStats | None = None
         self._session: _Session | None = None
         self._lock = threading.Lock()
 
@@ -272,12 +327,25 @@ class PrefixCache:
 
     @property
     def nbytes(self) -> int:
+        """Bytes held in all, device memory and host RAM."""
         with self._lock:
-            return self._nbytes()
+            return sum(c.nbytes for c in self._copies())
 
-    def _nbytes(self) -> int:
-        shared = {id(seg): seg.nbytes for e in self.entries.values() for seg in e.rows.chain()}
-        return sum(shared.values()) + sum(e.own_bytes for e in self.entries.values())
+    @property
+    def device_nbytes(self) -> int:
+        """Bytes held in device memory."""
+        with self._lock:
+            return sum(c.nbytes for c in self._copies() if c.on_device)
+
+    def _copies(self) -> list[_Copies]:
+        """Every stored group of copies once, least recently used first: a group shared by several entries
+        (a request's rows) ranks by its most recently used entry."""
+        newest: dict[int, _Copies] = {}
+        for entry in self.entries.values():
+            for copies in entry.copies():
+                newest.pop(id(copies), None)
+                newest[id(copies)] = copies
+        return list(newest.values())
 
     def clear(self) -> None:
         with self._lock:
@@ -310,67 +378,101 @@ class PrefixCache:
         with self._lock:
             self.entries.pop(entry.tokens, None)
             self.entries[entry.tokens] = entry
-            while self.entries and (len(self.entries) > self.max_entries or self._nbytes() > self.max_bytes):
+            while self.entries and (len(self.entries) > self.max_entries
+                                    or sum(c.nbytes for c in self._copies()) > self.max_bytes):
                 self.entries.popitem(last=False)
                 self.stats.evictions += 1
 
+    def _spill_past_device_budget(self) -> int:
+        """Move the least recently used copies to host RAM until the device holds at most `device_bytes`;
+        returns the bytes moved."""
+        with self._lock:
+            copies = self._copies()
+            on_device = sum(c.nbytes for c in copies if c.on_device)
+            moved = 0
+            for group in copies:
+                if on_device <= self.device_bytes:
+                    break
+                if group.on_device:
+                    on_device -= group.nbytes
+                    moved += group.spill()
+            self.stats.spilled_bytes += moved
+        return moved
+
     # ---- the engine's hooks ----
 
-    def prefill(self, engine, cache, prompt_ids: list[int], config, proposer=None, stats=None) -> torch.Tensor:
-        """Fill the fresh `cache` with `prompt_ids` (restoring the longest cached prefix, prefilling the
-        rest in chunks that end at every snapshot point) and start `proposer` on the prompt. Returns the
-        logits of the last prompt position; `stats.cached_tokens` gets the restored prefix's length."""
-        model = engine.target.model
+    def prefill(self, runner, cache, prompt_ids: list[int], config, proposer=None, stats=None) -> torch.Tensor:
+        """Fill the fresh `cache` with `prompt_ids` and start `proposer` on them: restore the longest cached
+        prefix, then prefill the rest with `runner.prefill` (the chunks an uncached prefill runs), taking
+        snapshots at the chunk ends `_snapshot_ends` picks. Returns the logits of the last prompt position;
+        `stats.cached_tokens` gets the restored prefix's length."""
         self._session = None
-        host = self.offload if self.offload is not None else model.device.type == "cuda"
+        chunk = config.prefill_chunk
+        request = self.last_request = RequestCacheStats()
         draft = _DraftOps.of(proposer) if proposer is not None else None
-        if proposer is not None and draft is None:  # a proposer whose context cannot be snapshotted: no reuse
+        if proposer is not None:
             proposer.start()
-            return engine.prefill(cache, prompt_ids, config.prefill_chunk, proposer.capture_layers, proposer.commit)
-        capture = proposer.capture_layers if proposer is not None else ()
-        n = len(prompt_ids)
+            if draft is None:  # a proposer whose context cannot be snapshotted: no reuse
+                return runner.prefill(cache, prompt_ids, chunk, proposer.capture_layers, proposer.commit)
         signature = _signature(cache)
         hit = self.lookup(prompt_ids, draft.window if draft is not None else None, signature=signature)
-        start, session_parent = 0, None
-        if hit is not None:
-            _restore_rows(cache, hit.rows, hit.length)
-            session_parent = hit.rows
-            _restore_recurrent(cache, hit.recurrent)
-            cache.length = start = hit.length
-            if draft is not None:
-                draft.restore(hit.draft)
-            self.stats.hits += 1
-            self.stats.hit_tokens += hit.length
-        else:
-            self.stats.misses += 1
-            if draft is not None:
-                draft.cache.reset()
-        self.stats.prefilled_tokens += n - start
-        if stats is not None:
-            stats.cached_tokens = start
-        session = _Session(cache, host, draft, signature, session_parent, start)
-        # at most `max_interval_snapshots` per prompt: a longer prompt gets them further apart (multiples of interval)
-        every = self.interval * max(1, -(-(n - start) // (self.interval * self.max_interval_snapshots)))
-        points = set(range((start // every + 1) * every, n, every))
-        points.update(self._boundary_points(engine, prompt_ids, start))
-        points = sorted(points | {n})
-        chunk = config.prefill_chunk
-        pos = start
-        with engine.prefill_bar(n - start) as bar:
-            for point in points:
-                while pos < point:
-                    end = min((pos // chunk + 1) * chunk, point)  # chunks aligned to absolute multiples of `chunk`
-                    commit = proposer.commit if proposer is not None else None
-                    logits = engine.prefill(cache, prompt_ids[pos:end], end - pos, capture, commit)  # one chunk
-                    bar.update(end - pos)
-                    pos = end
+        start = self._restore(hit, cache, draft, request) if hit is not None else 0
+        self._count(start, len(prompt_ids), stats)
+        session = _Session(cache, draft, signature, hit.rows if hit is not None else None, start, request)
+        snapshot_ends = self._snapshot_ends(runner, prompt_ids, start, chunk)
+
+        def after_chunk(length: int) -> None:
+            if length in snapshot_ends:
+                started = self.clock()
                 session.pending.append(self._snapshot(session))
+                request.snapshot_s += self.clock() - started
+
+        capture, on_features = (proposer.capture_layers, proposer.commit) if proposer is not None else ((), None)
+        logits = runner.prefill(cache, prompt_ids[start:], chunk, capture, on_features, after_chunk)
         self._session = session
         return logits
 
-    def _boundary_points(self, engine, prompt_ids: Sequence[int], start: int) -> list[int]:
+    def _restore(self, hit: Entry, cache, draft: _DraftOps | None, request: RequestCacheStats) -> int:
+        """`hit`'s state into `cache` (and the started draft context); returns the restored length."""
+        started = self.clock()
+        copied = _restore_rows(cache, hit.rows, hit.length) + _restore_recurrent(cache, hit.state)
+        if draft is not None:
+            copied += draft.restore(hit.state, hit.draft)
+        cache.length = hit.length
+        request.restore_s = self.clock() - started
+        request.restored_tokens, request.restored_bytes = hit.length, copied
+        return hit.length
+
+    def _count(self, restored: int, prompt_len: int, stats) -> None:
+        if restored:
+            self.stats.hits += 1
+            self.stats.hit_tokens += restored
+        else:
+            self.stats.misses += 1
+        self.stats.prefilled_tokens += prompt_len - restored
+        if stats is not None:
+            stats.cached_tokens = restored
+
+    def _snapshot_ends(self, runner, prompt_ids: Sequence[int], start: int, chunk: int) -> set[int]:
+        """The chunk ends of this prefill to snapshot at: the prompt end, and for every point the policy
+        wants (interval multiples, message headers) the chunk end at or below it. A chunk is never cut at
+        a point: that would be a forward more, of a shape the uncached prefill never runs (on the GPU,
+        kernels chosen, or compiled, for it)."""
+        n = len(prompt_ids)
+        ends = prefill_chunk_ends(start, n, chunk)
+        # at most `max_interval_snapshots` per prompt: a longer prompt gets them further apart (multiples of interval)
+        every = self.interval * max(1, -(-(n - start) // (self.interval * self.max_interval_snapshots)))
+        points = [*range((start // every + 1) * every, n, every), *self._boundary_points(runner, prompt_ids, start)]
+        wanted = {n}
+        for point in points:
+            below = bisect.bisect_right(ends, point)
+            if below:
+                wanted.add(ends[below - 1])
+        return wanted
+
+    def _boundary_points(self, runner, prompt_ids: Sequence[int], start: int) -> list[int]:
         if self._boundary_ids is None:
-            ids = (engine.tokenizer.token_id(t) for t in self.boundary_tokens)
+            ids = (runner.tokenizer.token_id(t) for t in self.boundary_tokens)
             self._boundary_ids = frozenset(i for i in ids if i is not None)
         found = []
         if self._boundary_ids and self.boundaries > 0:
@@ -383,33 +485,47 @@ class PrefixCache:
 
     def finish(self, token_ids: Sequence[int]) -> None:
         """After generation: `token_ids` = prompt + generated tokens (the cache holds a prefix of them).
-        Snapshots the committed end and stores every snapshot of the request."""
+        Snapshots the committed end and stores every snapshot of the request, spilling the least recently
+        used copies to host RAM past the device budget."""
         session, self._session = self._session, None
         if session is None:
             return
-        cache = session.cache
+        cache, request = session.cache, session.request
         length = cache.length
         if length > len(token_ids):
             return  # not the state these tokens describe (should not happen): store nothing
+        started = self.clock()
         # a speculative request that stopped inside a verified tree leaves its scratch pending (never
         # committed): the committed state is still token_ids[:length], but the draft's context may have run
         # ahead of it, so only the prompt's snapshots (taken during prefill) are stored then
         if not cache.pending and length > session.pending[-1].length:
             session.pending.append(self._snapshot(session))
-        rows = _copy_rows(cache, length, session.host, session.parent, session.base)
+        rows = _copy_rows(cache, length, session.parent, session.base)
+        request.snapshot_bytes += rows.copies.nbytes
         for snap in session.pending:
-            self._insert(Entry(tuple(token_ids[: snap.length]), rows, snap.recurrent, snap.draft, session.signature))
+            self._insert(Entry(tuple(token_ids[: snap.length]), rows, snap.state, snap.draft, session.signature))
+        request.spilled_bytes = self._spill_past_device_budget()
+        request.snapshot_s += self.clock() - started
 
     def _snapshot(self, session: _Session) -> _Pending:
-        return _Pending(session.cache.length, _copy_recurrent(session.cache, session.host),
-                        session.draft.snapshot(session.host) if session.draft is not None else None)
+        copies = _copy_recurrent(session.cache)
+        meta = None
+        if session.draft is not None:
+            draft_copies, meta = session.draft.snapshot()
+            copies.update(draft_copies)
+        state = _Copies(copies)
+        session.request.snapshots += 1
+        session.request.snapshot_bytes += state.nbytes
+        return _Pending(session.cache.length, state, meta)
 
     # ---- reporting ----
 
     def metrics(self) -> str:
         """Prometheus text exposition lines for /metrics."""
         with self._lock:
-            entries, nbytes = len(self.entries), self._nbytes()
+            copies = self._copies()
+            entries, nbytes = len(self.entries), sum(c.nbytes for c in copies)
+            device = sum(c.nbytes for c in copies if c.on_device)
         s = self.stats
         rows = [("prefix_cache_hits_total", "counter", "Requests that restored a cached prefix.", s.hits),
                 ("prefix_cache_misses_total", "counter", "Requests that found no cached prefix.", s.misses),
@@ -418,8 +534,11 @@ class PrefixCache:
                 ("prefix_cache_prefilled_tokens_total", "counter", "Prompt tokens prefilled with the cache on.",
                  s.prefilled_tokens),
                 ("prefix_cache_evictions_total", "counter", "Prefix cache entries evicted.", s.evictions),
+                ("prefix_cache_spilled_bytes_total", "counter", "Bytes moved from device memory to host RAM.",
+                 s.spilled_bytes),
                 ("prefix_cache_entries", "gauge", "Prefix cache entries held.", entries),
-                ("prefix_cache_bytes", "gauge", "Bytes held by the prefix cache.", nbytes)]
+                ("prefix_cache_bytes", "gauge", "Bytes held by the prefix cache.", nbytes),
+                ("prefix_cache_device_bytes", "gauge", "Bytes the prefix cache holds in device memory.", device)]
         lines = []
         for name, kind, help_text, value in rows:
             lines += [f"# HELP flashtree_{name} {help_text}", f"# TYPE flashtree_{name} {kind}",

@@ -7,7 +7,9 @@ import argparse
 
 DEFAULT_INTERVAL = 1024
 DEFAULT_MAX_ENTRIES = 64
-DEFAULT_MAX_BYTES = 8 << 30
+DEFAULT_MAX_BYTES = 8 << 30  # all snapshots, device memory and host RAM together
+DEFAULT_DEVICE_BYTES = 4 << 30  # of which in device memory; the least recently used past it spill to host RAM
+GIB = 1 << 30
 
 
 def add_prefix_cache_args(parser: argparse.ArgumentParser) -> None:
@@ -16,9 +18,13 @@ def add_prefix_cache_args(parser: argparse.ArgumentParser) -> None:
                              "(default on; --no-prefix-cache switches it off)")
     parser.add_argument("--prefix-cache-entries", type=int, default=DEFAULT_MAX_ENTRIES,
                         help=f"most snapshots kept, least recently used evicted (default {DEFAULT_MAX_ENTRIES})")
-    parser.add_argument("--prefix-cache-gib", type=float, default=DEFAULT_MAX_BYTES / (1 << 30),
-                        help=f"most memory the snapshots take, in GiB (default {DEFAULT_MAX_BYTES / (1 << 30):g}; "
-                             "host RAM when the model is on a GPU)")
+    parser.add_argument("--prefix-cache-gib", type=float, default=DEFAULT_MAX_BYTES / GIB,
+                        help=f"most memory the snapshots take in all, device and host RAM, in GiB "
+                             f"(default {DEFAULT_MAX_BYTES / GIB:g})")
+    parser.add_argument("--prefix-cache-device-gib", type=float, default=DEFAULT_DEVICE_BYTES / GIB,
+                        help="of that, most kept in device memory (counted by the memory plan); the least "
+                             "recently used snapshots past it move to host RAM "
+                             f"(default {DEFAULT_DEVICE_BYTES / GIB:g})")
     parser.add_argument("--prefix-cache-interval", type=int, default=DEFAULT_INTERVAL,
                         help=f"also snapshot every N prompt tokens of a long prompt (default {DEFAULT_INTERVAL})")
 
@@ -29,5 +35,6 @@ def prefix_cache_settings(args: argparse.Namespace) -> dict:
     if not hasattr(args, "prefix_cache"):
         return {}
     return {"prefix_cache": args.prefix_cache, "prefix_cache_entries": args.prefix_cache_entries,
-            "prefix_cache_bytes": max(1, int(args.prefix_cache_gib * (1 << 30))),
+            "prefix_cache_bytes": max(1, int(args.prefix_cache_gib * GIB)),
+            "prefix_cache_device_bytes": max(0, int(args.prefix_cache_device_gib * GIB)),
             "prefix_cache_interval": args.prefix_cache_interval}

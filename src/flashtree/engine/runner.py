@@ -12,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 from flashtree.drafting.proposer import Proposer
-from flashtree.engine.config import GenerationConfig, GenerationStats, cache_rows
+from flashtree.engine.config import GenerationConfig, GenerationStats, cache_rows, prefill_chunk_ends
 from flashtree.engine.cuda_graphs import GraphedForward
 from flashtree.engine.output import TokenLogprob, token_logprobs
 from flashtree.engine.prefix_cache import PrefixCache
@@ -151,20 +151,33 @@ class ModelRunner:
         proposer.start()
         return self.prefill(cache, prompt_ids, config.prefill_chunk, proposer.capture_layers, proposer.commit)
 
-    def prefill(self, cache, prompt_ids: list[int], chunk: int, capture: Sequence[int] = (),
-                on_features: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> torch.Tensor:
-        """Run the prompt in chunks; returns the last position's logits. Each chunk's captured features go
-        to `on_features(features, positions)` as soon as they exist, so nothing grows with the prompt but
-        the KV cache (a 256K prompt's features would be ~12 GiB at the 27B shape)."""
-        model = self.target.model
-        with self.prefill_bar(len(prompt_ids)) as bar:
-            for start in range(0, len(prompt_ids), chunk):
-                piece = torch.tensor(prompt_ids[start : start + chunk], dtype=torch.long)
-                first = cache.length
-                result = model.forward(piece, cache, capture=capture, last_only=True)
-                if on_features is not None:
-                    on_features(result.features, torch.arange(first, cache.length, device=result.features.device))
-                bar.update(piece.shape[0])
+    def prefill(self, cache, token_ids: list[int], chunk: int, capture: Sequence[int] = (),
+                on_features: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+                after_chunk: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Run `token_ids`, the tokens after the `cache.length` already in the cache, in chunks that end at
+        absolute multiples of `chunk` (`prefill_chunk_ends`): a prefill resumed at a restored prefix runs the
+        chunks, and so the shapes, of an unbroken one. Returns the last position's logits. Each chunk's
+        captured features go to `on_features(features, positions)` as soon as they exist, so nothing grows
+        with the prompt but the KV cache (a 256K prompt's features would be ~12 GiB at the 27B shape);
+        `after_chunk(cache length)` runs after each chunk (the prefix cache's snapshots)."""
+        start = cache.length
+        with self.prefill_bar(len(token_ids)) as bar:
+            for end in prefill_chunk_ends(start, start + len(token_ids), chunk):
+                piece = token_ids[cache.length - start : end - start]
+                logits = self.prefill_chunk(cache, piece, capture, on_features)
+                if after_chunk is not None:
+                    after_chunk(end)
+                bar.update(len(piece))
+        return logits
+
+    def prefill_chunk(self, cache, token_ids: list[int], capture: Sequence[int] = (),
+                      on_features: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> torch.Tensor:
+        """One prefill forward over `token_ids`; returns the last position's logits."""
+        first = cache.length
+        result = self.target.model.forward(torch.tensor(token_ids, dtype=torch.long), cache, capture=capture,
+                                           last_only=True)
+        if on_features is not None:
+            on_features(result.features, torch.arange(first, cache.length, device=result.features.device))
         return result.logits[-1]
 
     def prefill_bar(self, tokens: int):
