@@ -1,15 +1,14 @@
 #!/usr/bin/env python3
-"""Time variants of the tensor-core kernel source (mma.cu) against each other on the GPU, at the 27B shapes.
+"""Time two sources of the tensor-core kernels (mma.cu) against each other on the GPU, at the 27B shapes.
 
-    python3 scripts/sweep_mma_variants.py --candidate PATH.cu [--out $OUT/variants.json] [--budget-s 300]
+    python3 scripts/sweep_mma_variants.py --head OLD.cu --candidate NEW.cu [--out $OUT/variants.json]
 
-`head` is the shipped source (src/flashtree/kernels/quant_matmul/mma.cu); the candidate is a source whose
-`qmm` takes a sixth template argument, STAGES (a cp.async pipeline over dynamic shared memory), timed at
-several depths and launch shapes, and with two ablations that tell where the time goes: `no-xsum` (the
-ones-MMA of Q4_K's x sums left out: wrong results, timing only) and `load-only` (the pipeline's copies
-and nothing else). Each point is timed the way `flashtree bench --kernels` times one (CUDA graph, weights
-rotated past the L2) and checked against the float32 dequantization; the dense `dequant` kernels of both
-sources are timed too (prefill's path). Prints one table; details to --out.
+The head's token-column kernel (qmm) against the candidate's one-row kernel (qmv) at one row of x, the
+candidate at several launch shapes (row tiles, warps, splits); each point timed the way `flashtree bench
+--kernels` times one (CUDA graph, weights rotated past the L2) and checked against the float32
+dequantization. The dense `dequant` kernels of both sources are timed too (prefill's path). Prints one
+table; details to --out. (2026-12-01: the one-row kernel and the shared-memory dequantization came from
+this; a cp.async pipeline variant of qmm measured slower than the register double buffer.)
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ import argparse
 import hashlib
 import json
 import sys
-import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -61,6 +59,9 @@ class Variant:
 
     def smem(self, qtype: QType) -> int:
         return 0
+
+    def groups(self, m: int) -> int:
+        return mma.ONE_ROW if self.kernel == "qmv" else (m + 7) // 8
 
 
 def _compile(job: tuple[str, str, str]) -> tuple[str, bytes | str]:
@@ -142,7 +143,7 @@ def main() -> int:
     jobs = {}
     for qtype, _, _, _, m, vs in plan:
         for v in vs:
-            tg = mma.token_groups(m)
+            tg = v.groups(m)
             jobs[v.name(qtype, tg)] = v.source + v.wrapper(qtype, tg)
     for qtype in (QType.Q4_K, QType.Q6_K):
         for label, source, _ in dequant_variants(head, candidate):
@@ -171,7 +172,7 @@ def main() -> int:
         floor = first.nbytes / read_bps
         cells = []
         for v in vs:
-            name = v.name(qtype, mma.token_groups(m))
+            name = v.name(qtype, v.groups(m))
             if isinstance(cubins[name], str):
                 cells.append(f"{v.label}: FAIL")
                 continue
@@ -180,7 +181,7 @@ def main() -> int:
             err = ((out - ref).abs().max() / ref.abs().max()).item()
             us = time_graph([lambda w=w: run_matmul(fn, v, qtype, x, w.raw, n, k) for w in weights], replays=10) * 1e6
             results["matmul"].append({"type": qtype.name, "matrix": label, "rows": m, "variant": v.label,
-                                      "config": vars(v.config), "stages": v.stages, "us": us,
+                                      "config": vars(v.config), "us": us,
                                       "of_bw": floor * 1e6 / us, "err": err})
             cells.append(f"{v.label}: {us:.1f} ({100 * floor * 1e6 / us:.0f}%) {err:.0e}")
         print(f"{qtype.name:5} {label:20} {m:3d}  " + " | ".join(cells), flush=True)

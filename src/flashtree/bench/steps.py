@@ -189,9 +189,12 @@ def run_steps(args, engine, device_name: str) -> int:
     report["context_prefill"] = {"tokens": len(prompt), "s": round(seconds, 3), "tok_s": round(len(prompt) / seconds, 1)}
     peaks = report["peak_memory_by_phase_GiB"] = {}  # the peak so far after each phase (main device)
 
+    outside = report["outside_allocator_by_phase_GiB"] = {}  # what grows outside PyTorch's allocator, and when
+
     def mark(phase: str) -> None:
         if device.type == "cuda":
             peaks[phase] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+            outside[phase] = measure_process_memory(device).as_gib()["outside_allocator"]
 
     mark("context prefill")
     token = torch.tensor([prompt[-1]])
@@ -370,7 +373,8 @@ def _print(report: dict) -> None:
               f"  draft rows not finite {rp['draft_nonfinite_rows']}")
     if "peak_memory_GiB" in report:
         print(f"peak GPU memory (allocated): {report['peak_memory_GiB']} GiB; peak so far after each phase: "
-              f"{report['peak_memory_by_phase_GiB']}")
+              f"{report['peak_memory_by_phase_GiB']}; outside the allocator after each phase: "
+              f"{report['outside_allocator_by_phase_GiB']}")
         for name, m in report["process_memory_GiB"].items():
             print(f"process on {name}: peak footprint {m['peak_footprint']} GiB = allocator peak reserved "
                   f"{m['allocator_peak_reserved']} + outside the allocator {m['outside_allocator']} (CUDA context, "
