@@ -37,7 +37,9 @@ def test_replay_proposer_hits_the_requested_acceptance_length():
     draft = random_draft(target.config, "cpu", torch.float32)
     for al in (1.0, 2.5, 6.0):
         engine.draft = ReplayProposer(DFlashProposer(target.model, draft, 256), prompt + reference, al)
-        result = engine.generate(prompt, GenerationConfig(max_new_tokens=60, mode="ddtree", ignore_eos=True))
+        # trees on every step, whatever they accept (the adaptive policy would turn AL 1 into AR steps)
+        result = engine.generate(prompt, GenerationConfig(max_new_tokens=60, mode="ddtree", ignore_eos=True,
+                                                          adaptive=False))
         assert result.token_ids == reference
         assert abs(result.stats.acceptance_length - al) < 0.35, (al, result.stats.acceptance_length)
 

@@ -181,3 +181,12 @@ def test_output_into_a_closed_pipe_is_no_traceback():
     finally:
         os.close(write_end)
     assert done.returncode == 141 and done.stderr == ""
+
+
+def test_run_stats_line_says_when_speculation_fell_back(capsys):
+    # the demo pair's draft guesses poorly after this raw prompt: the adaptive policy runs AR steps a while
+    argv = ["run", "--raw", "-n", "64", "--device", "cpu", "Hello there, how"]
+    assert main(argv) == 0
+    assert "AR steps" in capsys.readouterr().err
+    assert main(argv + ["--no-adaptive"]) == 0
+    assert "AR steps" not in capsys.readouterr().err

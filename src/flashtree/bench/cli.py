@@ -175,11 +175,15 @@ def run(args: argparse.Namespace) -> int:
 
 def _bench_dataset(engine, name: str, prompts: list[list[int]], base, modes: list[str], peers: bool) -> list[dict]:
     """One row per mode (and per peer); every row compares each prompt's tokens with our AR run's."""
+    from flashtree.bench.divergence import divergences  # deferred: imports torch, which --help must not wait for
+
     runs = {mode: [_timed(engine, ids, replace(base, mode=mode))
                    for ids in tqdm(prompts, desc=f"{name} {mode}", unit="prompt", leave=False, file=sys.stderr)]
             for mode in modes}
     ar_tokens = [r.token_ids for r in runs["ar"]]
-    rows = [_row(name, mode, base, results, ar_tokens) for mode, results in runs.items()]
+    rows = [_row(name, mode, base, results, ar_tokens,
+                 divergences(engine, prompts, [r.token_ids for r in results], ar_tokens, base))
+            for mode, results in runs.items()]
     ar_speed = rows[0]["tokens_per_s"]
     for row in rows:
         row["speedup"] = round(row["tokens_per_s"] / ar_speed, 3) if ar_speed else 0.0
@@ -199,7 +203,8 @@ def _timed(engine, ids, config):
     return result
 
 
-def _row(dataset: str, mode: str, base, results, ar_tokens) -> dict:
+def _row(dataset: str, mode: str, base, results, ar_tokens, differences: list[dict]) -> dict:
+    """`differences`: where the prompts whose tokens differ from AR's first differ (bench/divergence.py)."""
     tokens = sum(r.stats.new_tokens for r in results)
     steps = sum(r.stats.steps for r in results)
     committed = sum(k * v for r in results for k, v in r.stats.accepted.items())
@@ -210,7 +215,9 @@ def _row(dataset: str, mode: str, base, results, ar_tokens) -> dict:
             "acceptance_length": round(committed / steps, 3) if steps else 0.0,
             "tokens_per_s": round(tokens / decode_s, 2) if decode_s else 0.0,
             "ms_per_step": round(1000 * decode_s / max(steps, 1), 3),
-            "identical_to_ar": sum(identical), "identical_per_prompt": identical}
+            "identical_to_ar": sum(identical), "identical_per_prompt": identical, "divergences": differences,
+            "ar_fallback_steps": sum(r.stats.ar_fallback_steps for r in results),
+            "budget_switches_per_prompt": [r.stats.budget_switches for r in results]}
 
 
 def _mean_rows(rows: list[dict]) -> list[dict]:
@@ -223,20 +230,28 @@ def _mean_rows(rows: list[dict]) -> list[dict]:
 
 
 def _print_table(report: dict) -> None:
+    """The rows, then a note per prompt whose tokens differ from AR's (where, and the target's margin there)."""
+    from flashtree.bench.divergence import describe  # deferred: imports torch, which --help must not wait for
+
     gbytes = report["weights_bytes_per_step"] / 1e9
     print(f"device: {report['device']}   model: {report['model']}   "
           f"{report['prompts_per_dataset']} prompts x {report['max_tokens']} tokens per dataset")
     print(f"{'dataset':<12}{'mode':<8}{'budget':>7}{'AL':>7}{'tok/s':>10}{'ms/step':>10}{'GB/s':>9}{'speedup':>9}"
-          f"{'same as ar':>12}")
+          f"{'same as ar':>12}{'AR steps':>10}")
     for r in report["rows"]:
         gbs = gbytes / (r["ms_per_step"] / 1000) if r["ms_per_step"] else 0.0
+        # steps the adaptive policy ran as AR (ours only: AR and the peers have none to report)
+        fallback = r.get("ar_fallback_steps", "-") if r["mode"] != "ar" else "-"
         print(f"{r['dataset']:<12}{r['mode']:<8}{str(r['budget'] or '-'):>7}{r['acceptance_length']:>7.2f}"
               f"{r['tokens_per_s']:>10.1f}{r['ms_per_step']:>10.2f}{gbs:>9.1f}{r['speedup']:>8.2f}x"
-              f"{r['identical_to_ar']:>7}/{r['prompts']}")
+              f"{r['identical_to_ar']:>7}/{r['prompts']}{fallback:>10}")
     if len({r["dataset"] for r in report["rows"]}) > 1:
         for m in report["mean"]:
             print(f"{'mean':<12}{m['mode']:<8}{'':>7}{m['acceptance_length']:>7.2f}{m['tokens_per_s']:>10.1f}"
                   f"{'':>19}{m['speedup']:>8.2f}x")
+    for r in report["rows"]:
+        for entry in r.get("divergences", []):  # peer rows report identity without positions
+            print(describe(r["dataset"], r["mode"], entry))
 
 
 

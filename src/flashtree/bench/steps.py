@@ -180,7 +180,9 @@ def run_steps(args, engine, device_name: str) -> int:
         _print_row(entry)
 
     prompt = _prompt(model.config.vocab_size, args.context)
-    config = engine.config_for(mode="ddtree", max_new_tokens=args.max_tokens + 64 * args.repeat, ignore_eos=True)
+    # trees on every step (adaptive off): the replay times speculation at its AL, and its record must be verify rows
+    config = engine.config_for(mode="ddtree", max_new_tokens=args.max_tokens + 64 * args.repeat, ignore_eos=True,
+                               adaptive=False)
     proposer = proposer_for(engine.runner, config)  # as the engine's own loop builds it (graph-ready on CUDA)
     cache = engine.runner.new_cache(len(prompt), config)
     started = clock(device)

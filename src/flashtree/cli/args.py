@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 from typing import Callable, Iterable
 
-from flashtree.engine.config import DEFAULT_BUDGET, DEFAULT_CUDA_OVERHEAD, DEFAULT_TOPK, MODES, EngineArgs
+from flashtree.engine.config import (DEFAULT_BUDGET, DEFAULT_CUDA_OVERHEAD, DEFAULT_TOPK, MODES, EngineArgs,
+                                     GenerationConfig, StepCost)
 from flashtree.errors import FlashtreeError
 
 
@@ -71,6 +72,17 @@ def add_memory_args(parser: argparse.ArgumentParser, gpu_memory_help: str) -> No
                              "issue #20 states; `bench --steps` measures it as outside_allocator)")
 
 
+def step_cost(text: str) -> StepCost:
+    """An argparse type: FIXED,PER_NODE, a speculative step's cost in AR steps (engine/config.py `StepCost`)."""
+    try:
+        fixed, per_node = (float(part) for part in text.split(","))
+        return StepCost(fixed, per_node)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected two numbers FIXED,PER_NODE such as 1.4,0.06, got {text!r}") from None
+    except FlashtreeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     """Flags shared by every command that loads a model (names follow llama.cpp / vLLM)."""
     parser.add_argument("-m", "--model", help="target GGUF, or demo: the embedded demo pair (the default)")
@@ -81,6 +93,13 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help=f"DDTree node budget (default {DEFAULT_BUDGET})")
     parser.add_argument("--topk", type=int_range(1), default=DEFAULT_TOPK,
                         help=f"DDTree candidates per depth (default {DEFAULT_TOPK})")
+    parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
+                        help="speculative modes: a smaller tree, or AR steps, while the acceptance measured on the "
+                             f"request does not pay for the steps (default: {'on' if GenerationConfig.adaptive else 'off'})")
+    default_cost = StepCost()
+    parser.add_argument("--step-cost", type=step_cost, default=None, metavar="FIXED,PER_NODE",
+                        help="--adaptive: a speculative step costs 1 + FIXED + PER_NODE x budget AR steps "
+                             f"(default {default_cost.fixed},{default_cost.per_node}; bench's ms/step ratio measures it)")
     parser.add_argument("--device", default=EngineArgs.device, help="cpu, cuda, cuda:N or auto (default)")
     parser.add_argument("-c", "--ctx", type=int_range(2), default=None, help="context size in tokens (default: fit the request)")
     parser.add_argument("-ctk", "--cache-type-k", default=None, metavar="TYPE",
@@ -127,7 +146,8 @@ def engine_args(args: argparse.Namespace, **settings) -> EngineArgs:
              "cache_type_v": args.cache_type_v, "attn_window": args.attn_window, "gpus": args.gpus,
              "layer_split": args.layer_split, "draft_device": args.draft_device,
              "tensor_parallel": args.tensor_parallel, "enforce_eager": args.enforce_eager, "ctx": args.ctx,
-             "gpu_memory": args.gpu_memory, "cuda_overhead": args.cuda_overhead}
+             "gpu_memory": args.gpu_memory, "cuda_overhead": args.cuda_overhead, "adaptive": args.adaptive,
+             "step_cost": args.step_cost}
     return EngineArgs(**{**flags, **settings})
 
 

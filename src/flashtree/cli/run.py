@@ -74,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
         s = result.stats
         # no target step after the prefill (one token): no acceptance length to report
         accepted = f"acceptance length {s.acceptance_length:.2f}" if s.steps else "no decode steps"
+        if s.ar_fallback_steps:  # the adaptive policy found speculation not paying for a while
+            accepted += f" ({s.ar_fallback_steps} AR steps, {len(s.budget_switches)} budget changes)"
         print(f"\n\n[{config.mode}] {s.new_tokens} token{'s' if s.new_tokens != 1 else ''}, {s.tokens_per_s:.1f} "
               f"tok/s, {accepted}, finish: {result.finish_reason}", file=sys.stderr)
     return 0

@@ -31,6 +31,12 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 # less this. A placeholder: the top of issue #20's stated range (0.4-0.8 GiB), until the H200 figure
 # (`outside_allocator` of `flashtree bench --steps`, engine/process_memory.py) replaces it.
 DEFAULT_CUDA_OVERHEAD = int(0.8 * 2**30)
+# What one speculative step costs in autoregressive steps (engine/adaptive.py): 1 for the verify's first node,
+# plus the draft pass, commit and host work, plus each further tree node. Measured at the 27B shape on an H200
+# (docs/PERFORMANCE.md): a 22-node verify costs 2.3 decode steps, draft and commit 1.4: 3.7 in all. The CPU
+# demo pair is cheaper (26.3 ms against 9.3 ms for an AR step: 2.8), so these err towards AR.
+DEFAULT_STEP_COST_FIXED = 1.4
+DEFAULT_STEP_COST_PER_NODE = 0.06
 
 
 def check_decoding(mode: str, budget: int, topk: int, ctx: int | None, attn_window: int) -> None:
@@ -57,6 +63,23 @@ def prefill_chunk_ends(start: int, end: int, chunk: int) -> list[int]:
     `end`. A prefill resumed at a restored prefix runs, from there on, the very chunks (shapes and
     boundaries) of an unbroken prefill of the same prompt."""
     return [*range((start // chunk + 1) * chunk, end, chunk), end]
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """A speculative step's cost in autoregressive steps, as a function of its tree budget: what the
+    adaptive policy (engine/adaptive.py) weighs the tokens a step commits against."""
+
+    fixed: float = DEFAULT_STEP_COST_FIXED  # draft pass, commit and host work of a step
+    per_node: float = DEFAULT_STEP_COST_PER_NODE  # each tree node past the root, in the verify
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.fixed < float("inf") and 0 <= self.per_node < float("inf")):
+            raise FlashtreeError(f"step cost must be finite and >= 0, got fixed={self.fixed} per_node={self.per_node}")
+
+    def of(self, budget: int) -> float:
+        """AR steps one speculative step of `budget` nodes costs (the root's row is an AR step's work)."""
+        return 1.0 + self.fixed + self.per_node * budget
 
 
 @dataclass(frozen=True)
@@ -87,6 +110,8 @@ class EngineArgs:
     # the default request; None: GenerationConfig's own default
     max_new_tokens: int | None = None
     prefill_chunk: int | None = None
+    adaptive: bool | None = None  # speculation shrinks its tree or steps as AR while it does not pay
+    step_cost: StepCost | None = None  # what the adaptive policy takes a speculative step to cost
     skip_special_tokens: bool = True
     # reuse of earlier prompts' state across requests (engine/prefix_cache.py)
     prefix_cache: bool = False
@@ -140,6 +165,10 @@ class GenerationConfig:
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (one more pass over the prompt)
     sampling: SamplingParams = field(default_factory=_greedy)  # greedy by default
     skip_special_tokens: bool = True  # control tokens (<|im_start|>...) left out of the text, not the ids (vLLM's)
+    # speculative modes: a smaller tree, or AR steps, while the acceptance measured on this request does not
+    # pay for the steps' cost (engine/adaptive.py); output is the same either way
+    adaptive: bool = True
+    step_cost: StepCost = field(default_factory=StepCost)
 
     def __post_init__(self) -> None:
         check_decoding(self.mode, self.budget, self.topk, self.ctx, self.attn_window)
@@ -168,6 +197,9 @@ class GenerationStats:
     steps: int = 0  # target forwards after prefill (decode steps or verify steps)
     accepted: Counter = field(default_factory=Counter)  # committed tokens per verify step -> count
     proposed: int = 0  # draft tokens offered for verification (tree nodes below the root)
+    ar_fallback_steps: int = 0  # of a speculative request's steps, those the adaptive policy ran as AR steps
+    # (new tokens before the change, the tree budget from there on; 0: AR steps) for each change of budget
+    budget_switches: list[tuple[int, int]] = field(default_factory=list)
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -199,6 +231,7 @@ class GenerationStats:
             "steps": self.steps,
             "acceptance_length": round(self.acceptance_length, 4), "acceptance_rate": round(self.acceptance_rate, 4),
             "acceptance_histogram": {str(k): v for k, v in sorted(self.accepted.items())},
+            "ar_fallback_steps": self.ar_fallback_steps, "budget_switches": [list(s) for s in self.budget_switches],
             "prefill_s": round(self.prefill_s, 6), "draft_s": round(self.draft_s, 6),
             "verify_s": round(self.verify_s, 6), "overhead_s": round(max(self.decode_s - self.draft_s - self.verify_s, 0.0), 6),
             "total_s": round(self.total_s, 6), "tokens_per_s": round(self.tokens_per_s, 3),

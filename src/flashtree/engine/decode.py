@@ -12,6 +12,10 @@ committed prefix. Sampling: the walk draws the target's token at each visited no
 distribution and moves to the child carrying it, stopping at the first draw no child carries (that
 draw is the next bonus token) -- so each emitted token is an exact draw from the target given the
 tokens before it, and the output is distributed as autoregressive sampling (docs/SAMPLING.md).
+
+Adaptive: while speculation does not pay on a request, its policy (engine/adaptive.py) shrinks the tree or
+runs plain AR steps, which feed the draft their features as a prefill does; either way each committed
+token is the target's own choice, so the output does not change.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ import torch
 
 from flashtree.drafting.ddtree import DraftTree, build_chain, build_tree, follow, topk_table
 from flashtree.drafting.proposer import DFlashProposer, Proposer
+from flashtree.engine.adaptive import AdaptiveBudget, FixedBudget, budget_policy
 from flashtree.engine.config import GenerationConfig, GenerationStats
-from flashtree.engine.output import OutputTracker, logprobs_of
+from flashtree.engine.output import OutputTracker, TokenLogprob, logprobs_of
 from flashtree.engine.runner import ModelRunner
 
 
@@ -58,29 +63,68 @@ def speculative(engine: ModelRunner, prompt_ids: list[int], config: GenerationCo
     cache = engine.new_cache(len(prompt_ids), config)
     logits = engine.prefill_prompt(cache, prompt_ids, config, proposer, stats)[None]
     stats.prefill_s = time.perf_counter() - started
+    policy = budget_policy(config)
     bonus = sampler.choose(sampler.distribution(logits)[0])
     [bonus_logprob] = logprobs_of(logits, [bonus], config.logprobs)
+    current = config.budget
     while not out.push(bonus, bonus_logprob):
         sampler.record(bonus)
-        t0 = time.perf_counter()
-        tree = make_tree(config.mode, bonus, proposer.propose(bonus, cache.length), config.budget, config.topk)
-        t1 = time.perf_counter()
-        result = engine.step_forward(tree.tokens, cache, tree, proposer.capture_layers, pad_to=config.budget + 1)
-        accepted, bonus = walk(tree, result.logits, sampler)
-        stats.draft_s += t1 - t0
-        stats.verify_s += time.perf_counter() - t1
-        stats.steps += 1
-        stats.accepted[len(accepted)] += 1
-        stats.proposed += len(tree) - 1
-        tokens = tree.tokens[accepted[1:]].tolist()
-        # each accepted token, then the bonus, was chosen from its parent node's row: the path's rows in order
-        rows = result.logits[accepted] if config.logprobs is not None else None  # no gather unless asked for
-        *entries, bonus_logprob = logprobs_of(rows, tokens + [bonus], config.logprobs)
-        for token, entry in zip(tokens, entries):
-            if out.push(token, entry):  # an end-of-generation or stop inside the accepted path: emit up to it, no further
-                return
-            sampler.record(token)
-        engine.commit_step(cache, accepted, proposer, result.features, next_bonus=bonus)
+        budget = policy.budget
+        if budget != current:  # the stats say from which token on the policy changed it
+            stats.budget_switches.append((len(out.token_ids), budget))
+            current = budget
+        if budget == 0:
+            bonus, bonus_logprob = ar_step(engine, cache, proposer, sampler, bonus, config, stats)
+            policy.record(1)
+            continue
+        step = tree_step(engine, cache, proposer, sampler, bonus, budget, config, out, stats, policy)
+        if step is None:  # an end-of-generation or stop inside the accepted path
+            return
+        bonus, bonus_logprob = step
+
+
+def ar_step(engine: ModelRunner, cache, proposer: Proposer, sampler, token: int, config: GenerationConfig,
+            stats: GenerationStats) -> tuple[int, TokenLogprob | None]:
+    """One target decode step after `token` inside a speculative request, feeding the draft its features;
+    returns the next token and its log-probability entry."""
+    step_start = time.perf_counter()
+    logits = engine.step_feeding(token, cache, proposer)
+    token = sampler.choose(sampler.distribution(logits)[0])
+    stats.verify_s += time.perf_counter() - step_start
+    stats.steps += 1
+    stats.ar_fallback_steps += 1
+    stats.accepted[1] += 1
+    return token, logprobs_of(logits, [token], config.logprobs)[0]
+
+
+def tree_step(engine: ModelRunner, cache, proposer: Proposer, sampler, bonus: int, budget: int,
+              config: GenerationConfig, out: OutputTracker, stats: GenerationStats,
+              policy: AdaptiveBudget | FixedBudget) -> tuple[int, TokenLogprob | None] | None:
+    """Draft a tree of `budget` nodes below `bonus`, verify it, emit the accepted tokens and commit them;
+    returns the next bonus token and its entry, or None when the output ended inside the accepted path."""
+    t0 = time.perf_counter()
+    tree = make_tree(config.mode, bonus, proposer.propose(bonus, cache.length), budget, config.topk)
+    t1 = time.perf_counter()
+    result = engine.step_forward(tree.tokens, cache, tree, proposer.capture_layers, pad_to=budget + 1)
+    accepted, bonus = walk(tree, result.logits, sampler)
+    stats.draft_s += t1 - t0
+    stats.verify_s += time.perf_counter() - t1
+    stats.steps += 1
+    stats.accepted[len(accepted)] += 1
+    stats.proposed += len(tree) - 1
+    policy.record(len(accepted))
+    tokens = tree.tokens[accepted[1:]].tolist()
+    # each accepted token, then the bonus, was chosen from its parent node's row: the path's rows in order
+    rows = result.logits[accepted] if config.logprobs is not None else None  # no gather unless asked for
+    *entries, bonus_logprob = logprobs_of(rows, tokens + [bonus], config.logprobs)
+    for token, entry in zip(tokens, entries):
+        if out.push(token, entry):  # emit up to the end, no further
+            return None
+        sampler.record(token)
+    # a draft on its own device starts the next block during the commit, unless the next step is an AR step
+    next_bonus = bonus if policy.budget else None
+    engine.commit_step(cache, accepted, proposer, result.features, next_bonus=next_bonus)
+    return bonus, bonus_logprob
 
 
 def walk(tree: DraftTree, logits: torch.Tensor, sampler) -> tuple[list[int], int]:

@@ -190,7 +190,8 @@ def _check_spec_has_draft(args: EngineArgs) -> None:
 
 def _default_config(args: EngineArgs, mode: str) -> GenerationConfig:
     """The request the engine answers when a request leaves a setting out."""
-    request = {"max_new_tokens": args.max_new_tokens, "prefill_chunk": args.prefill_chunk}
+    request = {"max_new_tokens": args.max_new_tokens, "prefill_chunk": args.prefill_chunk, "adaptive": args.adaptive,
+               "step_cost": args.step_cost}
     return GenerationConfig(mode=mode, budget=args.budget, topk=args.topk, ctx=args.ctx,
                             skip_special_tokens=args.skip_special_tokens, **args.cache_options,
                             **{key: value for key, value in request.items() if value is not None})

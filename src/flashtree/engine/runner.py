@@ -124,6 +124,15 @@ class ModelRunner:
             step = Step.tree(cache.length, tree.parents.to(dev), tree.depths.to(dev), tree.ancestor_mask().to(dev))
         return model.forward(tokens, cache, step=step, capture=capture)
 
+    def step_feeding(self, token: int, cache, proposer) -> torch.Tensor:
+        """One decode step of a speculative request (an AR step the adaptive policy chose): its captured
+        features go to `proposer` as a prefill chunk's do, so the draft's context keeps every committed
+        position. Returns the step's logits [1, vocab]."""
+        position = cache.length
+        result = self.step_forward(torch.tensor([token]), cache, capture=proposer.capture_layers)
+        proposer.commit(result.features, torch.tensor([position], device=result.features.device))
+        return result.logits
+
     def commit_step(self, cache, accepted: list[int], proposer, features: torch.Tensor,
                     next_bonus: int | None = None) -> None:
         """Keep the accepted nodes (root first) of the last verify, and give the proposer their features.
