@@ -136,9 +136,12 @@ def test_bench_reports_the_process_next_to_the_allocator_peak(monkeypatch, capsy
     assert report["peak_memory_GiB"] == {"cuda:0": 38.0}
     assert report["process_memory_GiB"]["cuda:0"]["outside_allocator"] == 1.0
     assert report["process_memory_GiB"]["cuda:0"]["peak_footprint"] == 41.0
-    steps._print({"context_prefill": {"tokens": 8, "s": 1.0, "tok_s": 8.0}, "peak_memory_by_phase_GiB": {}, **report})
+    steps._print({"context_prefill": {"tokens": 8, "s": 1.0, "tok_s": 8.0}, "peak_memory_by_phase_GiB": {},
+                  "outside_allocator_by_phase_GiB": {"context prefill": 1.0}, **report})
+    printed = capsys.readouterr().out
     assert "process on cuda:0: peak footprint 41.0 GiB = allocator peak reserved 40.0 + outside the allocator 1.0" \
-        in capsys.readouterr().out
+        in printed
+    assert "outside the allocator after each phase: {'context prefill': 1.0}" in printed
 
 
 @pytest.mark.gpu
