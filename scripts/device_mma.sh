@@ -7,7 +7,7 @@ export FLASHTREE_CACHE=/tmp/ftcache
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, cuda.bindings; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda-bindings', cuda.bindings.__version__)" | tee -a "$OUT/gpu.txt"
 python3 -c "import time, torch; from flashtree.kernels.quant_matmul import mma; t = time.time(); \
-mma.precompile(mma.instances(), mma._arch(torch.device('cuda'))); \
+mma.precompile(mma.instances(), mma.arch_of(torch.device('cuda'))); \
 print(f'cold compile of {len(mma.instances())} instances, 16 processes: {time.time() - t:.1f} s')" 2>&1 | tee "$OUT/compile.txt"
 [ "${SMOKE:-1}" = 1 ] && python3 - <<'PY' 2>&1 | tee "$OUT/smoke.txt"
 import torch

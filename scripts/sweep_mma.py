@@ -52,7 +52,7 @@ def main() -> int:
     args = parser.parse_args()
     t0 = time.time()
     device = torch.device("cuda")
-    arch = mma._arch(device)
+    arch = mma.arch_of(device)
     types = [QType[t] for t in args.types.split(",")]
     plan = []
     for qtype in types:

@@ -132,7 +132,7 @@ def main() -> int:
     t0 = time.time()
     head = Path(args.head).read_text() if args.head else mma._SOURCE.read_text()
     candidate = Path(args.candidate).read_text()
-    arch = mma._arch(torch.device("cuda"))
+    arch = mma.arch_of(torch.device("cuda"))
     plan = []
     for qtype in (QType.Q4_K, QType.Q6_K):
         for label, (n, k) in SHAPES.items():

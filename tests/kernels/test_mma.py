@@ -109,6 +109,23 @@ def test_cuda_source_compiles_for_sm90():
     assert cubin[:4] == b"\x7fELF"
 
 
+@pytest.mark.skipif(not _nvrtc_available(), reason="needs cuda-python and NVRTC")
+def test_load_time_compile_covers_every_launch_and_caches(monkeypatch, tmp_path):
+    """The instances a model's weights can launch (decode, each verify width, prefill's dequantization)
+    compile in parallel into the on-disk cache; once there, none is left to compile (a warm start)."""
+    monkeypatch.setenv("FLASHTREE_CACHE", str(tmp_path))
+    jobs = mma.instances_for({(QType.Q4_K, 1024, 512)}, 132)
+    names = [name for name, _ in jobs]
+    assert len(names) == 6 and names[0].startswith("qmv_q4_k") and names[-1].startswith("dequant_q4_k")
+    for m in (1, 2, 9, 23, 32):  # every row count a launch takes is one of them
+        assert mma._instance(QType.Q4_K, mma.choose_config(QType.Q4_K, m, 1024, 512, 132), mma.token_groups(m)) in names
+    assert mma.uncompiled(jobs, "sm_90") == jobs
+    done = []
+    mma.precompile(jobs, "sm_90", workers=2, progress=done.append)
+    assert sorted(done) == sorted(names)
+    assert mma.uncompiled(jobs, "sm_90") == []
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU
 

@@ -1,8 +1,8 @@
 """`flashtree bench --steps --profile`: where one step's time goes, by kernel family (torch.profiler).
 
 On CUDA it counts the GPU kernels one call launches and their device time; on the CPU the operators and
-their CPU time. The step profiled is the eager forward, whose kernels are those a CUDA-graph replay
-launches (the timed steps still replay the graphs).
+their CPU time. The step profiled is the eager forward, and on CUDA also the graph replay that the timed
+steps run (the eager forward takes a few paths a graph does not, e.g. attention over a float cache).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 
 # first match wins: kernel or operator name pattern -> family
 FAMILIES = (
-    (r"qmm_q4_k|_q4_k", "Q4_K matmul"), (r"qmm_q6_k|_q6_k", "Q6_K matmul"),
+    (r"_q4_k", "Q4_K matmul"), (r"_q6_k", "Q6_K matmul"),  # qmm_/qmv_ (CUDA) and Triton
     (r"_q5_k|_q8_0|_iq4_xs", "other quantized matmul"), (r"dequant", "dequantize"),
     (r"_sum_splits", "split-K sums"), (r"rms_norm", "RMSNorm"),
     (r"gated_delta|recurrent|tree_verify|deltanet|conv_qkv|chunk_", "DeltaNet"),

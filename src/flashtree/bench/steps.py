@@ -204,7 +204,10 @@ def run_steps(args, engine, device_name: str) -> int:
     row("ar step", ar, roofline_s, tok_s=round(1 / ar, 1), GBps=round(report["weights_bytes_per_step"] / ar / 1e9, 1))
     if getattr(args, "profile", False):  # the eager forward: the kernels a graph replay launches, one by one
         report["profile_ar_step"] = profile_call(lambda: model.forward(token, cache), device)
-        print_profile("AR step", report["profile_ar_step"], device)
+        print_profile("AR step (eager)", report["profile_ar_step"], device)
+        if device.type == "cuda":  # the step as timed: CUPTI lists a graph replay's kernels where the driver can
+            report["profile_ar_step_graph"] = profile_call(lambda: engine.runner.step_forward(token, cache), device)
+            print_profile("AR step (graph replay)", report["profile_ar_step_graph"], device)
 
     bonus = prompt[-1]
     draft_logits = proposer.propose(bonus, cache.length)

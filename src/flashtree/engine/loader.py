@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
@@ -23,8 +25,10 @@ from flashtree.errors import FlashtreeError
 from flashtree.formats.chat_template import ChatTemplate
 from flashtree.formats.gguf_file import GGUFFile
 from flashtree.formats.tokenizer import Tokenizer, TokenizerSpec
+from flashtree.kernels.quant_matmul import mma
 from flashtree.models.dflash import DFlashDraft
 from flashtree.models.gguf_config import check_tensor_types, read_config
+from flashtree.models.layers import quant_weights
 from flashtree.models.qwen35 import Qwen35Model
 from flashtree.models.qwen35_config import Qwen35Config
 
@@ -172,6 +176,7 @@ def engine_from_target(target: Target, args: EngineArgs = EngineArgs()):
     given; the mode defaults to ddtree with a draft, else ar. `args.enforce_eager` turns CUDA graphs off."""
     _check_spec_has_draft(args)
     _default_config(args, "ar")
+    compile_tensor_core_kernels(target.model, args.progress)
     draft_model = load_draft(args.draft, target, args.draft_device) if args.draft is not None else None
     mode = args.spec or ("ddtree" if draft_model is not None else "ar")
     prefix_cache = PrefixCache(max_entries=args.prefix_cache_entries, max_bytes=args.prefix_cache_bytes,
@@ -181,6 +186,27 @@ def engine_from_target(target: Target, args: EngineArgs = EngineArgs()):
                   draft_path=Path(args.draft) if draft_model is not None else None,
                   use_cuda_graphs=not args.enforce_eager, prefill_progress=args.prefill_progress,
                   parse_special=args.parse_special, prefix_cache=prefix_cache)
+
+
+def compile_tensor_core_kernels(model, progress: bool = False) -> None:
+    """Compile, at load and in parallel processes, every tensor-core kernel instance the model's
+    fragment-ordered weights can launch (decode, verify, prefill), into the on-disk cache: otherwise
+    NVRTC compiles them one by one, a second each, inside the first requests. A cached instance costs
+    nothing, so a second start compiles none. Says what it compiled (a bar with `progress`)."""
+    weights = [w for w in quant_weights(model) if w.mma_layout]
+    if not weights:
+        return
+    device = weights[0].device
+    arch = mma.arch_of(device)
+    jobs = mma.uncompiled(mma.instances_for({(w.qtype, *w.shape) for w in weights}, mma.sm_count(device)), arch)
+    if not jobs:
+        return
+    bar = tqdm(total=len(jobs), desc="compiling tensor-core kernels (NVRTC)", unit="kernel", disable=not progress)
+    started = time.perf_counter()
+    mma.precompile(jobs, arch, progress=lambda name: bar.update())
+    bar.close()
+    print(f"compiled {len(jobs)} tensor-core kernels for {arch} in {time.perf_counter() - started:.1f} s "
+          f"(cached in {mma.cache_dir()})", file=sys.stderr)
 
 
 def _check_spec_has_draft(args: EngineArgs) -> None:

@@ -121,6 +121,25 @@ def _concatenated(linears: list[Linear | QuantLinear]) -> Linear | QuantLinear:
     return Linear(torch.cat([linear.weight for linear in linears]))
 
 
+def quant_weights(root) -> list[QuantWeight]:
+    """Every QuantWeight reachable from `root` (a model: its layers, projections, head), each once."""
+    found, seen, stack = [], set(), [root]
+    while stack:
+        item = stack.pop()
+        if id(item) in seen or isinstance(item, (torch.Tensor, str, int, float, bool, type(None))):
+            continue
+        seen.add(id(item))
+        if isinstance(item, QuantWeight):
+            found.append(item)
+        elif isinstance(item, (list, tuple, set)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif hasattr(item, "__dict__") and type(item).__module__.startswith("flashtree."):
+            stack.extend(vars(item).values())
+    return found
+
+
 class Projections:
     """Projections of one input (DeltaNet's qkv/z/beta/alpha, attention's q/k/v, the MLP's gate/up),
     returned as a list in the order given. Loaded one matrix each; `fused()` appends neighbours that can

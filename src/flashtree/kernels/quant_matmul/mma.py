@@ -384,7 +384,7 @@ def _check(result, what: str):
     return rest[0] if len(rest) == 1 else rest
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
     return Path(os.environ.get("FLASHTREE_CACHE", Path.home() / ".cache" / "flashtree")) / "mma"
 
 
@@ -406,14 +406,14 @@ def compile_cubin(source: str, arch: str) -> bytes:
     return cubin
 
 
-def _arch(device: torch.device) -> str:
+def arch_of(device: torch.device) -> str:
     major, minor = torch.cuda.get_device_capability(device)
     return f"sm_{major}{minor}"
 
 
 def _cubin_path(name: str, source: str, arch: str) -> Path:
     key = hashlib.sha256(f"{arch}\n{source}".encode()).hexdigest()[:24]
-    return _cache_dir() / f"{name}-{key}.cubin"
+    return cache_dir() / f"{name}-{key}.cubin"
 
 
 def _store(path: Path, cubin: bytes) -> None:
@@ -426,7 +426,7 @@ def _store(path: Path, cubin: bytes) -> None:
 def _load_function(device: torch.device, name: str, wrapper: str):
     driver, _ = _cuda()
     source = _SOURCE.read_text() + wrapper
-    arch = _arch(device)
+    arch = arch_of(device)
     path = _cubin_path(name, source, arch)
     if path.exists():
         cubin = path.read_bytes()
@@ -498,7 +498,7 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: QType, n: int, k: int,
     m = x.shape[0]
     if not 1 <= m <= MAX_M or x.dtype != torch.bfloat16:
         raise FlashtreeError(f"the MMA kernel takes 1..{MAX_M} bf16 rows, got {m} of {x.dtype}")
-    config = config or choose_config(qtype, m, n, k, _sm_count(x.device))
+    config = config or choose_config(qtype, m, n, k, sm_count(x.device))
     tg = token_groups(m)
     if n % (16 * config.rt):
         raise FlashtreeError(f"rt={config.rt} needs N % {16 * config.rt} == 0, N = {n}")
@@ -529,7 +529,7 @@ def dequantize(raw: torch.Tensor, qtype: QType, n: int, k: int, dtype: torch.dty
 
 
 @functools.cache
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -557,11 +557,31 @@ def _compile_to_cache(job: tuple[str, str, str]) -> str:
     return name
 
 
+def instances_for(shapes, sms: int) -> list[tuple[str, str]]:
+    """(name, wrapper) of every launch fragment-ordered weights of these (qtype, n, k) shapes can take: one
+    row (decode), each count of 8-token groups (verify, short chunks; `choose_config` depends on the
+    matrix and the group count only), and the dense bf16 dequantization (prefill)."""
+    jobs = {}
+    for qtype, n, k in shapes:
+        for m in (1, 8, 16, 24, 32):
+            config, tg = choose_config(qtype, m, n, k, sms), token_groups(m)
+            name = _instance(qtype, config, tg)
+            jobs[name] = _wrapper(name, qtype, config, tg)
+        name = _dequant_instance(qtype, _OUT_CODES[torch.bfloat16])
+        jobs[name] = _dequant_wrapper(name, qtype, _OUT_CODES[torch.bfloat16])
+    return list(jobs.items())
+
+
+def uncompiled(jobs: list[tuple[str, str]], arch: str) -> list[tuple[str, str]]:
+    """The jobs whose cubin is not in the on-disk cache yet."""
+    source = _SOURCE.read_text()
+    return [(name, wrapper) for name, wrapper in jobs if not _cubin_path(name, source + wrapper, arch).exists()]
+
+
 def precompile(jobs: list[tuple[str, str]], arch: str, workers: int | None = None, progress=None) -> None:
     """Compile instances into the on-disk cache in parallel processes (NVRTC needs no GPU); `progress`
     is called with each finished name."""
-    todo = [(name, wrapper, arch) for name, wrapper in jobs
-            if not _cubin_path(name, _SOURCE.read_text() + wrapper, arch).exists()]
+    todo = [(name, wrapper, arch) for name, wrapper in uncompiled(jobs, arch)]
     if not todo:
         return
     workers = workers or max(1, min(len(todo), os.cpu_count() or 1))
