@@ -7,7 +7,8 @@ import torch
 
 from flashtree.cli.args import engine_args
 from flashtree.cli.main import build_parser
-from flashtree.engine.adaptive import FIRST_BACKOFF, MAX_BACKOFF, WINDOW, AdaptiveBudget, FixedBudget, budget_ladder
+from flashtree.engine.adaptive import (CALIBRATION, FIRST_BACKOFF, MAX_BACKOFF, WINDOW, AdaptiveBudget, FixedBudget,
+                                      budget_ladder)
 from flashtree.engine.config import EngineArgs, GenerationConfig, StepCost
 from flashtree.engine.cuda_graphs import GraphedForward
 from flashtree.engine.generate import Engine
@@ -71,6 +72,38 @@ def test_a_probe_that_pays_keeps_the_budget_and_resets_the_backoff():
     budgets = budgets_over(policy, [1] * (WINDOW + FIRST_BACKOFF) + [16] * 300)
     assert budgets[WINDOW + FIRST_BACKOFF:] == [22] * 300
     assert policy.backoff == FIRST_BACKOFF
+
+
+def timed_budgets(policy, committed, seconds_at):
+    """As `budgets_over`, each step taking `seconds_at(budget)` on a fake clock."""
+    budgets, now = [], 0.0
+    policy.record(0, now)  # the clock starts (the first record only sets it)
+    policy.recent = []
+    for n in committed:
+        budgets.append(policy.budget)
+        now += seconds_at(policy.budget)
+        policy.record(1 if policy.budget == 0 else min(n, policy.budget + 1), now)
+    return budgets
+
+
+def test_measured_step_times_override_the_prior():
+    """5 tokens a step pays under the prior (3.7 AR steps at budget 22) but not where a tree step takes 10 AR
+    steps' time (a small model on a GPU): the policy times AR steps, then falls back."""
+    slow_trees = timed_budgets(AdaptiveBudget(22, StepCost()), [5] * 40, lambda b: 10.0 if b else 1.0)
+    assert slow_trees[:WINDOW] == [22] * WINDOW and slow_trees[WINDOW:WINDOW + CALIBRATION] == [0] * CALIBRATION
+    after = WINDOW + CALIBRATION
+    assert slow_trees[after:after + FIRST_BACKOFF] == [0] * FIRST_BACKOFF  # AR until the first probe
+    assert slow_trees[after + FIRST_BACKOFF] == 22
+    cheap_trees = timed_budgets(AdaptiveBudget(22, StepCost()), [5] * 40, lambda b: 2.0 if b else 1.0)
+    assert cheap_trees == [22] * WINDOW + [0] * CALIBRATION + [22] * (40 - WINDOW - CALIBRATION)
+
+
+def test_an_engines_requests_share_the_times():
+    shared: dict[int, list[float]] = {}
+    timed_budgets(AdaptiveBudget(22, StepCost(), times=shared), [5] * 20, lambda b: 2.0 if b else 1.0)
+    assert shared[0] and shared[22]
+    later = timed_budgets(AdaptiveBudget(22, StepCost(), times=shared), [5] * 20, lambda b: 2.0 if b else 1.0)
+    assert later == [22] * 20  # no calibration: AR steps are timed already
 
 
 def test_fixed_budget_never_changes():
@@ -162,13 +195,18 @@ def test_after_ar_steps_speculation_returns_with_the_draft_fed_every_position(ta
     assert len(proposer.positions) >= len(prompt) + N_NEW - 16
 
 
-def test_a_good_draft_never_switches(target, reference_outputs):
+def test_a_good_draft_never_switches_once_ar_steps_are_timed(target, reference_outputs):
     prompt, expected = prompts(target.config.vocab_size)[1], reference_outputs[1]
     proposer = ScriptedProposer(prompt + expected, target.config.vocab_size, good_from=0)
-    result = Engine(target, proposer).generate(prompt, GenerationConfig(max_new_tokens=N_NEW, mode="ddtree",
-                                                                        ignore_eos=True))
-    assert result.token_ids == expected
-    assert result.stats.budget_switches == [] and result.stats.ar_fallback_steps == 0
+    engine = Engine(target, proposer)
+    config = GenerationConfig(max_new_tokens=N_NEW, mode="ddtree", ignore_eos=True)
+    first, second = engine.generate(prompt, config), engine.generate(prompt, config)
+    assert first.token_ids == second.token_ids == expected
+    # the engine's first request times CALIBRATION AR steps once, after WINDOW steps, then speculates on
+    [(at, ar), (back, budget)] = first.stats.budget_switches
+    assert ar == 0 and budget == config.budget and first.stats.ar_fallback_steps == CALIBRATION
+    assert second.stats.budget_switches == [] and second.stats.ar_fallback_steps == 0
+    assert set(engine.runner.step_times) == {0, config.budget}
 
 
 def test_adaptive_off_keeps_the_trees(target, reference_outputs):

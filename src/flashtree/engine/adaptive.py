@@ -10,6 +10,13 @@ configured budget it stays for a backoff of steps, then probes the configured bu
 that fails doubles the backoff, so a request on which speculation never pays spends a shrinking share
 of its steps on probes, and one whose text turns predictable gets its trees back.
 
+What a step costs is measured where the loop times its steps: the configured `StepCost` is the prior, and
+once both an AR step and a speculative step have been timed (each shape's first step, which may compile
+or capture a graph, is left out; an engine's requests share the times) the measured ratio scales it.
+When WINDOW steps have been timed and no AR step has, the policy runs CALIBRATION AR steps to time one
+(an engine's first request only), so that a device where a tree step costs far more than the prior
+says (a small model on a GPU) falls back to AR all the same.
+
 Output does not depend on the budget: every step, AR or speculative, commits the target's own tokens.
 """
 
@@ -20,6 +27,8 @@ from flashtree.engine.config import GenerationConfig, StepCost
 WINDOW = 8  # steps at one budget averaged before a decision (the demo pair's acceptance swings from 1 to 16)
 FIRST_BACKOFF = 16  # steps away from the configured budget before the first probe back
 MAX_BACKOFF = 256  # the longest stretch between probes
+CALIBRATION = 3  # AR steps run to time one when none has been (the first is a warm-up, left out)
+TIMED = 8  # the most recent step times kept per budget
 
 
 def budget_ladder(budget: int) -> tuple[int, ...]:
@@ -37,7 +46,7 @@ class FixedBudget:
     def __init__(self, budget: int):
         self.budget = budget
 
-    def record(self, committed: int) -> None:
+    def record(self, committed: int, now: float | None = None) -> None:
         pass
 
 
@@ -45,7 +54,7 @@ class AdaptiveBudget:
     """`budget`: the budget of the next step (0: an AR step); `record(committed)` after each step."""
 
     def __init__(self, budget: int, cost: StepCost, window: int = WINDOW, first_backoff: int = FIRST_BACKOFF,
-                 max_backoff: int = MAX_BACKOFF):
+                 max_backoff: int = MAX_BACKOFF, times: dict[int, list[float]] | None = None):
         self.ladder = budget_ladder(budget)
         self.cost = cost
         self.window = window
@@ -56,9 +65,26 @@ class AdaptiveBudget:
         self.steps_away = 0  # steps since the configured budget was left
         self.probing = False  # back at the configured budget after a backoff, not yet shown to pay
         self.recent: list[int] = []  # tokens committed by the steps at `budget` since the last decision
+        # seconds of recent steps per budget (0: AR), warm-ups left out; an engine's requests share them
+        self.times: dict[int, list[float]] = {} if times is None else times
+        self.calibrating = 0  # AR steps left to run for timing before going back to `resume`
+        self.resume = budget
+        self.last: float | None = None  # the clock at the previous record
 
-    def record(self, committed: int) -> None:
-        """After a step at `self.budget`: the tokens it committed (an AR step: 1)."""
+    def record(self, committed: int, now: float | None = None) -> None:
+        """After a step at `self.budget`: the tokens it committed (an AR step: 1) and, where the loop times
+        its steps, the clock (`time.perf_counter()`): a step's time runs from the previous record to this
+        one, so that it holds all of the step's work (its commit, output, and the device's queue)."""
+        if now is not None:
+            if self.last is not None:
+                self._time(self.budget, now - self.last)
+            self.last = now
+        if self.calibrating:
+            self.calibrating -= 1
+            if not self.calibrating:
+                self.budget = self.resume
+                self._decide()
+            return
         if self.budget != self.ladder[0]:
             self.steps_away += 1
             if self.steps_away >= self.backoff:
@@ -69,6 +95,13 @@ class AdaptiveBudget:
         self.recent.append(committed)
         if len(self.recent) < self.window:
             return
+        if self.times and 0 not in self.times:  # steps are timed, but no AR step yet: time some first
+            self.calibrating, self.resume, self.budget = CALIBRATION, self.budget, 0
+            return
+        self._decide()
+
+    def _decide(self) -> None:
+        """The recent steps at `budget` paid (keep it) or not (leave it)."""
         if self.rate(self.budget) >= 1:
             if self.budget == self.ladder[0]:  # the configured budget pays again: the next failure is a fresh one
                 self.probing, self.backoff = False, self.first_backoff
@@ -81,7 +114,26 @@ class AdaptiveBudget:
         if budget == 0:
             return 1.0
         committed = sum(min(n, budget + 1) for n in self.recent) / len(self.recent)
-        return committed / self.cost.of(budget)
+        return committed / self.cost_of(budget)
+
+    def cost_of(self, budget: int) -> float:
+        """A step of `budget` in AR steps: the prior, scaled by what the timed steps measured."""
+        ar = self._mean(0)
+        measured = [(b, self._mean(b) / ar) for b in self.times if b and ar and self._mean(b)]
+        if not measured:
+            return self.cost.of(budget)
+        scale = sum(ratio / self.cost.of(b) for b, ratio in measured) / len(measured)
+        return self.cost.of(budget) * scale
+
+    def _time(self, budget: int, seconds: float) -> None:
+        if budget not in self.times:  # a shape's first step may compile or capture a graph: not timed
+            self.times[budget] = []
+            return
+        self.times[budget] = (self.times[budget] + [seconds])[-TIMED:]
+
+    def _mean(self, budget: int) -> float | None:
+        times = self.times.get(budget)
+        return sum(times) / len(times) if times else None
 
     def _leave(self) -> None:
         """The current budget does not pay: the smaller rung that would have paid best, else AR steps."""
@@ -97,8 +149,9 @@ class AdaptiveBudget:
         self.budget, self.probing, self.recent = self.ladder[0], True, []
 
 
-def budget_policy(config: GenerationConfig) -> AdaptiveBudget | FixedBudget:
-    """The policy of a speculative request: adaptive unless `config.adaptive` is off."""
+def budget_policy(config: GenerationConfig, times: dict[int, list[float]] | None = None) -> AdaptiveBudget | FixedBudget:
+    """The policy of a speculative request: adaptive unless `config.adaptive` is off; `times` are the step
+    times the engine's earlier requests measured (so only its first request times AR steps on purpose)."""
     if config.adaptive:
-        return AdaptiveBudget(config.budget, config.step_cost)
+        return AdaptiveBudget(config.budget, config.step_cost, times=times)
     return FixedBudget(config.budget)

@@ -63,7 +63,7 @@ def speculative(engine: ModelRunner, prompt_ids: list[int], config: GenerationCo
     cache = engine.new_cache(len(prompt_ids), config)
     logits = engine.prefill_prompt(cache, prompt_ids, config, proposer, stats)[None]
     stats.prefill_s = time.perf_counter() - started
-    policy = budget_policy(config)
+    policy = budget_policy(config, engine.step_times)
     bonus = sampler.choose(sampler.distribution(logits)[0])
     [bonus_logprob] = logprobs_of(logits, [bonus], config.logprobs)
     current = config.budget
@@ -75,7 +75,7 @@ def speculative(engine: ModelRunner, prompt_ids: list[int], config: GenerationCo
             current = budget
         if budget == 0:
             bonus, bonus_logprob = ar_step(engine, cache, proposer, sampler, bonus, config, stats)
-            policy.record(1)
+            policy.record(1, time.perf_counter())
             continue
         step = tree_step(engine, cache, proposer, sampler, bonus, budget, config, out, stats, policy)
         if step is None:  # an end-of-generation or stop inside the accepted path
@@ -112,7 +112,7 @@ def tree_step(engine: ModelRunner, cache, proposer: Proposer, sampler, bonus: in
     stats.steps += 1
     stats.accepted[len(accepted)] += 1
     stats.proposed += len(tree) - 1
-    policy.record(len(accepted))
+    policy.record(len(accepted), time.perf_counter())
     tokens = tree.tokens[accepted[1:]].tolist()
     # each accepted token, then the bonus, was chosen from its parent node's row: the path's rows in order
     rows = result.logits[accepted] if config.logprobs is not None else None  # no gather unless asked for

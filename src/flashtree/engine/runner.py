@@ -51,6 +51,8 @@ class ModelRunner:
         self.use_cuda_graphs = use_cuda_graphs  # decode and verify steps replay CUDA graphs (single-device CUDA targets)
         self._graphs = None  # the GraphedForward, made on first use
         self._kept_cache = None  # (options, cache): reused across requests so captured graphs stay valid
+        self.step_times: dict[int, list[float]] = {}  # seconds of recent decode steps per tree budget (0: AR),
+        # measured by the adaptive policy (engine/adaptive.py) and kept across requests
         self.prefill_progress = prefill_progress  # a progress bar (stderr) for prompts of PROGRESS_MIN_TOKENS and more
 
     @property
