@@ -116,7 +116,7 @@ def test_greedy_with_penalties_is_lossless(target, greedy_continuation, mode):
     ar = Engine(target).generate(PROMPT, GenerationConfig(max_new_tokens=60, ignore_eos=True, sampling=params)).token_ids
     assert ar != Engine(target).generate(PROMPT, GenerationConfig(max_new_tokens=60, ignore_eos=True)).token_ids
     oracle = OracleProposer(PROMPT + ar, target.config.vocab_size, seed=3)
-    config = GenerationConfig(max_new_tokens=60, mode=mode, ignore_eos=True, sampling=params)
+    config = GenerationConfig(max_new_tokens=60, mode=mode, ignore_eos=True, sampling=params, adaptive=False)
     result = Engine(target, oracle).generate(PROMPT, config)
     assert result.token_ids == ar and result.stats.acceptance_length > 1.5
 

@@ -104,7 +104,7 @@ def test_draft_on_its_own_device_prefetches_the_next_block(gguf, single, expecte
     real_block, real_prefetch = DFlashProposer._block_hidden, DFlashProposer.prefetch
     monkeypatch.setattr(DFlashProposer, "_block_hidden", lambda self, *a: passes.append(a) or real_block(self, *a))
     monkeypatch.setattr(DFlashProposer, "prefetch", lambda self, *a: prefetches.append(a) or real_prefetch(self, *a))
-    config = engine.config_for(max_new_tokens=N_NEW, ignore_eos=True)
+    config = engine.config_for(max_new_tokens=N_NEW, ignore_eos=True, adaptive=False)  # a tree every step
     for prompt, want in zip(PROMPTS, expected):
         passes.clear(), prefetches.clear()
         result = engine.generate(prompt, config)

@@ -205,9 +205,6 @@ def run_steps(args, engine, device_name: str) -> int:
     if getattr(args, "profile", False):  # the eager forward: the kernels a graph replay launches, one by one
         report["profile_ar_step"] = profile_call(lambda: model.forward(token, cache), device)
         print_profile("AR step (eager)", report["profile_ar_step"], device)
-        if device.type == "cuda":  # the step as timed: CUPTI lists a graph replay's kernels where the driver can
-            report["profile_ar_step_graph"] = profile_call(lambda: engine.runner.step_forward(token, cache), device)
-            print_profile("AR step (graph replay)", report["profile_ar_step_graph"], device)
 
     bonus = prompt[-1]
     draft_logits = proposer.propose(bonus, cache.length)
@@ -254,6 +251,11 @@ def run_steps(args, engine, device_name: str) -> int:
     if args.replay_al > 0:  # 0 skips it (each of its three generations prefills the context again)
         report["replay"] = _replay(engine, draft, prompt, args, config)
         mark("replay")
+    if getattr(args, "profile", False) and device.type == "cuda":
+        # the AR step as timed: CUPTI lists a graph replay's kernels one by one; last, since the graph steps
+        # timed after such a profile ran up to 2x slower on the H200 (2026-12-01)
+        report["profile_ar_step_graph"] = profile_call(lambda: engine.runner.step_forward(token, cache), device)
+        print_profile("AR step (graph replay)", report["profile_ar_step_graph"], device)
     if device.type == "cuda":
         report.update(cuda_memory_report())
     report["rows"] = rows

@@ -22,6 +22,8 @@ Output does not depend on the budget: every step, AR or speculative, commits the
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from flashtree.engine.config import GenerationConfig, StepCost
 
 WINDOW = 8  # steps at one budget averaged before a decision (the demo pair's acceptance swings from 1 to 16)
@@ -29,6 +31,17 @@ FIRST_BACKOFF = 16  # steps away from the configured budget before the first pro
 MAX_BACKOFF = 256  # the longest stretch between probes
 CALIBRATION = 3  # AR steps run to time one when none has been (the first is a warm-up, left out)
 TIMED = 8  # the most recent step times kept per budget
+
+
+@dataclass
+class SpeculationHistory:
+    """What an engine's requests learn and hand on (ModelRunner.speculation): step times per budget (0: AR)
+    and where the last request's policy left off, so that the next request of the same workload starts
+    there instead of re-learning it (a small model on a GPU starts in AR steps, probing as before)."""
+
+    times: dict[int, list[float]] = field(default_factory=dict)
+    budget: int | None = None  # the last request's budget at its end
+    backoff: int | None = None  # and its probe backoff
 
 
 def budget_ladder(budget: int) -> tuple[int, ...]:
@@ -54,19 +67,21 @@ class AdaptiveBudget:
     """`budget`: the budget of the next step (0: an AR step); `record(committed)` after each step."""
 
     def __init__(self, budget: int, cost: StepCost, window: int = WINDOW, first_backoff: int = FIRST_BACKOFF,
-                 max_backoff: int = MAX_BACKOFF, times: dict[int, list[float]] | None = None):
+                 max_backoff: int = MAX_BACKOFF, history: SpeculationHistory | None = None):
         self.ladder = budget_ladder(budget)
         self.cost = cost
         self.window = window
         self.first_backoff = first_backoff
         self.max_backoff = max_backoff
-        self.budget = budget
-        self.backoff = first_backoff  # steps away from the configured budget before the next probe
+        self.history = history or SpeculationHistory()
+        resumable = self.history.budget is not None and self.history.budget in (*self.ladder, 0)
+        self.budget = self.history.budget if resumable else budget
+        # steps away from the configured budget before the next probe
+        self.backoff = self.history.backoff if resumable else first_backoff
         self.steps_away = 0  # steps since the configured budget was left
         self.probing = False  # back at the configured budget after a backoff, not yet shown to pay
         self.recent: list[int] = []  # tokens committed by the steps at `budget` since the last decision
-        # seconds of recent steps per budget (0: AR), warm-ups left out; an engine's requests share them
-        self.times: dict[int, list[float]] = {} if times is None else times
+        self.times = self.history.times  # seconds of recent steps per budget (0: AR), warm-ups left out
         self.calibrating = 0  # AR steps left to run for timing before going back to `resume`
         self.resume = budget
         self.last: float | None = None  # the clock at the previous record
@@ -75,6 +90,11 @@ class AdaptiveBudget:
         """After a step at `self.budget`: the tokens it committed (an AR step: 1) and, where the loop times
         its steps, the clock (`time.perf_counter()`): a step's time runs from the previous record to this
         one, so that it holds all of the step's work (its commit, output, and the device's queue)."""
+        self._record(committed, now)
+        if not self.calibrating:  # a calibration is the engine's business once, not the next request's start
+            self.history.budget, self.history.backoff = self.budget, self.backoff
+
+    def _record(self, committed: int, now: float | None) -> None:
         if now is not None:
             if self.last is not None:
                 self._time(self.budget, now - self.last)
@@ -149,9 +169,9 @@ class AdaptiveBudget:
         self.budget, self.probing, self.recent = self.ladder[0], True, []
 
 
-def budget_policy(config: GenerationConfig, times: dict[int, list[float]] | None = None) -> AdaptiveBudget | FixedBudget:
-    """The policy of a speculative request: adaptive unless `config.adaptive` is off; `times` are the step
-    times the engine's earlier requests measured (so only its first request times AR steps on purpose)."""
+def budget_policy(config: GenerationConfig, history: SpeculationHistory | None = None) -> AdaptiveBudget | FixedBudget:
+    """The policy of a speculative request: adaptive unless `config.adaptive` is off, starting from what the
+    engine's earlier requests at the same budget learnt (`history`)."""
     if config.adaptive:
-        return AdaptiveBudget(config.budget, config.step_cost, times=times)
+        return AdaptiveBudget(config.budget, config.step_cost, history=history)
     return FixedBudget(config.budget)

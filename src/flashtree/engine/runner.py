@@ -12,6 +12,7 @@ import torch
 from tqdm import tqdm
 
 from flashtree.drafting.proposer import Proposer
+from flashtree.engine.adaptive import SpeculationHistory
 from flashtree.engine.config import GenerationConfig, GenerationStats, cache_rows, prefill_chunk_ends
 from flashtree.engine.cuda_graphs import GraphedForward
 from flashtree.engine.output import TokenLogprob, token_logprobs
@@ -51,8 +52,7 @@ class ModelRunner:
         self.use_cuda_graphs = use_cuda_graphs  # decode and verify steps replay CUDA graphs (single-device CUDA targets)
         self._graphs = None  # the GraphedForward, made on first use
         self._kept_cache = None  # (options, cache): reused across requests so captured graphs stay valid
-        self.step_times: dict[int, list[float]] = {}  # seconds of recent decode steps per tree budget (0: AR),
-        # measured by the adaptive policy (engine/adaptive.py) and kept across requests
+        self.speculation = SpeculationHistory()  # step times and policy state the adaptive budget hands on
         self.prefill_progress = prefill_progress  # a progress bar (stderr) for prompts of PROGRESS_MIN_TOKENS and more
 
     @property
