@@ -58,7 +58,8 @@ def test_replay_through_the_static_graph_ready_path():
     static_commits, commit_static = [], inner.commit_static
     inner.commit_static = lambda *args: (static_commits.append(args), commit_static(*args))
     engine.draft = ReplayProposer(inner, prompt + reference, 4.0)
-    result = engine.generate(prompt, GenerationConfig(max_new_tokens=60, mode="ddtree", ignore_eos=True))
+    result = engine.generate(prompt, GenerationConfig(max_new_tokens=60, mode="ddtree", ignore_eos=True,
+                                                      adaptive=False))  # a tree every step
     assert result.token_ids == reference
     assert abs(result.stats.acceptance_length - 4.0) < 0.35
     assert len(static_commits) == result.stats.steps - 1  # every step but the last committed the static way
