@@ -5,7 +5,7 @@ import torch
 
 from flashtree.cli.main import main
 from flashtree.engine.memory_check import check_memory, check_rank_memory
-from flashtree.engine.planner import PlanRequest, plan, refusal, target_from_preset
+from flashtree.engine.planner import PREFIX_CACHE_LINE, PlanRequest, per_device, plan, refusal, target_from_preset
 from flashtree.errors import FlashtreeError
 from flashtree.models.synthetic import tiny_config
 
@@ -52,3 +52,17 @@ def test_tensor_parallel_rank_checks_its_share(make_gguf):
         check_rank_memory(path, device=torch.device("cuda:1"), gpu_memory="1KiB", **args)
     check_rank_memory(path, device=torch.device("cuda:1"), gpu_memory="1GiB", **args)
     check_rank_memory(path, device=torch.device("cpu"), gpu_memory="1KiB", **args)  # CPU ranks: not budgeted
+
+
+def test_the_prefix_cache_device_budget_is_checked_and_split_with_the_deltanet_layers(make_gguf):
+    path = make_gguf("memcheck", config=tiny_config(num_layers=4, gdn_v_heads=4))
+    args = dict(draft=None, split=None, draft_device=None, ctx=1024, budget=22, cache_type_k=None, cache_type_v=None,
+                gpu_memory="1GiB")
+    check_memory(path, target_devices=[torch.device("cuda:0")], **args)
+    with pytest.raises(FlashtreeError, match="cuda:0 needs"):  # 2 GiB of snapshots do not fit a 1 GiB card
+        check_memory(path, target_devices=[torch.device("cuda:0")], prefix_cache_device_bytes=2 * GIB, **args)
+    config, weights, embed, dense, draft, layers = target_from_preset("qwen3.6-27b")
+    result = plan(PlanRequest(config, weights, embed, draft, 4096, "bf16", "bf16", dense_params=dense,
+                              layer_bytes=layers, prefix_cache_device_bytes=4 * GIB))
+    shares = [device[PREFIX_CACHE_LINE] for device in per_device(result, [32, 32])]
+    assert shares[0] == shares[1] and 0 <= 4 * GIB - sum(shares) < 48  # 24 DeltaNet layers on each half (whole bytes)

@@ -68,8 +68,8 @@ def add_memory_args(parser: argparse.ArgumentParser, gpu_memory_help: str) -> No
     parser.add_argument("--gpu-memory", type=memory_size, default=None, metavar="SIZE", help=gpu_memory_help)
     parser.add_argument("--cuda-overhead", type=memory_bytes, default=DEFAULT_CUDA_OVERHEAD, metavar="SIZE",
                         help="memory per GPU outside PyTorch's allocator: CUDA context, cuBLAS workspaces, Triton and "
-                             f"NVRTC modules (default {DEFAULT_CUDA_OVERHEAD / 2**30:g}GiB, the top of the range "
-                             "issue #20 states; `bench --steps` measures it as outside_allocator)")
+                             f"NVRTC modules (default {DEFAULT_CUDA_OVERHEAD / 2**30:g}GiB, as measured for the 27B shape "
+                             "on an H200; `bench --steps` measures it as outside_allocator)")
 
 
 def step_cost(text: str) -> StepCost:

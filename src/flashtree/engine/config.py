@@ -28,8 +28,9 @@ DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per prefill forward
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 # What a CUDA process holds on each GPU outside PyTorch's allocator: the CUDA context, cuBLAS workspaces,
 # Triton and NVRTC modules. The planner counts it per GPU and `--gpu-memory` caps the allocator at the cap
-# less this. A placeholder: the top of issue #20's stated range (0.4-0.8 GiB), until the H200 figure
-# (`outside_allocator` of `flashtree bench --steps`, engine/process_memory.py) replaces it.
+# less this. Measured at the 27B shape on an H200 (`outside_allocator` of `flashtree bench --steps`,
+# 2026-12-01): 0.68-0.77 GiB once kernels are compiled and tuned; a fresh machine's first process held
+# 3.2-3.3 GiB after fla's first autotuning (docs/PERFORMANCE.md), which this does not cover.
 DEFAULT_CUDA_OVERHEAD = int(0.8 * 2**30)
 # What one speculative step costs in autoregressive steps (engine/adaptive.py): 1 for the verify's first node,
 # plus the draft pass, commit and host work, plus each further tree node. Measured at the 27B shape on an H200

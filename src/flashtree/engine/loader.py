@@ -152,7 +152,7 @@ def _check_rank_memory(args: EngineArgs) -> None:
         return
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     check_rank_memory(args.model, args.draft, device, args.tensor_parallel, args.ctx, args.gpu_memory, args.budget,
-                      args.cache_type_k, args.cache_type_v, args.cuda_overhead)
+                      args.cache_type_k, args.cache_type_v, args.cuda_overhead, _prefix_cache_device_bytes(args))
     cap_process_memory([device], args.gpu_memory, args.cuda_overhead)
 
 
@@ -166,9 +166,14 @@ def _check_memory(args: EngineArgs) -> None:
         split = [1.0] * len(stages)
     draft_device = resolve_device(args.draft_device) if args.draft_device else None
     check_memory(args.model, args.draft, stages, split, draft_device, args.ctx, args.gpu_memory, args.budget,
-                 args.cache_type_k, args.cache_type_v, args.cuda_overhead)
+                 args.cache_type_k, args.cache_type_v, args.cuda_overhead, _prefix_cache_device_bytes(args))
     cap_process_memory([*stages, *([draft_device] if draft_device is not None else [])], args.gpu_memory,
                        args.cuda_overhead)
+
+
+def _prefix_cache_device_bytes(args: EngineArgs) -> int:
+    """The GPU memory a prefix cache may fill with snapshots (none without the cache)."""
+    return args.prefix_cache_device_bytes if args.prefix_cache else 0
 
 
 def engine_from_target(target: Target, args: EngineArgs = EngineArgs()):

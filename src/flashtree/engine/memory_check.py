@@ -26,11 +26,12 @@ DEFAULT_CTX = 4096
 
 def check_rank_memory(model: str | Path, draft: str | Path | None, device: torch.device, world: int,
                       ctx: int | None, gpu_memory: str | None, budget: int, cache_type_k: str | None,
-                      cache_type_v: str | None, cuda_overhead: int = DEFAULT_CUDA_OVERHEAD) -> None:
+                      cache_type_v: str | None, cuda_overhead: int = DEFAULT_CUDA_OVERHEAD,
+                      prefix_cache_device_bytes: int = 0) -> None:
     """Raise FlashtreeError when one rank's share of `world`-way tensor parallel does not fit `device`."""
     if device.type != "cuda":
         return
-    req = _request(model, draft, ctx, budget, cache_type_k, cache_type_v, cuda_overhead)
+    req = _request(model, draft, ctx, budget, cache_type_k, cache_type_v, cuda_overhead, prefix_cache_device_bytes)
     need = sum(per_rank(plan(req), world).values())
     (free,), source = _available([device], gpu_memory)
     if need > free:
@@ -39,28 +40,29 @@ def check_rank_memory(model: str | Path, draft: str | Path | None, device: torch
                              f"smaller --ctx or -ctk/-ctv q8_0, q4_0 or tq3_0 (`flashtree plan ... -tp {world}`)")
 
 
-def _request(model, draft, ctx, budget, cache_type_k, cache_type_v, cuda_overhead) -> PlanRequest:
+def _request(model, draft, ctx, budget, cache_type_k, cache_type_v, cuda_overhead,
+             prefix_cache_device_bytes: int) -> PlanRequest:
     config, weights, embed, dense, layers = target_from_gguf(model)
     shape = DraftShape.from_dir(draft) if draft is not None else None
     return PlanRequest(config, weights, embed, shape, ctx or min(DEFAULT_CTX, config.context_length),
                        cache_type_k or "bf16", cache_type_v or "bf16", budget, dense_params=dense, layer_bytes=layers,
-                       cuda_overhead=cuda_overhead)
+                       cuda_overhead=cuda_overhead, prefix_cache_device_bytes=prefix_cache_device_bytes)
 
 
 def check_memory(model: str | Path, draft: str | Path | None, target_devices: list[torch.device],
                  split: list[float] | None, draft_device: torch.device | None, ctx: int | None,
                  gpu_memory: str | None, budget: int, cache_type_k: str | None, cache_type_v: str | None,
-                 cuda_overhead: int = DEFAULT_CUDA_OVERHEAD) -> None:
+                 cuda_overhead: int = DEFAULT_CUDA_OVERHEAD, prefix_cache_device_bytes: int = 0) -> None:
     """Raise FlashtreeError when the plan of `model` (+ `draft`) over `target_devices` (its layers split
     by `split`, counts or proportions as `--layer-split` takes them, or all on the one device) with the
-    draft on `draft_device` does not fit."""
+    draft on `draft_device` (and a prefix cache's device budget, if it is on) does not fit."""
     devices = list(target_devices)
     draft_dev = draft_device if draft_device is not None else devices[0]
     if draft is not None and draft_dev not in devices:
         devices.append(draft_dev)
     if not any(d.type == "cuda" for d in devices):
         return
-    req = _request(model, draft, ctx, budget, cache_type_k, cache_type_v, cuda_overhead)
+    req = _request(model, draft, ctx, budget, cache_type_k, cache_type_v, cuda_overhead, prefix_cache_device_bytes)
     config, context = req.config, req.ctx
     available, source = _available(devices, gpu_memory)
     counts = layer_counts(config.num_layers, split) if split is not None else [config.num_layers]

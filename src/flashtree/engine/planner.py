@@ -51,6 +51,7 @@ from flashtree.models.synthetic import tensor_shapes
 DENSE_THRESHOLD = min(DENSE_MIN_M, MMA_DENSE_MIN_M)
 
 GIB = 1024**3
+PREFIX_CACHE_LINE = "prefix cache snapshots"
 MIB = 1024**2
 DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
 CUDA_OVERHEAD_LINE = "CUDA context + libraries"  # every GPU holds its own (per_device, per_rank)
@@ -180,7 +181,7 @@ def plan(req: PlanRequest) -> MemoryPlan:
              f"{chunk} tokens (one prefill chunk) x {d.feature_size} features, streamed into the ring"))
     add(("activations (estimate)", _activations(req, rows, b), _activation_note(req)))
     if req.prefix_cache_device_bytes:
-        add(("prefix cache snapshots", req.prefix_cache_device_bytes,
+        add((PREFIX_CACHE_LINE, req.prefix_cache_device_bytes,
              "device budget of the prefix cache (least recently used snapshots past it go to host RAM)"))
     add((CUDA_OVERHEAD_LINE, req.cuda_overhead, "outside PyTorch's allocator: CUDA context, cuBLAS workspaces, "
          "Triton/NVRTC modules (--cuda-overhead)"))
@@ -249,7 +250,7 @@ def per_device(result: MemoryPlan, counts: Sequence[int], draft_device: int = 0)
     for i, nbytes in enumerate(req.layer_bytes):
         devices[stage[i]]["target weights"] += nbytes
     devices[last]["target weights"] += req.weight_bytes - weights - sum(req.layer_bytes)  # output norm and head
-    for name in ("KV cache", "DeltaNet state", "tree buffers"):
+    for name in ("KV cache", "DeltaNet state", "tree buffers", PREFIX_CACHE_LINE):  # snapshots: DeltaNet states
         if name in devices[0]:
             owners = [stage[i] for i in (c.attention_layers if name == "KV cache" else c.deltanet_layers)]
             for owner in owners:
