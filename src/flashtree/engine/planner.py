@@ -41,14 +41,12 @@ from flashtree.formats.gguf_file import GGUFFile
 from flashtree.formats.quant_mix import quant_types
 from flashtree.formats.quants import bytes_for
 from flashtree.kernels.kv_quant import kv_type
-from flashtree.kernels.quant_matmul import DENSE_MIN_M, MMA_DENSE_MIN_M
+from flashtree.kernels.quant_matmul import DENSE_MIN_M
 from flashtree.models.dflash import DFlashDraft, DraftConfig
 from flashtree.models.gguf_config import read_config
 from flashtree.models.qwen35_config import Qwen35Config
 from flashtree.models.synthetic import tensor_shapes
 
-# the fewest prefill rows that dequantize a weight into a temporary, on either kernel path
-DENSE_THRESHOLD = min(DENSE_MIN_M, MMA_DENSE_MIN_M)
 
 GIB = 1024**3
 PREFIX_CACHE_LINE = "prefix cache snapshots"
@@ -205,15 +203,15 @@ def _activation_parts(req: PlanRequest, rows: int, b: int) -> dict[str, int]:
     for t in (tk, tv):
         if t.name != req.dtype:  # a cache side stored in another type is dequantized per layer
             dequant += c.num_kv_heads * rows * c.head_dim * b
-    # prefill chunks of >= DENSE_THRESHOLD tokens multiply by one dequantized weight at a time (the FFN's largest)
-    dense_weight = c.intermediate_size * c.hidden_size * b if m >= DENSE_THRESHOLD else 0
+    # prefill chunks of >= DENSE_MIN_M tokens multiply by one dequantized weight at a time (the FFN's largest)
+    dense_weight = c.intermediate_size * c.hidden_size * b if m >= DENSE_MIN_M else 0
     return {"forward": m * per_token, "logits": logit_rows * c.vocab_size * (4 + b), "dequant": dequant,
             "dense": dense_weight}
 
 
 def _activation_note(req: PlanRequest) -> str:
     m = max(min(req.prefill_chunk, req.ctx), req.budget + 1)
-    dense = ", one FFN weight dequantized" if m >= DENSE_THRESHOLD else ""
+    dense = ", one FFN weight dequantized" if m >= DENSE_MIN_M else ""
     return f"forward of {m} tokens + verify logits + one layer's K/V dequantized to {req.dtype}{dense}"
 
 

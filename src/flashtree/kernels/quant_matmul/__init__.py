@@ -92,9 +92,6 @@ def _supported_names() -> str:
 # prefill chunks of fragment-ordered weights go through a dense temporary up to this size; a bigger
 # weight (the 248K-row LM head) is multiplied 32 rows at a time instead
 DENSE_MAX_BYTES = 512 << 20
-# ... from this many rows: the CUDA dequantization writes the temporary at ~3.2 TB/s (H200, 2026-12-01,
-# scripts/sweep_mma_variants.py), so it and cuBLAS beat two or more 32-row tensor-core launches
-MMA_DENSE_MIN_M = 64
 
 
 def uses_mma_layout(qtype: QType, shape: tuple[int, int], device: torch.device) -> bool:
@@ -232,7 +229,7 @@ def _mma_matmul(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
     m = x.shape[0]
     if x.dtype == torch.bfloat16 and m <= mma.MAX_M:
         return mma.matmul(x, weight.raw, weight.qtype, n, k)
-    if x.dtype == torch.bfloat16 and (m < MMA_DENSE_MIN_M or n * k * 2 > DENSE_MAX_BYTES):
+    if x.dtype == torch.bfloat16 and (m < DENSE_MIN_M or n * k * 2 > DENSE_MAX_BYTES):
         return torch.cat([mma.matmul(part, weight.raw, weight.qtype, n, k) for part in x.split(mma.MAX_M)])
     return x @ weight.dequantize(x.dtype).T
 
