@@ -237,3 +237,13 @@ def test_ar_steps_through_the_static_graph_ready_path_feed_the_static_draft(targ
     assert proposer.steps is not None  # the static draft path
     _, cache = engine.runner._kept_cache
     assert proposer.cache.count == cache.length >= len(prompt) + N_NEW - 16  # the draft has every committed position
+
+
+def test_tensor_parallel_ranks_decide_without_clocks(monkeypatch):
+    """Ranks run the loop in lock step: a timed policy could send them down different steps (a hang), so
+    under torch.distributed the steps are not timed and every rank weighs the same acceptance."""
+    import flashtree.engine.adaptive as adaptive
+
+    assert adaptive.step_clock() is not None
+    monkeypatch.setattr(adaptive.dist, "is_initialized", lambda: True)
+    assert adaptive.step_clock() is None

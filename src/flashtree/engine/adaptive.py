@@ -22,7 +22,11 @@ Output does not depend on the budget: every step, AR or speculative, commits the
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from typing import Callable
+
+import torch.distributed as dist
 
 from flashtree.engine.config import GenerationConfig, StepCost
 
@@ -167,6 +171,13 @@ class AdaptiveBudget:
 
     def _probe(self) -> None:
         self.budget, self.probing, self.recent = self.ladder[0], True, []
+
+
+def step_clock() -> Callable[[], float] | None:
+    """What the loop times its steps with: none under torch.distributed (tensor parallel), whose ranks run
+    the same loop in lock step and must take the same budget at every step; the tokens a step accepts are
+    the same on every rank, its time is not, so there the policy weighs acceptance against the prior."""
+    return None if dist.is_available() and dist.is_initialized() else time.perf_counter
 
 
 def budget_policy(config: GenerationConfig, history: SpeculationHistory | None = None) -> AdaptiveBudget | FixedBudget:

@@ -26,7 +26,7 @@ import torch
 
 from flashtree.drafting.ddtree import DraftTree, build_chain, build_tree, follow, topk_table
 from flashtree.drafting.proposer import DFlashProposer, Proposer
-from flashtree.engine.adaptive import AdaptiveBudget, FixedBudget, budget_policy
+from flashtree.engine.adaptive import AdaptiveBudget, FixedBudget, budget_policy, step_clock
 from flashtree.engine.config import GenerationConfig, GenerationStats
 from flashtree.engine.output import OutputTracker, TokenLogprob, logprobs_of
 from flashtree.engine.runner import ModelRunner
@@ -63,7 +63,7 @@ def speculative(engine: ModelRunner, prompt_ids: list[int], config: GenerationCo
     cache = engine.new_cache(len(prompt_ids), config)
     logits = engine.prefill_prompt(cache, prompt_ids, config, proposer, stats)[None]
     stats.prefill_s = time.perf_counter() - started
-    policy = budget_policy(config, engine.speculation)
+    policy, clock = budget_policy(config, engine.speculation), step_clock()
     bonus = sampler.choose(sampler.distribution(logits)[0])
     [bonus_logprob] = logprobs_of(logits, [bonus], config.logprobs)
     current = config.budget
@@ -75,9 +75,9 @@ def speculative(engine: ModelRunner, prompt_ids: list[int], config: GenerationCo
             current = budget
         if budget == 0:
             bonus, bonus_logprob = ar_step(engine, cache, proposer, sampler, bonus, config, stats)
-            policy.record(1, time.perf_counter())
+            policy.record(1, clock() if clock else None)
             continue
-        step = tree_step(engine, cache, proposer, sampler, bonus, budget, config, out, stats, policy)
+        step = tree_step(engine, cache, proposer, sampler, bonus, budget, config, out, stats, policy, clock)
         if step is None:  # an end-of-generation or stop inside the accepted path
             return
         bonus, bonus_logprob = step
@@ -99,7 +99,7 @@ def ar_step(engine: ModelRunner, cache, proposer: Proposer, sampler, token: int,
 
 def tree_step(engine: ModelRunner, cache, proposer: Proposer, sampler, bonus: int, budget: int,
               config: GenerationConfig, out: OutputTracker, stats: GenerationStats,
-              policy: AdaptiveBudget | FixedBudget) -> tuple[int, TokenLogprob | None] | None:
+              policy: AdaptiveBudget | FixedBudget, clock=None) -> tuple[int, TokenLogprob | None] | None:
     """Draft a tree of `budget` nodes below `bonus`, verify it, emit the accepted tokens and commit them;
     returns the next bonus token and its entry, or None when the output ended inside the accepted path."""
     t0 = time.perf_counter()
@@ -112,7 +112,7 @@ def tree_step(engine: ModelRunner, cache, proposer: Proposer, sampler, bonus: in
     stats.steps += 1
     stats.accepted[len(accepted)] += 1
     stats.proposed += len(tree) - 1
-    policy.record(len(accepted), time.perf_counter())
+    policy.record(len(accepted), clock() if clock else None)
     tokens = tree.tokens[accepted[1:]].tolist()
     # each accepted token, then the bonus, was chosen from its parent node's row: the path's rows in order
     rows = result.logits[accepted] if config.logprobs is not None else None  # no gather unless asked for
