@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+import flashtree.engine.adaptive as adaptive
 from flashtree.cli.args import engine_args
 from flashtree.cli.main import build_parser
 from flashtree.engine.adaptive import (CALIBRATION, FIRST_BACKOFF, MAX_BACKOFF, WINDOW, AdaptiveBudget, FixedBudget,
@@ -242,8 +243,6 @@ def test_ar_steps_through_the_static_graph_ready_path_feed_the_static_draft(targ
 def test_tensor_parallel_ranks_decide_without_clocks(monkeypatch):
     """Ranks run the loop in lock step: a timed policy could send them down different steps (a hang), so
     under torch.distributed the steps are not timed and every rank weighs the same acceptance."""
-    import flashtree.engine.adaptive as adaptive
-
     assert adaptive.step_clock() is not None
     monkeypatch.setattr(adaptive.dist, "is_initialized", lambda: True)
     assert adaptive.step_clock() is None
