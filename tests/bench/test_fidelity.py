@@ -29,3 +29,15 @@ def test_compare_counts_only_decided_positions():
     assert result["argmax_agree_decided"] == 1 and result["argmax_agree_all"] == 1
     assert abs(result["max_rel_logit_error"] - 1.9 / 3.0) < 1e-6
     assert all(abs(e - 0.1) < 1e-6 for e in result["layer_rel_error"])
+
+
+def test_transformers_rows_beside_ours(make_gguf):
+    """The peer rows: transformers in float32 lands on our CPU float32 reference (an independent
+    implementation of the same weights), and in bf16 it is off like ours, by rounding."""
+    path = make_gguf("fidelity", scheme="q4_k_m")
+    sequences = [list(range(3, 40))]
+    report = run_fidelity(load_target(path, device="cpu"), "cpu", ["float32", "bfloat16"], sequences, None, peers=True)
+    peers = report["transformers"]
+    assert peers["float32"]["max_rel_logit_error"] < 1e-4
+    assert peers["float32"]["argmax_agree_all"] == peers["float32"]["positions"] == len(sequences[0])
+    assert 0 < peers["bfloat16"]["max_rel_logit_error"] < 0.5

@@ -63,7 +63,8 @@ def add_parser(sub) -> None:
                    help="--multi-turn: snapshots kept in device memory before the least recently used move to "
                         f"host RAM, in GiB (default {DEFAULT_DEVICE_BYTES / GIB:g})")
     p.add_argument("--peers", action="store_true",
-                   help="add rows for transformers greedy generate and the z-lab dflash loop on the same prompts")
+                   help="add rows for transformers greedy generate and the z-lab dflash loop on the same prompts "
+                        "(with --fidelity: transformers' logits in each dtype)")
     p.add_argument("--kernels", action="store_true",
                    help="time the quantized matmul kernels at the 27B shapes against their floor and bf16 cuBLAS (GPU)")
     p.add_argument("--fidelity", action="store_true",
@@ -97,7 +98,7 @@ def _fidelity(args: argparse.Namespace) -> int:
     reference = load_engine(EngineArgs(model=args.model, device="cpu", spec="ar"))  # float32 on the CPU: the reference
     sets = [load_prompt_set(spec, args.prompts) for spec in (args.dataset or ["builtin"])]
     sequences = [reference.encode_messages(conv, **thinking_kwargs(args.think)) for s in sets for conv in s.conversations]
-    run_fidelity(reference.target, args.device or "cuda", dtypes, sequences, args.out)
+    run_fidelity(reference.target, args.device or "cuda", dtypes, sequences, args.out, peers=args.peers)
     return 0
 
 

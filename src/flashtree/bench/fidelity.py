@@ -8,6 +8,9 @@ dtype asked for. Per dtype it reports:
 - argmax agreement at the positions whose reference margin (top-1 minus top-2 logit) is above 0.1;
 - per layer, the relative error of the hidden state (||h - h_ref|| / ||h_ref||, over all positions) and
   the layer that adds the most to it (the largest step from one layer's error to the next).
+With `peers`, transformers' Qwen3.5 holding the same dequantized weights runs the same sequences in each
+dtype on the same device, against the same reference: how far a plain implementation in that dtype lands
+(a random-weight model amplifies bf16 rounding far more than a trained one).
 The reference must fit on the CPU in float32 (tests and small models; a 27B target does not).
 """
 
@@ -21,6 +24,7 @@ from pathlib import Path
 import torch
 
 from flashtree.engine.loader import Target, load_target
+from flashtree.train.convert import hf_model_from_gguf
 
 MARGIN = 0.1
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -53,10 +57,23 @@ def compare(run: Run, ref: Run) -> dict:
                                 for h, r in zip(run.hidden, ref.hidden)]}
 
 
+def peer_logits(model, ids: list[int]) -> torch.Tensor:
+    """transformers' teacher-forced logits of one sequence, float32 on the CPU."""
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids], device=model.device)).logits[0].float().cpu()
+
+
+def compare_logits(logits: torch.Tensor, ref: Run) -> dict:
+    """A peer's figures on one sequence: `compare` without hidden states."""
+    row = compare(Run(logits, ref.hidden), ref)
+    del row["layer_rel_error"]
+    return row
+
+
 def run_fidelity(reference: Target, device: str, dtypes: list[str], sequences: list[list[int]],
-                 out: str | None) -> dict:
+                 out: str | None, peers: bool = False) -> dict:
     """`reference`: the model loaded on the CPU in float32. Returns (and prints, and writes to `out` when
-    given) the fidelity report."""
+    given) the fidelity report; with `peers`, transformers' rows beside ours."""
     model_path = reference.path
     attention = set(reference.config.attention_layers)
     refs = [teacher_forced(reference, ids) for ids in sequences]
@@ -67,10 +84,24 @@ def run_fidelity(reference: Target, device: str, dtypes: list[str], sequences: l
         rows = [compare(teacher_forced(target, ids), ref) for ids, ref in zip(sequences, refs)]
         report["dtypes"][name] = _combine(rows, attention)
         del target
+    if peers:
+        report["transformers"] = _peer_rows(model_path, device, dtypes, sequences, refs)
     _print(report)
     if out:
         Path(out).write_text(json.dumps(report, indent=2))
         print(f"wrote {out}")
+    return report
+
+
+def _peer_rows(model_path, device: str, dtypes: list[str], sequences: list[list[int]], refs: list[Run]) -> dict:
+    hf, _ = hf_model_from_gguf(model_path)
+    report = {}
+    for name in dtypes:
+        model = hf.to(device, DTYPES[name]).eval()
+        rows = [compare_logits(peer_logits(model, ids), ref) for ids, ref in zip(sequences, refs)]
+        report[name] = {"max_rel_logit_error": max(r["max_rel_logit_error"] for r in rows),
+                        **{key: sum(r[key] for r in rows) for key in
+                           ("decided_positions", "argmax_agree_decided", "positions", "argmax_agree_all")}}
     return report
 
 
@@ -100,3 +131,7 @@ def _print(report: dict) -> None:
               f"{r['argmax_agree_decided']:>10}/{r['decided_positions']:<11} "
               f"{r['argmax_agree_all']:>6}/{r['positions']:<6} {r['layer_rel_error'][-1]:14.2e}  "
               f"layer {r['largest_contributor']} ({r['largest_contributor_kind']})")
+    for name, r in report.get("transformers", {}).items():
+        print(f"{'hf ' + name:9} {100 * r['max_rel_logit_error']:16.3f}% "
+              f"{r['argmax_agree_decided']:>10}/{r['decided_positions']:<11} "
+              f"{r['argmax_agree_all']:>6}/{r['positions']:<6}  (transformers, same weights and dtype)")
