@@ -10,21 +10,8 @@ from fastapi.testclient import TestClient
 
 from flashtree.engine.config import GenerationConfig
 from flashtree.engine.generate import Engine
-from flashtree.engine.loader import load_target
 from flashtree.engine.prefix_cache import PrefixCache, _restore_recurrent, _restore_rows
-from flashtree.models.synthetic import tiny_config
 from flashtree.serve.app import build_app
-from tests.drafting.test_lossless import random_draft
-
-
-@pytest.fixture(scope="module")
-def target(make_gguf):
-    return load_target(make_gguf("spec", config=tiny_config(num_layers=4, gdn_v_heads=4)), device="cpu")
-
-
-@pytest.fixture(scope="module")
-def draft(target):
-    return random_draft(target)
 
 
 def engines(target, draft, mode, **cache_kwargs):

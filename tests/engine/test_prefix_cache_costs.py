@@ -14,19 +14,8 @@ from flashtree.engine.loader import load_target
 from flashtree.engine.planner import PlanRequest, plan, target_from_preset
 from flashtree.engine.prefix_cache import PrefixCache
 from flashtree.models.synthetic import tiny_config
-from tests.drafting.test_lossless import random_draft
 
 CHUNK = 32
-
-
-@pytest.fixture(scope="module")
-def target(make_gguf):
-    return load_target(make_gguf("spec", config=tiny_config(num_layers=4, gdn_v_heads=4)), device="cpu")
-
-
-@pytest.fixture(scope="module")
-def draft(target):
-    return random_draft(target)
 
 
 class ChunkLog:
