@@ -114,9 +114,8 @@ def _intercept() -> None:
 
 
 def quant_matmul() -> None:
-    from flashtree.formats.quants import GGML_QUANT_SIZES, QType
+    from flashtree.formats.quants import GGML_QUANT_SIZES
     from flashtree.kernels.quant_matmul import KERNELS, QuantWeight
-    from flashtree.kernels.quant_matmul._launch import LaunchConfig
 
     n, k = 256, 1024
     for qtype in KERNELS:
@@ -125,9 +124,6 @@ def quant_matmul() -> None:
         module = KERNELS[qtype].load()
         for m in (1, 23, 64, 512):  # decode, verify, the largest skinny, a prefill chunk (dense path)
             module.matmul(torch.zeros(m, k, dtype=torch.bfloat16), weight.fields(), n, k)
-        if hasattr(module, "_" + QType(qtype).name.lower() + "_gemv"):
-            module.matmul(torch.zeros(1, k, dtype=torch.bfloat16), weight.fields(), n, k,
-                          LaunchConfig(block_m=1, block_n=32, split_k=1, num_warps=4, dot="gemv"))
 
 
 # H200 SXM: 132 SMs at up to 1.98 GHz, each issuing at most 4 warp-instructions per cycle (one per
@@ -139,12 +135,11 @@ decode_steps: dict[tuple, tuple[str, int, int]] = {}  # result key -> (type, sha
 
 
 def decode_issue_bound() -> None:
-    """The 1-row (decode) launches at the 27B FFN shapes with the H200 defaults (and the gemv variants):
-    each K-loop step reads one quant block (v2: BLOCK_K values) of each of the program's BLOCK_N rows, so
-    the main loop's instruction count per weight byte bounds the kernel by issue rate alone."""
+    """The 1-row (decode) launches of the Triton kernels at the 27B FFN shapes with the H200 defaults: each
+    K-loop step reads one quant block (v2: BLOCK_K values) of each of the program's BLOCK_N rows, so the
+    main loop's instruction count per weight byte bounds the kernel by issue rate alone."""
     from flashtree.formats.quants import GGML_QUANT_SIZES, QType
     from flashtree.kernels.quant_matmul import KERNELS, QuantWeight, _launch
-    from flashtree.kernels.quant_matmul._launch import LaunchConfig
 
     _launch._sm_count = lambda device: 132
     for qtype in KERNELS:
@@ -152,18 +147,14 @@ def decode_issue_bound() -> None:
         module = KERNELS[qtype].load()
         for n, k in DECODE_SHAPES:
             weight = QuantWeight.from_gguf_bytes(torch.zeros(n * (k // block) * size, dtype=torch.uint8), qtype, (n, k))
-            configs = [None]
-            if hasattr(module, "_" + QType(qtype).name.lower() + "_gemv"):
-                configs.append(LaunchConfig(block_m=1, block_n=32, split_k=1, num_warps=4, dot="gemv"))
-            for config in configs:
-                before = set(results)
-                module.matmul(torch.zeros(1, k, dtype=torch.bfloat16), weight.fields(), n, k, config)
-                for key in set(results) - before:
-                    setting = dict(key[1]) | dict(key[2])
-                    if "BLOCK_N" in setting:  # a weight tile: v1 and gemv step one block per row, v2 BLOCK_K values
-                        values = int(setting.get("BLOCK_K", block))
-                        per_warp = int(setting["BLOCK_N"]) * size * values // block // int(setting["num_warps"])
-                        decode_steps[key] = (QType(qtype).name, f"{n}x{k}", per_warp)
+            before = set(results)
+            module.matmul(torch.zeros(1, k, dtype=torch.bfloat16), weight.fields(), n, k)
+            for key in set(results) - before:
+                setting = dict(key[1]) | dict(key[2])
+                if "BLOCK_N" in setting:  # a weight tile: v1 steps one block per row, v2 BLOCK_K values
+                    values = int(setting.get("BLOCK_K", block))
+                    per_warp = int(setting["BLOCK_N"]) * size * values // block // int(setting["num_warps"])
+                    decode_steps[key] = (QType(qtype).name, f"{n}x{k}", per_warp)
 
 
 def _print_issue_bound() -> None:

@@ -5,7 +5,7 @@
 
 For each type, shape (5120x5120, 17408x5120, 5120x17408; Q6_K also the 248320x5120 LM head) and
 M in {1, 16, 23, 32, 64}, times the v2 tiled kernel over a bounded candidate list (BLOCK_N, BLOCK_K,
-num_warps, num_stages, two split-K targets) and, for Q4_K and Q6_K at M = 1, the gemv kernels, plus the current default (`choose_config`) and the v1
+num_warps, num_stages, two split-K targets), plus the current default (`choose_config`) and the v1
 default (the old fma/tf32x3 path) for comparison, and prints the best config per point with GB/s
 and the fraction of the measured read bandwidth (`x.sum()` over a 4 GiB bf16 tensor: read-only
 bytes / time, no copy).
@@ -100,12 +100,6 @@ def candidates(name: str, n: int, k: int, m: int, device: torch.device, smoke: b
         for target in SPLIT_TARGETS:
             split = split_for(n, block_n, k // block_k, target * sms, _TILED_MAX_SPLIT_K)
             configs.append(LaunchConfig(block_m, block_n, split, warps, dot, block_k, stages))
-    if m <= 4 and (hasattr(module, "_q4_k_gemv") or hasattr(module, "_q6_k_gemv")):  # matrix-vector kernels
-        for block_n in (8, 16, 32, 64):
-            for warps in (2, 4):
-                for target in (8, 24):
-                    split = split_for(n, block_n, k // block_values, target * sms, 32)
-                    configs.append(LaunchConfig(1, block_n, split, warps, "gemv"))
     default = choose_config(m, n, k, x_dtype, device, block_values, tile, getattr(module, "DEFAULT_BLOCK_K", 256),
                             **getattr(module, "TUNING", {}))
     v1 = choose_config(m, n, k, x_dtype, device, block_values, 0)
@@ -300,8 +294,6 @@ def time_point(name, n, k, m, cands, device, failures, read_bps, deadline, x_dty
 
 
 def describe(config: dict) -> str:
-    if config["dot"] == "gemv":
-        return f"gemv bn{config['block_n']} split{config['split_k']} w{config['num_warps']}"
     if not config["block_k"]:
         return f"v1 {config['dot']} bm{config['block_m']} bn{config['block_n']} split{config['split_k']}"
     return (f"v2 bn{config['block_n']} bk{config['block_k']} split{config['split_k']} "

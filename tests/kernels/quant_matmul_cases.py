@@ -23,7 +23,6 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 ROUNDED_DTYPES = ("float16",)  # also compared with weights first rounded to x's dtype
 DENSE_M = 512  # _launch.DENSE_MIN_M: bf16/f16 prefill chunks dequantize the weight (v1 kernel, "store")
 DENSE_DTYPES = ("float16", "bfloat16")
-GEMV_TYPES = (QType.Q4_K, QType.Q6_K)
 
 
 def case_ids() -> list[str]:
@@ -44,8 +43,6 @@ def case_ids() -> list[str]:
                 f"{t.name}-deterministic"]
         ids += [f"{t.name}-m{DENSE_M}-{d}" for d in DENSE_DTYPES]
         ids += [f"{t.name}-m{DENSE_M}-{d}-onehot-rounded-ulps" for d in DENSE_DTYPES]
-        if t in GEMV_TYPES:  # the matrix-vector kernels, one x row per program
-            ids += [f"{t.name}-m{m}-{d}-gemv-split{s}" for m in (1, 3) for d in DTYPES for s in (1, 2)]
     return ids
 
 
@@ -108,13 +105,6 @@ def main() -> None:
         errors[f"{qtype.name}-m3-float32-v2-split-bn32"] = relative_error(torch.randn(3, k, generator=gen), w, bn32)
         first, second = quant_matmul(x23, w, split), quant_matmul(x23, w, split)
         errors[f"{qtype.name}-deterministic"] = float(torch.equal(first, second))
-        if qtype in GEMV_TYPES:
-            for m in (1, 3):
-                xm = torch.randn(m, k, generator=gen)
-                for name, dtype in DTYPES.items():
-                    for s in (1, 2):
-                        gemv = LaunchConfig(block_m=1, block_n=32, split_k=s, num_warps=4, dot="gemv")
-                        errors[f"{qtype.name}-m{m}-{name}-gemv-split{s}"] = relative_error(xm.to(dtype), w, gemv)
         onehot = torch.nn.functional.one_hot(torch.arange(DENSE_M) % k, k).float()
         for name in DENSE_DTYPES:
             dtype = DTYPES[name]

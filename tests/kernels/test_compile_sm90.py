@@ -25,7 +25,7 @@ def test_all_kernels_compile_for_sm90():
     assert "Traceback" not in done.stderr  # every entry point reached its launches
     # the decode issue-bound table found each K loop in the machine code
     q4_k = [line.split() for line in lines if line.startswith("Q4_K ") and line.split()[2].startswith("_q4_k")]
-    assert len(q4_k) == 4 and all(0.1 < float(row[5]) < 2.0 for row in q4_k), q4_k
+    assert len(q4_k) == 2 and all(0.1 < float(row[5]) < 2.0 for row in q4_k), q4_k  # the two FFN shapes
     # the tensor-core kernels' table (where NVRTC is installed, as with the test tools): one-row instances
     # without spills, their loop found, well under 0.3 instructions per weight byte
     mma = [line.split() for line in lines if line.split()[3:4] and line.split()[3].startswith(("qmm_", "qmv_"))]

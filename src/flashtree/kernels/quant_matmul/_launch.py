@@ -3,8 +3,7 @@ and the launcher that turns a packed weight into kernel arguments.
 
 Every kernel computes out[M, N] = x[M, K] @ W[N, K]^T with grid (M tiles, N tiles, split-K): a
 program owns BLOCK_N weight rows and BLOCK_M rows of x and walks its share of K, so each weight
-byte is read once per M tile (once in total for M <= 64). Two kernel shapes per type (and, for
-Q4_K and Q6_K, an experimental matrix-vector kernel, `dot="gemv"`):
+byte is read once per M tile (once in total for M <= 64). Two kernel shapes per type:
 
 * v2, "tiled" (`LaunchConfig.block_k > 0`, the default for 2-64 rows): each step loads BLOCK_K values of
   every row as a few wide contiguous byte tiles ("planes", e.g. Q4_K's low and high nibbles),
@@ -46,7 +45,7 @@ _MAX_SPLIT_K = 32
 _TILED_MAX_SPLIT_K = 8
 
 _TENSOR_CORE_DTYPES = (torch.bfloat16, torch.float16)
-DOTS = ("fma", "ieee", "tf32", "tf32x3", "x_dtype", "gemv")
+DOTS = ("fma", "ieee", "tf32", "tf32x3", "x_dtype")
 
 
 @dataclass(frozen=True)
@@ -54,10 +53,7 @@ class LaunchConfig:
     """Tile sizes, kernel shape and how dequantized weights are multiplied by x (`dot`):
     "fma": float32 multiply-adds into per-lane partial sums (v1 only; x tiles under 16 rows);
     "ieee" / "tf32x3" / "tf32": tl.dot in float32 (x upcast), exact FMA, three TF32 passes (~float32
-    error) or one; "x_dtype": weights rounded to x's bf16/f16 for plain tensor-core tl.dot;
-    "gemv": the type's matrix-vector kernel (Q4_K and Q6_K; block_m 1, block_k 0): one program per x
-    row, a whole 256-value block of every weight row per step as contiguous words, float32
-    multiply-adds into per-lane partial sums (an experiment for the sweep, not a default yet).
+    error) or one; "x_dtype": weights rounded to x's bf16/f16 for plain tensor-core tl.dot.
 
     block_k: values of each weight row per inner step; 0 selects the v1 chunked kernel, > 0 the v2
     tiled kernel (a power of two, a multiple of the type's `TILE_VALUES`, block_m >= 16).
@@ -232,11 +228,9 @@ def _sum_splits(part_ptr, out_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexp
     tl.store(out_ptr + offs, total, mask=mask)
 
 
-def check_config(config: LaunchConfig, k: int, block_values: int, tile_values: int, has_gemv: bool = False) -> None:
+def check_config(config: LaunchConfig, k: int, block_values: int, tile_values: int) -> None:
     if config.dot not in DOTS:
         raise ValueError(f"dot={config.dot!r} is not one of {DOTS}")
-    if config.dot == "gemv" and (not has_gemv or config.tiled or config.block_m != 1):
-        raise ValueError("dot='gemv' needs a type with a gemv kernel (Q4_K, Q6_K), block_k 0 and block_m 1")
     if config.tiled:
         if not tile_values:
             raise ValueError("this type has no tiled (block_k > 0) kernel")
@@ -253,8 +247,7 @@ def check_config(config: LaunchConfig, k: int, block_values: int, tile_values: i
 
 def launch(x: torch.Tensor, weight_args: tuple, n: int, k: int, block_values: int, chunked,
            tiled=None, tile_values: int = 0, config: LaunchConfig | None = None,
-           block_k: int = 256, tiled_args: tuple | None = None, gemv=None, gemv_args: tuple | None = None,
-           **tuning) -> torch.Tensor:
+           block_k: int = 256, tiled_args: tuple | None = None, **tuning) -> torch.Tensor:
     """Run the type's kernel on x [M, K]: `chunked` (v1) or `tiled` (v2) per the config
     (default: `choose_config`, with `block_k` the type's default BLOCK_K and `tuning` its other
     per-type defaults). `weight_args` go to the v1 kernel, `tiled_args` (default: the same) to v2. Without a config,
@@ -266,7 +259,7 @@ def launch(x: torch.Tensor, weight_args: tuple, n: int, k: int, block_values: in
     if config is None and m >= DENSE_MIN_M and x.dtype in _TENSOR_CORE_DTYPES:
         return x @ dequantize_dense(weight_args, n, k, block_values, chunked, x.dtype, x.device).T
     config = config or choose_config(m, n, k, x.dtype, x.device, block_values, tile_values, block_k, **tuning)
-    check_config(config, k, block_values, tile_values, gemv is not None)
+    check_config(config, k, block_values, tile_values)
     if config.tiled and tiled_args is not None:
         weight_args = tiled_args
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -276,9 +269,7 @@ def launch(x: torch.Tensor, weight_args: tuple, n: int, k: int, block_values: in
     options = {"num_warps": config.num_warps}
     if config.num_stages is not None:
         options["num_stages"] = config.num_stages
-    if config.dot == "gemv":
-        gemv[grid](x, *gemv_args, dest, m, n, k, BLOCK_N=config.block_n, SPLIT_K=config.split_k, **options)
-    elif config.tiled:
+    if config.tiled:
         tiled[grid](x, *weight_args, dest, m, n, k, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                     BLOCK_K=config.block_k, SPLIT_K=config.split_k, DOT=config.dot, **options)
     else:

@@ -104,46 +104,6 @@ def _q4_k_tiled(x_ptr, qs_ptr, scales_ptr, d_ptr, dmin_ptr, MAGIC, out_ptr, M, N
     store_tile(out_ptr, acc, offs_m, offs_n, M, N, DOT)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _q4_k_gemv(x_ptr, qs_ptr, scales_ptr, d_ptr, dmin_ptr, MAGIC, out_ptr, M, N, K: tl.constexpr,
-               BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
-    """out[m, n] for one x row m (program_id 0): each step reads one whole 256-value block of each of
-    BLOCK_N weight rows as [4 groups, 8 words] int32 (128 contiguous bytes per row); nibble h of byte t
-    of word w in group g is element 64*g + 32*h + 4*w + t. Values are dequantized as in `_plane_dot`
-    (mantissa trick, one FMA) in float32 and multiply-added into [BLOCK_N, 4, 8] per-lane partial sums,
-    reduced once at the end."""
-    _, offs_n, rows, k_blocks, first, per_split = program_tiles(M, N, K, 256, 1, BLOCK_N, SPLIT_K)
-    x_row = x_ptr + tl.program_id(0).to(tl.int64) * K
-    groups = tl.arange(0, 4)
-    words_in_group = tl.arange(0, 8)
-    word_offs = rows[:, None, None] * (K // 8) + groups[None, :, None] * 8 + words_in_group[None, None, :]
-    x_offs = groups[:, None] * 64 + words_in_group[None, :] * 4  # [4, 8]: element of byte 0, nibble 0
-    acc = tl.zeros((BLOCK_N, 4, 8), dtype=tl.float32)
-    for step in range(per_split):
-        b = first + step
-        words = tl.load(qs_ptr + word_offs + b * 32)  # [BLOCK_N, 4, 8]
-        block = rows * k_blocks + b
-        d = tl.load(d_ptr + block).to(tl.float32)[:, None]
-        dmin = tl.load(dmin_ptr + block).to(tl.float32)[:, None]
-        for h in tl.static_range(2):
-            scale, minimum = k_scale_min(scales_ptr, block[:, None], (2 * groups + h)[None, :])
-            a16 = (d * scale) * 16.0
-            c = (a16 + dmin * minimum)[:, :, None]
-            a16 = a16[:, :, None]
-            for t in tl.static_range(4):
-                x = tl.load(x_row + b * 256 + 32 * h + t + x_offs).to(tl.float32)  # [4, 8]
-                shift = 8 * t + 4 * h  # constexpr (t, h are): a compile-time branch below
-                if shift <= 19:
-                    bits = (words << (19 - shift)) & 0x780000
-                else:
-                    bits = (words >> (shift - 19)) & 0x780000
-                w = (bits | MAGIC).to(tl.float32, bitcast=True) * a16 - c
-                acc += w * x[None, :, :]
-    out = tl.sum(tl.sum(acc, axis=2), axis=1)
-    base = out_ptr + tl.program_id(2).to(tl.int64) * M * N + tl.program_id(0).to(tl.int64) * N
-    tl.store(base + offs_n, out, mask=offs_n < N)
-
-
 @triton.jit
 def _plane_dot(acc, x, words, a16, c, shift: tl.constexpr, magic, DOT: tl.constexpr):
     """acc += x @ plane^T for the nibble at bit `shift` of every word.
@@ -169,5 +129,4 @@ def matmul(x, fields, n, k, config=None):
     args = (fields["qs"], fields["scales"], fields["d"], fields["dmin"])
     # the tiled kernel reads the quants as int32 words; MAGIC: see _plane_dot
     tiled_args = (fields["qs"].view(torch.int32), *args[1:], MAGIC_ONE)
-    return launch(x, args, n, k, 256, _q4_k_kernel, _q4_k_tiled, TILE_VALUES, config, tiled_args=tiled_args,
-                  gemv=_q4_k_gemv, gemv_args=tiled_args)
+    return launch(x, args, n, k, 256, _q4_k_kernel, _q4_k_tiled, TILE_VALUES, config, tiled_args=tiled_args)

@@ -102,47 +102,6 @@ def _q6_k_tiled(x_ptr, ql_ptr, qh_ptr, scales_ptr, d_ptr, MAGIC, out_ptr, M, N, 
     store_tile(out_ptr, acc, offs_m, offs_n, M, N, DOT)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _q6_k_gemv(x_ptr, ql_ptr, qh_ptr, scales_ptr, d_ptr, MAGIC, out_ptr, M, N, K: tl.constexpr,
-               BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
-    """out[m, n] for one x row m (program_id 0): each step reads one whole block of each of BLOCK_N
-    weight rows (32 ql words, 16 qh words), merges them into 6-bit "comb" words as `_q6_k_tiled` does,
-    dequantizes with the mantissa trick (one FMA per value) and multiply-adds into [BLOCK_N, 8, 4]
-    per-lane float32 partial sums, reduced once at the end."""
-    _, offs_n, rows, k_blocks, first, per_split = program_tiles(M, N, K, 256, 1, BLOCK_N, SPLIT_K)
-    x_row = x_ptr + tl.program_id(0).to(tl.int64) * K
-    j = tl.arange(0, 8)  # (half-block j // 4, word group j % 4), as in _q6_k_tiled with BLOCK_K 256
-    v = tl.arange(0, 4)[None, None, :]
-    ql_offs = rows[:, None, None] * (K // 8) + (j * 4)[None, :, None] + v
-    qh_offs = rows[:, None, None] * (K // 16) + ((j // 4) * 8 + (j % 2) * 4)[None, :, None] + v
-    qh_shift = (2 * ((j % 4) // 2))[None, :, None]
-    # element of byte 0 of ql word 4 * (j % 4) + v in half-block j // 4, nibble plane 0: [8, 4]
-    x_offs = ((j // 4) * 128 + (j % 4) * 16)[:, None] + 4 * tl.arange(0, 4)[None, :]
-    acc = tl.zeros((BLOCK_N, 8, 4), dtype=tl.float32)
-    for step in range(per_split):
-        b = first + step
-        ql = tl.load(ql_ptr + ql_offs + b * 32)  # [BLOCK_N, 8, 4]
-        qh = tl.load(qh_ptr + qh_offs + b * 16) >> qh_shift
-        block = rows * k_blocks + b
-        d = tl.load(d_ptr + block).to(tl.float32)[:, None]
-        comb0 = (ql & 0x0F0F0F0F) | ((qh << 4) & 0x30303030)
-        comb1 = ((ql >> 4) & 0x0F0F0F0F) | (qh & 0x30303030)
-        for h2 in tl.static_range(2):
-            group = 8 * (j // 4) + 4 * h2 + j % 4  # the 16-value scale group of each word: [8]
-            a = d * tl.load(scales_ptr + block[:, None] * 16 + group[None, :]).to(tl.float32)  # [BLOCK_N, 8]
-            a64 = (a * 64.0)[:, :, None]
-            c = (a * 96.0)[:, :, None]
-            comb = comb0 if h2 == 0 else comb1
-            for t in tl.static_range(4):
-                x = tl.load(x_row + b * 256 + 64 * h2 + t + x_offs).to(tl.float32)  # [8, 4]
-                bits = ((comb >> (8 * t)) & 0x3F) << 17
-                w = (bits | MAGIC).to(tl.float32, bitcast=True) * a64 - c  # (1 + q/64) 64 d sc - 96 d sc
-                acc += w * x[None, :, :]
-    out = tl.sum(tl.sum(acc, axis=2), axis=1)
-    base = out_ptr + tl.program_id(2).to(tl.int64) * M * N + tl.program_id(0).to(tl.int64) * N
-    tl.store(base + offs_n, out, mask=offs_n < N)
-
-
 @triton.jit
 def _plane_dot(acc, x, comb, a64, c, shift: tl.constexpr, magic, DOT: tl.constexpr):
     """acc += x @ plane^T for the 6-bit quants at bit `shift` of every comb word.
@@ -167,4 +126,4 @@ def matmul(x, fields, n, k, config=None):
     # the tiled kernel reads ql and qh as int32 words; MAGIC: see _plane_dot
     tiled_args = (fields["ql"].view(torch.int32), fields["qh"].view(torch.int32), *args[2:], MAGIC_ONE)
     return launch(x, args, n, k, 256, _q6_k_kernel, _q6_k_tiled, TILE_VALUES, config, tiled_args=tiled_args,
-                  gemv=_q6_k_gemv, gemv_args=tiled_args, **TUNING)
+                  **TUNING)
