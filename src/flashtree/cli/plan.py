@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
-
 import sys
+from typing import TYPE_CHECKING
 
 from flashtree.cli.args import add_memory_args, int_range, one_of
 from flashtree.engine.config import DEFAULT_BUDGET, DEFAULT_DRAFT_WINDOW, DEFAULT_PREFILL_CHUNK
 from flashtree.engine.prefix_cache_flags import DEFAULT_DEVICE_BYTES, GIB
 from flashtree.errors import FlashtreeError
+
+if TYPE_CHECKING:  # the planner imports torch: `flashtree plan --help` stays instant without it
+    from flashtree.engine.planner import PlanRequest
 
 
 def synthetic_shapes() -> dict:
