@@ -46,28 +46,26 @@ def teacher_forced(target: Target, ids: list[int]) -> Run:
 
 def compare(run: Run, ref: Run) -> dict:
     """One sequence's figures against its reference run."""
+    return {**compare_logits(run.logits, ref),
+            "layer_rel_error": [((h - r).norm() / r.norm().clamp_min(1e-30)).item()
+                                for h, r in zip(run.hidden, ref.hidden)]}
+
+
+def compare_logits(logits: torch.Tensor, ref: Run) -> dict:
+    """The logit figures of one sequence (a peer has no hidden states to compare)."""
     scale = ref.logits.abs().max().clamp_min(1e-30)
     top2 = ref.logits.topk(2, dim=-1).values
     decided = (top2[:, 0] - top2[:, 1]) > MARGIN
-    agree = run.logits.argmax(-1) == ref.logits.argmax(-1)
-    return {"max_rel_logit_error": ((run.logits - ref.logits).abs().max() / scale).item(),
+    agree = logits.argmax(-1) == ref.logits.argmax(-1)
+    return {"max_rel_logit_error": ((logits - ref.logits).abs().max() / scale).item(),
             "decided_positions": int(decided.sum()), "argmax_agree_decided": int((agree & decided).sum()),
-            "argmax_agree_all": int(agree.sum()), "positions": len(agree),
-            "layer_rel_error": [((h - r).norm() / r.norm().clamp_min(1e-30)).item()
-                                for h, r in zip(run.hidden, ref.hidden)]}
+            "argmax_agree_all": int(agree.sum()), "positions": len(agree)}
 
 
 def peer_logits(model, ids: list[int]) -> torch.Tensor:
     """transformers' teacher-forced logits of one sequence, float32 on the CPU."""
     with torch.no_grad():
         return model(input_ids=torch.tensor([ids], device=model.device)).logits[0].float().cpu()
-
-
-def compare_logits(logits: torch.Tensor, ref: Run) -> dict:
-    """A peer's figures on one sequence: `compare` without hidden states."""
-    row = compare(Run(logits, ref.hidden), ref)
-    del row["layer_rel_error"]
-    return row
 
 
 def run_fidelity(reference: Target, device: str, dtypes: list[str], sequences: list[list[int]],
