@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from flashtree.engine.generate import Engine  # noqa: E402
 from flashtree.kernels import gated_delta_fla  # noqa: E402
 from flashtree.models import deltanet  # noqa: E402
-from flashtree.models.random_weights import random_target, shape_config  # noqa: E402
+from flashtree.engine.loader import random_target  # noqa: E402
+from flashtree.models.random_weights import shape_config  # noqa: E402
 from flashtree.drafting.ddtree import DraftTree  # noqa: E402
 
 DEVICE = os.environ.get("DIAG_DEVICE", "cuda")

@@ -9,7 +9,8 @@ from flashtree.bench.steps import ReplayProposer, q8_sibling, random_draft
 from flashtree.cli.main import main
 from flashtree.engine.config import GenerationConfig
 from flashtree.engine.generate import Engine
-from flashtree.models.random_weights import random_target, shape_config
+from flashtree.engine.loader import random_target
+from flashtree.models.random_weights import shape_config
 from flashtree.drafting.proposer import DFlashProposer
 
 

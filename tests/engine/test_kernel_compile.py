@@ -8,7 +8,6 @@ from gguf import GGMLQuantizationType as QType
 from flashtree.engine import loader
 from flashtree.kernels.quant_matmul import QuantWeight
 from flashtree.models.layers import Projections, QuantLinear, quant_weights
-from flashtree.models.random_weights import random_target
 
 
 def _weight(n: int, k: int, mma_layout: bool = True) -> QuantWeight:
@@ -36,5 +35,5 @@ def test_load_compiles_only_the_missing_fragment_ordered_shapes(monkeypatch):
 
 
 def test_the_walk_ends_on_a_whole_model():
-    target = random_target("tiny", scheme="q4_k_m", device="cpu")
+    target = loader.random_target("tiny", scheme="q4_k_m", device="cpu")
     assert quant_weights(target.model) == []  # the CPU keeps dequantized Linear weights: nothing to compile

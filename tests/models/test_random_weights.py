@@ -6,12 +6,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from flashtree.engine.loader import load_target
+from flashtree.engine.loader import load_target, random_target
 from flashtree.errors import FlashtreeError
 from flashtree.formats.quant_mix import quant_types
 from flashtree.formats.quants import bytes_for, dequantize
 from flashtree.formats.tokenizer import pad_vocab
-from flashtree.models.random_weights import SHAPES, RandomWeights, random_target, shape_config
+from flashtree.models.random_weights import SHAPES, RandomWeights, shape_config
 from flashtree.models.synthetic import tensor_shapes, tiny_config
 
 # K-quant friendly small dims (rows of 256), so q4_k_m gives the real Q4_K / Q6_K mix

@@ -6,9 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from flashtree.parallel import CHILD_ENV, launch, tp
+from flashtree.cli.main import main
+from flashtree.engine.config import EngineArgs
+from flashtree.engine.loader import load_engine, load_target
 from flashtree.errors import FlashtreeError
 from flashtree.models.synthetic import tiny_config
+from flashtree.parallel import CHILD_ENV, launch, tp
+from tests.drafting.test_lossless import random_draft
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,6 +37,21 @@ def test_local_config_refuses_partial_heads():
         tp.local_config(c, 4)  # 2 KV heads over 4 ranks
 
 
+def test_tensor_parallel_refuses_the_other_placements():
+    for placement in ({"gpus": 2}, {"layer_split": "1,1"}, {"draft_device": "cuda:1"}):
+        with pytest.raises(FlashtreeError, match="--tensor-parallel does not combine"):
+            tp.check_placement(2, **placement)
+    tp.check_placement(2, gpus=1)
+    tp.check_placement(1, gpus=2, layer_split="1,1", draft_device="cuda:1")  # no tensor parallel: any placement
+
+
+def test_load_engine_refuses_a_tensor_parallel_draft_device_before_loading(make_gguf, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)  # joining a group would fail first, with another error
+    args = EngineArgs(model=make_gguf("spec"), device="cpu", tensor_parallel=2, draft_device="cpu")
+    with pytest.raises(FlashtreeError, match="does not combine with --gpus / --layer-split / --draft-device"):
+        load_engine(args)
+
+
 def test_rank_env_turns_nvlink_multicast_off():
     env = launch.rank_env(1, 2, 12345, base={})
     assert env["NCCL_NVLS_ENABLE"] == "0" and env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
@@ -51,6 +70,7 @@ def test_two_gloo_ranks_match_one_process(make_gguf, tmp_path, monkeypatch):
     errors = [r.get("error") for r in reports if "error" in r]
     assert code == 0 and len(reports) == 2, errors
     for report in reports:
+        assert "process group has 2 ranks" in report["wrong_world"]
         assert report["cache_kv_heads"] == 1  # each rank caches only its own KV heads
         assert report["forward_max_diff"] < 1e-3, report  # float sums split over ranks
         # Q8_0 shards kept as blocks: column-parallel and row-parallel ones with whole 32-value blocks, the
@@ -65,10 +85,6 @@ def test_two_gloo_ranks_match_one_process(make_gguf, tmp_path, monkeypatch):
 
 def test_cli_tensor_parallel_run_matches_one_process(make_gguf, tmp_path, monkeypatch, capfd):
     """`flashtree run -tp 2` spawns two ranks itself (rank 0 prints, rank 1 follows and exits)."""
-    from flashtree.cli.main import main
-    from flashtree.engine.loader import load_target
-    from tests.drafting.test_lossless import random_draft
-
     gguf = make_gguf("spec", config=tiny_config(num_layers=4, gdn_v_heads=4))
     random_draft(load_target(gguf, device="cpu")).save(tmp_path / "draft")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -86,8 +102,6 @@ def test_synthetic_bench_runs_on_every_rank(tmp_path, monkeypatch, capfd):
     """`flashtree bench --synthetic ... -tp 2 --steps`: every rank builds its shard of the random model and
     runs the benchmark in lock step (no hang); rank 0 alone prints and writes the JSON, whose replay
     reproduces its record and AR."""
-    from flashtree.cli.main import main
-
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
     out = tmp_path / "tp.json"
     assert main(["bench", "--synthetic", "tiny", "--echo", "--device", "cpu", "--steps", "-n", "8", "--repeat", "1",

@@ -3,7 +3,7 @@
 Checks, on every rank: forward (prefill, tree verify, commit, decode) logits and features equal to the
 single-process model's; greedy AR / DDTree generation through TensorParallelEngine equal to one process;
 an SPMD oracle-draft run; a cancellation that keeps the ranks in lock step; with a second (Q8_0) file, the
-forward of shards kept as GGUF blocks. Writes rank<r>.json."""
+forward of shards kept as GGUF blocks; the refusal of a group of the wrong size. Writes rank<r>.json."""
 
 import collections
 import json
@@ -21,6 +21,8 @@ from flashtree.engine.config import GenerationConfig  # noqa: E402
 from flashtree.engine.generate import Engine  # noqa: E402
 from flashtree.engine import loader  # noqa: E402
 from flashtree.engine.loader import load_target  # noqa: E402
+from flashtree.models import layers  # noqa: E402
+from flashtree.errors import FlashtreeError  # noqa: E402
 from flashtree.models.step import Step  # noqa: E402
 from tests.drafting.test_lossless import OracleProposer, random_draft  # noqa: E402
 
@@ -50,14 +52,8 @@ def quantized_shards(gguf: str) -> dict:
     """`gguf` loaded with its weights kept as GGUF blocks, as on a GPU (the CPU multiplies through
     quant_matmul's reference), and sharded block-wise: forward max diff against one process, and which
     kinds of linear the shards became (blocks where the columns are whole blocks, dense elsewhere)."""
-    from flashtree.formats.gguf_file import GGUFFile
-    from flashtree.models import layers
-    from flashtree.models.gguf_config import read_config
-
-    file = GGUFFile(gguf)
-    config, _ = read_config(file)
     with mock.patch.object(layers, "keeps_quantized", lambda qtype, device: True):
-        model = tp.load_tp_model(file, config, torch.device("cpu"), torch.float32)
+        model = load_target(gguf, "cpu", shard=tp.join_group(2, "cpu")).model
     linears = [linear for layer in model.layers for part in (layer.mixer, layer.mlp) for value in vars(part).values()
                for linear in ([g for g, _ in value.groups] if isinstance(value, layers.Projections) else [value])
                if isinstance(linear, (layers.Linear, layers.QuantLinear))]
@@ -77,6 +73,10 @@ def main(gguf: str, out: str, quantized_gguf: str | None = None) -> None:
         ours, theirs = forward_trace(target.model), forward_trace(ref.model)
         report["forward_max_diff"] = max(float((x - y).abs().max()) for x, y in zip(ours, theirs))
         report["cache_kv_heads"] = target.model.config.num_kv_heads
+        try:
+            tp.join_group(3, "cpu")
+        except FlashtreeError as exc:
+            report["wrong_world"] = str(exc)
         if quantized_gguf:
             report["quantized"] = quantized_shards(quantized_gguf)
 

@@ -263,52 +263,31 @@ def _device_name(engine) -> str:
     return torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})"
 
 
-def _synthetic_tp_engine(args, config, settings: EngineArgs):
-    """This rank's shard of the random model (every rank builds the same weights and keeps its share, as
-    parallel.tp shards a file) and a plain engine over it: the benchmark runs on every rank in lock step."""
-    import torch.distributed as dist
-
-    from flashtree.parallel.tp import init_from_env, load_tp_model
-    from flashtree.parallel.placement import default_dtype
-    from flashtree.engine.loader import engine_from_target
-    from flashtree.engine.process_memory import cap_process_memory
-    from flashtree.models.random_weights import random_source, target_of
-
-    if settings.layer_split or settings.gpus or settings.draft_device:
-        raise FlashtreeError("--tensor-parallel does not combine with --gpus / --layer-split / --draft-device")
-    device = init_from_env(args.device)
-    if dist.get_world_size() != settings.tensor_parallel:
-        raise FlashtreeError(f"--tensor-parallel {settings.tensor_parallel} but the process group has "
-                             f"{dist.get_world_size()} ranks")
-    cap_process_memory([device], settings.gpu_memory, settings.cuda_overhead)
-    print(f"building random {args.synthetic} ({args.scheme}), rank {dist.get_rank()}'s shard on {device} ...")
-    config, weights, spec = random_source(config, args.scheme, device, echo=args.echo)
-    # each layer is generated and dequantized on the rank's own device: the host path is minutes at 27B
-    model = load_tp_model(weights, config, device, default_dtype(device), host=device)
-    return engine_from_target(target_of(weights, config, model, spec), settings)
-
-
 def _synthetic_engine(args, settings: EngineArgs):
-    """The engine over a random-weight model of shape `args.synthetic`, built in device memory (no file)."""
-    from flashtree.parallel.placement import parse_devices, parse_split, place_layers, resolve_device
-    from flashtree.engine.loader import engine_from_target
+    """The engine over a random-weight model of shape `args.synthetic`, built in device memory (no file), on
+    the placement of `settings`. Under tensor parallel every rank builds the same weights and keeps its share
+    (as a file is loaded), with a plain engine over it: the benchmark runs on every rank in lock step."""
+    from flashtree.engine.loader import engine_from_target, random_target
     from flashtree.engine.process_memory import cap_process_memory
-    from flashtree.models.random_weights import random_target, shape_config
+    from flashtree.models.random_weights import shape_config
+    from flashtree.parallel.placement import place_layers, resolve_device, resolve_placement
+    from flashtree.parallel.tp import check_placement, join_group
 
     overrides = {}
     if getattr(args, "multi_turn", False):  # room for the long system prompt and the turns
         overrides["context_length"] = max(synthetic_shapes()[args.synthetic].get("context_length", 4096),
                                           2 * args.system_tokens + 8192)
     config = shape_config(args.synthetic, **overrides)
+    check_placement(settings.tensor_parallel, settings.gpus, settings.layer_split, settings.draft_device)
     if settings.tensor_parallel > 1:
-        return _synthetic_tp_engine(args, config, settings)
-    split = parse_split(settings.layer_split) if settings.layer_split else None
-    n = len(split) if split is not None else settings.gpus or 1
-    devices = None
-    if n > 1:
-        devices = ["cpu"] * n if args.device not in (None, "auto") and resolve_device(args.device).type == "cpu" \
-            else parse_devices(None, n)
-    device = resolve_device(str(devices[0]) if devices else args.device)
+        shard = join_group(settings.tensor_parallel, settings.device)
+        cap_process_memory([shard.device], settings.gpu_memory, settings.cuda_overhead)
+        print(f"building random {args.synthetic} ({args.scheme}), rank {shard.rank}'s shard on {shard.device} ...")
+        # each layer is generated and cut on the rank's own device: the host path is minutes at 27B
+        target = random_target(config, args.scheme, shard.device, shard=shard, echo=args.echo)
+        return engine_from_target(target, settings)
+    devices, split = resolve_placement(settings.device, settings.gpus, settings.layer_split)
+    device = devices[0] if devices else resolve_device(settings.device)
     draft_device = [resolve_device(settings.draft_device)] if settings.draft_device else []
     cap_process_memory([*(devices or [device]), *draft_device], settings.gpu_memory, settings.cuda_overhead)
     print(f"building random {args.synthetic} ({args.scheme}) in memory on {device} ...")

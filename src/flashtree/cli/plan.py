@@ -21,7 +21,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from flashtree.cli.args import add_memory_args, int_range, one_of
-from flashtree.engine.config import DEFAULT_BUDGET, DEFAULT_DRAFT_WINDOW, DEFAULT_PREFILL_CHUNK
+from flashtree.engine.config import DEFAULT_BUDGET, DEFAULT_DRAFT_WINDOW, DEFAULT_PREFILL_CHUNK, EngineArgs
 from flashtree.engine.prefix_cache_flags import DEFAULT_DEVICE_BYTES, GIB
 from flashtree.errors import FlashtreeError
 
@@ -67,8 +67,8 @@ def add_parser(sub) -> None:
     p.add_argument("--draft-device", default=None, metavar="cuda:N",
                    help="the GPU the draft, its ring and the prefill capture go to (as `run --draft-device`)")
     # dest "ranks": a plan starts no processes (`main` spawns ranks for `tensor_parallel`)
-    p.add_argument("-tp", "--tensor-parallel", dest="ranks", type=int_range(1), default=1, metavar="N",
-                   help="plan one rank of N-way tensor parallel (as `run -tp N`)")
+    p.add_argument("-tp", "--tensor-parallel", dest="ranks", type=int_range(1), default=EngineArgs.tensor_parallel,
+                   metavar="N", help="plan one rank of N-way tensor parallel (as `run -tp N`)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=run)
 
@@ -131,13 +131,13 @@ def warn_past_trained_context(ctx: int, trained: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from flashtree.engine.planner import fmt_bytes, max_ctx, per_device, per_rank, plan
+    from flashtree.parallel.tp import check_placement
 
+    check_placement(args.ranks, layer_split=args.layer_split, draft_device=args.draft_device)
     req = build_request(args)
     warn_past_trained_context(req.ctx, req.config.context_length)
     result = plan(req)
     if args.ranks > 1:
-        if args.layer_split or args.draft_device:
-            raise FlashtreeError("--tensor-parallel does not combine with --layer-split / --draft-device")
         return show_devices(args, result, [per_rank(result, args.ranks)] * args.ranks,
                             f"tensor parallel {args.ranks} (one rank per GPU)")
     placed = placement(args, req.config.num_layers)

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Sequence
 
 import torch
-import torch.distributed
 from tqdm import tqdm
 
 from flashtree.parallel.placement import default_dtype, place_layers, resolve_device, resolve_placement
-from flashtree.parallel.tp import init_from_env, load_tp_model, serve_ranks
+from flashtree.parallel.tp import RankShard, check_placement, join_group, rank_device, serve_ranks
 from flashtree.engine.config import EngineArgs, GenerationConfig
 from flashtree.engine.generate import Engine
 from flashtree.engine.memory_check import check_memory, check_rank_memory
@@ -31,44 +28,55 @@ from flashtree.models.gguf_config import check_tensor_types, read_config
 from flashtree.models.layers import quant_weights
 from flashtree.models.qwen35 import Qwen35Model
 from flashtree.models.qwen35_config import Qwen35Config
+from flashtree.models.random_weights import RandomWeights, random_source
 
 
-def load_target(path: str | Path, device: str | None = None, dtype: torch.dtype | None = None,
-                progress: bool = False) -> Target:
+def load_target(path: str | Path, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
+                progress: bool = False, shard: RankShard | None = None) -> Target:
+    """The target of a GGUF file on `device` (auto: the first GPU, else the CPU), in `dtype` (default: bf16
+    on a GPU, float32 on the CPU); with `shard`, one tensor-parallel rank's share of it (`load_tp_target`)."""
     gguf, config, spec = _open_checked(path)
-    tokenizer, template = tokenizer_and_template(spec)
+    return _build_target(Path(path), gguf, config, spec, device, dtype, progress, shard)
+
+
+def random_target(shape: str | Qwen35Config, scheme: str = "q4_k_m", device: str | torch.device | None = "cpu",
+                  dtype: torch.dtype | None = None, seed: int = 0, tokenizer: TokenizerSpec | None = None,
+                  progress: bool = False, shard: RankShard | None = None, **weight_options) -> Target:
+    """`load_target` for random weights built in memory on `device` (no file): the model of a named shape
+    (`models.random_weights.SHAPES`) or config, and the synthetic tokenizer padded to its vocabulary (as
+    `write_synthetic_gguf` does). `weight_options` go to `RandomWeights` (tied, logit_scale, qtypes,
+    pool_blocks, echo). With `shard` every rank builds the same weights and keeps its share."""
     dev = resolve_device(device)
-    model = Qwen35Model.load(gguf, config, dev, dtype or default_dtype(dev), progress=layer_progress_bar(config) if progress else None)
-    return Target(Path(path), gguf, config, model, tokenizer, template)
+    config, weights, spec = random_source(shape, scheme, dev, seed, tokenizer, **weight_options)
+    return _build_target(Path(weights.path), weights, config, spec, dev, dtype, progress, shard)
+
+
+def _build_target(path: Path, source: GGUFFile | RandomWeights, config: Qwen35Config, spec: TokenizerSpec,
+                  device: str | torch.device | None, dtype: torch.dtype | None, progress: bool,
+                  shard: RankShard | None) -> Target:
+    dev = resolve_device(device)
+    model = Qwen35Model.load(source, config, dev, dtype or default_dtype(dev),
+                             progress=layer_progress_bar(config) if progress else None, shard=shard)
+    tokenizer, template = tokenizer_and_template(spec)
+    return Target(path, source, config, model, tokenizer, template)
 
 
 def load_tp_target(path: str | Path, world: int, device: str | None = None, progress: bool = False) -> Target:
-    """`load_target` for one rank of a tensor-parallel group of `world` processes: the rank's shard."""
-    dev = init_from_env(device)
-    if torch.distributed.get_world_size() != world:
-        raise FlashtreeError(f"--tensor-parallel {world} but the process group has "
-                             f"{torch.distributed.get_world_size()} ranks")
-    gguf, config, spec = _open_checked(path)
-    show = progress and torch.distributed.get_rank() == 0
-    # on a GPU each layer is loaded there, still quantized, and sharded block-wise (host copies would be dense)
-    model = load_tp_model(gguf, config, dev, default_dtype(dev), progress=layer_progress_bar(config) if show else None,
-                          host=dev if dev.type == "cuda" else None)
-    tokenizer, template = tokenizer_and_template(spec)
-    return Target(Path(path), gguf, config, model, tokenizer, template)
+    """`load_target` for one rank of a tensor-parallel group of `world` processes (joined here): the rank's
+    share on its device (`parallel.tp.join_group`), with a progress bar on rank 0 only."""
+    shard = join_group(world, device)
+    return load_target(path, shard.device, progress=progress and shard.rank == 0, shard=shard)
 
 
-def load_placed_target(path, device=None, progress: bool = False, gpus: int | None = None,
-                       layer_split: str | Sequence[float] | None = None, tensor_parallel: int = 1, devices=None):
-    """`load_target` plus the placement options of `load_engine`."""
-    if tensor_parallel and tensor_parallel > 1:
-        if gpus not in (None, 1) or layer_split is not None:
-            raise FlashtreeError("--tensor-parallel does not combine with --gpus / --layer-split yet")
-        return load_tp_target(path, tensor_parallel, device, progress=progress)
-    devs, split = resolve_placement(device, gpus, layer_split, devices)
+def _placed_target(args: EngineArgs) -> Target:
+    """The target on the placement of `args`: one device, a layer split or a tensor-parallel rank's share."""
+    if args.tensor_parallel > 1:
+        return load_tp_target(args.model, args.tensor_parallel, args.device, progress=args.progress)
+    devs, split = resolve_placement(args.device, args.gpus, args.layer_split, args.devices)
     if devs is None:
-        return load_target(path, device, progress=progress)
+        return load_target(args.model, args.device, progress=args.progress)
     # load on the host, then move each layer to its device: no device ever holds more than its share
-    target = load_target(path, "cpu", dtype=default_dtype(devs[0]), progress=progress)
+    target = load_target(args.model, "cpu", dtype=default_dtype(devs[0]), progress=args.progress)
     place_layers(target.model, devs, split)
     return target
 
@@ -133,12 +141,12 @@ def load_engine(args: EngineArgs = EngineArgs()):
         args = replace(args, model=DEMO_TARGET, draft=DEMO_DRAFT if use_draft else args.draft)
     _check_spec_has_draft(args)
     _default_config(args, "ar")  # a bad KV type, window or request default fails here, before loading
+    check_placement(args.tensor_parallel, args.gpus, args.layer_split, args.draft_device)
     if args.tensor_parallel > 1:
         _check_rank_memory(args)
     else:
         _check_memory(args)
-    target = load_placed_target(args.model, args.device, args.progress, args.gpus, args.layer_split,
-                                args.tensor_parallel, args.devices)
+    target = _placed_target(args)
     engine = engine_from_target(target, args)
     if args.tensor_parallel > 1:  # rank 0 gets the engine back; the other ranks follow it and exit
         return serve_ranks(engine)
@@ -147,17 +155,17 @@ def load_engine(args: EngineArgs = EngineArgs()):
 
 def _check_rank_memory(args: EngineArgs) -> None:
     """This rank's share of tensor parallel, checked on the GPU the rank will use (LOCAL_RANK, as
-    `parallel.tp.init_from_env` picks it) before any weight is read, and held to `--gpu-memory` there."""
-    if not torch.cuda.is_available() or (args.device not in (None, "auto") and not str(args.device).startswith("cuda")):
+    `parallel.tp.join_group` picks it) before any weight is read, and held to `--gpu-memory` there."""
+    device = rank_device(args.device)
+    if device.type != "cuda":
         return
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     check_rank_memory(args.model, args.draft, device, args.tensor_parallel, args.ctx, args.gpu_memory, args.budget,
                       args.cache_type_k, args.cache_type_v, args.cuda_overhead, _prefix_cache_device_bytes(args))
     cap_process_memory([device], args.gpu_memory, args.cuda_overhead)
 
 
 def _check_memory(args: EngineArgs) -> None:
-    """The placement `load_placed_target` will make, planned and checked against the GPUs' memory, and
+    """The placement `_placed_target` will make, planned and checked against the GPUs' memory, and
     held to `--gpu-memory` on them."""
     stages, split = resolve_placement(args.device, args.gpus, args.layer_split, args.devices)
     if stages is None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 
@@ -103,6 +103,19 @@ class DecoderLayer:
         return h, self.mlp(x)
 
 
+class Shard(Protocol):
+    """One share of the target, cut from each layer as it loads (tensor parallel: flashtree.parallel.tp.RankShard)."""
+
+    def local_config(self, config: Qwen35Config) -> Qwen35Config:
+        """The share's config: its heads and MLP width."""
+
+    def layer(self, layer: DecoderLayer, full: Qwen35Config, local: Qwen35Config, dtype: torch.dtype) -> None:
+        """Replace `layer`'s weights with the share's, in place (`dtype`: of any weight that cannot stay quantized)."""
+
+    def head(self, head: Linear, vocab: int, dtype: torch.dtype):
+        """The LM head of the share: a linear (or wrapper) that returns the full `vocab` logits."""
+
+
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor  # [T, vocab] float32 (or [1, vocab] with last_only)
@@ -118,20 +131,30 @@ class Qwen35Model:
         self.boundaries: dict[int, torch.device] = {}  # layer split (flashtree.parallel): layer index -> its device
 
     @classmethod
-    def load(cls, gguf: GGUFFile, config: Qwen35Config, device="cpu", dtype=torch.float32, progress=None) -> "Qwen35Model":
+    def load(cls, gguf: GGUFFile, config: Qwen35Config, device="cpu", dtype=torch.float32, progress=None,
+             shard: Shard | None = None) -> "Qwen35Model":
+        """The target from `gguf` (a file, or any source with its tensor table), layer by layer on `device`;
+        `progress(done, total)` after each layer. With `shard` (tensor parallel) each layer and the LM head
+        are cut to one rank's share as they load, and the model has the rank's config."""
         device = torch.device(device)
+        local = shard.local_config(config) if shard is not None else config
         d, vocab = config.hidden_size, config.vocab_size
         embed = QuantizedEmbedding.load(gguf, "token_embd.weight", vocab, d, dtype, device)
         head_name = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
         lm_head = Linear.load(gguf, head_name, vocab, d, dtype, device)
+        if shard is not None:
+            lm_head = shard.head(lm_head, vocab, dtype)
         layers = []
         for i in range(config.num_layers):
-            layers.append(DecoderLayer.load(gguf, i, config, dtype, device))
-            layers[-1].fuse()
+            layer = DecoderLayer.load(gguf, i, config, dtype, device)
+            if shard is not None:
+                shard.layer(layer, config, local, dtype)
+            layer.fuse()
+            layers.append(layer)
             if progress is not None:
                 progress(i + 1, config.num_layers)
         output_norm = load_weight(gguf, "output_norm.weight", (d,), torch.float32, device)
-        return cls(config, embed, layers, output_norm, lm_head, device, dtype)
+        return cls(local, embed, layers, output_norm, lm_head, device, dtype)
 
     def new_cache(self, capacity: int, cache_type_k=None, cache_type_v=None, attn_window: int = 0) -> TargetCache:
         """KV types by name (f16, bf16, f32, q8_0, q4_0, tq3_0; None = the model dtype); `attn_window`

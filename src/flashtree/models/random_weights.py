@@ -20,8 +20,6 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
 
-from flashtree.parallel.placement import default_dtype, resolve_device
-from flashtree.engine.loader import Target, layer_progress_bar, tokenizer_and_template
 from flashtree.errors import FlashtreeError
 from flashtree.formats.gguf_file import TensorInfo
 from flashtree.formats.quant_mix import quant_types
@@ -29,7 +27,6 @@ from flashtree.formats.quants import bytes_for, quantize
 from flashtree.formats.tokenizer import pad_vocab
 from flashtree.models.gguf_config import check_tensor_types
 from flashtree.models.gguf_writer import write_qwen35_gguf
-from flashtree.models.qwen35 import Qwen35Model
 from flashtree.models.qwen35_config import Qwen35Config
 from flashtree.models.synthetic import init_std, init_values, synthetic_tokenizer, tensor_shapes, tiny_config
 
@@ -197,23 +194,11 @@ class RandomWeights:
         return self._pools[key]
 
 
-def random_target(shape: str | Qwen35Config, scheme: str = "q4_k_m", device: str | torch.device | None = "cpu",
-                  dtype: torch.dtype | None = None, seed: int = 0, tokenizer=None, progress: bool = False,
-                  **weight_options):
-    """A `Target` with random weights built in memory on `device` (no file): the model of a named shape
-    (`SHAPES`) or config, and the synthetic tokenizer padded to its vocabulary (as `write_synthetic_gguf`
-    does). `weight_options` go to `RandomWeights` (tied, logit_scale, qtypes, pool_blocks)."""
-    dev = resolve_device(None if device == "auto" else device)
-    config, weights, spec = random_source(shape, scheme, dev, seed, tokenizer, **weight_options)
-    model = Qwen35Model.load(weights, config, dev, dtype or default_dtype(dev),
-                             progress=layer_progress_bar(config) if progress else None)
-    return target_of(weights, config, model, spec)
-
-
 def random_source(shape: str | Qwen35Config, scheme: str, device: torch.device, seed: int = 0, tokenizer=None,
                   **weight_options) -> tuple[Qwen35Config, RandomWeights, Any]:
-    """(config, weights, tokenizer spec) of `random_target`, before any model is built from them (a
-    tensor-parallel rank builds only its shard: flashtree.parallel.tp.load_tp_model)."""
+    """(config, weights, tokenizer spec) of a random model of a named shape (`SHAPES`) or config: the
+    synthetic tokenizer (or `tokenizer`) padded to the vocabulary, as `write_synthetic_gguf` does. The
+    loader builds the model from them (flashtree.engine.loader.random_target)."""
     config = shape_config(shape) if isinstance(shape, str) else shape
     spec = tokenizer or synthetic_tokenizer()
     if config.vocab_size < len(spec.tokens):
@@ -221,9 +206,3 @@ def random_source(shape: str | Qwen35Config, scheme: str, device: torch.device, 
     weights = RandomWeights(config, scheme, device, seed=seed, **weight_options)
     check_tensor_types(weights, config)
     return config, weights, pad_vocab(spec, config.vocab_size)
-
-
-def target_of(weights: RandomWeights, config: Qwen35Config, model, spec):
-    """The `Target` of a model built from `weights` (its tokenizer and chat template from `spec`)."""
-    tok, template = tokenizer_and_template(spec)
-    return Target(Path(weights.path), weights, config, model, tok, template)

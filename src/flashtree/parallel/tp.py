@@ -1,5 +1,6 @@
 """Tensor parallel for the qwen35 target through torch.distributed: one process per device (NCCL on GPUs,
-gloo on CPU), Megatron-style sharding of the existing model in place, layer by layer at load.
+gloo on CPU), Megatron-style sharding of the existing model in place, layer by layer at load: the loader
+(flashtree.engine.loader) reads each layer as for one process and `RankShard` cuts it to the rank's share.
 
 Per layer and rank (W ranks):
   - gated attention: whole query heads (with their output gates) and whole KV heads, H/W and Hkv/W each
@@ -12,7 +13,7 @@ Per layer and rank (W ranks):
 Each row-parallel linear ends in one all_reduce (two per layer). The LM head is vocab-parallel: every rank
 computes its slice of the vocabulary and an all_gather assembles the logits on every rank. The embedding,
 the norms and the draft are replicated. The cache holds only the rank's heads (the model's config is the
-rank-local one; `model.full_config` keeps the file's). On a GPU the shards stay quantized: rows and whole
+rank-local one). On a GPU the shards stay quantized: rows and whole
 blocks of columns of the GGUF blocks, selected as stored; a row-parallel shard whose head runs split a
 block (e.g. 128-value DeltaNet heads in 256-value K-quant blocks) is dequantized to the compute dtype.
 
@@ -28,19 +29,17 @@ import atexit
 import os
 import random
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 from flashtree.parallel import CHILD_ENV
-from flashtree.parallel.placement import move_layer
 from flashtree.errors import FlashtreeError
 from flashtree.formats.quants import GGML_QUANT_SIZES
 from flashtree.kernels.quant_matmul import QuantWeight
 from flashtree.models.deltanet import GatedDeltaNet
-from flashtree.models.layers import Linear, Projections, QuantizedEmbedding, QuantLinear, load_weight
-from flashtree.models.qwen35 import DecoderLayer, Qwen35Model
+from flashtree.models.layers import Linear, Projections, QuantLinear
 
 
 class _AllReduced:
@@ -210,51 +209,59 @@ def shard_head(head: Linear | QuantLinear, vocab: int, rank: int, world: int, gr
     return VocabParallelHead(part, vocab, group)
 
 
-def load_tp_model(gguf, config, device, dtype, group=None, progress=None, host=None):
-    """The rank's shard of the target: each layer loaded on the `host` (default the CPU), split, then moved
-    to `device`. Loaded on a GPU, weights with a quantized kernel stay GGUF blocks and their shards too
-    (`shard`); on the CPU they are dequantized first, so the shards are dense."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    local = local_config(config, world)
-    host = torch.device("cpu") if host is None else torch.device(host)
-    d, vocab = config.hidden_size, config.vocab_size
-    embed = QuantizedEmbedding.load(gguf, "token_embd.weight", vocab, d, dtype, device)
-    head_name = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
-    lm_head = shard_head(Linear.load(gguf, head_name, vocab, d, dtype, host), vocab, rank, world, group, dtype).to(device)
-    layers = []
-    for i in range(config.num_layers):
-        layer = DecoderLayer.load(gguf, i, config, dtype, host)
-        shard_layer(layer, config, local, rank, world, group, dtype)
-        layer.fuse()
-        move_layer(layer, device)
-        layers.append(layer)
-        if progress is not None:
-            progress(i + 1, config.num_layers)
-    output_norm = load_weight(gguf, "output_norm.weight", (d,), torch.float32, device)
-    model = Qwen35Model(local, embed, layers, output_norm, lm_head, device, dtype)
-    model.full_config = config
-    model.tp_rank, model.tp_world = rank, world
-    return model
+@dataclass(frozen=True)
+class RankShard:
+    """This rank's share of the target, as `Qwen35Model.load` takes it (its `shard`): the loader reads each
+    layer and the LM head on `device` -- on a GPU still as GGUF blocks, so the shards stay quantized
+    (`shard`), where host copies would be dense -- and cuts them here; the model gets the rank's config."""
+
+    rank: int
+    world: int
+    device: torch.device
+    group: object = None  # the process group; None: the default one
+
+    def local_config(self, config):
+        return local_config(config, self.world)
+
+    def layer(self, layer, full, local, dtype: torch.dtype) -> None:
+        shard_layer(layer, full, local, self.rank, self.world, self.group, dtype)
+
+    def head(self, head: Linear | QuantLinear, vocab: int, dtype: torch.dtype) -> VocabParallelHead:
+        return shard_head(head, vocab, self.rank, self.world, self.group, dtype)
+
+
+def check_placement(world: int, gpus: int | None = None, layer_split=None, draft_device=None) -> None:
+    """Tensor parallel over `world` ranks refuses the other placements, before anything is loaded."""
+    if world > 1 and (gpus not in (None, 1) or layer_split is not None or draft_device is not None):
+        raise FlashtreeError("--tensor-parallel does not combine with --gpus / --layer-split / --draft-device "
+                             "(each rank keeps a replica of the draft on its own GPU)")
 
 
 # ---- process group and launch ----
 
-def init_from_env(device: str | None = None) -> torch.device:
+def rank_device(device: str | None = None) -> torch.device:
+    """This rank's device: cuda:LOCAL_RANK when CUDA is there and `device` (auto, cuda) allows it, else the CPU."""
+    if torch.cuda.is_available() and (device in (None, "auto") or str(device).startswith("cuda")):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def join_group(world: int, device: str | None = None) -> RankShard:
     """Join the process group described by torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT,
-    LOCAL_RANK); NCCL with one GPU per process, gloo on CPU. Returns this rank's device."""
+    LOCAL_RANK) -- NCCL with one GPU per process, gloo on CPU -- unless already joined, check that it has
+    `world` ranks, and return this rank's shard."""
     os.environ.update({k: os.environ.get(k, v) for k, v in CHILD_ENV.items()})
-    use_cuda = torch.cuda.is_available() and (device in (None, "auto") or str(device).startswith("cuda"))
-    if use_cuda:
-        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    dev = rank_device(device)
+    if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    else:
-        dev = torch.device("cpu")
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             raise FlashtreeError("tensor parallel needs one process per rank: start with "
                                  "`flashtree ... --tensor-parallel N` or under torchrun")
-        dist.init_process_group("nccl" if use_cuda else "gloo")
-    return dev
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    if dist.get_world_size() != world:
+        raise FlashtreeError(f"--tensor-parallel {world} but the process group has {dist.get_world_size()} ranks")
+    return RankShard(dist.get_rank(), world, dev)
 
 
 # ---- keeping the ranks in lock step ----
@@ -336,10 +343,6 @@ def follow(engine) -> None:
 def serve_ranks(engine):
     """Called by `load_engine` under tensor parallel: rank 0 gets its engine back (wrapped), the other
     ranks follow rank 0's requests and exit when it is done."""
-    draft = engine.draft
-    if draft is not None and hasattr(draft, "fc") and draft.fc.weight.device != engine.target.model.device:
-        raise FlashtreeError("--draft-device does not combine with --tensor-parallel: each rank keeps a replica "
-                             "of the draft on its own GPU")
     if dist.get_rank() == 0:
         wrapped = TensorParallelEngine(engine)
         atexit.register(wrapped.shutdown)
