@@ -1,11 +1,12 @@
-"""Engine flags shared by run, serve, chat and bench."""
+"""Engine and sampling flags shared by run, serve, chat and bench."""
 
 import pytest
 
-from flashtree.cli.args import engine_args
+from flashtree.cli.args import engine_args, sampling_from_args
 from flashtree.cli.main import build_parser
 from flashtree.engine.config import EngineArgs
 from flashtree.engine.loader import load_engine
+from flashtree.engine.sampling import SamplingParams
 from flashtree.errors import FlashtreeError
 
 
@@ -33,3 +34,9 @@ def test_flags_become_the_engine_settings():
 def test_engine_args_are_checked_on_construction(bad):
     with pytest.raises(FlashtreeError):
         EngineArgs(**bad)
+
+
+def test_left_out_sampling_flags_keep_the_sampling_defaults():
+    assert sampling_from_args(build_parser().parse_args(["run", "hi"])) == SamplingParams()
+    given = sampling_from_args(build_parser().parse_args(["run", "hi", "--temp", "0.7", "--top-k", "5"]))
+    assert given == SamplingParams(temperature=0.7, top_k=5)

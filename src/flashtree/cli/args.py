@@ -159,21 +159,28 @@ def add_parse_special_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    """Sampling flags (llama.cpp names); defaults are greedy decoding."""
-    parser.add_argument("--temp", "--temperature", dest="temperature", type=float, default=0.0,
-                        help="sampling temperature (default 0 = greedy)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
-    parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0 = off)")
-    parser.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
+    """Sampling flags (llama.cpp names); left out, each keeps `SamplingParams`' default: greedy decoding."""
+    parser.add_argument("--temp", "--temperature", dest="temperature", type=float, default=None,
+                        help="sampling temperature (default: greedy)")
+    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default: off)")
+    parser.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens (default: off)")
+    parser.add_argument("--min-p", type=float, default=None,
+                        help="drop tokens below min_p x the top probability (default: off)")
     parser.add_argument("--seed", type=int, default=None, help="random seed (same seed, same text, same mode)")
-    parser.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty (default 1.0 = off)")
-    parser.add_argument("--presence-penalty", type=float, default=0.0)
-    parser.add_argument("--frequency-penalty", type=float, default=0.0)
+    parser.add_argument("--repeat-penalty", type=float, default=None, help="repetition penalty (default: off)")
+    parser.add_argument("--presence-penalty", type=float, default=None, help="(default: off)")
+    parser.add_argument("--frequency-penalty", type=float, default=None, help="(default: off)")
+
+
+def given(**values) -> dict:
+    """The values of the flags given on the command line (not None): a flag left out keeps the default of the
+    settings object its value goes to, so that default is written there only."""
+    return {name: value for name, value in values.items() if value is not None}
 
 
 def sampling_from_args(args: argparse.Namespace):
     from flashtree.engine.sampling import SamplingParams
 
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                          seed=args.seed, repetition_penalty=args.repeat_penalty,
-                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
+    return SamplingParams(**given(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                  min_p=args.min_p, seed=args.seed, repetition_penalty=args.repeat_penalty,
+                                  presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty))

@@ -11,7 +11,8 @@ from typing import Sequence
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from flashtree.serve import DEFAULT_MAX_REQUEST_MB
+from flashtree.serve import (DEFAULT_MAX_REQUEST_MB, DEFAULT_QUEUE_SIZE, DEFAULT_REQUEST_TIMEOUT_S,
+                             DEFAULT_SHUTDOWN_TIMEOUT_S)
 from flashtree.serve.anthropic import router as anthropic
 from flashtree.serve.body_limit import BodySizeLimit
 from flashtree.serve.errors import document_errors, install_error_handlers
@@ -20,8 +21,8 @@ from flashtree.serve.responses import router as responses
 from flashtree.serve.server import Server
 
 
-def build_app(engine, model_name: str, api_key: str | None = None, queue_size: int = 16,
-              request_timeout: float = 600.0, shutdown_timeout: float = 30.0,
+def build_app(engine, model_name: str, api_key: str | None = None, queue_size: int = DEFAULT_QUEUE_SIZE,
+              request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S, shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
               allowed_origins: Sequence[str] = (), max_request_mb: float = DEFAULT_MAX_REQUEST_MB,
               parse_special: bool = False, template_kwargs: dict | None = None) -> FastAPI:
     """`engine`: an Engine, or a zero-argument callable returning one (loaded in the background while

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from flashtree.cli.args import add_parse_special_arg, add_thinking_arg, engine_args, int_range, thinking_kwargs
 from flashtree.engine.prefix_cache_flags import add_prefix_cache_args, prefix_cache_settings
-from flashtree.serve import DEFAULT_MAX_REQUEST_MB
+from flashtree.serve import (DEFAULT_MAX_REQUEST_MB, DEFAULT_QUEUE_SIZE, DEFAULT_REQUEST_TIMEOUT_S,
+                             DEFAULT_SHUTDOWN_TIMEOUT_S)
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -29,12 +30,14 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", help="model id clients send and /v1/models lists (default: file stem)")
     p.add_argument("--max-tokens", type=int_range(1), default=4096,
                    help="completion length when a request sets none (default 4096)")
-    p.add_argument("--max-queued-requests", type=int_range(1), default=16,
-                   help="requests that may wait while one generates; more get 503 (default 16)")
-    p.add_argument("--request-timeout", type=float, default=600.0,
-                   help="seconds from arrival before a request's generation is stopped (default 600)")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish on shutdown before they are cancelled (default 30)")
+    p.add_argument("--max-queued-requests", type=int_range(1), default=DEFAULT_QUEUE_SIZE,
+                   help=f"requests that may wait while one generates; more get 503 (default {DEFAULT_QUEUE_SIZE})")
+    p.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
+                   help="seconds from arrival before a request's generation is stopped "
+                        f"(default {DEFAULT_REQUEST_TIMEOUT_S:g})")
+    p.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                   help="seconds in-flight requests get to finish on shutdown before they are cancelled "
+                        f"(default {DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
     p.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
                    help="browser origins allowed to call the API (CORS), comma-separated, or * "
                         "(default: * on a loopback --host, none otherwise)")
