@@ -101,3 +101,12 @@ def test_q8_sibling_shares_the_drafts_tensors_and_leaves_it_whole():
     assert sibling.fc.weight is draft.fc.weight  # shared, not copied
     assert isinstance(draft.layers[0].mlp.up_proj, torch.nn.Linear)  # the original keeps its float layers
     assert type(sibling.layers[0].mlp.up_proj).__name__ == "_Q8Linear"
+
+
+def test_random_draft_of_draft_type_q8_0_has_its_layers_packed():
+    """`bench --synthetic --draft-type q8_0` measures a draft whose layer matrices are Q8_0 (and no side-by-side
+    Q8_0 copy): the random draft is built so."""
+    draft = random_draft(shape_config("tiny"), "cpu", torch.float32, draft_type="q8_0")
+    assert type(draft.layers[0].mlp.up_proj).__name__ == "_Q8Linear"
+    assert not any(name.startswith("layers.") and p.dim() == 2 for name, p in draft.named_parameters())
+    assert draft.fc.weight.dtype == torch.float32

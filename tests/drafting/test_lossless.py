@@ -137,3 +137,15 @@ def test_max_tokens_is_exact(target, reference_outputs, mode, n):
     result = Engine(target, oracle).generate(prompt, GenerationConfig(max_new_tokens=n, mode=mode, ignore_eos=True, **FIXED))
     assert result.token_ids == expected[:n]
     assert result.finish_reason == "length"
+
+
+@pytest.mark.parametrize("mode,budget,topk", CONFIGS[:2])
+def test_q8_0_draft_is_lossless(target, reference_outputs, mode, budget, topk):
+    """A draft whose layer matrices are Q8_0 blocks (--draft-type q8_0) proposes other tokens, but the output is
+    the target's greedy output all the same: acceptance decides what is kept, not the draft."""
+    draft = random_draft(target).quantize_layers("q8_0")
+    assert not any(name.startswith("layers.") and p.dim() == 2 for name, p in draft.named_parameters())
+    engine = Engine(target, draft)
+    config = GenerationConfig(max_new_tokens=N_NEW, mode=mode, budget=budget, topk=topk, ignore_eos=True, **FIXED)
+    for prompt, expected in zip(prompts(target.config.vocab_size)[:10], reference_outputs):
+        assert engine.generate(prompt, config).token_ids == expected

@@ -14,6 +14,7 @@ from flashtree.engine.loader import load_target
 from flashtree.engine.planner import (PlanRequest, kv_bytes_per_token, max_ctx, parse_size, per_device, per_rank,
                                       plan, target_from_preset)
 from flashtree.errors import FlashtreeError
+from flashtree.models.attention import PREFILL_DEQUANT_BYTES
 from flashtree.models.synthetic import tiny_config
 from tests.drafting.test_lossless import OracleProposer, random_draft
 
@@ -124,6 +125,25 @@ def test_planner_lines_and_scaling():
     small = plan(_request(ctx=32768, k="q8_0", v="q8_0", draft_window=2048))
     assert small.bytes_of("KV cache") == 34816 * (32768 + 24)
     assert small.bytes_of("draft context ring") * 2 == pytest.approx(p.bytes_of("draft context ring"), rel=1e-3)
+
+
+def test_a_long_prefix_is_planned_dequantized_one_piece_at_a_time():
+    """Past PREFILL_DEQUANT_BYTES of one layer's dequantized K/V a prefill chunk attends to the prefix in pieces
+    (models/attention.py): the activations stop growing with the context. A tree past the in-place kernel's
+    MAX_TREE_QUERIES, and a float32 compute dtype, still dequantize every row."""
+    def activations(**kw):
+        return plan(_request(**kw)).bytes_of("activations (estimate)")
+
+    per_row = 2 * 4 * 256 * 2  # K and V, 4 KV heads x 256, bf16
+    piece_ctx = PREFILL_DEQUANT_BYTES // per_row - 24  # rows = ctx + budget + 2
+    assert activations(ctx=131072) == activations(ctx=262144)
+    assert activations(ctx=piece_ctx // 2) < activations(ctx=piece_ctx)
+    merge = 2 * 24 * 512 * 256 * 4  # the float32 output the pieces are merged into, and one piece's output
+    assert activations(ctx=262144) == activations(ctx=piece_ctx) + merge
+    assert round(activations() / 2**30, 2) == 0.64  # was 1.37 with the whole prefix dequantized (1.00 of it)
+    assert activations(ctx=262144, budget=200) - activations(ctx=131072, budget=200) == 131072 * per_row
+    assert activations(ctx=262144, dtype="f32") > activations(ctx=131072, dtype="f32")
+    assert "65536 rows at a time" in dict((n, h) for n, _, h in plan(_request()).lines)["activations (estimate)"]
 
 
 def test_max_ctx_is_the_largest_fitting_multiple_of_256():

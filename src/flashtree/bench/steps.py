@@ -25,7 +25,7 @@ import torch
 from flashtree.bench.profile import print_profile, profile_call
 from flashtree.bench.report import save_report
 from flashtree.parallel.placement import resolve_device
-from flashtree.engine.config import DEFAULT_BUDGET
+from flashtree.engine.config import DEFAULT_BUDGET, DEFAULT_DRAFT_TYPE, DENSE_DRAFT
 from flashtree.engine.process_memory import measure_process_memory
 from flashtree.models.dflash import DFlashDraft, DraftConfig, build_target_layer_ids
 from flashtree.models.layers import Linear, Projections, QuantLinear
@@ -68,9 +68,10 @@ def clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def random_draft(target_config, device, dtype, seed: int = 0) -> DFlashDraft:
+def random_draft(target_config, device, dtype, seed: int = 0, draft_type: str = DEFAULT_DRAFT_TYPE) -> DFlashDraft:
     """A random DFlash draft of the published shape for this target size (5 layers, heads of 128 for a
-    27B-class target), in `dtype` on `device`."""
+    27B-class target), in `dtype` on `device`, its layer matrices held as `draft_type` (a quantized draft is
+    built on the host and its matrices packed on `device` one at a time, as `DFlashDraft.load` does)."""
     c = target_config
     layers = 5 if c.num_layers >= 32 else 2
     head_dim = 128 if c.hidden_size >= 1024 else 16
@@ -83,13 +84,15 @@ def random_draft(target_config, device, dtype, seed: int = 0) -> DFlashDraft:
         "dflash_config": {"mask_token_id": c.vocab_size - 1,
                           "target_layer_ids": build_target_layer_ids(c.num_layers, layers)}})
     torch.manual_seed(seed)
-    with torch.device(device):
+    with torch.device(device if draft_type == DENSE_DRAFT else "cpu"):
         draft = DFlashDraft(config).to(dtype)
     for p in draft.parameters():
         if p.dim() > 1:
             torch.nn.init.normal_(p, std=p.shape[1] ** -0.5)
         else:
             torch.nn.init.ones_(p)
+    if draft_type != DENSE_DRAFT:
+        draft.quantize_layers(draft_type, device).to(device)
     return draft.eval()
 
 
@@ -164,7 +167,9 @@ def run_steps(args, engine, device_name: str) -> int:
             torch.cuda.reset_peak_memory_stats(i)
     roofline_s = report["weights_bytes_per_step"] / bandwidth
     draft_device = resolve_device(args.draft_device) if getattr(args, "draft_device", None) else device
-    draft = engine.draft if isinstance(engine.draft, DFlashDraft) else random_draft(model.config, draft_device, dtype)
+    draft_type = getattr(args, "draft_type", DEFAULT_DRAFT_TYPE)
+    draft = (engine.draft if isinstance(engine.draft, DFlashDraft)
+             else random_draft(model.config, draft_device, dtype, draft_type=draft_type))
     engine.draft = draft
     draft_bytes = _module_bytes(draft) + model.lm_head.nbytes
     rows = []
@@ -218,8 +223,9 @@ def run_steps(args, engine, device_name: str) -> int:
     row("draft step", timed(lambda: proposer.propose(bonus, cache.length), device, args.repeat),
         draft_bytes / bandwidth)
     # the same draft with its layers in Q8_0, reading the same context cache; not under a --gpu-memory cap,
-    # where its 1.7 GiB (at 27B) beside the bf16 draft is not part of the configuration being measured
-    if device.type == "cuda" and not getattr(args, "gpu_memory", None):
+    # where its 1.7 GiB (at 27B) beside the bf16 draft is not part of the configuration being measured, nor
+    # when the draft's layers are Q8_0 already (--draft-type q8_0)
+    if device.type == "cuda" and not getattr(args, "gpu_memory", None) and draft_type == DENSE_DRAFT:
         q8 = q8_sibling(draft)
         q8_proposer = DFlashProposer(model, q8, config.draft_window, capture_graphs=_captures(engine))
         q8_proposer.cache = proposer.cache

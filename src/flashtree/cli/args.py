@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 from typing import Callable, Iterable
 
-from flashtree.engine.config import (DEFAULT_BUDGET, DEFAULT_CUDA_OVERHEAD, DEFAULT_TOPK, MODES, EngineArgs,
-                                     GenerationConfig, StepCost)
+from flashtree.engine.config import (DEFAULT_BUDGET, DEFAULT_CUDA_OVERHEAD, DEFAULT_DRAFT_TYPE, DEFAULT_TOPK,
+                                     DRAFT_TYPES, MODES, EngineArgs, GenerationConfig, StepCost)
 from flashtree.errors import FlashtreeError
 
 
@@ -72,6 +72,15 @@ def add_memory_args(parser: argparse.ArgumentParser, gpu_memory_help: str) -> No
                              "on an H200; `bench --steps` measures it as outside_allocator)")
 
 
+def add_draft_type_arg(parser: argparse.ArgumentParser) -> None:
+    """`--draft-type`: how the draft's layer matrices are held (shared by the commands that load a model and by
+    `flashtree plan`)."""
+    parser.add_argument("--draft-type", choices=DRAFT_TYPES, default=DEFAULT_DRAFT_TYPE,
+                        help="the draft's layer matrices: dense (the compute dtype, bf16 on a GPU) or q8_0 (half the "
+                             "bytes: 1.83 GiB instead of 3.22 for the 27B draft; output is the target's either way) "
+                             f"(default {DEFAULT_DRAFT_TYPE})")
+
+
 def step_cost(text: str) -> StepCost:
     """An argparse type: FIXED,PER_NODE, a speculative step's cost in AR steps (engine/config.py `StepCost`)."""
     try:
@@ -87,6 +96,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     """Flags shared by every command that loads a model (names follow llama.cpp / vLLM)."""
     parser.add_argument("-m", "--model", help="target GGUF, or demo: the embedded demo pair (the default)")
     parser.add_argument("--draft", help="DFlash draft directory (config.json + model.safetensors)")
+    add_draft_type_arg(parser)
     parser.add_argument("--spec", choices=MODES, default=None,
                         help="decoding mode (default: ddtree when a draft is given, else ar)")
     parser.add_argument("--budget", type=int_range(1), default=DEFAULT_BUDGET,
@@ -141,8 +151,8 @@ def thinking_kwargs(think: bool | None) -> dict:
 
 def engine_args(args: argparse.Namespace, **settings) -> EngineArgs:
     """The `EngineArgs` of the flags `add_model_args` added, with the command's own `settings` on top."""
-    flags = {"model": args.model, "draft": args.draft, "device": args.device, "spec": args.spec,
-             "budget": args.budget, "topk": args.topk, "cache_type_k": args.cache_type_k,
+    flags = {"model": args.model, "draft": args.draft, "draft_type": args.draft_type, "device": args.device,
+             "spec": args.spec, "budget": args.budget, "topk": args.topk, "cache_type_k": args.cache_type_k,
              "cache_type_v": args.cache_type_v, "attn_window": args.attn_window, "gpus": args.gpus,
              "layer_split": args.layer_split, "draft_device": args.draft_device,
              "tensor_parallel": args.tensor_parallel, "enforce_eager": args.enforce_eager, "ctx": args.ctx,

@@ -20,7 +20,7 @@ import json
 import sys
 from typing import TYPE_CHECKING
 
-from flashtree.cli.args import add_memory_args, int_range, one_of
+from flashtree.cli.args import add_draft_type_arg, add_memory_args, int_range, one_of
 from flashtree.engine.config import DEFAULT_BUDGET, DEFAULT_DRAFT_WINDOW, DEFAULT_PREFILL_CHUNK, EngineArgs
 from flashtree.engine.prefix_cache_flags import DEFAULT_DEVICE_BYTES, GIB
 from flashtree.errors import FlashtreeError
@@ -45,6 +45,7 @@ def add_parser(sub) -> None:
                         "unless --no-draft)")
     p.add_argument("--draft", help="DFlash draft directory (config.json is read)")
     p.add_argument("--no-draft", action="store_true", help="plan without a draft (autoregressive)")
+    add_draft_type_arg(p)
     p.add_argument("-c", "--ctx", type=int_range(2), default=None, help="context size in tokens (default: the model's)")
     p.add_argument("-ctk", "--cache-type-k", default="f16", metavar="TYPE",
                    help="K cache type: f16, bf16, f32, q8_0, q4_0, tq3_0 (default f16)")
@@ -88,7 +89,7 @@ def build_request(args: argparse.Namespace) -> PlanRequest:
         draft = None
     return PlanRequest(config, weights, embed, draft, args.ctx or config.context_length, args.cache_type_k,
                        args.cache_type_v, args.budget, args.draft_window, args.prefill_chunk, args.dtype, dense,
-                       layers, args.cuda_overhead, int(args.prefix_cache_device_gib * GIB))
+                       layers, args.cuda_overhead, int(args.prefix_cache_device_gib * GIB), args.draft_type)
 
 
 def available_memory(text: str | None) -> tuple[int | None, str]:
@@ -151,13 +152,14 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({
             "model": c.name, "ctx": req.ctx, "cache_type_k": req.cache_type_k, "cache_type_v": req.cache_type_v,
-            "budget": req.budget, "draft": req.draft is not None, "lines": {n: b for n, b, _ in result.lines},
+            "budget": req.budget, "draft": req.draft is not None, "draft_type": req.draft_type,
+            "lines": {n: b for n, b, _ in result.lines},
             "cuda_overhead": req.cuda_overhead,
             "total": result.total, "available": available, "fits": available is None or result.total <= available,
             "max_ctx": fits_to, "target_weights_dequantized": result.dequantized_weights()}, indent=2))
     else:
         print(f"{c.name}: ctx {req.ctx}, K {req.cache_type_k} / V {req.cache_type_v}, budget {req.budget}, "
-              f"{'DFlash draft' if req.draft else 'no draft'}, compute {req.dtype}")
+              f"{f'DFlash draft ({req.draft_type})' if req.draft else 'no draft'}, compute {req.dtype}")
         print(result.table(available))
         print(f"note: on CUDA the weights stay quantized (the stored size above); the CPU path and types without a "
               f"GPU kernel dequantize at load ({fmt_bytes(result.dequantized_weights())} in {req.dtype} for all of them)")

@@ -25,6 +25,12 @@ DEFAULT_BUDGET = 22  # DDTree node budget (root not counted)
 DEFAULT_TOPK = 8  # DDTree candidates per draft position
 DEFAULT_DRAFT_WINDOW = 4096  # committed positions the draft attends to (its context cache size)
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per prefill forward
+# How the draft's decoder-layer matrices are held: "dense" in the compute dtype (bf16 on a GPU, f32 on the CPU),
+# or "q8_0" blocks (`DFlashDraft.quantize_layers`: 1.83 GiB instead of 3.22 for the 27B draft; its `fc` and
+# norms stay dense). Speculative output is the target's either way: the draft only proposes.
+DENSE_DRAFT = "dense"
+DRAFT_TYPES = (DENSE_DRAFT, "q8_0")
+DEFAULT_DRAFT_TYPE = DENSE_DRAFT
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 # What a CUDA process holds on each GPU outside PyTorch's allocator: the CUDA context, cuBLAS workspaces,
 # Triton and NVRTC modules. The planner counts it per GPU and `--gpu-memory` caps the allocator at the cap
@@ -51,6 +57,11 @@ def check_decoding(mode: str, budget: int, topk: int, ctx: int | None, attn_wind
         raise FlashtreeError(f"ctx must be >= 2 tokens, got {ctx}")
     if attn_window < 0:
         raise FlashtreeError(f"attn_window must be >= 0 (0 = full attention), got {attn_window}")
+
+
+def check_draft_type(draft_type: str) -> None:
+    if draft_type not in DRAFT_TYPES:
+        raise FlashtreeError(f"unknown draft type {draft_type!r}; choose one of {', '.join(DRAFT_TYPES)}")
 
 
 def cache_rows(tokens: int, budget: int) -> int:
@@ -103,6 +114,7 @@ class EngineArgs:
     devices: Sequence[str] | None = None  # the split's devices instead of cuda:0..N-1 (tests split over "cpu")
     draft_device: str | None = None  # the draft and its context cache on their own device
     tensor_parallel: int = 1  # > 1: shard the target over the ranks of the process group
+    draft_type: str = DEFAULT_DRAFT_TYPE  # the draft's layer matrices: dense or q8_0 (DRAFT_TYPES)
     enforce_eager: bool = False  # no CUDA graphs
     # the memory check before loading (on CUDA), and the requests' context size
     ctx: int | None = None  # context size in tokens; None: fit each request
@@ -127,6 +139,7 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         check_decoding(self.spec or "ar", self.budget, self.topk, self.ctx, self.attn_window)
+        check_draft_type(self.draft_type)
         if self.gpus is not None and self.gpus < 1:
             raise FlashtreeError(f"gpus must be >= 1, got {self.gpus}")
         if self.tensor_parallel < 1:

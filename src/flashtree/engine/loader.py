@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from flashtree.parallel.placement import default_dtype, place_layers, resolve_device, resolve_placement
 from flashtree.parallel.tp import RankShard, check_placement, join_group, rank_device, serve_ranks
-from flashtree.engine.config import EngineArgs, GenerationConfig
+from flashtree.engine.config import DEFAULT_DRAFT_TYPE, DENSE_DRAFT, EngineArgs, GenerationConfig
 from flashtree.engine.generate import Engine
 from flashtree.engine.memory_check import check_memory, check_rank_memory
 from flashtree.engine.prefix_cache import PrefixCache
@@ -174,7 +174,8 @@ def _check_memory(args: EngineArgs) -> None:
         split = [1.0] * len(stages)
     draft_device = resolve_device(args.draft_device) if args.draft_device else None
     check_memory(args.model, args.draft, stages, split, draft_device, args.ctx, args.gpu_memory, args.budget,
-                 args.cache_type_k, args.cache_type_v, args.cuda_overhead, _prefix_cache_device_bytes(args))
+                 args.cache_type_k, args.cache_type_v, args.cuda_overhead, _prefix_cache_device_bytes(args),
+                 draft_type=args.draft_type)
     cap_process_memory([*stages, *([draft_device] if draft_device is not None else [])], args.gpu_memory,
                        args.cuda_overhead)
 
@@ -190,7 +191,8 @@ def engine_from_target(target: Target, args: EngineArgs = EngineArgs()):
     _check_spec_has_draft(args)
     _default_config(args, "ar")
     compile_tensor_core_kernels(target.model, args.progress)
-    draft_model = load_draft(args.draft, target, args.draft_device) if args.draft is not None else None
+    draft_model = (load_draft(args.draft, target, args.draft_device, args.draft_type) if args.draft is not None
+                   else None)
     mode = args.spec or ("ddtree" if draft_model is not None else "ar")
     prefix_cache = PrefixCache(max_entries=args.prefix_cache_entries, max_bytes=args.prefix_cache_bytes,
                                device_bytes=args.prefix_cache_device_bytes,
@@ -236,9 +238,12 @@ def _default_config(args: EngineArgs, mode: str) -> GenerationConfig:
                             **{key: value for key, value in request.items() if value is not None})
 
 
-def load_draft(path: str | Path, target: Target, device: str | None = None):
+def load_draft(path: str | Path, target: Target, device: str | None = None, draft_type: str = DEFAULT_DRAFT_TYPE):
+    """The DFlash draft at `path` in the target's dtype, on `device` (--draft-device) or the target's, its
+    layer matrices held as `draft_type` says (engine/config.py DRAFT_TYPES)."""
     device = resolve_device(device) if device is not None else target.model.device  # --draft-device
-    draft = DFlashDraft.load(path, device=device, dtype=target.model.dtype)
+    layer_type = None if draft_type == DENSE_DRAFT else draft_type
+    draft = DFlashDraft.load(path, device=device, dtype=target.model.dtype, layer_type=layer_type)
     c = target.config
     draft.check_target(c.hidden_size, c.vocab_size, c.num_layers)
     return draft

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from flashtree.engine.config import DEFAULT_CUDA_OVERHEAD
+from flashtree.engine.config import DEFAULT_CUDA_OVERHEAD, DEFAULT_DRAFT_TYPE
 from flashtree.parallel.placement import layer_counts
 from flashtree.engine.planner import (DraftShape, PlanRequest, fmt_bytes, parse_size, per_rank, plan, refusal,
                                      target_from_gguf)
@@ -27,11 +27,12 @@ DEFAULT_CTX = 4096
 def check_rank_memory(model: str | Path, draft: str | Path | None, device: torch.device, world: int,
                       ctx: int | None, gpu_memory: str | None, budget: int, cache_type_k: str | None,
                       cache_type_v: str | None, cuda_overhead: int = DEFAULT_CUDA_OVERHEAD,
-                      prefix_cache_device_bytes: int = 0) -> None:
+                      prefix_cache_device_bytes: int = 0, draft_type: str = DEFAULT_DRAFT_TYPE) -> None:
     """Raise FlashtreeError when one rank's share of `world`-way tensor parallel does not fit `device`."""
     if device.type != "cuda":
         return
-    req = _request(model, draft, ctx, budget, cache_type_k, cache_type_v, cuda_overhead, prefix_cache_device_bytes)
+    req = _request(model, draft, ctx, budget, cache_type_k, cache_type_v, cuda_overhead, prefix_cache_device_bytes,
+                   draft_type)
     need = sum(per_rank(plan(req), world).values())
     (free,), source = _available([device], gpu_memory)
     if need > free:
@@ -41,28 +42,32 @@ def check_rank_memory(model: str | Path, draft: str | Path | None, device: torch
 
 
 def _request(model, draft, ctx, budget, cache_type_k, cache_type_v, cuda_overhead,
-             prefix_cache_device_bytes: int) -> PlanRequest:
+             prefix_cache_device_bytes: int, draft_type: str) -> PlanRequest:
     config, weights, embed, dense, layers = target_from_gguf(model)
     shape = DraftShape.from_dir(draft) if draft is not None else None
     return PlanRequest(config, weights, embed, shape, ctx or min(DEFAULT_CTX, config.context_length),
                        cache_type_k or "bf16", cache_type_v or "bf16", budget, dense_params=dense, layer_bytes=layers,
-                       cuda_overhead=cuda_overhead, prefix_cache_device_bytes=prefix_cache_device_bytes)
+                       cuda_overhead=cuda_overhead, prefix_cache_device_bytes=prefix_cache_device_bytes,
+                       draft_type=draft_type)
 
 
 def check_memory(model: str | Path, draft: str | Path | None, target_devices: list[torch.device],
                  split: list[float] | None, draft_device: torch.device | None, ctx: int | None,
                  gpu_memory: str | None, budget: int, cache_type_k: str | None, cache_type_v: str | None,
-                 cuda_overhead: int = DEFAULT_CUDA_OVERHEAD, prefix_cache_device_bytes: int = 0) -> None:
-    """Raise FlashtreeError when the plan of `model` (+ `draft`) over `target_devices` (its layers split
-    by `split`, counts or proportions as `--layer-split` takes them, or all on the one device) with the
-    draft on `draft_device` (and a prefix cache's device budget, if it is on) does not fit."""
+                 cuda_overhead: int = DEFAULT_CUDA_OVERHEAD, prefix_cache_device_bytes: int = 0,
+                 draft_type: str = DEFAULT_DRAFT_TYPE) -> None:
+    """Raise FlashtreeError when the plan of `model` (+ `draft`, its layers held as `draft_type`) over
+    `target_devices` (its layers split by `split`, counts or proportions as `--layer-split` takes them, or all
+    on the one device) with the draft on `draft_device` (and a prefix cache's device budget, if it is on)
+    does not fit."""
     devices = list(target_devices)
     draft_dev = draft_device if draft_device is not None else devices[0]
     if draft is not None and draft_dev not in devices:
         devices.append(draft_dev)
     if not any(d.type == "cuda" for d in devices):
         return
-    req = _request(model, draft, ctx, budget, cache_type_k, cache_type_v, cuda_overhead, prefix_cache_device_bytes)
+    req = _request(model, draft, ctx, budget, cache_type_k, cache_type_v, cuda_overhead, prefix_cache_device_bytes,
+                   draft_type)
     config, context = req.config, req.ctx
     available, source = _available(devices, gpu_memory)
     counts = layer_counts(config.num_layers, split) if split is not None else [config.num_layers]

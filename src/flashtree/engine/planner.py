@@ -7,7 +7,8 @@ Every line is bytes the engine allocates or a stated estimate:
 * target weights: the GGUF tensors as stored (quantized): what CUDA keeps resident (`QuantLinear`), a
   tied LM head (no output.weight) counted twice, as the loader holds the embedding and the head apart;
   the CPU path, and types without a GPU kernel, dequantize at load (`dequantized_weights`).
-* draft weights: parameter count x the compute dtype (the loader casts the draft to it).
+* draft weights: parameter count x the compute dtype (the loader casts the draft to it); with
+  `--draft-type q8_0` the decoder layers' matrices as Q8_0 blocks instead (`DFlashDraft.quantize_layers`).
 * KV cache: attention layers x kv_heads x rows x (K row bytes + V row bytes), rows = ctx + budget + 2
   (the engine's context size: committed tokens plus tree scratch rows).
 * DeltaNet state: per recurrent layer the float32 [v_heads, d, d] state + the conv tail.
@@ -17,7 +18,9 @@ Every line is bytes the engine allocates or a stated estimate:
   go straight into the draft's context ring, so they do not grow with the prompt).
 * activations (estimate): the largest forward (a prefill chunk or a verify) -- hidden, MLP and
   projection intermediates, logits, and one layer's K/V dequantized to the compute dtype (quantized
-  types, torch reference path). Attention scores are assumed not materialized (fused / flash kernel).
+  types): all its rows, or, past `PREFILL_DEQUANT_BYTES`, the piece of the prefix a prefill chunk attends to
+  at a time plus the float32 output the pieces are merged into (models/attention.py). Attention scores are
+  assumed not materialized (fused / flash kernel).
 * CUDA context + libraries: what the process holds on each GPU outside PyTorch's allocator (the CUDA
   context, cuBLAS workspaces, Triton and NVRTC modules), `PlanRequest.cuda_overhead`: the plan's total
   is the whole process's footprint, what a card's memory must hold.
@@ -34,14 +37,18 @@ from typing import Sequence
 
 import torch
 
-from flashtree.engine.config import (DEFAULT_BUDGET, DEFAULT_CUDA_OVERHEAD, DEFAULT_DRAFT_WINDOW, DEFAULT_PREFILL_CHUNK,
-                                     cache_rows)
+from gguf import GGMLQuantizationType
+
+from flashtree.engine.config import (DEFAULT_BUDGET, DEFAULT_CUDA_OVERHEAD, DEFAULT_DRAFT_TYPE, DEFAULT_DRAFT_WINDOW,
+                                     DEFAULT_PREFILL_CHUNK, DENSE_DRAFT, cache_rows, check_draft_type)
 from flashtree.errors import FlashtreeError
 from flashtree.formats.gguf_file import GGUFFile
 from flashtree.formats.quant_mix import quant_types
 from flashtree.formats.quants import bytes_for
 from flashtree.kernels.kv_quant import kv_type
 from flashtree.kernels.quant_matmul import DENSE_MIN_M
+from flashtree.kernels.tree_attention import MAX_TREE_QUERIES
+from flashtree.models.attention import PREFILL_DEQUANT_BYTES
 from flashtree.models.dflash import DFlashDraft, DraftConfig
 from flashtree.models.gguf_config import read_config
 from flashtree.models.qwen35_config import Qwen35Config
@@ -52,6 +59,7 @@ GIB = 1024**3
 PREFIX_CACHE_LINE = "prefix cache snapshots"
 MIB = 1024**2
 DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+_DRAFT_QTYPES = {"q8_0": GGMLQuantizationType.Q8_0}  # --draft-type -> the blocks its layer matrices take
 CUDA_OVERHEAD_LINE = "CUDA context + libraries"  # every GPU holds its own (per_device, per_rank)
 
 
@@ -64,13 +72,25 @@ class DraftShape:
     kv_heads: int
     head_dim: int
     feature_size: int  # len(target_layer_ids) * hidden
+    layer_matrices: tuple[tuple[int, ...], ...]  # shapes of the decoder layers' matrices (what --draft-type packs)
 
     @classmethod
     def from_config(cls, config) -> "DraftShape":
         with torch.device("meta"):
             model = DFlashDraft(config)
         params = sum(p.numel() for p in model.parameters())
-        return cls(params, config.num_hidden_layers, config.num_key_value_heads, config.head_dim, config.feature_size)
+        matrices = tuple(tuple(p.shape) for p in model.layers.parameters() if p.dim() == 2)
+        return cls(params, config.num_hidden_layers, config.num_key_value_heads, config.head_dim, config.feature_size,
+                   matrices)
+
+    def weight_bytes(self, draft_type: str, dtype_bytes: int) -> int:
+        """The draft's weights on the device: every parameter in the compute dtype, or the layers' matrices
+        as `draft_type` blocks and the rest (`fc`, the norms) in the compute dtype."""
+        if draft_type == DENSE_DRAFT:
+            return self.params * dtype_bytes
+        qtype = _DRAFT_QTYPES[draft_type]
+        packed = sum(math.prod(shape) for shape in self.layer_matrices)
+        return (self.params - packed) * dtype_bytes + sum(bytes_for(qtype, shape) for shape in self.layer_matrices)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "DraftShape":
@@ -100,8 +120,10 @@ class PlanRequest:
     layer_bytes: tuple[int, ...] = ()  # stored bytes of each layer's tensors (blk.i.*): a layer split's shares
     cuda_overhead: int = DEFAULT_CUDA_OVERHEAD  # bytes per GPU outside PyTorch's allocator
     prefix_cache_device_bytes: int = 0  # the prefix cache's device budget (snapshots past it go to host RAM)
+    draft_type: str = DEFAULT_DRAFT_TYPE  # the draft's layer matrices: dense or q8_0
 
     def __post_init__(self) -> None:
+        check_draft_type(self.draft_type)
         counts = {"ctx": (self.ctx, 2), "budget": (self.budget, 1), "draft_window": (self.draft_window, 1),
                   "prefill_chunk": (self.prefill_chunk, 1)}
         for name, (value, low) in counts.items():
@@ -160,7 +182,7 @@ def plan(req: PlanRequest) -> MemoryPlan:
 
     add(("target weights", req.weight_bytes, f"GGUF tensors as the GPU holds them (token_embd {_gib(req.embed_bytes)})"))
     if req.draft is not None:
-        add(("draft weights", req.draft.params * b, f"{req.draft.params / 1e9:.2f} B params x {req.dtype}"))
+        add(("draft weights", req.draft.weight_bytes(req.draft_type, b), _draft_note(req)))
     per_token = kv_bytes_per_token(c, tk.name, tv.name)
     add(("KV cache", per_token * rows,
          f"K {tk.name} / V {tv.name}: {per_token} B/token x {rows} rows ({n_attn} layers x {c.num_kv_heads} kv heads)"))
@@ -194,25 +216,57 @@ def _activation_parts(req: PlanRequest, rows: int, b: int) -> dict[str, int]:
     """forward: hidden, MLP and projection intermediates of the largest forward; logits; dequant: one
     attention layer's K/V in the compute dtype; dense: one FFN weight dequantized for a long chunk."""
     c = req.config
-    tk, tv = kv_type(req.cache_type_k), kv_type(req.cache_type_v)
     m = max(min(req.prefill_chunk, req.ctx), req.budget + 1)  # largest forward
     logit_rows = req.budget + 1  # a prefill chunk computes the last token's logits only
     per_token = (6 * c.hidden_size + 3 * c.intermediate_size + 3 * c.num_heads * c.head_dim
                  + 3 * c.conv_dim + c.gdn_value_dim) * b + 4 * c.gdn_value_dim * 3
-    dequant = 0
-    for t in (tk, tv):
-        if t.name != req.dtype:  # a cache side stored in another type is dequantized per layer
-            dequant += c.num_kv_heads * rows * c.head_dim * b
+    per_row = _dequantized_row_bytes(req)
+    held, merge = _dequantized_rows(req, rows, per_row), 0
+    if held < rows:  # a prefill chunk attends in pieces, merged into float32 [heads, chunk, head_dim] (2 buffers)
+        merge = 2 * c.num_heads * min(req.prefill_chunk, req.ctx) * c.head_dim * 4
+    dequant = held * per_row + merge
     # prefill chunks of >= DENSE_MIN_M tokens multiply by one dequantized weight at a time (the FFN's largest)
     dense_weight = c.intermediate_size * c.hidden_size * b if m >= DENSE_MIN_M else 0
     return {"forward": m * per_token, "logits": logit_rows * c.vocab_size * (4 + b), "dequant": dequant,
             "dense": dense_weight}
 
 
+def _dequantized_row_bytes(req: PlanRequest) -> int:
+    """Bytes of one cache row of one attention layer dequantized to the compute dtype: the K and V sides stored
+    in another type (a side in the compute dtype is read as it is)."""
+    c = req.config
+    return sum(c.num_kv_heads * c.head_dim * DTYPE_BYTES[req.dtype] for t in (req.cache_type_k, req.cache_type_v)
+               if kv_type(t).name != req.dtype)
+
+
+def _dequantized_rows(req: PlanRequest, rows: int, per_row: int) -> int:
+    """Cache rows of one attention layer held dequantized at once (`per_row` bytes each): a prefill chunk
+    attends to a prefix past PREFILL_DEQUANT_BYTES in pieces of that size (its own rows one piece,
+    models/attention.py); a tree of more than MAX_TREE_QUERIES nodes, which CUDA's in-place kernel does not
+    take, and a float32 compute dtype, which its flash kernel does not take, dequantize every row."""
+    if not per_row or req.budget + 1 > MAX_TREE_QUERIES or req.dtype == "f32":
+        return rows
+    piece = max(1, PREFILL_DEQUANT_BYTES // per_row)
+    return rows if rows <= piece else max(piece, min(req.prefill_chunk, req.ctx))
+
+
+def _draft_note(req: PlanRequest) -> str:
+    d = req.draft
+    if req.draft_type == DENSE_DRAFT:
+        return f"{d.params / 1e9:.2f} B params x {req.dtype}"
+    packed = sum(math.prod(shape) for shape in d.layer_matrices)
+    return (f"{packed / 1e9:.2f} B params of the layers' matrices in {req.draft_type}, "
+            f"{(d.params - packed) / 1e9:.2f} B x {req.dtype}")
+
+
 def _activation_note(req: PlanRequest) -> str:
     m = max(min(req.prefill_chunk, req.ctx), req.budget + 1)
     dense = ", one FFN weight dequantized" if m >= DENSE_MIN_M else ""
-    return f"forward of {m} tokens + verify logits + one layer's K/V dequantized to {req.dtype}{dense}"
+    rows = cache_rows(req.ctx, req.budget)
+    held = _dequantized_rows(req, rows, _dequantized_row_bytes(req))
+    kv = (f"one layer's K/V dequantized to {req.dtype}" if held == rows
+          else f"one layer's K/V dequantized to {req.dtype} {held} rows at a time")
+    return f"forward of {m} tokens + verify logits + {kv}{dense}"
 
 
 def max_ctx(req: PlanRequest, available: int) -> int:

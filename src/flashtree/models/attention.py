@@ -8,9 +8,16 @@ KV rows are stored in the cache's KV types (quantized on write). With TQ3_0 keys
 into the cache's rotated domain; with TQ3_0 values the attention output is rotated back. A window W > 0
 limits each query at position p to keys at positions > p - W (applied to every forward, prefill
 included, so speculative decoding stays equal to windowed autoregressive decoding); it changes output.
+
+A prefill chunk over a quantized cache dequantizes the rows it attends to. Past `dequant_bytes` of them
+(PREFILL_DEQUANT_BYTES; a 262K prefix of the 27B shape is 1 GiB per layer in bf16) a plain chunk attends to
+the committed prefix piece by piece and merges the pieces' outputs by their log-sum-exp, which is exact up
+to rounding, so the dequantized scratch stays bounded whatever the context.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -28,10 +35,17 @@ from flashtree.models.layers import Linear, Projections, load_weight
 from flashtree.models.qwen35_config import Qwen35Config
 from flashtree.models.step import Step
 
+# The most dequantized K+V (compute dtype, one attention layer) a prefill chunk holds at once before it
+# attends to the prefix in pieces: 64K rows of the 27B shape (4 KV heads x 256, bf16), so a 262K prefix takes
+# four pieces. The planner counts this bound (engine/planner.py).
+PREFILL_DEQUANT_BYTES = 256 * 2**20
+
 
 class GatedAttention:
-    def __init__(self, config: Qwen35Config, q: Linear, k: Linear, v: Linear, out: Linear, q_norm, k_norm):
+    def __init__(self, config: Qwen35Config, q: Linear, k: Linear, v: Linear, out: Linear, q_norm, k_norm,
+                 dequant_bytes: int = PREFILL_DEQUANT_BYTES):
         self.config = config
+        self.dequant_bytes = dequant_bytes  # dequantized K+V a prefill chunk holds at once (see the module doc)
         self.inputs = Projections.separate([q, k, v])  # one matmul once `fuse`d
         self.out = out
         self.q_norm, self.k_norm = q_norm, k_norm
@@ -72,13 +86,46 @@ class GatedAttention:
             out = tree_attention(q, kv.k, kv.v, kv.type_k, kv.type_v, step.start_tensor(), step.visible,
                                  step.positions, step.kv_end, c.attention_scale, kv.window)
         else:
-            lo = step.first_row(kv.window)
-            keys = dequantize_kv(kv.k[:, lo : step.kv_end], kv.type_k, q.dtype)  # rotated domain for TQ3_0
-            values = dequantize_kv(kv.v[:, lo : step.kv_end], kv.type_v, q.dtype)
-            out = self._attend(q, keys, values, step, lo, kv.window)  # [heads, n, hd]
+            out = self._attend_dequantized(q, step, kv)  # [heads, n, hd]
         if kv.type_v.rotated:  # softmax(.) @ (R v) = R (softmax(.) @ v): rotate the output back
             out = unrotate(out)
         return self.out(gated_heads(out, gate))
+
+    def _attend_dequantized(self, q, step: Step, kv: AttentionKV):
+        """Attention over the cache rows dequantized to q's dtype (the rotated domain for TQ3_0): all the
+        visible rows at once, or, for a plain chunk whose rows would take more than `dequant_bytes`, in pieces."""
+        lo = step.first_row(kv.window)
+        piece = _piece_rows(kv, q, self.dequant_bytes)
+        if step.kv_end - lo > piece and _plain_run(step, lo, kv.window, q) and q.device.type in _LSE_DEVICES:
+            out = self._attend_in_pieces(q, step, kv, piece)
+            if out is not None:
+                return out
+        keys = dequantize_kv(kv.k[:, lo : step.kv_end], kv.type_k, q.dtype)
+        values = dequantize_kv(kv.v[:, lo : step.kv_end], kv.type_v, q.dtype)
+        return self._attend(q, keys, values, step, lo, kv.window)
+
+    def _attend_in_pieces(self, q, step: Step, kv: AttentionKV, piece: int):
+        """A plain chunk's attention with at most `piece` prefix rows (or the chunk's own rows) dequantized at
+        a time: the chunk over its own rows (causal; square, so upper-left and lower-right agree), then over
+        each piece of the committed prefix (all visible), the outputs merged by their log-sum-exp in float32.
+        None where the flash kernel does not take these operands (the caller then attends to all rows at once)."""
+        scale = self.config.attention_scale
+        keys = dequantize_kv(kv.k[:, step.start : step.kv_end], kv.type_k, q.dtype)
+        values = dequantize_kv(kv.v[:, step.start : step.kv_end], kv.type_v, q.dtype)
+        if not _flash_takes(q, keys, values) or q.shape[-1] % 8:  # the op itself takes no head dim to pad
+            return None
+        out, lse = _attention_with_lse(q, keys, values, scale, causal=True)
+        acc = out.float()  # float32 [heads, T, hd]: the merged output, weighted by its pieces' share
+        for first in range(0, step.start, piece):
+            del keys, values  # the last piece's scratch goes before the next one is made: one piece at a time
+            last = min(first + piece, step.start)
+            keys = dequantize_kv(kv.k[:, first:last], kv.type_k, q.dtype)
+            values = dequantize_kv(kv.v[:, first:last], kv.type_v, q.dtype)
+            out, part_lse = _attention_with_lse(q, keys, values, scale, causal=False)
+            total = torch.logaddexp(lse, part_lse)
+            acc.mul_((lse - total).exp()[..., None]).addcmul_(out.float(), (part_lse - total).exp()[..., None])
+            lse = total
+        return acc.to(q.dtype)
 
     def _attend(self, q, keys, values, step: Step, lo: int, window: int):
         keys, values = keys.to(q.dtype), values.to(q.dtype)
@@ -111,13 +158,47 @@ def _plain_prefill(step: Step, lo: int, window: int, q, keys, values) -> bool:
     """A run of several new tokens that sees every committed row (no tree, window or graph padding), on
     the CPU or where CUDA's flash kernel takes it: elsewhere (float32, old GPUs) PyTorch would build the
     lower-right mask and, with grouped K/V, fall back to materialising every attention score."""
-    if not (q.shape[1] > 1 and not step.is_tree and not step.graphed and lo == 0 and window == 0 and _SDPA_GQA):
-        return False
+    return _plain_run(step, lo, window, q) and _flash_takes(q, keys, values)
+
+
+def _plain_run(step: Step, lo: int, window: int, q) -> bool:
+    """Several new tokens, causal among themselves, after every committed row: no tree, window or graph
+    padding."""
+    return q.shape[1] > 1 and not step.is_tree and not step.graphed and lo == 0 and window == 0 and _SDPA_GQA
+
+
+def _flash_takes(q, keys, values) -> bool:
+    """The CPU, or CUDA's flash kernel takes these operands (unmasked, grouped K/V). None of the constraints
+    it checks depends on the number of key rows, so any piece of the rows answers for all of them."""
     if q.device.type != "cuda":
         return True
     params = torch.backends.cuda.SDPAParams(q[None], keys[None], values[None], None, 0.0, False, True)
     return torch.backends.cuda.can_use_flash_attention(params, False)
 
 
+def _piece_rows(kv: AttentionKV, q, dequant_bytes: int) -> int:
+    """Cache rows whose dequantized K and V fit in `dequant_bytes`; unbounded when neither side is copied
+    (a float cache in q's dtype is read as it is). At least one row."""
+    itemsize = q.element_size() * q.shape[-1] * kv.k.shape[0]
+    per_row = sum(itemsize for t in (kv.type_k, kv.type_v) if not (isinstance(t, FloatKV) and t.dtype == q.dtype))
+    return max(1, dequant_bytes // per_row) if per_row else sys.maxsize
+
+
+def _attention_with_lse(q, keys, values, scale: float, causal: bool):
+    """Flash attention of [heads, T, hd] queries over grouped [kv_heads, S, hd] K/V -> (output [heads, T, hd]
+    in q's dtype, float32 [heads, T] log-sum-exp of each query's scaled scores), which the pieces are merged
+    by. The public function returns no log-sum-exp; these are the kernels it dispatches to (on CUDA the very
+    call `causal_lower_right` makes for the whole-prefix path; `is_causal` is lower-right there)."""
+    if q.device.type == "cuda":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            q[None], keys[None], values[None], 0.0, causal, False, scale=scale)[:2]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q[None], keys[None], values[None], 0.0, causal, scale=scale)
+    return out[0], lse.reshape(q.shape[:2]).float()
+
+
+# the devices `_attention_with_lse` has a kernel for (elsewhere a chunk attends to all its rows at once)
+_LSE_DEVICES = ("cpu", "cuda")
 # torch >= 2.5 takes grouped K/V in scaled_dot_product_attention (enable_gqa); older torch copies them
 _SDPA_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)

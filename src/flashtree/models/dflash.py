@@ -376,9 +376,11 @@ class DFlashDraft(nn.Module):
     # ---- loading / saving ----
 
     @classmethod
-    def load(cls, path: str | Path, device: str | torch.device = "cpu",
-             dtype: torch.dtype = torch.bfloat16) -> DFlashDraft:
-        """Load a z-lab draft directory: config.json + model.safetensors (names without `model.`)."""
+    def load(cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
+             layer_type: str | None = None) -> DFlashDraft:
+        """Load a z-lab draft directory: config.json + model.safetensors (names without `model.`). With
+        `layer_type` ("q8_0") the decoder layers' matrices are quantized (`quantize_layers`) on `device`
+        one at a time from host copies, so the device never holds the dense layers."""
         path = Path(path)
         for name in (CONFIG_FILE, WEIGHTS_FILE):
             if not (path / name).is_file():
@@ -389,9 +391,11 @@ class DFlashDraft(nn.Module):
             raise FlashtreeError(f"draft model: {path / CONFIG_FILE} is not valid JSON ({e})") from e
         with torch.device("meta"):
             model = cls(config)
-        tensors = load_file(path / WEIGHTS_FILE, device=str(device))
+        tensors = load_file(path / WEIGHTS_FILE, device="cpu" if layer_type is not None else str(device))
         model._check_tensors(tensors)
         model.load_state_dict({k: t.to(dtype) for k, t in tensors.items()}, assign=True)
+        if layer_type is not None:
+            model.quantize_layers(layer_type, device).to(device)  # then fc and the norms follow
         return model.eval()
 
     def _check_tensors(self, tensors: dict[str, Tensor]) -> None:
@@ -424,16 +428,19 @@ class DFlashDraft(nn.Module):
         if bad:
             raise FlashtreeError(f"draft target_layer_ids {bad} are outside the target's {num_layers} layers")
 
-    def quantize_layers(self, qtype: str = "q8_0") -> "DFlashDraft":
+    def quantize_layers(self, qtype: str = "q8_0", device: str | torch.device | None = None) -> "DFlashDraft":
         """Keep every matrix of the decoder layers in `qtype` (Q8_0 only): a 27B draft's layers read half
-        the bytes of bf16 per step. `fc` and the norms stay in their dtype. In place; returns self."""
+        the bytes of bf16 per step and take 1.83 GiB instead of 3.22. Each matrix is quantized on `device`
+        (default: where it is) and replaces its dense module at once, so at most one dense matrix is there
+        beside the blocks. `fc` and the norms stay in their dtype where they are. In place; returns self."""
         if qtype != "q8_0":
             raise FlashtreeError(f"draft quantization supports q8_0 only, got {qtype!r}")
         for layer in self.layers:
             for parent in (layer.self_attn, layer.mlp):
                 for name, child in list(parent.named_children()):
                     if isinstance(child, nn.Linear):
-                        setattr(parent, name, _Q8Linear(child.weight))
+                        weight = child.weight if device is None else child.weight.to(device)
+                        setattr(parent, name, _Q8Linear(weight))
         return self
 
     # ---- forward ----
