@@ -198,10 +198,11 @@ def mma() -> None:
             for m in (1, 8, 16, 23, 32):
                 c = kernels.choose_config(qtype, m, n, k, 132)
                 tg = kernels.token_groups(m)
-                name = kernels._instance(qtype, c, tg)
+                kernel = kernels.kernel_for(qtype, tg, n, k)
+                name = kernels._instance(qtype, c, tg, kernel)
                 key = (name, (("rows", m),), (("shape", f"{n}x{k}"),))
                 try:
-                    cubin = kernels.compile_cubin(kernels._SOURCE.read_text() + kernels._wrapper(name, qtype, c, tg),
+                    cubin = kernels.compile_cubin(kernels._SOURCE.read_text() + kernels._wrapper(name, qtype, c, tg, kernel),
                                                   "sm_90")
                     results[key] = _machine_code_facts(cubin)
                 except Exception as e:  # noqa: BLE001 - report and go on

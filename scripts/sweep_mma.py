@@ -63,10 +63,12 @@ def main() -> int:
                 plan.append((qtype, name, n, k, m, configs(qtype, n, k, m)))
     start = time.time()
     jobs = {}
-    for qtype, _, _, _, m, cs in plan:
+    for qtype, _, n, k, m, cs in plan:
         for c in cs:
-            name = mma._instance(qtype, c, mma.token_groups(m))
-            jobs[name] = mma._wrapper(name, qtype, c, mma.token_groups(m))
+            tg = mma.token_groups(m)
+            kernel = mma.kernel_for(qtype, tg, n, k)
+            name = mma._instance(qtype, c, tg, kernel)
+            jobs[name] = mma._wrapper(name, qtype, c, tg, kernel)
     mma.precompile(list(jobs.items()), arch)
     print(f"compiled in {time.time() - start:.0f} s", flush=True)
     read_bps = read_bandwidth(device)

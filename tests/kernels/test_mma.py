@@ -76,14 +76,18 @@ def test_warps_and_splits_do_not_depend_on_the_row_count():
 
 
 def test_configurations_follow_the_sweep():
-    """The H200 sweep's choices (docs/PERFORMANCE.md): the LM head on 2 warps, small matrices split K,
-    Q6_K pairs row tiles from 17 rows and Q4_K at 9-16 and 25-32."""
+    """The H200 sweeps' choices (docs/PERFORMANCE.md): the LM head on 2 warps, small matrices split K,
+    Q6_K and Q4_K's float16 kernel pair row tiles from 17 rows (qmh on one tile: two accumulator chains),
+    Q4_K's bf16 kernel at 9-16 and 25-32."""
     assert mma.choose_config(QType.Q6_K, 1, 248320, 5120) == mma.MMAConfig(1, 2, 1)
     assert mma.choose_config(QType.Q6_K, 23, 248320, 5120) == mma.MMAConfig(2, 2, 1)
     assert mma.choose_config(QType.Q4_K, 1, 5120, 17408) == mma.MMAConfig(1, 4, 1)
     assert mma.choose_config(QType.Q4_K, 1, 1024, 5120) == mma.MMAConfig(1, 4, 4)
     assert mma.choose_config(QType.Q4_K, 32, 1024, 5120).rt == 1  # too few tiles to pair
-    assert [mma.choose_config(QType.Q4_K, m, 17408, 5120).rt for m in (8, 16, 23, 32)] == [1, 2, 1, 2]
+    assert [mma.choose_config(QType.Q4_K, m, 17408, 5120) for m in (8, 16, 23, 32)] == [
+        mma.MMAConfig(1, 4, 1, 2), mma.MMAConfig(1, 4, 1, 2), mma.MMAConfig(2, 4, 1, 1), mma.MMAConfig(2, 4, 1, 1)]
+    assert [mma.kernel_for(QType.Q4_K, 3, n, k) for n, k in ((17408, 5120), (1024, 5120))] == ["qmh", "qmm"]
+    assert [mma.choose_config(QType.Q4_K, m, 4096, 1024).rt for m in (8, 16, 23, 32)] == [1, 2, 1, 2]
     assert [mma.choose_config(QType.Q6_K, m, 17408, 5120).rt for m in (8, 16, 23, 32)] == [1, 1, 2, 2]
 
 
@@ -100,11 +104,13 @@ def _nvrtc_available() -> bool:
 @pytest.mark.skipif(not _nvrtc_available(), reason="needs cuda-python and NVRTC")
 def test_cuda_source_compiles_for_sm90():
     """CI has no GPU: this is what keeps the CUDA source compiling (one instance of each kind)."""
-    wrappers = (mma._wrapper("a", QType.Q4_K, mma.MMAConfig(1, 8, 2), 1)
-                + mma._wrapper("b", QType.Q6_K, mma.MMAConfig(2, 4, 1), 4)
-                + mma._wrapper("e", QType.Q4_K, mma.MMAConfig(2, 4, 2), mma.ONE_ROW)
-                + mma._wrapper("f", QType.Q6_K, mma.MMAConfig(1, 2, 1), mma.ONE_ROW)
-                + mma._dequant_wrapper("c", QType.Q4_K, 0) + mma._dequant_wrapper("d", QType.Q6_K, 2))
+    wrappers = (mma._wrapper("a", QType.Q4_K, mma.MMAConfig(1, 8, 2, 2), 1, "qmh")
+                + mma._wrapper("b", QType.Q6_K, mma.MMAConfig(2, 4, 1), 4, "qmm")
+                + mma._wrapper("e", QType.Q4_K, mma.MMAConfig(2, 4, 2), mma.ONE_ROW, "qmv")
+                + mma._wrapper("f", QType.Q6_K, mma.MMAConfig(1, 2, 1), mma.ONE_ROW, "qmv")
+                + mma._wrapper("g", QType.Q4_K, mma.MMAConfig(2, 4, 2), 3, "qmm")
+                + mma._dequant_wrapper("c", QType.Q4_K, 0) + mma._dequant_wrapper("d", QType.Q6_K, 2)
+                + dict(mma.instances_for({(QType.Q4_K, 17408, 5120)}, 132))["prep_x_f16"])
     cubin = mma.compile_cubin(mma._SOURCE.read_text() + wrappers, "sm_90")
     assert cubin[:4] == b"\x7fELF"
 
@@ -118,7 +124,11 @@ def test_load_time_compile_covers_every_launch_and_caches(monkeypatch, tmp_path)
     names = [name for name, _ in jobs]
     assert len(names) == 6 and names[0].startswith("qmv_q4_k") and names[-1].startswith("dequant_q4_k")
     for m in (1, 2, 9, 23, 32):  # every row count a launch takes is one of them
-        assert mma._instance(QType.Q4_K, mma.choose_config(QType.Q4_K, m, 1024, 512, 132), mma.token_groups(m)) in names
+        tg = mma.token_groups(m)
+        config = mma.choose_config(QType.Q4_K, m, 1024, 512, 132)
+        assert mma._instance(QType.Q4_K, config, tg, mma.kernel_for(QType.Q4_K, tg, 1024, 512)) in names
+    big = [name for name, _ in mma.instances_for({(QType.Q4_K, 17408, 5120)}, 132)]
+    assert "prep_x_f16" in big and sum(name.startswith("qmh_q4_k") for name in big) == 4  # its x conversion too
     assert mma.uncompiled(jobs, "sm_90") == jobs
     done = []
     mma.precompile(jobs, "sm_90", workers=2, progress=done.append)
@@ -135,6 +145,50 @@ def _check_close(y: torch.Tensor, ref: torch.Tensor) -> None:
     y, ref = y.float(), ref.float()
     bound = ref.abs() * 2.0**-8 + 1e-5 * ref.abs().max()
     assert bool(((y - ref).abs() <= bound).all()), ((y - ref).abs() / ref.abs().max()).max().item()
+
+
+def test_float16_weights_hold_every_scaled_q4_k_value_exactly():
+    """What the Q4_K float16 kernel (qmh) rests on: q * sc (4-bit q, 6-bit scale) and 16 q sc are float16
+    integers, and (1024 + q) sc - 1024 sc, one fused multiply-add, gives them back exactly; the mins too."""
+    q = torch.arange(16, dtype=torch.float64)[:, None]
+    sc = torch.arange(64, dtype=torch.float64)[None, :]
+    for factor in (1, 16):  # rows g (nibble at bits 0-3) and g + 8 (bits 4-7: 1024 + 16 q)
+        exact = factor * q * sc
+        assert torch.equal(exact.to(torch.float16).double(), exact)
+        assert torch.equal(((1024 + factor * q) * sc - 1024 * sc).to(torch.float16).double(), exact)
+    assert torch.equal(sc.to(torch.float16).double(), sc)
+
+
+@pytest.mark.gpu
+@gpu
+def test_float16_x_is_x_times_a_power_of_two_per_row():
+    """prep_x: every bf16 value comes back exactly from the float16 copy, at row magnitudes float16 could
+    not hold unscaled, and the sub-block sums (hi + lo) match float64 sums of the scaled values."""
+    k = 1024
+    x = torch.randn(4, k, device="cuda") * torch.tensor([[1e-6], [1.0], [3e5], [1e30]], device="cuda")
+    x = x.to(torch.bfloat16)
+    xh, sums, scale = mma.prepare_x(x)
+    assert torch.equal(xh.float() * scale[:, None], x.float())
+    peak = (xh.float().abs().amax(dim=1))
+    assert bool(((peak >= 256) & (peak < 512)).all()), peak
+    expect = xh.double().reshape(4, k // 256, 8, 32).sum(-1)  # [row, super-block, sub-block]
+    got = sums.double().reshape(4, k // 256, 4, 2, 2)  # [row, sb, t, hi/lo, pair]: sub-block 2t + pair
+    got = (got[:, :, :, 0] + got[:, :, :, 1]).reshape(4, k // 256, 8)
+    assert torch.allclose(got, expect, rtol=0, atol=2.0**-20 * 512 * 32)
+
+
+@pytest.mark.gpu
+@gpu
+def test_q4_k_rows_of_any_magnitude_match_the_float32_reference():
+    """The float16 kernel's per-row power-of-two scaling: tiny, ordinary and huge rows in one launch."""
+    n, k = 256, 2048
+    weight = QuantWeight.from_gguf_bytes(_random_rows(QType.Q4_K, n, k).cuda().reshape(-1), QType.Q4_K, (n, k))
+    dense = quants.dequantize(weight.gguf_bytes(), QType.Q4_K, (n, k), torch.float32)
+    x = torch.randn(6, k, device="cuda") * torch.tensor([[1e-8], [1e-3], [1.0], [7.0], [1e5], [1e20]], device="cuda")
+    y = quant_matmul(x.to(torch.bfloat16), weight)
+    ref = x.to(torch.bfloat16).float() @ dense.T
+    for row in range(6):
+        _check_close(y[row], ref[row])
 
 
 @pytest.mark.gpu
@@ -158,7 +212,7 @@ def test_every_row_count_matches_the_float32_reference(qtype, shape):
 def test_every_launch_configuration_is_right(qtype):
     n, k = 1024, 4096
     weight = random_quant_weight(qtype, n, k, "cuda")
-    for rows in (1, 23):  # the one-row kernel (qmv) and qmm
+    for rows in (1, 23):  # the one-row kernel (qmv) and the token-group one (Q4_K: qmh, Q6_K: qmm)
         x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
         ref = quant_matmul_reference(x.float(), weight)
         for config in itertools.starmap(mma.MMAConfig, itertools.product((1, 2), (1, 2, 4, 8), (1, 2, 4))):

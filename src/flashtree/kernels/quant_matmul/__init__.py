@@ -6,8 +6,10 @@ all concatenated in one uint8 buffer. Values are untouched (the GGUF bytes come 
 `gguf_bytes()`); the point is aligned, vectorizable loads, since GGUF block sizes (e.g. Q6_K's 210
 bytes) break alignment, and a row's quants are contiguous across blocks. On CUDA with cuda-python, Q4_K and
 Q6_K weights are instead re-laid in tensor-core fragment order (`mma.py`, CUDA kernels in `mma.cu`):
-1-32 bf16 rows multiply the exact quantized integers and scale each sub-block in float32 (no weight
-rounding); longer chunks go through a dense temporary and cuBLAS, float32 x through a float32 one.
+bf16 rows, 32 a launch, multiply the exact quantized integers (Q4_K's float16 kernel with the sub-block
+scales inside the exact float16 weights, x scaled by a power of two per row; Q6_K's bf16 kernel scaling
+each sub-block in float32; no weight rounding); chunks of DENSE_MIN_M rows and more go through a dense
+temporary and cuBLAS, float32 x through a float32 one.
 What follows describes the Triton kernels the other types (and machines without cuda-python) use. `quant_matmul` runs the
 type's Triton kernel on CUDA (or on CPU under TRITON_INTERPRET=1), else a torch
 dequantize-then-matmul. F32/F16/BF16 weights go to torch.
@@ -221,16 +223,14 @@ def quant_matmul(x: torch.Tensor, weight: QuantWeight, config=None) -> torch.Ten
 
 
 def _mma_matmul(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
-    """Fragment-ordered weights: bf16 x of up to 32 rows in one tensor-core launch; longer bf16 x through
-    a dense bf16 temporary and cuBLAS (prefill chunks), or 32 rows at a time when the weight is too big
-    for a temporary or the chunk too short to amortize one; float32/float16 x against the dense weight
+    """Fragment-ordered weights: bf16 x through the tensor-core kernels, 32 rows a launch, up to
+    DENSE_MIN_M rows (and at any length when the weight is too big for a dense temporary); longer bf16 x
+    through a dense bf16 temporary and cuBLAS (prefill chunks); float32/float16 x against the dense weight
     in x's dtype (float32 stays float32: no TF32 unless torch is told to allow it)."""
     n, k = weight.shape
     m = x.shape[0]
-    if x.dtype == torch.bfloat16 and m <= mma.MAX_M:
-        return mma.matmul(x, weight.raw, weight.qtype, n, k)
     if x.dtype == torch.bfloat16 and (m < DENSE_MIN_M or n * k * 2 > DENSE_MAX_BYTES):
-        return torch.cat([mma.matmul(part, weight.raw, weight.qtype, n, k) for part in x.split(mma.MAX_M)])
+        return mma.matmul(x, weight.raw, weight.qtype, n, k)
     return x @ weight.dequantize(x.dtype).T
 
 

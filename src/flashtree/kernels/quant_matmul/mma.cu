@@ -15,7 +15,8 @@
 // (Giving each warp rows of its own, so that the CTA's warps share x through L1, measured no faster
 // on the H200: with more than 8 tokens the loop's instructions limit, not x's L2 traffic. Nor did a
 // cp.async pipeline through shared memory: it keeps more bytes in flight, but these loops are bound
-// by the instructions they issue, not by memory latency.) `qmv` is the one-row (decode) form.
+// by the instructions they issue, not by memory latency.) `qmv` is the one-row (decode) form; `qmh` is
+// Q4_K's 2-32 row form in float16, with the sub-block scales inside the (exact) weights.
 // No headers: NVRTC compiles this with nothing but the CUDA built-ins.
 
 typedef unsigned int u32;
@@ -71,6 +72,7 @@ __device__ __forceinline__ u16 float_to_half(float f) {
 struct Consts {
     u32 bf16_128;  // 0x43004300: bf16 128.0 in both halves
     u32 f32_2p23;  // 0x4B000000: float 2^23
+    u32 f16_1024;  // 0x64006400: float16 1024.0 in both halves
 };
 
 __device__ __forceinline__ u32 opaque(u32 v) {
@@ -79,7 +81,7 @@ __device__ __forceinline__ u32 opaque(u32 v) {
     return r;
 }
 
-__device__ __forceinline__ Consts make_consts() { return Consts{opaque(0x43004300u), opaque(0x4B000000u)}; }
+__device__ __forceinline__ Consts make_consts() { return Consts{opaque(0x43004300u), opaque(0x4B000000u), opaque(0x64006400u)}; }
 
 // (a & MASK) | c in one LOP3
 template <u32 MASK>
@@ -307,10 +309,12 @@ __device__ __forceinline__ void finish_splits(u16* __restrict__ out, const float
     if (threadIdx.x == 0) tickets[blockIdx.x] = 0;
 }
 
-// The end of a CTA: its warps' partial sums of the CTA's RT tiles meet in shared memory, added in warp order.
+// The end of a CTA: its warps' partial sums of the CTA's RT tiles meet in shared memory, added in warp order
+// (and multiplied by the token's `scale`, when x was scaled: qmh).
 template <int RT, int TG, int WARPS, int SPLITS>
 __device__ __forceinline__ void epilogue(const float (&acc)[RT][TG][4], int tile0, u16* __restrict__ out,
-                                                 float* __restrict__ partial, int* __restrict__ tickets, int M, int N) {
+                                         float* __restrict__ partial, int* __restrict__ tickets, int M, int N,
+                                         const float* __restrict__ scale = nullptr) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     constexpr int VALS = RT * TG * 4;
     __shared__ float red[WARPS][VALS][32];
@@ -329,6 +333,7 @@ __device__ __forceinline__ void epilogue(const float (&acc)[RT][TG][4], int tile
         float total = 0.0f;
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) total += red[w][v][l];
+        if (scale != nullptr) total *= __ldg(scale + tok);
         store_sum<SPLITS>(total, tok, 16 * (tile0 + rt) + (l >> 2) + 8 * (c >> 1), out, partial, M, N);
     }
     if constexpr (SPLITS > 1) finish_splits<SPLITS, WARPS * 32>(out, partial, tickets, 16 * tile0, 16 * RT, M, N);
@@ -510,6 +515,232 @@ __device__ __forceinline__ void qmv(const u16* __restrict__ x, const unsigned ch
     epilogue<RT, 1, WARPS, SPLITS>(sums, tile0, out, partial, tickets, M, N);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Q4_K, 2-32 rows of x, in float16: `qmh`. The token-column kernel above scales every sub-block's MMA
+// partial in float32, per token group: 8 FFMAs and 2 MMAs against ones (x's sums) per 32 values and
+// 8 tokens, which at 16-32 rows cost more than the decoding itself. In float16 a sub-block's scale can go
+// into the weights instead, exactly: q * sc <= 15 * 63 = 945 < 2^11 (and 16 q sc, below, is that times a
+// power of two). So the A fragment holds q * sc (one HFMA2 per register: (1024 + q) * sc - 1024 sc, the
+// 1024 coming from OR-ing q into the mantissa of float16 1024.0), a whole super-block collects in one
+// accumulator, and d is applied once per super-block. The min term is one more MMA per super-block: A the
+// rows' 8 mins (exact), B x's 8 sub-block sums as float16 hi + lo (22 bits). x itself is converted once by
+// `prep_x`: each token scaled by a power of two 2^e so that its largest |x| is in [256, 512) (float16
+// then holds every bf16 value exactly, down to 2^-23 of that largest one, and the sums stay below 2^14),
+// the output multiplied back by 2^-e. A token's result does not depend on the other rows of x.
+// Row g + 8's nibbles sit at bits 4-7 of each half: OR-ed into 1024.0 they read 1024 + 16 q, so those
+// rows hold 16 q sc and take d / 16 (exact), which saves a shift per register.
+
+__device__ __forceinline__ void mma_f16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+__device__ __forceinline__ u32 hsub2(u32 a, u32 b) {
+    u32 d;
+    asm("sub.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
+    u32 d;
+    asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+#define F16X2_1024 0x64006400u
+#define F16X2_MINUS_1024 0xE400E400u
+
+// bytes b0, b1 of w as float16 (w[b0], w[b1]): OR-ed under 0x64 (1024 + b) and 1024 taken off, exactly
+__device__ __forceinline__ u32 bytes_to_f16x2(u32 w, u32 b0, u32 b1) {
+    return hsub2(__byte_perm(w, 0x64u, (4u << 12) | (b1 << 8) | (4u << 4) | b0), F16X2_1024);
+}
+
+// CH: independent accumulator chains per tile and token group (MMA step s adds to chain s % CH), so that
+// a super-block's 16 MMAs are not one chain of dependent tensor-core latencies
+template <int RT, int TG, int CH>
+__device__ __forceinline__ void multiply_half(const Weights<Q4_K, RT>& w, const u16* const (&xrow)[TG],
+                                              const u16* const (&srow)[TG], int sb, int t, const Consts& k,
+                                              float (&acc)[RT][TG][4]) {
+    float p[CH][RT][TG][4];
+#pragma unroll
+    for (int ch = 0; ch < CH; ++ch)
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+            for (int tg = 0; tg < TG; ++tg)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) p[ch][rt][tg][c] = 0.0f;
+    const uint4* xb[TG];  // this super-block's x of each token group: one address, then constant offsets
+#pragma unroll
+    for (int tg = 0; tg < TG; ++tg) xb[tg] = reinterpret_cast<const uint4*>(xrow[tg] + (sb << 8));
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {  // 32-value sub-blocks: MMA steps 2j, 2j + 1
+        u32 bx[TG][2][2];
+#pragma unroll
+        for (int tg = 0; tg < TG; ++tg) {
+            const uint4 v = __ldg(xb[tg] + 4 * j);
+            bx[tg][0][0] = v.x; bx[tg][0][1] = v.y; bx[tg][1][0] = v.z; bx[tg][1][1] = v.w;
+        }
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt) {
+            const uint4 r0 = w.sc[rt].row[0], r1 = w.sc[rt].row[1];
+            const u32 w0 = j < 4 ? r0.x & 0x3F3F3F3Fu : (r0.z & 0x0F0F0F0Fu) | ((r0.x >> 2) & 0x30303030u);
+            const u32 w1 = j < 4 ? r1.x & 0x3F3F3F3Fu : (r1.z & 0x0F0F0F0Fu) | ((r1.x >> 2) & 0x30303030u);
+            const u32 sc0 = bytes_to_f16x2(w0, j & 3, j & 3), sc1 = bytes_to_f16x2(w1, j & 3, j & 3);
+            const u32 c0 = hmul2(sc0, F16X2_MINUS_1024), c1 = hmul2(sc1, F16X2_MINUS_1024);
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+                const int s = 2 * j + u;
+                const u32 lo = word_of(w.q[rt][s >> 2], s & 3), lo8 = lo >> 8;
+                u32 a[4];
+                a[0] = hfma2(and_or<0x000F000Fu>(lo, k.f16_1024), sc0, c0);   // row g: q sc
+                a[1] = hfma2(and_or<0x00F000F0u>(lo, k.f16_1024), sc1, c1);   // row g + 8: 16 q sc
+                a[2] = hfma2(and_or<0x000F000Fu>(lo8, k.f16_1024), sc0, c0);
+                a[3] = hfma2(and_or<0x00F000F0u>(lo8, k.f16_1024), sc1, c1);
+#pragma unroll
+                for (int tg = 0; tg < TG; ++tg) mma_f16(p[s % CH][rt][tg], a, bx[tg][u][0], bx[tg][u][1]);
+            }
+        }
+    }
+    // d once per super-block; the min term: A = the 8 mins of rows g and g + 8 (columns 2t, 2t + 1, again at
+    // + 8), B = x's sub-block sums, hi at k 2t.., lo at k 2t + 8..
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt) {
+        const uint4 r0 = w.sc[rt].row[0], r1 = w.sc[rt].row[1];
+        const u32 b0 = (2 * t) & 3;
+        const u32 m0 = t < 2 ? r0.y & 0x3F3F3F3Fu : ((r0.z >> 4) & 0x0F0F0F0Fu) | ((r0.y >> 2) & 0x30303030u);
+        const u32 m1 = t < 2 ? r1.y & 0x3F3F3F3Fu : ((r1.z >> 4) & 0x0F0F0F0Fu) | ((r1.y >> 2) & 0x30303030u);
+        u32 am[4];
+        am[0] = am[2] = bytes_to_f16x2(m0, b0, b0 + 1);
+        am[1] = am[3] = bytes_to_f16x2(m1, b0, b0 + 1);
+        const float d0 = half_to_float((u16)(r0.w & 0xFFFF)), d1 = half_to_float((u16)(r1.w & 0xFFFF)) * 0.0625f;
+        const float n0 = -half_to_float((u16)(r0.w >> 16)), n1 = -half_to_float((u16)(r1.w >> 16));
+#pragma unroll
+        for (int tg = 0; tg < TG; ++tg) {
+            const uint2 xs = __ldg(reinterpret_cast<const uint2*>(srow[tg] + (sb << 4)));
+            float pm[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            mma_f16(pm, am, xs.x, xs.y);
+#pragma unroll
+            for (int ch = 1; ch < CH; ++ch)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) p[0][rt][tg][c] += p[ch][rt][tg][c];
+            acc[rt][tg][0] = fmaf(n0, pm[0], fmaf(d0, p[0][rt][tg][0], acc[rt][tg][0]));
+            acc[rt][tg][1] = fmaf(n0, pm[1], fmaf(d0, p[0][rt][tg][1], acc[rt][tg][1]));
+            acc[rt][tg][2] = fmaf(n1, pm[2], fmaf(d1, p[0][rt][tg][2], acc[rt][tg][2]));
+            acc[rt][tg][3] = fmaf(n1, pm[3], fmaf(d1, p[0][rt][tg][3], acc[rt][tg][3]));
+        }
+    }
+}
+
+// xh, xsum, scale: prep_x's outputs for these M rows. The CTA's warps split K as in qmm. (Warps with row tiles
+// of their own walking the same super-blocks, so that x comes from L1 for all but one, measured 1.2-4x slower.)
+template <int RT, int TG, int WARPS, int SPLITS, int CH>
+__device__ __forceinline__ void qmh(const u16* __restrict__ xh, const u16* __restrict__ xsum,
+                                    const float* __restrict__ scale, const unsigned char* __restrict__ quants,
+                                    const unsigned char* __restrict__ scales, u16* __restrict__ out,
+                                    float* __restrict__ partial, int* __restrict__ tickets, int M, int N, int K) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int SB = K >> 8;
+    const int tile0 = blockIdx.x * RT;
+    const int per = (SB + SPLITS - 1) / SPLITS;
+    const int sb_begin = blockIdx.y * per;
+    const int sb_end = min(SB, sb_begin + per);
+    float acc[RT][TG][4];
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int tg = 0; tg < TG; ++tg)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[rt][tg][c] = 0.0f;
+    const u16* xrow[TG];
+    const u16* srow[TG];
+#pragma unroll
+    for (int tg = 0; tg < TG; ++tg) {
+        const int tok = 8 * tg + g < M ? 8 * tg + g : 0;  // past M: token 0 again, never stored
+        xrow[tg] = xh + (long)tok * K + 8 * t;
+        srow[tg] = xsum + (long)tok * (SB << 4) + 4 * t;
+    }
+    const Consts k = make_consts();
+    Weights<Q4_K, RT> w0, w1;
+    int sb = sb_begin + warp;
+    if (sb < sb_end) load_weights<Q4_K, RT>(quants, quants, scales, nullptr, tile0, SB, sb, lane, g, w0);
+    while (sb < sb_end) {
+        if (sb + WARPS < sb_end) load_weights<Q4_K, RT>(quants, quants, scales, nullptr, tile0, SB, sb + WARPS, lane, g, w1);
+        multiply_half<RT, TG, CH>(w0, xrow, srow, sb, t, k, acc);
+        sb += WARPS;
+        if (sb >= sb_end) break;
+        if (sb + WARPS < sb_end) load_weights<Q4_K, RT>(quants, quants, scales, nullptr, tile0, SB, sb + WARPS, lane, g, w0);
+        multiply_half<RT, TG, CH>(w1, xrow, srow, sb, t, k, acc);
+        sb += WARPS;
+    }
+    epilogue<RT, TG, WARPS, SPLITS>(acc, tile0, out, partial, tickets, M, N, scale);
+}
+
+// x [M, K] bf16 -> xh [M, K] f16 = x 2^e (per row, max |x 2^e| in [256, 512)), xsum [M, K / 256, 16] f16:
+// per super-block and lane t, the sums of sub-blocks 2t, 2t + 1 as hi (2) then lo (2), and scale [M] = 2^-e.
+// One CTA of 256 threads per row.
+__device__ __forceinline__ void prep_x(const u16* __restrict__ x, u16* __restrict__ xh, u16* __restrict__ xsum,
+                                       float* __restrict__ scale, int K) {
+    const int tok = blockIdx.x;
+    const u16* row = x + (long)tok * K;
+    __shared__ float warp_max[8];
+    float amax = 0.0f;
+    for (int i = threadIdx.x * 8; i < K; i += 256 * 8) {
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(row + i));
+        const u32 words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+            amax = fmaxf(amax, fmaxf(fabsf(__uint_as_float(words[q] << 16)), fabsf(__uint_as_float(words[q] & 0xFFFF0000u))));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+    if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = amax;
+    __syncthreads();
+    amax = warp_max[0];
+#pragma unroll
+    for (int w = 1; w < 8; ++w) amax = fmaxf(amax, warp_max[w]);
+    int e = 0;  // amax = m 2^p, m in [0.5, 1): 2^(9 - p) brings it to [256, 512)
+    if (amax > 0.0f && amax <= 3.0e38f) e = min(125, max(-125, 9 - (((int)(__float_as_uint(amax) >> 23) & 0xFF) - 126)));
+    const float up = __uint_as_float((u32)(127 + e) << 23);
+    if (threadIdx.x == 0) scale[tok] = __uint_as_float((u32)(127 - e) << 23);
+    u16* hrow = xh + (long)tok * K;
+    for (int i = threadIdx.x * 8; i < K; i += 256 * 8) {  // 4 threads per 32-value sub-block
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(row + i));
+        const u32 words[4] = {v.x, v.y, v.z, v.w};
+        u32 h[4];
+        float sum = 0.0f;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const u32 lo = float_to_half(__uint_as_float(words[q] << 16) * up);
+            const u32 hi = float_to_half(__uint_as_float(words[q] & 0xFFFF0000u) * up);
+            h[q] = lo | (hi << 16);
+            sum += half_to_float((u16)lo) + half_to_float((u16)hi);
+        }
+        *reinterpret_cast<uint4*>(hrow + i) = make_uint4(h[0], h[1], h[2], h[3]);
+        sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
+        sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
+        if ((threadIdx.x & 3) == 0) {
+            const int sub = i >> 5, sb = sub >> 3, j = sub & 7;  // sub-block j of super-block sb
+            const u16 hi = float_to_half(sum);
+            const u16 lo = float_to_half(sum - half_to_float(hi));
+            u16* rec = xsum + ((long)tok * (K >> 8) + sb) * 16 + 4 * (j >> 1) + (j & 1);
+            rec[0] = hi;
+            rec[2] = lo;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Dense dequantization (prefill chunks that go to cuBLAS, and float32/float16 x): one warp per tile
 // super-block decodes its 16 x 256 values into shared memory in the output's type (OUT 0: bf16, 1: f16,
 // 2: f32), then writes them row by row, each row one coalesced store per lane group.

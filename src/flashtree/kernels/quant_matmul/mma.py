@@ -285,11 +285,13 @@ def dequantize_emulated(raw: torch.Tensor, qtype: QType, n: int, k: int) -> torc
 
 @dataclass(frozen=True)
 class MMAConfig:
-    """rt: 16-row tiles per warp; warps: per CTA (they split K); splits: CTAs per row group (split K)."""
+    """rt: 16-row tiles per warp; warps: per CTA (they split K); splits: CTAs per row group (split K);
+    chains: accumulators per tile and token group in qmh (its 16 MMAs per super-block split over them)."""
 
     rt: int
     warps: int
     splits: int
+    chains: int = 1
 
 
 ONE_ROW = 0  # `token_groups` of one row of x: the qmv kernel (sub-blocks in the MMA's columns), not qmm
@@ -300,11 +302,25 @@ def token_groups(m: int) -> int:
     return ONE_ROW if m == 1 else (m + 7) // 8
 
 
-def _instance(qtype: QType, config: MMAConfig, tg: int) -> str:
-    c = config
+# Q4_K matrices of at least this many weights take qmh for 2-32 rows; on smaller ones (the 27B's
+# 1024x5120 K and V) its x conversion costs more than it saves (sweep of 2026-12-01)
+QMH_MIN_WEIGHTS = 1 << 23
+
+
+def kernel_for(qtype: QType, tg: int, n: int, k: int) -> str:
+    """mma.cu's kernel for `tg` token groups of an [n, k] weight: qmv (one row), qmh (Q4_K in float16: the
+    sub-block scales inside the exact float16 weights) or qmm (bf16, each sub-block scaled in float32)."""
     if tg == ONE_ROW:
+        return "qmv"
+    return "qmh" if qtype == QType.Q4_K and n * k >= QMH_MIN_WEIGHTS else "qmm"
+
+
+def _instance(qtype: QType, config: MMAConfig, tg: int, kernel: str) -> str:
+    c = config
+    if kernel == "qmv":
         return f"qmv_{qtype.name.lower()}_r{c.rt}_w{c.warps}_s{c.splits}"
-    return f"qmm_{qtype.name.lower()}_r{c.rt}_t{tg}_w{c.warps}_s{c.splits}"
+    chains = f"_c{c.chains}" if kernel == "qmh" else ""
+    return f"{kernel}_{qtype.name.lower()}_r{c.rt}_t{tg}_w{c.warps}_s{c.splits}{chains}"
 
 
 def _dequant_instance(qtype: QType, out: int) -> str:
@@ -316,13 +332,23 @@ _OUT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _DEQUANT_WARPS = {torch.bfloat16: 4, torch.float16: 4, torch.float32: 2}
 
 
-def _wrapper(name: str, qtype: QType, config: MMAConfig, tg: int) -> str:
+def _wrapper(name: str, qtype: QType, config: MMAConfig, tg: int, kernel: str) -> str:
     c = config
-    kernel = (f"qmv<{qtype.name}, {c.rt}, {c.warps}, {c.splits}>" if tg == ONE_ROW
-              else f"qmm<{qtype.name}, {c.rt}, {tg}, {c.warps}, {c.splits}>")
-    return (f'extern "C" __global__ void __launch_bounds__({c.warps * 32}) {name}(const u16* x, const unsigned char* q, '
-            f"const unsigned char* h, const unsigned char* s, const u16* d, u16* out, float* part, int* tickets, "
-            f"int M, int N, int K) {{ {kernel}(x, q, h, s, d, out, part, tickets, M, N, K); }}\n")
+    head = f'extern "C" __global__ void __launch_bounds__({c.warps * 32}) {name}'
+    if kernel == "qmh":
+        return (f"{head}(const u16* xh, const u16* xs, const float* scale, const unsigned char* q, "
+                f"const unsigned char* s, u16* out, float* part, int* tickets, int M, int N, int K) {{ "
+                f"qmh<{c.rt}, {tg}, {c.warps}, {c.splits}, {c.chains}>(xh, xs, scale, q, s, out, part, tickets, M, N, K); }}\n")
+    call = (f"qmv<{qtype.name}, {c.rt}, {c.warps}, {c.splits}>" if kernel == "qmv"
+            else f"qmm<{qtype.name}, {c.rt}, {tg}, {c.warps}, {c.splits}>")
+    return (f"{head}(const u16* x, const unsigned char* q, const unsigned char* h, const unsigned char* s, "
+            f"const u16* d, u16* out, float* part, int* tickets, int M, int N, int K) {{ "
+            f"{call}(x, q, h, s, d, out, part, tickets, M, N, K); }}\n")
+
+
+_PREP_X = "prep_x_f16"
+_PREP_X_WRAPPER = (f'extern "C" __global__ void __launch_bounds__(256) {_PREP_X}(const u16* x, u16* xh, u16* xs, '
+                   f"float* scale, int K) {{ prep_x(x, xh, xs, scale, K); }}\n")
 
 
 def _dequant_wrapper(name: str, qtype: QType, out: int) -> str:
@@ -470,49 +496,84 @@ _H200_SMS = 132
 
 
 def choose_config(qtype: QType, m: int, n: int, k: int, sms: int = _H200_SMS) -> MMAConfig:
-    """From the H200 sweep of 2026-11-30 21:35 UTC (scripts/sweep_mma.py, docs/PERFORMANCE.md).
+    """From the H200 sweeps of 2026-11-30 21:35 UTC (scripts/sweep_mma.py) and 2026-12-01 02:05 UTC (qmh,
+    scripts/sweep_mma_rows.py; docs/PERFORMANCE.md).
 
     Warps and splits depend on the matrix only, never on M: they fix the order in which a row's K is
-    summed, so qmm gives a row the same bits whether it is multiplied with 1 or 31 others (every
-    verify width agrees). The one-row kernel (decode) sums each sub-block in its own MMA column and
-    adds them per lane, a different order: a decode row and a verify row of the same token can differ
-    in the last bits (near-ties only; the bench shows the margin where greedy outputs part).
+    summed. qmm (Q6_K, small Q4_K) then gives a row the same bits whatever the other rows; qmh does for
+    2-16 rows and for 17-32 rows, whose chains differ (the two classes agree within an output rounding).
+    The one-row kernel (decode) sums each sub-block in its own MMA column and adds them per lane, another
+    order: a decode row and a verify row of the same token can differ in the last bits (near-ties only;
+    the bench shows the margin where greedy outputs part).
     4 warps per CTA (2 on LM-head-sized matrices); split K only when the row tiles cannot give every
-    SM about two CTAs. Two row tiles per warp (x's fragments reused from registers) where the sweep
-    found them faster: Q4_K at 9-16 and 25-32 rows, Q6_K from 17 rows; never on matrices with fewer
-    tiles than SMs."""
+    SM about two CTAs. Two row tiles per warp (x's fragments reused from registers) where the sweeps
+    found them faster: qmm Q4_K at 9-16 and 25-32 rows, Q6_K from 17 rows, qmh from 17 rows; never on
+    matrices with fewer tiles than SMs. qmh splits a tile's 16 MMAs per super-block over two accumulator
+    chains with one row tile (a single chain waits on each MMA's latency) and keeps one with two tiles
+    (two chains there exceed 255 registers and spill)."""
     tiles, sb = n // 16, k // SUPER
     tg = token_groups(m)
-    pairs = tg in ((2, 4) if qtype == QType.Q4_K else (3, 4))
+    half = kernel_for(qtype, tg, n, k) == "qmh"
+    pairs = tg in ((3, 4) if half or qtype == QType.Q6_K else (2, 4))
     rt = 2 if pairs and tiles >= sms and n % 32 == 0 else 1
     warps = 2 if tiles >= 32 * sms else 4
     splits = 1
     while tiles * splits < 1.5 * sms and sb // (splits * 2) >= warps:
         splits *= 2
-    return MMAConfig(rt, warps, splits)
+    return MMAConfig(rt, warps, splits, chains=2 if half and rt == 1 else 1)
 
 
 def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: QType, n: int, k: int,
-           config: MMAConfig | None = None) -> torch.Tensor:
-    """x [M <= 32, K] bf16 @ W^T -> [M, N] bf16, W in the fragment layout."""
+           config: MMAConfig | None = None, kernel: str | None = None) -> torch.Tensor:
+    """x [M, K] bf16 @ W^T -> [M, N] bf16, W in the fragment layout; 32 rows of x per launch (Q4_K's float16
+    kernel converts all of x once first). `kernel` overrides `kernel_for` (qmm for Q4_K: the sweeps)."""
     m = x.shape[0]
-    if not 1 <= m <= MAX_M or x.dtype != torch.bfloat16:
-        raise FlashtreeError(f"the MMA kernel takes 1..{MAX_M} bf16 rows, got {m} of {x.dtype}")
-    config = config or choose_config(qtype, m, n, k, sm_count(x.device))
-    tg = token_groups(m)
+    if m < 1 or x.dtype != torch.bfloat16:
+        raise FlashtreeError(f"the MMA kernel takes bf16 rows, got {m} of {x.dtype}")
+    kernel = kernel or kernel_for(qtype, token_groups(min(m, MAX_M)), n, k)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    if kernel == "qmh":
+        xh, sums, scale = prepare_x(x)
+        for start in range(0, m, MAX_M):
+            part = slice(start, start + MAX_M)
+            _launch_matmul(out[part], [xh[part], sums[part], scale[part]], raw, qtype, n, k, config, kernel)
+    else:
+        for start in range(0, m, MAX_M):
+            part = slice(start, start + MAX_M)
+            _launch_matmul(out[part], [x[part]], raw, qtype, n, k, config, kernel)
+    return out
+
+
+def prepare_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """bf16 x [M, K] -> (float16 x 2^e per row, its sub-block sums [M, K/256, 16] as float16 hi/lo, 2^-e [M]):
+    the inputs of the Q4_K float16 kernel (mma.cu `prep_x`), one launch for all rows."""
+    m, k = x.shape
+    fn = _program(x.device).function(_PREP_X, _PREP_X_WRAPPER)
+    xh = torch.empty(m, k, dtype=torch.float16, device=x.device)
+    sums = torch.empty(m, k // SUPER, 16, dtype=torch.float16, device=x.device)
+    scale = torch.empty(m, dtype=torch.float32, device=x.device)
+    _launch(fn, (m, 1), 256, [x, xh, sums, scale, k], x.device)
+    return xh, sums, scale
+
+
+def _launch_matmul(out: torch.Tensor, xs: list[torch.Tensor], raw: torch.Tensor, qtype: QType, n: int, k: int,
+                   config: MMAConfig | None, kernel: str) -> None:
+    """One launch: out [M <= 32, N] from x's piece(s) `xs` (qmh: the prepared float16 x, sums and scales)."""
+    m = out.shape[0]
+    config = config or choose_config(qtype, m, n, k, sm_count(out.device))
+    tg = ONE_ROW if kernel == "qmv" else (m + 7) // 8  # a short last piece of a long x stays in its kernel
     if n % (16 * config.rt):
         raise FlashtreeError(f"rt={config.rt} needs N % {16 * config.rt} == 0, N = {n}")
-    name = _instance(qtype, config, tg)
-    fn = _program(x.device).function(name, _wrapper(name, qtype, config, tg))
+    name = _instance(qtype, config, tg, kernel)
+    fn = _program(out.device).function(name, _wrapper(name, qtype, config, tg, kernel))
     p = pieces_of(raw, qtype, n, k)
-    out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-    groups = n // (16 * config.rt)
-    partial = (torch.empty(config.splits, m, n, dtype=torch.float32, device=x.device) if config.splits > 1
+    partial = (torch.empty(config.splits, m, n, dtype=torch.float32, device=out.device) if config.splits > 1
                else out)
-    _launch(fn, (groups, config.splits), 32 * config.warps,
-            [x, p["quants"], p.get("high", p["quants"]), p["scales"], p.get("d", p["scales"]), out, partial,
-             _tickets(x.device, torch.cuda.current_stream(x.device).cuda_stream), m, n, k], x.device)
-    return out
+    weights = ([p["quants"], p["scales"]] if kernel == "qmh" else
+               [p["quants"], p.get("high", p["quants"]), p["scales"], p.get("d", p["scales"])])
+    tickets = _tickets(out.device, torch.cuda.current_stream(out.device).cuda_stream)
+    _launch(fn, (n // (16 * config.rt), config.splits), 32 * config.warps,
+            [*xs, *weights, out, partial, tickets, m, n, k], out.device)
 
 
 def dequantize(raw: torch.Tensor, qtype: QType, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
@@ -533,21 +594,6 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def instances(splits=(1, 2, 4, 8)) -> list[tuple[str, str]]:
-    """(name, wrapper) of every instance a launch can pick: both types, 1-2 row tiles, the one-row
-    kernel and 1-4 token groups, 1-8 warps, the given splits; and the dense dequantizations."""
-    out = []
-    for qtype in MMA_TYPES:
-        for rt, tg, warps, split in itertools.product((1, 2), (ONE_ROW, 1, 2, 3, 4), (1, 2, 4, 8), splits):
-            config = MMAConfig(rt, warps, split)
-            name = _instance(qtype, config, tg)
-            out.append((name, _wrapper(name, qtype, config, tg)))
-        for code in _OUT_CODES.values():
-            name = _dequant_instance(qtype, code)
-            out.append((name, _dequant_wrapper(name, qtype, code)))
-    return out
-
-
 def _compile_to_cache(job: tuple[str, str, str]) -> str:
     name, wrapper, arch = job
     source = _SOURCE.read_text() + wrapper
@@ -565,8 +611,11 @@ def instances_for(shapes, sms: int) -> list[tuple[str, str]]:
     for qtype, n, k in shapes:
         for m in (1, 8, 16, 24, 32):
             config, tg = choose_config(qtype, m, n, k, sms), token_groups(m)
-            name = _instance(qtype, config, tg)
-            jobs[name] = _wrapper(name, qtype, config, tg)
+            kernel = kernel_for(qtype, tg, n, k)
+            name = _instance(qtype, config, tg, kernel)
+            jobs[name] = _wrapper(name, qtype, config, tg, kernel)
+            if kernel == "qmh":
+                jobs[_PREP_X] = _PREP_X_WRAPPER
         name = _dequant_instance(qtype, _OUT_CODES[torch.bfloat16])
         jobs[name] = _dequant_wrapper(name, qtype, _OUT_CODES[torch.bfloat16])
     return list(jobs.items())
