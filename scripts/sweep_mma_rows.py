@@ -34,14 +34,13 @@ QT = QType.Q4_K
 
 
 def variants(m: int, n: int, k: int) -> list[tuple[str, str, mma.MMAConfig | None]]:
+    """qmm and qmh as shipped, and qmh at other launch shapes (row tiles, warps, splits, chains)."""
     default = mma.choose_config(QT, min(m, 32), n, k, torch.cuda.get_device_properties(0).multi_processor_count)
-    out = [("qmm", "qmm", mma.MMAConfig(default.rt, default.warps, default.splits))]
-    for rt, warps, split, chains, share in ((1, 4, 1, 2, 0), (2, 4, 1, 1, 0), (1, 4, 1, 2, 1), (1, 4, 1, 1, 1),
-                                            (2, 4, 1, 1, 1), (1, 8, 1, 2, 1), (1, 2, 1, 2, 1), (1, 4, 2, 2, 1),
-                                            (2, 4, 2, 1, 1)):
-        c = mma.MMAConfig(rt, warps, split * default.splits, chains, bool(share))
-        if n % (16 * rt) == 0 and (k // 256) >= (1 if share else warps) * c.splits:
-            out.append((f"qmh r{rt}w{warps}s{c.splits}c{chains}{'x' if share else ''}", "qmh", c))
+    out = [("qmm", "qmm", mma.MMAConfig(default.rt, default.warps, default.splits)), ("qmh", "qmh", default)]
+    for rt, warps, split, chains in ((1, 4, 1, 2), (2, 4, 1, 1), (1, 4, 1, 1), (1, 8, 1, 2), (1, 4, 2, 2)):
+        c = mma.MMAConfig(rt, warps, split * default.splits, chains)
+        if c != default and n % (16 * rt) == 0 and (k // 256) >= warps * c.splits:
+            out.append((f"qmh r{rt}w{warps}s{c.splits}c{chains}", "qmh", c))
     return out
 
 

@@ -641,8 +641,11 @@ __device__ __forceinline__ void multiply_half(const Weights<Q4_K, RT>& w, const 
     }
 }
 
-// xh, xsum, scale: prep_x's outputs for these M rows. The CTA's warps split K as in qmm. (Warps with row tiles
-// of their own walking the same super-blocks, so that x comes from L1 for all but one, measured 1.2-4x slower.)
+// xh, xsum, scale: prep_x's outputs for these M rows. The CTA's warps split K as in qmm. Measured slower on
+// the H200 (2026-12-01, docs/PERFORMANCE.md): warps with row tiles of their own walking the same super-blocks,
+// so that x comes from L1 for all but one (1.2-4x), and the same with x copied into shared memory once per
+// CTA (cp.async, double buffered; up to 1.1x faster at 23-64 rows of one shape, slower elsewhere), although
+// an ablation without x's loads ran 1.2-1.4x faster: x's loads sit on the MMAs' path at 2 warps a scheduler.
 template <int RT, int TG, int WARPS, int SPLITS, int CH>
 __device__ __forceinline__ void qmh(const u16* __restrict__ xh, const u16* __restrict__ xsum,
                                     const float* __restrict__ scale, const unsigned char* __restrict__ quants,

@@ -338,7 +338,8 @@ def _wrapper(name: str, qtype: QType, config: MMAConfig, tg: int, kernel: str) -
     if kernel == "qmh":
         return (f"{head}(const u16* xh, const u16* xs, const float* scale, const unsigned char* q, "
                 f"const unsigned char* s, u16* out, float* part, int* tickets, int M, int N, int K) {{ "
-                f"qmh<{c.rt}, {tg}, {c.warps}, {c.splits}, {c.chains}>(xh, xs, scale, q, s, out, part, tickets, M, N, K); }}\n")
+                f"qmh<{c.rt}, {tg}, {c.warps}, {c.splits}, {c.chains}>(xh, xs, scale, q, s, out, part, tickets, "
+                f"M, N, K); }}\n")
     call = (f"qmv<{qtype.name}, {c.rt}, {c.warps}, {c.splits}>" if kernel == "qmv"
             else f"qmm<{qtype.name}, {c.rt}, {tg}, {c.warps}, {c.splits}>")
     return (f"{head}(const u16* x, const unsigned char* q, const unsigned char* h, const unsigned char* s, "
