@@ -160,7 +160,8 @@ def _check_rank_memory(args: EngineArgs) -> None:
     if device.type != "cuda":
         return
     check_rank_memory(args.model, args.draft, device, args.tensor_parallel, args.ctx, args.gpu_memory, args.budget,
-                      args.cache_type_k, args.cache_type_v, args.cuda_overhead, _prefix_cache_device_bytes(args))
+                      args.cache_type_k, args.cache_type_v, args.cuda_overhead, _prefix_cache_device_bytes(args),
+                      draft_type=args.draft_type)
     cap_process_memory([device], args.gpu_memory, args.cuda_overhead)
 
 

@@ -24,7 +24,7 @@ _CHUNK_ELEMENTS = 1 << 24
 _PLAIN_DTYPES = {QType.F32: torch.float32, QType.F16: torch.float16, QType.BF16: torch.bfloat16}
 
 # IQ4_NL/IQ4_XS codebook (sorted ascending) and MXFP4's doubled E2M1 values.
-_IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 _MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 
@@ -141,7 +141,7 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
 
 
 def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
-    return _f16(b, 0) * _lookup(_IQ4_VALUES, _nibbles(b[:, 2:], 16))
+    return _f16(b, 0) * _lookup(IQ4_VALUES, _nibbles(b[:, 2:], 16))
 
 
 def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
@@ -149,7 +149,7 @@ def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
     shifts = device_constant((0, 2, 4, 6), torch.uint8, b.device)
     high = ((b[:, 2:4].unsqueeze(-1) >> shifts) & 3).reshape(-1, 8)
     dl = (_f16(b, 0) * ((low | (high << 4)).float() - 32)).unsqueeze(-1)
-    values = _lookup(_IQ4_VALUES, _nibbles(b[:, 8:], 16))
+    values = _lookup(IQ4_VALUES, _nibbles(b[:, 8:], 16))
     return (dl * values.reshape(-1, 8, 32)).reshape(-1, 256)
 
 
@@ -348,13 +348,13 @@ def _quantize_q6_k(blocks: np.ndarray) -> np.ndarray:
 
 def _nearest_iq4(x: np.ndarray) -> np.ndarray:
     """Index of the nearest IQ4 codebook value for every element of x (in codebook units)."""
-    values = np.array(_IQ4_VALUES, dtype=np.float32)
+    values = np.array(IQ4_VALUES, dtype=np.float32)
     return np.searchsorted((values[1:] + values[:-1]) / 2, x).astype(np.uint8)
 
 
 def _fit_iq4_scale(sub: np.ndarray) -> np.ndarray:
     """Per row of sub [n, 32]: a scale that maps the row onto the codebook, refined by least squares."""
-    values = np.array(_IQ4_VALUES, dtype=np.float32)
+    values = np.array(IQ4_VALUES, dtype=np.float32)
     s = _peak(sub) / values[0]
     for _ in range(_REFINE_STEPS):
         v = values[_nearest_iq4(sub * _safe_inv(s))]

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashtree.formats.quants import _IQ4_VALUES
+from flashtree.formats.quants import IQ4_VALUES
 from flashtree.kernels.quant_matmul._launch import (dot_chunk, launch, program_tiles, small_uint_to_float,
                                                     store_tile, zero_acc)
 
@@ -25,7 +25,7 @@ TILE_VALUES = 32  # one sub-block: 16 quant bytes
 DEFAULT_BLOCK_K = 128  # at 256 a [64, 256] step needs ~255 registers per thread (ptxas, sm_90)
 
 # codebook entry c + 128 (all in 1..241) is byte c % 4 of word c // 4
-_CODE_WORDS = tuple(sum((v + 128) << (8 * j) for j, v in enumerate(_IQ4_VALUES[4 * i:4 * i + 4])) for i in range(4))
+_CODE_WORDS = tuple(sum((v + 128) << (8 * j) for j, v in enumerate(IQ4_VALUES[4 * i:4 * i + 4])) for i in range(4))
 _CODE_WORDS = tuple(w - (1 << 32) if w >= 1 << 31 else w for w in _CODE_WORDS)  # as int32
 _W0, _W1, _W2, _W3 = (tl.constexpr(w) for w in _CODE_WORDS)
 
@@ -94,7 +94,7 @@ def _iq4_xs_tiled(x_ptr, qs_ptr, scales_l_ptr, scales_h_ptr, d_ptr, codebook_ptr
 
 def _codebook(device: torch.device) -> torch.Tensor:
     if device not in _codebooks:
-        _codebooks[device] = torch.tensor(_IQ4_VALUES, dtype=torch.float32, device=device)
+        _codebooks[device] = torch.tensor(IQ4_VALUES, dtype=torch.float32, device=device)
     return _codebooks[device]
 
 
