@@ -1,12 +1,12 @@
 """`flashtree bench --multi-turn`: each turn's text is the same with the prefix cache on and off, and a
-turn after the first restores the shared prefix from the cache -- also in DDTree mode, whose requests
+turn after the first restores the shared prefix from the cache, up to the previous turn's assistant header --
+also in DDTree mode, whose requests
 end inside a verified tree (its scratch never committed), which once made the cache store nothing. Per
 turn the report gives the forwards of both runs and the cache's own costs."""
 
 import json
 
 from flashtree.cli.main import main
-from flashtree.engine.config import prefill_chunk_ends
 
 
 def test_multi_turn_report_on_cpu(tmp_path):
@@ -20,12 +20,15 @@ def test_multi_turn_report_on_cpu(tmp_path):
     assert rows[0]["cached_tokens"] == 0 and all(r["cached_tokens"] > 0 for r in rows[1:]), rows
     assert report["mode"] == "ddtree" and report["prefix_cache_entries"] > 0 and report["prefill_chunk"] == 32
     miss, hits = rows[0], rows[1:]
-    assert miss["chunks_on"] == miss["chunks_off"] == -(-miss["prompt_tokens"] // 32)  # a miss: the uncached forwards
+    # a miss: the uncached forwards (32-token chunks, cut before each of the 3 message headers past position 0)
+    assert miss["chunks_on"] == miss["chunks_off"] > -(-miss["prompt_tokens"] // 32)
     assert miss["restore_s"] == 0 and miss["restored_bytes"] == 0 and miss["snapshots"] > 0
-    for r in hits:  # a hit: forwards over the tokens after the restored prefix only, in 32-token chunks
-        hit_chunk_ends = prefill_chunk_ends(r["cached_tokens"], r["prompt_tokens"], 32)
-        assert r["chunks_on"] == len(hit_chunk_ends) < r["chunks_off"], r
+    previous = rows[0]
+    for r in hits:  # a hit: from the previous turn's assistant header on, only the answer and the new question
+        assert previous["prompt_tokens"] - 16 <= r["cached_tokens"] < previous["prompt_tokens"], (previous, r)
+        assert r["chunks_on"] < r["chunks_off"], r
         assert r["restore_s"] > 0 and r["restored_bytes"] > 0, r
+        previous = r
     for r in rows:
         assert 0 < r["forwards_on_s"] <= r["ttft_on_s"] and 0 < r["forwards_off_s"] <= r["ttft_off_s"], r
         assert r["snapshot_s"] > 0

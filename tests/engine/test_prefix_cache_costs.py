@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from flashtree.engine.config import GenerationConfig
+from flashtree.engine.config import GenerationConfig, prefill_chunk_ends
 from flashtree.engine.generate import Engine
 from flashtree.engine.loader import load_target
 from flashtree.engine.planner import PlanRequest, plan, target_from_preset
@@ -58,18 +58,20 @@ def prompt_with_headers(target, rng, n, header_positions):
 
 @pytest.mark.parametrize("mode", ["ar", "ddtree"])
 def test_a_miss_runs_exactly_the_uncached_forwards(target, draft, mode):
-    """Interval points (40, 80, 120) and message headers (101, 137) all fall inside 32-token chunks: the
-    cache must not cut a chunk there, only snapshot at the chunk end below each."""
+    """Interval points (40, 80, 120) fall inside 32-token chunks: the cache must not cut a chunk there, only
+    snapshot at the chunk end below each. Every prefill, cached or not, ends a chunk before each message
+    header (101, 137), so those are snapshots of their own."""
     plain, cached, plain_log, cached_log = engines(target, draft, mode, interval=40)
     prompt = prompt_with_headers(target, random.Random(1), 150, (101, 137))
     expected = plain.generate(prompt, config(mode))
     got = cached.generate(prompt, config(mode))
     assert cached.prefix_cache.stats.misses == 1
-    assert cached_log.take() == plain_log.take() == [(0, 32), (32, 32), (64, 32), (96, 32), (128, 22)]
+    assert cached_log.take() == plain_log.take() == [(0, 32), (32, 32), (64, 32), (96, 5), (101, 27), (128, 9),
+                                                     (137, 13)]
     assert got.token_ids == expected.token_ids
     prompt_entries = sorted(e.length for e in cached.prefix_cache.entries.values() if e.length <= len(prompt))
-    # 40 -> 32, 80 -> 64, 101 and 120 -> 96, 137 -> 128, and the prompt end
-    assert prompt_entries == [32, 64, 96, 128, 150]
+    # 40 -> 32, 80 -> 64, 101 and 120 -> 101, 137, and the prompt end
+    assert prompt_entries == [32, 64, 101, 137, 150]
 
 
 @pytest.mark.parametrize("mode", ["ar", "ddtree"])
@@ -80,12 +82,13 @@ def test_a_hit_runs_forwards_only_over_the_new_tokens(target, draft, mode):
     first = cached.generate(prompt, config(mode))
     cached_log.take()
 
-    # another question after the shared start: restores the chunk end 128, then runs the uncached chunks from there
+    # another question after the shared start: restores at the last shared message header (137), then runs the
+    # uncached chunks from there
     other = prompt[:140] + prompt_with_headers(target, rng, 20, ())
     got = cached.generate(other, config(mode))
-    assert cached.prefix_cache.last_request.restored_tokens == 128
+    assert cached.prefix_cache.last_request.restored_tokens == 137
     assert got.token_ids == plain.generate(other, config(mode)).token_ids
-    assert cached_log.take() == [call for call in plain_log.take() if call[0] >= 128] == [(128, 32)]
+    assert cached_log.take() == [call for call in plain_log.take() if call[0] >= 137] == [(137, 23)]
 
     if mode == "ar":  # AR requests also store their answer's end, which is not a chunk end
         follow = prompt + first.token_ids + prompt_with_headers(target, rng, 9, ())
@@ -181,3 +184,15 @@ def test_the_plan_counts_the_device_budget():
     with_cache = plan(replace(request, prefix_cache_device_bytes=budget))
     assert with_cache.total == plan(request).total + budget
     assert with_cache.bytes_of("prefix cache snapshots") == budget
+
+
+def test_chunks_end_at_multiples_and_before_message_headers_whatever_the_start():
+    """A chunk end depends only on its position and the token there: a prefill resumed at any chunk end
+    runs the very chunks of an unbroken one (the bits the prefix cache relies on)."""
+    header = 7
+    tokens = [header, 1, 2, header, 3, 4, 5, 6, 7 - 1, header, 8, 9]  # headers at 0, 3, 9
+    whole = prefill_chunk_ends(0, tokens, 4, {header})
+    assert whole == [3, 4, 8, 9, 12]  # no cut before position 0: a chunk is never empty
+    for start in whole[:-1]:
+        assert prefill_chunk_ends(start, tokens[start:], 4, {header}) == [e for e in whole if e > start]
+    assert prefill_chunk_ends(0, tokens, 4) == [4, 8, 12]  # no header ids: multiples and the end only

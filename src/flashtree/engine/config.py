@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Collection, Sequence
 
 from flashtree.engine.prefix_cache_flags import (DEFAULT_DEVICE_BYTES, DEFAULT_INTERVAL, DEFAULT_MAX_BYTES,
                                                 DEFAULT_MAX_ENTRIES)
@@ -70,11 +70,23 @@ def cache_rows(tokens: int, budget: int) -> int:
     return tokens + budget + 2
 
 
-def prefill_chunk_ends(start: int, end: int, chunk: int) -> list[int]:
-    """Where the prefill chunks over positions [start, end) end: at absolute multiples of `chunk`, then at
-    `end`. A prefill resumed at a restored prefix runs, from there on, the very chunks (shapes and
-    boundaries) of an unbroken prefill of the same prompt."""
-    return [*range((start // chunk + 1) * chunk, end, chunk), end]
+# Chat templates' message headers (ChatML and the Qwen templates): a prompt's prefill chunks end before each
+MESSAGE_START_TOKENS = ("<|im_start|>",)
+
+
+def prefill_chunk_ends(start: int, token_ids: Sequence[int], chunk: int,
+                       message_starts: Collection[int] = frozenset()) -> list[int]:
+    """Where the prefill chunks over `token_ids` (positions start .. start + len) end: at absolute multiples of
+    `chunk`, before every message header (a token in `message_starts`) and at the end. Each cut depends only on
+    its position and the token there, so a prefill resumed at any chunk end runs, from there on, the very
+    chunks (shapes and boundaries, so the bits) of an unbroken prefill of the same prompt; and the next turn
+    of a chat, whose prompt repeats this one up to its last header (templates re-render the generation
+    prompt), can resume at that header: the prefix cache snapshots chunk ends."""
+    end = start + len(token_ids)
+    cuts = {*range((start // chunk + 1) * chunk, end, chunk), end}
+    if message_starts:
+        cuts.update(start + i for i, token in enumerate(token_ids) if i and token in message_starts)
+    return sorted(cuts)
 
 
 @dataclass(frozen=True)

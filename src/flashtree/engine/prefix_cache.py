@@ -12,13 +12,14 @@ of a longer entry: a prompt that leaves a cached sequence mid-way falls back to 
 that ends at or before the divergence (the seed's bug was restoring the longer entry's state).
 
 The cache never changes how a prompt is prefilled: `ModelRunner.prefill` runs the chunks an uncached
-prefill runs (ending at absolute multiples of the chunk size), and snapshots are taken only at chunk
-ends, so a miss runs exactly the uncached forwards. The policy wants snapshots at every multiple of
-`interval`, before the last `boundaries` message headers of the prompt (`<|im_start|>`: chat
-templates re-render the previous generation prompt and answer differently, e.g. without the
-`<think>` block, so the last position every later turn shares is the start of the previous assistant
-header) and at the end of the prompt; each point inside a chunk is served by the chunk end at or
-below it. Another snapshot is taken at the end of the generated answer (whatever was committed, also
+prefill runs (ending at absolute multiples of the chunk size and before every message header,
+`<|im_start|>`), and snapshots are taken only at chunk ends, so a miss runs exactly the uncached
+forwards. The policy wants snapshots at every multiple of `interval`, before the last `boundaries`
+message headers of the prompt (chat templates re-render the previous generation prompt and answer
+differently, e.g. without the `<think>` block, so the last position every later turn shares is the
+start of the previous assistant header: a chunk end, so the next turn prefills only the answer and
+its new message) and at the end of the prompt; each point inside a chunk is served by the chunk end
+at or below it. Another snapshot is taken at the end of the generated answer (whatever was committed, also
 when the request was cancelled): no forward is needed for it. The attention rows of a request are
 copied once, at its end: rows below the committed length never change afterwards, so every snapshot
 of the request shares that copy.
@@ -49,13 +50,12 @@ from typing import Callable, Sequence
 
 import torch
 
-from flashtree.engine.config import prefill_chunk_ends
+from flashtree.engine.config import MESSAGE_START_TOKENS
 from flashtree.engine.prefix_cache_flags import (DEFAULT_DEVICE_BYTES, DEFAULT_INTERVAL, DEFAULT_MAX_BYTES,
                                                 DEFAULT_MAX_ENTRIES)
 from flashtree.errors import FlashtreeError
 from flashtree.models.dflash import DraftContextCache
 
-BOUNDARY_TOKENS = ("<|im_start|>",)
 
 
 # --------------------------------------------------------------------------------------------
@@ -305,7 +305,7 @@ class PrefixCache:
 
     def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES, max_bytes: int = DEFAULT_MAX_BYTES,
                  interval: int = DEFAULT_INTERVAL, device_bytes: int = DEFAULT_DEVICE_BYTES, boundaries: int = 2,
-                 boundary_tokens: Sequence[str] = BOUNDARY_TOKENS, max_interval_snapshots: int = 8,
+                 boundary_tokens: Sequence[str] = MESSAGE_START_TOKENS, max_interval_snapshots: int = 8,
                  clock: Callable[[], float] = time.perf_counter):
         if max_entries < 1 or max_bytes < 1 or interval < 1 or device_bytes < 0:
             raise FlashtreeError(f"prefix cache limits must be >= 1 (entries={max_entries}, bytes={max_bytes}, "
@@ -455,11 +455,12 @@ class PrefixCache:
 
     def _snapshot_ends(self, runner, prompt_ids: Sequence[int], start: int, chunk: int) -> set[int]:
         """The chunk ends of this prefill to snapshot at: the prompt end, and for every point the policy
-        wants (interval multiples, message headers) the chunk end at or below it. A chunk is never cut at
-        a point: that would be a forward more, of a shape the uncached prefill never runs (on the GPU,
-        kernels chosen, or compiled, for it)."""
+        wants (interval multiples, message headers) the chunk end at or below it. The cache never cuts a
+        chunk of its own: the uncached prefill's chunks already end before every message header
+        (`ModelRunner.chunk_ends`), so the headers are chunk ends, and a cut of the cache's own would be a
+        forward the uncached prefill does not run (other bits)."""
         n = len(prompt_ids)
-        ends = prefill_chunk_ends(start, n, chunk)
+        ends = runner.chunk_ends(start, prompt_ids[start:], chunk)
         # at most `max_interval_snapshots` per prompt: a longer prompt gets them further apart (multiples of interval)
         every = self.interval * max(1, -(-(n - start) // (self.interval * self.max_interval_snapshots)))
         points = [*range((start // every + 1) * every, n, every), *self._boundary_points(runner, prompt_ids, start)]

@@ -4,6 +4,7 @@ context sizing, with decode/verify steps replayed from CUDA graphs where possibl
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -13,7 +14,8 @@ from tqdm import tqdm
 
 from flashtree.drafting.proposer import Proposer
 from flashtree.engine.adaptive import SpeculationHistory
-from flashtree.engine.config import GenerationConfig, GenerationStats, cache_rows, prefill_chunk_ends
+from flashtree.engine.config import (MESSAGE_START_TOKENS, GenerationConfig, GenerationStats, cache_rows,
+                                    prefill_chunk_ends)
 from flashtree.engine.cuda_graphs import GraphedForward
 from flashtree.engine.output import TokenLogprob, token_logprobs
 from flashtree.engine.prefix_cache import PrefixCache
@@ -58,6 +60,16 @@ class ModelRunner:
     @property
     def tokenizer(self) -> Tokenizer:
         return self.target.tokenizer
+
+    @functools.cached_property
+    def message_starts(self) -> frozenset[int]:
+        """Ids of the message-header tokens the tokenizer has (MESSAGE_START_TOKENS): prefill chunks end before them."""
+        ids = (self.tokenizer.token_id(t) for t in MESSAGE_START_TOKENS)
+        return frozenset(i for i in ids if i is not None)
+
+    def chunk_ends(self, start: int, token_ids: Sequence[int], chunk: int) -> list[int]:
+        """Where the prefill chunks over `token_ids`, the tokens after position `start`, end (`prefill_chunk_ends`)."""
+        return prefill_chunk_ends(start, token_ids, chunk, self.message_starts)
 
     @torch.inference_mode()
     def score_prompt(self, prompt_ids: list[int], config: GenerationConfig) -> list[TokenLogprob | None]:
@@ -166,14 +178,14 @@ class ModelRunner:
                 on_features: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
                 after_chunk: Callable[[int], None] | None = None) -> torch.Tensor:
         """Run `token_ids`, the tokens after the `cache.length` already in the cache, in chunks that end at
-        absolute multiples of `chunk` (`prefill_chunk_ends`): a prefill resumed at a restored prefix runs the
-        chunks, and so the shapes, of an unbroken one. Returns the last position's logits. Each chunk's
+        absolute multiples of `chunk` and before message headers (`chunk_ends`): a prefill resumed at a
+        restored prefix runs the chunks, and so the shapes, of an unbroken one. Returns the last position's logits. Each chunk's
         captured features go to `on_features(features, positions)` as soon as they exist, so nothing grows
         with the prompt but the KV cache (a 256K prompt's features would be ~12 GiB at the 27B shape);
         `after_chunk(cache length)` runs after each chunk (the prefix cache's snapshots)."""
         start = cache.length
         with self.prefill_bar(len(token_ids)) as bar:
-            for end in prefill_chunk_ends(start, start + len(token_ids), chunk):
+            for end in self.chunk_ends(start, token_ids, chunk):
                 piece = token_ids[cache.length - start : end - start]
                 logits = self.prefill_chunk(cache, piece, capture, on_features)
                 if after_chunk is not None:

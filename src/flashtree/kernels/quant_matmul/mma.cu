@@ -210,6 +210,49 @@ __device__ __forceinline__ void load_weights(const unsigned char* quants, const 
     }
 }
 
+// This CTA's super-blocks: split blockIdx.y of SPLITS.
+struct KRange {
+    int begin, end;
+};
+
+template <int SPLITS>
+__device__ __forceinline__ KRange split_k(int SB) {
+    const int per = (SB + SPLITS - 1) / SPLITS;
+    const int begin = blockIdx.y * per;
+    return KRange{begin, min(SB, begin + per)};
+}
+
+template <int RT, int TG>
+__device__ __forceinline__ void zero(float (&acc)[RT][TG][4]) {
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int tg = 0; tg < TG; ++tg)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[rt][tg][c] = 0.0f;
+}
+
+// The K loop of every kernel: this warp's super-blocks sb, sb + WARPS, ... below `end`, double-buffered: the next
+// super-block's weights are requested before this one is multiplied (`multiply(weights, sb)`), so each warp keeps a
+// super-block of loads in flight while it computes. Two named buffers (unrolled by two): an indexed pair would go
+// to local memory.
+template <int QT, int RT, int WARPS, typename Multiply>
+__device__ __forceinline__ void walk_k(const unsigned char* quants, const unsigned char* high, const unsigned char* scales,
+                                       const u16* dvals, int tile0, int SB, int sb, int end, int lane, int g,
+                                       Multiply&& multiply) {
+    Weights<QT, RT> w0, w1;
+    if (sb < end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb, lane, g, w0);
+    while (sb < end) {
+        if (sb + WARPS < end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb + WARPS, lane, g, w1);
+        multiply(w0, sb);
+        sb += WARPS;
+        if (sb >= end) break;
+        if (sb + WARPS < end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb + WARPS, lane, g, w0);
+        multiply(w1, sb);
+        sb += WARPS;
+    }
+}
+
 // B fragments of scaled sub-block j for one token group: lane t's values are contiguous (mma.py's
 // `_lane_columns`): Q4_K one 16-byte load for both steps, Q6_K one 8-byte load.
 template <int QT>
@@ -349,18 +392,9 @@ __device__ __forceinline__ void qmm(const u16* __restrict__ x, const unsigned ch
     const int g = lane >> 2, t = lane & 3;
     const int SB = K >> 8;  // super-blocks per row
     const int tile0 = blockIdx.x * RT;
-    // this CTA's super-blocks: split blockIdx.y of SPLITS
-    const int per = (SB + SPLITS - 1) / SPLITS;
-    const int sb_begin = blockIdx.y * per;
-    const int sb_end = min(SB, sb_begin + per);
-
+    const KRange ks = split_k<SPLITS>(SB);
     float acc[RT][TG][4];
-#pragma unroll
-    for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-        for (int tg = 0; tg < TG; ++tg)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) acc[rt][tg][c] = 0.0f;
+    zero(acc);
 
     // x rows of this lane's B fragments: token 8 tg + g; past M, token 0 again (those output columns
     // are computed and never stored: cheaper than zeroing)
@@ -371,21 +405,9 @@ __device__ __forceinline__ void qmm(const u16* __restrict__ x, const unsigned ch
         xrow[tg] = x + (long)(tok < M ? tok : 0) * K + (QT == Q4_K ? 8 : 4) * t;
     }
 
-    // Double-buffered: the next super-block's weights are requested before this one is multiplied,
-    // so each warp keeps a super-block of loads in flight while it computes.
     const Consts k = make_consts();
-    Weights<QT, RT> w0, w1;  // two named buffers (unrolled by two): an indexed pair would go to local memory
-    int sb = sb_begin + warp;
-    if (sb < sb_end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb, lane, g, w0);
-    while (sb < sb_end) {
-        if (sb + WARPS < sb_end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb + WARPS, lane, g, w1);
-        multiply<QT, RT, TG>(w0, xrow, sb, k, acc);
-        sb += WARPS;
-        if (sb >= sb_end) break;
-        if (sb + WARPS < sb_end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb + WARPS, lane, g, w0);
-        multiply<QT, RT, TG>(w1, xrow, sb, k, acc);
-        sb += WARPS;
-    }
+    walk_k<QT, RT, WARPS>(quants, high, scales, dvals, tile0, SB, ks.begin + warp, ks.end, lane, g,
+                          [&](const Weights<QT, RT>& w, int sb) { multiply<QT, RT, TG>(w, xrow, sb, k, acc); });
     epilogue<RT, TG, WARPS, SPLITS>(acc, tile0, out, partial, tickets, M, N);
 }
 
@@ -480,26 +502,14 @@ __device__ __forceinline__ void qmv(const u16* __restrict__ x, const unsigned ch
     const int g = lane >> 2, t = lane & 3;
     const int SB = K >> 8;
     const int tile0 = blockIdx.x * RT;
-    const int per = (SB + SPLITS - 1) / SPLITS;
-    const int sb_begin = blockIdx.y * per;
-    const int sb_end = min(SB, sb_begin + per);
+    const KRange ks = split_k<SPLITS>(SB);
     float acc[RT][2];  // rows g and g + 8 of each tile: this lane's columns' share
 #pragma unroll
     for (int rt = 0; rt < RT; ++rt) acc[rt][0] = acc[rt][1] = 0.0f;
 
     const Consts k = make_consts();
-    Weights<QT, RT> w0, w1;  // double-buffered as in qmm
-    int sb = sb_begin + warp;
-    if (sb < sb_end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb, lane, g, w0);
-    while (sb < sb_end) {
-        if (sb + WARPS < sb_end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb + WARPS, lane, g, w1);
-        multiply_vector<QT, RT>(w0, x, sb, g, t, k, acc);
-        sb += WARPS;
-        if (sb >= sb_end) break;
-        if (sb + WARPS < sb_end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb + WARPS, lane, g, w0);
-        multiply_vector<QT, RT>(w1, x, sb, g, t, k, acc);
-        sb += WARPS;
-    }
+    walk_k<QT, RT, WARPS>(quants, high, scales, dvals, tile0, SB, ks.begin + warp, ks.end, lane, g,
+                          [&](const Weights<QT, RT>& w, int sb) { multiply_vector<QT, RT>(w, x, sb, g, t, k, acc); });
     // the 4 lanes of a row hold its columns' shares: add them (every lane ends with the row's sum), then
     // hand them to qmm's epilogue as token 0 (column 0: lane t = 0, accumulators 0 and 2)
     float sums[RT][1][4];
@@ -655,16 +665,9 @@ __device__ __forceinline__ void qmh(const u16* __restrict__ xh, const u16* __res
     const int g = lane >> 2, t = lane & 3;
     const int SB = K >> 8;
     const int tile0 = blockIdx.x * RT;
-    const int per = (SB + SPLITS - 1) / SPLITS;
-    const int sb_begin = blockIdx.y * per;
-    const int sb_end = min(SB, sb_begin + per);
+    const KRange ks = split_k<SPLITS>(SB);
     float acc[RT][TG][4];
-#pragma unroll
-    for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-        for (int tg = 0; tg < TG; ++tg)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) acc[rt][tg][c] = 0.0f;
+    zero(acc);
     const u16* xrow[TG];
     const u16* srow[TG];
 #pragma unroll
@@ -674,18 +677,8 @@ __device__ __forceinline__ void qmh(const u16* __restrict__ xh, const u16* __res
         srow[tg] = xsum + (long)tok * (SB << 4) + 4 * t;
     }
     const Consts k = make_consts();
-    Weights<Q4_K, RT> w0, w1;
-    int sb = sb_begin + warp;
-    if (sb < sb_end) load_weights<Q4_K, RT>(quants, quants, scales, nullptr, tile0, SB, sb, lane, g, w0);
-    while (sb < sb_end) {
-        if (sb + WARPS < sb_end) load_weights<Q4_K, RT>(quants, quants, scales, nullptr, tile0, SB, sb + WARPS, lane, g, w1);
-        multiply_half<RT, TG, CH>(w0, xrow, srow, sb, t, k, acc);
-        sb += WARPS;
-        if (sb >= sb_end) break;
-        if (sb + WARPS < sb_end) load_weights<Q4_K, RT>(quants, quants, scales, nullptr, tile0, SB, sb + WARPS, lane, g, w0);
-        multiply_half<RT, TG, CH>(w1, xrow, srow, sb, t, k, acc);
-        sb += WARPS;
-    }
+    walk_k<Q4_K, RT, WARPS>(quants, quants, scales, nullptr, tile0, SB, ks.begin + warp, ks.end, lane, g,
+                            [&](const Weights<Q4_K, RT>& w, int sb) { multiply_half<RT, TG, CH>(w, xrow, srow, sb, t, k, acc); });
     epilogue<RT, TG, WARPS, SPLITS>(acc, tile0, out, partial, tickets, M, N, scale);
 }
 
