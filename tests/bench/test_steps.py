@@ -70,12 +70,16 @@ def test_profile_counts_a_steps_operators_by_family(tmp_path):
     out = tmp_path / "steps.json"
     assert main(["bench", "--synthetic", "tiny", "--steps", "--profile", "--device", "cpu", "-n", "8", "--repeat", "2",
                  "--replay-al", "0", "--prefill-lengths", "16", "--context", "32", "--out", str(out)]) == 0
-    profile = json.loads(out.read_text())["profile_ar_step"]
+    report = json.loads(out.read_text())
+    profile = report["profile_ar_step"]
     families = profile["families"]
     assert profile["kernels"] == sum(f["count"] for f in families.values()) > 0
     # a tiny model's every projection is one dense matmul: at least q, k, v, o / the DeltaNet ones, and the MLP's three
     assert families["dense matmul (cuBLAS)"]["count"] >= 3 * shape_config("tiny").num_layers
     assert abs(profile["ms"] - sum(f["ms"] for f in families.values())) < 1e-6
+    # the speculative step's parts: the commit adds operators of its own to the verify's
+    draft, verify, both = (report[k] for k in ("profile_draft_step", "profile_verify", "profile_verify_and_commit"))
+    assert draft["kernels"] > 0 and both["kernels"] > verify["kernels"] > 0
 
 
 def test_family_names():

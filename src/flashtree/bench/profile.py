@@ -1,8 +1,10 @@
 """`flashtree bench --steps --profile`: where one step's time goes, by kernel family (torch.profiler).
 
 On CUDA it counts the GPU kernels one call launches and their device time; on the CPU the operators and
-their CPU time. The step profiled is the eager forward, and on CUDA also the graph replay that the timed
-steps run (the eager forward takes a few paths a graph does not, e.g. attention over a float cache).
+their CPU time. The steps profiled: the AR step's eager forward, and on CUDA also its graph replay that the
+timed steps run (the eager forward takes a few paths a graph does not, e.g. attention over a float cache);
+then a speculative step's parts as the timed rows run them: the draft step, the verify, and the verify
+followed by a commit.
 """
 
 from __future__ import annotations

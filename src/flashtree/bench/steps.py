@@ -257,11 +257,13 @@ def run_steps(args, engine, device_name: str) -> int:
     if args.replay_al > 0:  # 0 skips it (each of its three generations prefills the context again)
         report["replay"] = _replay(engine, draft, prompt, args, config)
         mark("replay")
-    if getattr(args, "profile", False) and device.type == "cuda":
-        # the AR step as timed: CUPTI lists a graph replay's kernels one by one; last, since the graph steps
-        # timed after such a profile ran up to 2x slower on the H200 (2026-12-01)
-        report["profile_ar_step_graph"] = profile_call(lambda: engine.runner.step_forward(token, cache), device)
-        print_profile("AR step (graph replay)", report["profile_ar_step_graph"], device)
+    if getattr(args, "profile", False):
+        # the steps as timed (on CUDA, CUPTI lists a graph replay's kernels one by one); last, since the graph
+        # steps timed after such a profile ran up to 2x slower on the H200 (2026-12-01)
+        if device.type == "cuda":
+            report["profile_ar_step_graph"] = profile_call(lambda: engine.runner.step_forward(token, cache), device)
+            print_profile("AR step (graph replay)", report["profile_ar_step_graph"], device)
+        _profile_speculative_step(engine, cache, proposer, tree, capture, bonus, report, device)
     if device.type == "cuda":
         report.update(cuda_memory_report())
     report["rows"] = rows
@@ -315,15 +317,39 @@ def _prefill(engine, cache, ids: list[int], chunk: int) -> None:
     engine.runner.prefill(cache, ids, chunk)
 
 
-def _commit_time(engine, cache, proposer, tree, capture, repeat: int) -> float:
-    """Commit of a 5-node path after a real verify (the verify itself not timed)."""
+def _depth4_path(tree) -> list[int]:
+    """The nodes (root first) down the tree's first branch to depth 4: the path a commit keeps."""
     node = 0
-    for _ in range(4):  # down the first branch to depth 4
+    for _ in range(4):
         children = tree.children(node)
         if not children:
             break
         node = min(children.values())
-    path = tree.path_to(node)
+    return tree.path_to(node)
+
+
+def _profile_speculative_step(engine, cache, proposer, tree, capture, bonus: int, report: dict, device) -> None:
+    """Where a speculative step's time goes (`--profile`): the draft step, the verify at the default budget,
+    and that verify followed by the commit of a depth-4 path (the commit's share is the difference), each as
+    the timed rows run them (graph replays where the engine captures them)."""
+    path = _depth4_path(tree)
+
+    def verify():
+        return engine.runner.step_forward(tree.tokens, cache, tree, capture, pad_to=DEFAULT_BUDGET + 1)
+
+    def verify_and_commit():
+        engine.runner.commit_step(cache, path, proposer, verify().features)
+
+    for key, name, call in (("profile_draft_step", "draft step", lambda: proposer.propose(bonus, cache.length)),
+                            ("profile_verify", f"verify (budget {DEFAULT_BUDGET})", verify),
+                            ("profile_verify_and_commit", "verify + commit (depth-4 path)", verify_and_commit)):
+        report[key] = profile_call(call, device)
+        print_profile(name, report[key], device)
+
+
+def _commit_time(engine, cache, proposer, tree, capture, repeat: int) -> float:
+    """Commit of a 5-node path after a real verify (the verify itself not timed)."""
+    path = _depth4_path(tree)
     device = engine.target.model.device
     times = []
     for _ in range(repeat):
