@@ -2,6 +2,7 @@
 # One device call (carry .whl) for the figures of #6, #7 and #9 at the Qwen3.6-27B shape (the decisive
 # `--echo` model: same shapes, types and bytes as a real Q4_K_M model), each part with its own limit.
 # PARTS picks and orders them (default: steps-1k multi-turn steps-64k steps-256k-tq3, ~560 s), e.g.
+#   PARTS="fast-tests steps-profile multi-turn" bash scripts/device_figures.sh   (~500 s)
 #   PARTS="tests diagnose sweep steps-1k" bash scripts/device_figures.sh      (~330 s)
 #   PARTS="multi-turn steps-64k" ...;  PARTS="steps-256k-tq3" LIMIT_256K=400 ...
 # Results under $OUT; each part prints its table's tail.
@@ -27,8 +28,19 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k steps-256k-tq3}; do
     sweep-attention) timeout "${LIMIT_SWEEP_ATTN:-150}" python3 scripts/sweep_tree_attention.py --budget-s "${BUDGET_SWEEP_ATTN:-120}" \
                --out "$OUT/sweep_attention.json" > "$OUT/sweep_attention.txt" 2>&1
                echo "== sweep-attention (rc $?)"; tail -10 "$OUT/sweep_attention.txt" ;;
+    # the FAST GPU subset (~3 min): run it first after any change to code the GPU runs
+    fast-tests) LOG="$OUT/gpu_tests.log" FAST=1 timeout "${LIMIT_TESTS:-270}" bash scripts/gpu_tests.sh tests ;;
     steps-1k) bench steps-1k 200 --steps -n 128 --repeat 10 --context 1024 --prefill-chunk 2048 \
                   --prefill-lengths 1024,13000 ;;
+    # where a step's time goes: the AR step eager and replayed, the draft step, the verify, verify + commit
+    steps-profile) TAIL=120 bench steps-profile 200 --steps -n 16 --repeat 5 --replay-al 0 --prefill-lengths 1024 \
+                       --profile ;;
+    # the demo pair on HumanEval (issue #18's table) and the GPU fidelity rows beside transformers (#19)
+    demo) timeout 170 python3 -m flashtree.cli.main bench --device cuda --dataset humaneval --prompts 20 -n 256 \
+              --out "$OUT/demo.json" > "$OUT/demo.txt" 2>&1; echo "== demo (rc $?)"; tail -12 "$OUT/demo.txt" ;;
+    fidelity) timeout 120 python3 -m flashtree.cli.main bench --fidelity --device cuda --dtypes float32,bfloat16 \
+                  --prompts 4 --peers --out "$OUT/fidelity.json" > "$OUT/fidelity.txt" 2>&1
+              echo "== fidelity (rc $?)"; tail -8 "$OUT/fidelity.txt" ;;
     multi-turn) TAIL=12 bench multi-turn 110 --multi-turn -n 32 ;;
     steps-64k) bench steps-64k "${LIMIT_64K:-200}" --steps -n 32 --repeat 10 --replay-al 0 --context 65536 \
                    --prefill-chunk 2048 --prefill-lengths "${PREFILL_64K:-131072}" ;;
