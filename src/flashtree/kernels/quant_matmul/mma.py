@@ -561,8 +561,9 @@ def _launch_matmul(out: torch.Tensor, xs: list[torch.Tensor], raw: torch.Tensor,
                    config: MMAConfig | None, kernel: str) -> None:
     """One launch: out [M <= 32, N] from x's piece(s) `xs` (qmh: the prepared float16 x, sums and scales)."""
     m = out.shape[0]
-    config = config or choose_config(qtype, m, n, k, sm_count(out.device))
-    tg = ONE_ROW if kernel == "qmv" else (m + 7) // 8  # a short last piece of a long x stays in its kernel
+    # a short last piece of a long x stays in its kernel, and in the configuration of 2-8 rows
+    tg = ONE_ROW if kernel == "qmv" else (m + 7) // 8
+    config = config or choose_config(qtype, m if kernel == "qmv" else max(m, 2), n, k, sm_count(out.device))
     if n % (16 * config.rt):
         raise FlashtreeError(f"rt={config.rt} needs N % {16 * config.rt} == 0, N = {n}")
     name = _instance(qtype, config, tg, kernel)
