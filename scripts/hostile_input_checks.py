@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The measurements of issue #25 against `flashtree serve` with the demo pair, on this machine (CPU is enough):
+"""Hostile-input measurements against `flashtree serve` with the demo pair, on this machine (CPU is enough):
 
     python3 scripts/hostile_input_checks.py [--json OUT.json]
 

@@ -373,7 +373,7 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
         raise FlashtreeError("tree_attention needs unit stride along head_dim (q and both caches)")
     block_m = block_m or min(64, max(16, triton.next_power_of_2(group * n)))
     # head_dim 256 with a full query tile: short row chunks and 4 warps keep the [64, 256] accumulator out
-    # of local memory (H200 sweep, scripts/sweep_tree_attention.py: 545 -> 332 us for 23 tokens at 64K rows)
+    # of local memory (H200 sweep, benchmarks/sweep_tree_attention.py: 545 -> 332 us for 23 tokens at 64K rows)
     wide = d >= 256 and block_m >= 64
     block_n = block_rows or (64 if d <= 128 else 16 if wide else 32)
     m_tiles = triton.cdiv(group * n, block_m)

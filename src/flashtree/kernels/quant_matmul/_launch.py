@@ -102,7 +102,7 @@ def default_block_k(k: int, tile_values: int, cap: int = 256) -> int:
 def choose_config(m: int, n: int, k: int, x_dtype: torch.dtype, device: torch.device,
                   block_values: int, tile_values: int = 0, block_k: int = 256, tiled_block_n: int = 128,
                   tiled_decode: bool = False) -> LaunchConfig:
-    """Defaults for an H200, from the sweep of 2026-11-29 (scripts/sweep_quant_matmul.py, in
+    """Defaults for an H200, from the sweep of 2026-11-29 (benchmarks/sweep_quant_matmul.py, in
     docs/PERFORMANCE.md). tile_values = 0: the type has no v2 kernel; block_k: the type's default
     BLOCK_K; tiled_block_n: the type's best v2 BLOCK_N (Q5_K 64, others 128); tiled_decode: v2 also
     for M = 1 (Q6_K, where it beat v1; for Q4_K/Q5_K/Q8_0 v1's fma kernel was 1.5-2x faster).

@@ -497,8 +497,8 @@ _H200_SMS = 132
 
 
 def choose_config(qtype: QType, m: int, n: int, k: int, sms: int = _H200_SMS) -> MMAConfig:
-    """From the H200 sweeps of 2026-11-30 21:35 UTC (scripts/sweep_mma.py) and 2026-12-01 02:05 UTC (qmh,
-    scripts/sweep_mma_rows.py; docs/PERFORMANCE.md).
+    """From the H200 sweeps of 2026-11-30 21:35 UTC (benchmarks/sweep_mma.py) and 2026-12-01 02:05 UTC (qmh,
+    benchmarks/sweep_mma_rows.py; docs/PERFORMANCE.md).
 
     Warps and splits depend on the matrix only, never on M: they fix the order in which a row's K is
     summed. qmm (Q6_K, small Q4_K) then gives a row the same bits whatever the other rows; qmh does for

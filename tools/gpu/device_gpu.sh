@@ -2,7 +2,7 @@
 # One device call (carry .whl, made by scripts/fetch_device_wheels.sh): the GPU tests of every kernel and of the
 # graphed engine, the quant_matmul sweep, then `bench --steps` at the Qwen3.6-27B shape.
 # Each part has its own time limit so that a hang costs one part, not the call. Results under $OUT.
-source scripts/device_env.sh
+source tools/gpu/device_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 if [ "${TESTS:-1}" = 1 ]; then
@@ -11,7 +11,7 @@ if [ "${TESTS:-1}" = 1 ]; then
       tests/kernels/test_quant_matmul.py tests/kernels/test_gated_delta.py} 2>&1 | tee "$OUT/pytest.txt" | tail -25
 fi
 if [ "${SWEEP:-1}" = 1 ]; then
-  timeout "${SWEEP_TIMEOUT:-300}" python3 scripts/sweep_quant_matmul.py --out "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.txt" | tail -30
+  timeout "${SWEEP_TIMEOUT:-300}" python3 benchmarks/sweep_quant_matmul.py --out "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.txt" | tail -30
 fi
 timeout "${BENCH_TIMEOUT:-300}" python3 -m flashtree.cli.main bench --synthetic "${SHAPE:-qwen3.6-27b}" --echo --scheme q4_k_m \
     --device cuda --steps -n "${NGEN:-128}" --out "$OUT/steps.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/steps.txt" | tail -30

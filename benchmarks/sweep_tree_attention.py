@@ -5,7 +5,7 @@ heads, head_dim 256), on the GPU: for each case (tokens per call, committed rows
 timed with CUDA events and checked against the default launch's output; the table gives each case's
 default and best points, time and K/V read bandwidth.
 
-    python3 scripts/sweep_tree_attention.py --out $OUT/sweep_attention.json [--budget-s 100]
+    python3 benchmarks/sweep_tree_attention.py --out $OUT/sweep_attention.json [--budget-s 100]
 """
 
 from __future__ import annotations

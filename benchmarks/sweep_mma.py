@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Sweep the tensor-core Q4_K / Q6_K kernels' launch configurations on the GPU (27B shapes).
 
-    python3 scripts/sweep_mma.py --out $OUT/sweep_mma.json [--budget-s 240]
+    python3 benchmarks/sweep_mma.py --out $OUT/sweep_mma.json [--budget-s 240]
 
 For each type, matrix and row count, times every MMAConfig (row tiles per warp, warps per CTA,
 CTAs per row group) the way `flashtree bench --kernels` times a point (CUDA graph, weights rotated

@@ -2,7 +2,7 @@
 # One device call for the tensor-core Q4_K/Q6_K kernels (carry .whl, made by scripts/fetch_device_wheels.sh):
 # cold compile of every instance, a smoke check, their GPU tests, the launch-configuration sweep, then the
 # 27B-shape steps. Each part has its own time limit. Results under $OUT.
-source scripts/device_env.sh
+source tools/gpu/device_env.sh
 export FLASHTREE_CACHE=/tmp/ftcache
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, cuda.bindings; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda-bindings', cuda.bindings.__version__)" | tee -a "$OUT/gpu.txt"
@@ -31,7 +31,7 @@ if [ "${STEPS:-1}" = 1 ]; then
       ${STEPS_ARGS:-} 2>&1 | tee "$OUT/steps.txt" | tail -25
 fi
 if [ "${SWEEP:-1}" = 1 ]; then
-  timeout "${SWEEP_TIMEOUT:-150}" python3 scripts/sweep_mma.py --out "$OUT/sweep_mma.json" --budget-s "${SWEEP_BUDGET:-110}" \
+  timeout "${SWEEP_TIMEOUT:-150}" python3 benchmarks/sweep_mma.py --out "$OUT/sweep_mma.json" --budget-s "${SWEEP_BUDGET:-110}" \
       2>&1 | tee "$OUT/sweep_mma.txt" | tail -45
 fi
 if [ "${KERNELS:-0}" = 1 ]; then

@@ -3,7 +3,7 @@
 mma.cu with one part taken out (x's loads, the MMAs, the weight decoding, the weight loads after the first
 super-block), at the 27B shapes and 16/23/32 rows. The results are wrong by design; only the times count.
 
-    python3 scripts/ablate_qmh.py [--out ablate.json]
+    python3 benchmarks/ablate_qmh.py [--out ablate.json]
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 from gguf import GGMLQuantizationType as QType  # noqa: E402

@@ -2,7 +2,7 @@
 """Q4_K at 2-64 rows of x on the GPU: the bf16 token-column kernel (qmm) against the float16 kernel (qmh,
 its x conversion included) at several launch shapes, and dense bf16 cuBLAS as the peer, at the 27B shapes.
 
-    python3 scripts/sweep_mma_rows.py [--out rows.json]
+    python3 benchmarks/sweep_mma_rows.py [--out rows.json]
 
 Each point is timed the way `flashtree bench --kernels` times one (CUDA graph, weights rotated past the
 L2) and checked against the float32 dequantization (max |error| / max |reference|). Prints one table.

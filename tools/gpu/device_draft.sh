@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: CUDA tests, then continue training the demo draft on more target-written data.
-source scripts/device_env.sh
+source tools/gpu/device_env.sh
 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | tee "$OUT/pytest.txt" | tail -6
 python3 -m flashtree.train.cli draft --target src/flashtree/assets/demo-target.gguf \
     --init src/flashtree/assets/demo-draft --out "$OUT/draft" --device cuda --time-budget "${BUDGET:-270}" \

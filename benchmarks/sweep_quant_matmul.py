@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Sweep quant_matmul's LaunchConfig space on the GPU at the Qwen3.6-27B shapes.
 
-    python3 scripts/sweep_quant_matmul.py --out $OUT/sweep.json
+    python3 benchmarks/sweep_quant_matmul.py --out $OUT/sweep.json
 
 For each type, shape (5120x5120, 17408x5120, 5120x17408; Q6_K also the 248320x5120 LM head) and
 M in {1, 16, 23, 32, 64}, times the v2 tiled kernel over a bounded candidate list (BLOCK_N, BLOCK_K,

@@ -2,7 +2,7 @@
 """Time two sources of the tensor-core kernels (mma.cu) against each other on the GPU, at the 27B shapes.
 
     git show cfd007c:src/flashtree/kernels/quant_matmul/mma.cu > /tmp/head.cu   # the source to compare with
-    python3 scripts/sweep_mma_variants.py --head /tmp/head.cu --candidate src/flashtree/kernels/quant_matmul/mma.cu
+    python3 benchmarks/sweep_mma_variants.py --head /tmp/head.cu --candidate src/flashtree/kernels/quant_matmul/mma.cu
 
 The head's token-column kernel (qmm) against the candidate's one-row kernel (qmv) at one row of x, the
 candidate at several launch shapes (row tiles, warps, splits); each point timed the way `flashtree bench

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# One device call (carry .whl) for the figures of #6, #7 and #9 at the Qwen3.6-27B shape (the decisive
+# One device call (carry .whl) for the step, long-context and prefix-cache figures at the Qwen3.6-27B shape (the decisive
 # `--echo` model: same shapes, types and bytes as a real Q4_K_M model), each part with its own limit.
 # PARTS picks and orders them (default: steps-1k multi-turn steps-64k steps-256k-tq3, ~560 s), e.g.
-#   PARTS="fast-tests steps-profile multi-turn" bash scripts/device_figures.sh   (~500 s)
-#   PARTS="tests diagnose sweep steps-1k" bash scripts/device_figures.sh      (~330 s)
+#   PARTS="fast-tests steps-profile multi-turn" bash tools/gpu/device_figures.sh   (~500 s)
+#   PARTS="tests diagnose sweep steps-1k" bash tools/gpu/device_figures.sh      (~330 s)
 #   PARTS="multi-turn steps-64k" ...;  PARTS="steps-256k-tq3" LIMIT_256K=400 ...
 # Results under $OUT; each part prints its table's tail.
-source scripts/device_env.sh
+source tools/gpu/device_env.sh
 bench() {  # name, seconds, bench flags... (ECHO= builds the plain random model: a real file's untied layout)
   name=$1; limit=$2; shift 2
   timeout "$limit" python3 -m flashtree.cli.main bench --synthetic qwen3.6-27b ${ECHO---echo} --scheme q4_k_m --device cuda \
@@ -21,21 +21,21 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k steps-256k-tq3}; do
                tests/engine tests/drafting tests/kernels tests/models tests/formats tests/parallel tests/bench tests/cli \
                tests/serve tests/train \
                > "$OUT/pytest.txt" 2>&1; echo "== gpu tests (rc $?)"; grep -E "^(FAILED|ERROR)|passed|failed|s call" "$OUT/pytest.txt" | tail -30 ;;
-    diagnose) timeout 150 python3 scripts/diagnose_gpu.py --parts fla,agree --out "$OUT/diagnose.json" \
+    diagnose) timeout 150 python3 benchmarks/diagnose_gpu.py --parts fla,agree --out "$OUT/diagnose.json" \
                   > "$OUT/diagnose.txt" 2>&1; echo "== diagnose (rc $?)"; tail -30 "$OUT/diagnose.txt" ;;
-    sweep) timeout 150 python3 scripts/sweep_quant_matmul.py --types Q4_K,Q6_K --budget-s 100 \
+    sweep) timeout 150 python3 benchmarks/sweep_quant_matmul.py --types Q4_K,Q6_K --budget-s 100 \
                --out "$OUT/sweep.json" > "$OUT/sweep.txt" 2>&1; echo "== sweep (rc $?)"; tail -24 "$OUT/sweep.txt" ;;
-    sweep-attention) timeout "${LIMIT_SWEEP_ATTN:-150}" python3 scripts/sweep_tree_attention.py --budget-s "${BUDGET_SWEEP_ATTN:-120}" \
+    sweep-attention) timeout "${LIMIT_SWEEP_ATTN:-150}" python3 benchmarks/sweep_tree_attention.py --budget-s "${BUDGET_SWEEP_ATTN:-120}" \
                --out "$OUT/sweep_attention.json" > "$OUT/sweep_attention.txt" 2>&1
                echo "== sweep-attention (rc $?)"; tail -10 "$OUT/sweep_attention.txt" ;;
     # the FAST GPU subset (~3 min): run it first after any change to code the GPU runs
-    fast-tests) LOG="$OUT/gpu_tests.log" FAST=1 timeout "${LIMIT_TESTS:-270}" bash scripts/gpu_tests.sh tests ;;
+    fast-tests) LOG="$OUT/gpu_tests.log" FAST=1 timeout "${LIMIT_TESTS:-270}" bash tools/gpu/gpu_tests.sh tests ;;
     steps-1k) bench steps-1k 200 --steps -n 128 --repeat 10 --context 1024 --prefill-chunk 2048 \
                   --prefill-lengths 1024,13000 ;;
     # where a step's time goes: the AR step eager and replayed, the draft step, the verify, verify + commit
     steps-profile) TAIL=120 bench steps-profile 200 --steps -n 16 --repeat 5 --replay-al 0 --prefill-lengths 1024 \
                        --profile ;;
-    # the demo pair on HumanEval (issue #18's table) and the GPU fidelity rows beside transformers (#19)
+    # the demo pair on HumanEval (speculative against AR) and the GPU fidelity rows beside transformers
     demo) timeout 170 python3 -m flashtree.cli.main bench --device cuda --dataset humaneval --prompts 20 -n 256 \
               --out "$OUT/demo.json" > "$OUT/demo.txt" 2>&1; echo "== demo (rc $?)"; tail -12 "$OUT/demo.txt" ;;
     fidelity) timeout 120 python3 -m flashtree.cli.main bench --fidelity --device cuda --dtypes float32,bfloat16 \

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU test suite on a CUDA machine, one line per failure and the totals last:
-#   bash scripts/gpu_tests.sh            # the whole GPU suite (pytest -m gpu)
-#   FAST=1 bash scripts/gpu_tests.sh     # the quick subset to run after every change to code the GPU runs
-# On the lent device (carry .whl, made by scripts/fetch_device_wheels.sh) source scripts/device_env.sh first.
+#   bash tools/gpu/gpu_tests.sh            # the whole GPU suite (pytest -m gpu)
+#   FAST=1 bash tools/gpu/gpu_tests.sh     # the quick subset to run after every change to code the GPU runs
+# On the lent device (carry .whl, made by scripts/fetch_device_wheels.sh) source tools/gpu/device_env.sh first.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 marker="gpu"
 [ "${FAST:-0}" = 1 ] && marker="gpu and not slow"
 # -o addopts="": the project's -q would hide the totals line; --timeout: a hung test costs one test

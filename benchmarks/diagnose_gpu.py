@@ -2,7 +2,7 @@
 """GPU diagnosis in one device call: which fused path disagrees with the torch reference, and where
 the time of a 27B-shaped step goes.
 
-    python3 scripts/diagnose_gpu.py --out $OUT/diagnose.json [--parts fla,agree,profile]
+    python3 benchmarks/diagnose_gpu.py --out $OUT/diagnose.json [--parts fla,agree,profile]
 
 fla: fla-core's chunked gated delta rule against the torch reference at the 27B head sizes, by decay.
 agree: a 4-layer model of the 27B widths (3 Gated DeltaNet + 1 attention), random Q4_K_M weights on the

@@ -2,7 +2,7 @@
 # One device call (carry .whl): long-context figures at the 27B shape. AR/verify steps after 1K and 64K
 # committed tokens (same run order, same process settings), 128K prefill, and peak memory at 256K with
 # TQ3_0 K/V. Results under $OUT.
-source scripts/device_env.sh
+source tools/gpu/device_env.sh
 run() {  # name, seconds, bench flags...
   name=$1; limit=$2; shift 2
   timeout "$limit" python3 -m flashtree.cli.main bench --synthetic qwen3.6-27b --echo --scheme q4_k_m --device cuda --steps \
