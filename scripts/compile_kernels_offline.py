@@ -248,6 +248,7 @@ def kv_dequant() -> None:
 
 def norms_and_conv() -> None:
     from flashtree.kernels.deltanet_conv import conv_qkv
+    from flashtree.kernels.deltanet_gates import GateInputs
     from flashtree.kernels.rms_norm import gated_rms_norm, rms_norm
 
     for rows in (1, 23):
@@ -255,15 +256,17 @@ def norms_and_conv() -> None:
         gated_rms_norm(torch.zeros(rows, 48, 128, dtype=torch.bfloat16), torch.ones(128), 1e-6,
                        torch.zeros(rows, 48, 128, dtype=torch.bfloat16), torch.bfloat16)
         conv_dim = 2 * 16 * 128 + 48 * 128  # the 27B DeltaNet: 16 q/k heads, 48 value heads of 128
+        ba = torch.zeros(rows, 96, dtype=torch.bfloat16)
         conv_qkv(torch.zeros(rows, conv_dim, dtype=torch.bfloat16), torch.arange(rows) - 1,
-                 torch.zeros(3, conv_dim, dtype=torch.bfloat16), torch.zeros(conv_dim, 4), 16, 48, 128)
+                 torch.zeros(3, conv_dim, dtype=torch.bfloat16), torch.zeros(conv_dim, 4), 16, 48, 128,
+                 GateInputs(ba[:, :48], ba[:, 48:], torch.zeros(48), torch.zeros(48)))
 
 
 def fusion() -> None:
     """The small kernels of the fused decode step, at the 27B shapes (1 and 23 rows)."""
     from flashtree.kernels.activations import gated_heads, silu_mul
     from flashtree.kernels.deltanet_conv import conv_qkv
-    from flashtree.kernels.deltanet_gates import gates
+    from flashtree.kernels.deltanet_gates import GateInputs
     from flashtree.kernels.qk_norm_rope import qk_norm_rope
     from flashtree.kernels.rms_norm import add_rms_norm
 
@@ -271,7 +274,6 @@ def fusion() -> None:
     conv_dim = 2 * 16 * 128 + 48 * 128
     for rows in (1, 23):
         ba = torch.zeros(rows, 96, dtype=bf16)
-        gates(ba[:, :48], ba[:, 48:], torch.zeros(48), torch.zeros(48))
         qg = torch.zeros(rows, 24, 2, 256, dtype=bf16)
         qk_norm_rope(qg[:, :, 0], torch.ones(256), 1e-6, torch.zeros(rows, 64), torch.zeros(rows, 64))
         gated_heads(torch.zeros(24, rows, 256, dtype=bf16), qg[:, :, 1])
@@ -279,7 +281,7 @@ def fusion() -> None:
         silu_mul(gate_up[:, :17408], gate_up[:, 17408:])
         add_rms_norm(torch.zeros(rows, 5120, dtype=bf16), torch.zeros(rows, 5120, dtype=bf16), torch.ones(5120), 1e-6)
         conv_qkv(torch.zeros(rows, conv_dim, dtype=bf16), None, torch.zeros(3, conv_dim), torch.zeros(conv_dim, 4),
-                 16, 48, 128, advance_state=True)
+                 16, 48, 128, GateInputs(ba[:, :48], ba[:, 48:], torch.zeros(48), torch.zeros(48)), advance_state=True)
 
 
 def gated_delta() -> None:

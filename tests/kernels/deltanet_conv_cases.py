@@ -1,6 +1,6 @@
 """Runs the deltanet_conv interpreter cases in one process (TRITON_INTERPRET=1 must be set before triton
 is imported, so test_deltanet_conv.py launches this file as a subprocess). Prints one JSON object: case
-id -> max |kernel - reference| / max |reference| over q, k and v."""
+id -> max |kernel - reference| / max |reference| over q, k, v and the gates g, beta."""
 
 import json
 import os
@@ -9,6 +9,7 @@ import sys
 import torch
 
 from flashtree.kernels.deltanet_conv import conv_qkv, conv_qkv_reference
+from flashtree.kernels.deltanet_gates import GateInputs, gates_reference
 
 HK, HV, D = 2, 6, 32
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -26,6 +27,17 @@ def case_ids() -> list[str]:
     return [f"{shape}-{d}" for shape in [*PARENTS, *RUNS] for d in DTYPES]
 
 
+def gate_inputs(n: int, dtype, gen) -> GateInputs:
+    """b, a as strided rows of one projection (as the fused input projection gives them), both tails of
+    softplus and sigmoid."""
+    ba = (torch.randn(n, 2 * HV, generator=gen) * 8).to(dtype)
+    return GateInputs(ba[:, :HV], ba[:, HV:], -torch.rand(HV, generator=gen) * 4, torch.randn(HV, generator=gen))
+
+
+def relative(got, want) -> list[float]:
+    return [((g - w).abs().max() / w.abs().max()).item() for g, w in zip(got, want)]
+
+
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     gen = torch.Generator().manual_seed(0)
@@ -37,17 +49,18 @@ def main() -> None:
         inputs = torch.randn(len(parents), conv_dim, generator=gen)
         state = torch.randn(3, conv_dim, generator=gen)
         for dname, dtype in DTYPES.items():
-            args = (inputs.to(dtype), parents, state, weight, HK, HV, D)
-            got, want = conv_qkv(*args), conv_qkv_reference(*args)
-            result[f"{name}-{dname}"] = max(((g - w).abs().max() / w.abs().max()).item() for g, w in zip(got, want))
+            args, gates = (inputs.to(dtype), parents, state, weight, HK, HV, D), gate_inputs(len(parents), dtype, gen)
+            got, want = conv_qkv(*args, gates), (*conv_qkv_reference(*args), *gates_reference(*gates))
+            result[f"{name}-{dname}"] = max(relative(got, want))
     for name, n in RUNS.items():
         inputs = torch.randn(n, conv_dim, generator=gen)
         state = torch.randn(3, conv_dim, generator=gen)
         for dname, dtype in DTYPES.items():
-            states = [state.clone(), state.clone()]
-            got = conv_qkv(inputs.to(dtype), None, states[0], weight, HK, HV, D, advance_state=True)
-            want = conv_qkv_reference(inputs.to(dtype), None, states[1], weight, HK, HV, D, advance_state=True)
-            errors = [((g - w).abs().max() / w.abs().max()).item() for g, w in zip(got, want)]
+            states, gates = [state.clone(), state.clone()], gate_inputs(n, dtype, gen)
+            got = conv_qkv(inputs.to(dtype), None, states[0], weight, HK, HV, D, gates, advance_state=True)
+            want = (*conv_qkv_reference(inputs.to(dtype), None, states[1], weight, HK, HV, D, advance_state=True),
+                    *gates_reference(*gates))
+            errors = relative(got, want)
             # the shifted state is copied, not computed: it must be exact
             errors.append(0.0 if torch.equal(states[0], states[1]) else float("inf"))
             result[f"{name}-{dname}"] = max(errors)

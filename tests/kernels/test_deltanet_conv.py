@@ -1,10 +1,11 @@
-"""kernels/deltanet_conv: the DeltaNet input stage's Triton kernel against its torch reference (CPU
-interpreter, in a subprocess), for a decode token, a run and a tree."""
+"""kernels/deltanet_conv: the DeltaNet input stage's Triton kernel (conv, q/k/v and the gates) against its
+torch references (CPU interpreter, in a subprocess), for a decode token, a run and a tree."""
 
 import pytest
 import torch
 
 from flashtree.kernels.deltanet_conv import conv_qkv, conv_qkv_reference
+from flashtree.kernels.deltanet_gates import GateInputs, gates_reference
 from tests.kernels import deltanet_conv_cases as cases
 from tests.kernels.interpreter import run_cases
 
@@ -27,7 +28,9 @@ def test_reference_path_on_cpu_and_tiled_heads():
     inputs, state = torch.randn(3, 10 * 8, generator=gen), torch.randn(3, 10 * 8, generator=gen)
     weight = torch.randn(80, 4, generator=gen)
     args = (inputs, torch.tensor([-1, 0, 1]), state, weight, 2, 6, 8)
-    q, k, v = conv_qkv(*args)
-    assert all(torch.equal(a, b) for a, b in zip((q, k, v), conv_qkv_reference(*args)))
+    gates = GateInputs(torch.randn(3, 6, generator=gen), torch.randn(3, 6, generator=gen), -torch.rand(6), torch.zeros(6))
+    q, k, v, g, beta = conv_qkv(*args, gates)
+    want = (*conv_qkv_reference(*args), *gates_reference(*gates))
+    assert all(torch.equal(a, b) for a, b in zip((q, k, v, g, beta), want))
     assert torch.equal(q[:, 0], q[:, 2]) and torch.equal(k[:, 1], k[:, 5])
     assert torch.allclose(k.norm(dim=-1), torch.ones(3, 6), atol=1e-5)

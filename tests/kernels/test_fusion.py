@@ -1,5 +1,5 @@
-"""The small fused kernels of the decode step (DeltaNet gates, q/k norm + RoPE, the attention output gate,
-SiLU-and-multiply, residual add + RMSNorm): each Triton kernel against its torch reference under the CPU
+"""The small fused kernels of the decode step (q/k norm + RoPE, the attention output gate,
+SiLU-and-multiply, residual add + RMSNorm; the DeltaNet gates run inside the input stage, test_deltanet_conv.py): each Triton kernel against its torch reference under the CPU
 interpreter (in a subprocess), and the references against the unfused model code they replace."""
 
 import pytest
@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from flashtree.kernels.activations import gated_heads, silu_mul
 from flashtree.kernels.deltanet_conv import conv_qkv, conv_qkv_reference
-from flashtree.kernels.deltanet_gates import gates, gates_reference
+from flashtree.kernels.deltanet_gates import GateInputs, gates_reference
 from flashtree.kernels.qk_norm_rope import apply_rope, qk_norm_rope
 from flashtree.kernels.rms_norm import add_rms_norm, rms_norm_reference
 from flashtree.models.layers import rope_tables
@@ -33,7 +33,7 @@ def test_references_are_the_unfused_model_code():
     gen = torch.Generator().manual_seed(0)
     b, a = torch.randn(2, 6, generator=gen), torch.randn(2, 6, generator=gen) * 10
     decay, bias = -torch.rand(6, generator=gen), torch.randn(6, generator=gen)
-    g, beta = gates(b, a, decay, bias)
+    g, beta = gates_reference(b, a, decay, bias)
     assert torch.equal(beta, torch.sigmoid(b)) and torch.equal(g, decay * F.softplus(a + bias))
 
     x, w = torch.randn(3, 2, 64, generator=gen, dtype=torch.float32).bfloat16(), torch.rand(64, generator=gen)
@@ -74,9 +74,9 @@ def test_fused_kernels_at_the_27b_shapes_on_gpu():
         for g, w in zip(got, want):
             assert ((g.float() - w.float()).abs().max() / w.float().abs().max()).item() <= bound
 
-    ba = rand(23, 96, scale=6).to(bf16)
+    ba = rand(1, 96, scale=6).to(bf16)
     decay, bias = -torch.rand(48, generator=gen, device=dev), rand(48)
-    close(gates(ba[:, :48], ba[:, 48:], decay, bias), gates_reference(ba[:, :48], ba[:, 48:], decay, bias), 1e-5)
+    gate_inputs = GateInputs(ba[:, :48], ba[:, 48:], decay, bias)
     qg = rand(23, 24, 2, 256, scale=3).to(bf16)
     w = 1 + 0.1 * rand(256)
     cos, sin = rope_tables(torch.arange(1000, 1023, device=dev), 64, 1e7)
@@ -92,6 +92,7 @@ def test_fused_kernels_at_the_27b_shapes_on_gpu():
     conv_dim = (2 * 16 + 48) * 128
     weight, inputs, state = rand(conv_dim, 4, scale=0.5), rand(1, conv_dim).to(bf16), rand(3, conv_dim)
     states = [state.clone(), state.clone()]
-    close(conv_qkv(inputs, None, states[0], weight, 16, 48, 128, advance_state=True),
-          conv_qkv_reference(inputs, None, states[1], weight, 16, 48, 128, advance_state=True))
+    *qkv, g, beta = conv_qkv(inputs, None, states[0], weight, 16, 48, 128, gate_inputs, advance_state=True)
+    close(qkv, conv_qkv_reference(inputs, None, states[1], weight, 16, 48, 128, advance_state=True))
+    close((g, beta), gates_reference(*gate_inputs), 1e-5)
     assert torch.equal(states[0], states[1])

@@ -1,6 +1,7 @@
 """The Gated DeltaNet's input stage in one launch: the tree-aware causal depthwise conv over the qkv
 projection, SiLU, then q and k L2-normalised (q also scaled by head_dim^-0.5) and tiled to the value
-heads (v head h uses q/k head h % Hk, the GGUF's order), v as float32.
+heads (v head h uses q/k head h % Hk, the GGUF's order), v as float32; and the per-head gates g, beta
+(`deltanet_gates`), which the first program of each token computes, saving the step a launch per layer.
 
 In PyTorch this is ~30 small kernels per layer (window gathers, the conv product and sum, casts, SiLU,
 two norms, two repeats); at 48 DeltaNet layers that is ~1500 launches per decode or verify step. The
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from flashtree.kernels import triton_runs_on
+from flashtree.kernels.deltanet_gates import GateInputs, gates_reference
 
 try:  # the kernel needs triton; the reference does not
     import triton
@@ -73,30 +75,37 @@ def _conv(inputs: torch.Tensor, parents: torch.Tensor, conv_state: torch.Tensor,
 
 
 def conv_qkv(inputs: torch.Tensor, parents: torch.Tensor | None, conv_state: torch.Tensor, conv_weight: torch.Tensor,
-             qk_heads: int, v_heads: int, head_dim: int,
-             advance_state: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`conv_qkv_reference`'s result; the Triton kernel where Triton runs (a 4-tap conv, power-of-two
-    head_dim), else the reference. A decode token (one token, advance_state) also shifts the conv
-    state inside the same launch; a longer run shifts it after."""
+             qk_heads: int, v_heads: int, head_dim: int, gate_inputs: GateInputs,
+             advance_state: bool = False) -> tuple[torch.Tensor, ...]:
+    """(q, k, v) of `conv_qkv_reference` and (g, beta) of `gates_reference(*gate_inputs)`: the Triton kernel
+    where Triton runs (a 4-tap conv, power-of-two head_dim, unit-stride gate rows), else the references.
+    A decode token (one token, advance_state) also shifts the conv state inside the same launch; a longer
+    run shifts it after."""
     n, conv_dim = inputs.shape
     if advance_state and parents is not None:
         raise ValueError("advance_state is for a run of tokens (parents None), not a tree")
+    b, a, decay_rate, dt_bias = gate_inputs
     if (triton is None or not triton_runs_on(inputs.device) or conv_weight.shape[1] != 4 or n == 0
             or head_dim & (head_dim - 1) or conv_dim != (2 * qk_heads + v_heads) * head_dim
-            or not conv_state.is_contiguous()):
-        return conv_qkv_reference(inputs, parents, conv_state, conv_weight, qk_heads, v_heads, head_dim,
-                                  advance_state)
+            or not conv_state.is_contiguous() or b.stride(-1) != 1 or a.stride(-1) != 1
+            or b.shape != (n, v_heads) or a.shape != (n, v_heads)):
+        return (*conv_qkv_reference(inputs, parents, conv_state, conv_weight, qk_heads, v_heads, head_dim,
+                                    advance_state), *gates_reference(*gate_inputs))
     inputs = inputs.contiguous()
     q = torch.empty(n, v_heads, head_dim, dtype=torch.float32, device=inputs.device)
     k, v = torch.empty_like(q), torch.empty_like(q)
+    g = torch.empty(n, v_heads, dtype=torch.float32, device=inputs.device)
+    beta = torch.empty_like(g)
     in_kernel = advance_state and n == 1  # one program per channel block reads the window, then shifts it
     parents_arg = _no_parents(inputs.device) if parents is None else parents.to(torch.int64).contiguous()
     _conv_qkv_kernel[(n, conv_dim // head_dim)](
         inputs, parents_arg, conv_state, conv_weight.contiguous(), q, k, v, conv_dim, head_dim**-0.5, EPS,
-        HK=qk_heads, HV=v_heads, D=head_dim, RUN=parents is None, ADVANCE=in_kernel, num_warps=4)
+        b, a, decay_rate, dt_bias, g, beta, b.stride(0), a.stride(0),
+        HK=qk_heads, HV=v_heads, D=head_dim, HV_P2=triton.next_power_of_2(v_heads), RUN=parents is None,
+        ADVANCE=in_kernel, num_warps=4)
     if advance_state and not in_kernel:  # several programs read the state: shift it once they are done
         _advance(conv_state, inputs)
-    return q, k, v
+    return q, k, v, g, beta
 
 
 @functools.cache
@@ -106,6 +115,7 @@ def _no_parents(device: torch.device) -> torch.Tensor:
 
 
 if triton is not None:
+    from flashtree.kernels.deltanet_gates import gate_values
 
     @triton.jit
     def _window_row(inputs_ptr, state_ptr, e, cols, conv_dim, HISTORY: tl.constexpr):
@@ -130,10 +140,21 @@ if triton is not None:
 
     @triton.jit
     def _conv_qkv_kernel(inputs_ptr, parents_ptr, state_ptr, w_ptr, q_ptr, k_ptr, v_ptr, conv_dim, scale, eps,
-                         HK: tl.constexpr, HV: tl.constexpr, D: tl.constexpr, RUN: tl.constexpr,
-                         ADVANCE: tl.constexpr):
+                         b_ptr, a_ptr, decay_ptr, bias_ptr, g_ptr, beta_ptr, b_stride, a_stride,
+                         HK: tl.constexpr, HV: tl.constexpr, D: tl.constexpr, HV_P2: tl.constexpr,
+                         RUN: tl.constexpr, ADVANCE: tl.constexpr):
         token = tl.program_id(0)
         block = tl.program_id(1)  # D channels: q head `block`, k head `block - HK` or v head `block - 2 HK`
+        if block == 0:  # the token's gates, one value per value head
+            heads = tl.arange(0, HV_P2)
+            ok = heads < HV
+            row = token.to(tl.int64)
+            b = tl.load(b_ptr + row * b_stride + heads, mask=ok, other=0.0).to(tl.float32)
+            a = tl.load(a_ptr + row * a_stride + heads, mask=ok, other=0.0).to(tl.float32)
+            g, beta = gate_values(b, a, tl.load(decay_ptr + heads, mask=ok, other=0.0),
+                                  tl.load(bias_ptr + heads, mask=ok, other=0.0))
+            tl.store(g_ptr + row * HV + heads, g, mask=ok)
+            tl.store(beta_ptr + row * HV + heads, beta, mask=ok)
         cols = block * D + tl.arange(0, D)
         e0 = token + 3  # the token's own row in [state (3 rows) ; inputs]
         e1 = _previous(parents_ptr, e0, 3, RUN)

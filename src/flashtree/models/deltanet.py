@@ -13,7 +13,7 @@ from flashtree.models.cache import DeltaNetState, TreeScratch
 from flashtree.formats.gguf_file import GGUFFile
 from flashtree.kernels import gated_delta, gated_delta_fla, gated_delta_triton, triton_runs_on
 from flashtree.kernels.deltanet_conv import conv_qkv
-from flashtree.kernels.deltanet_gates import gates
+from flashtree.kernels.deltanet_gates import GateInputs
 from flashtree.kernels.rms_norm import gated_rms_norm
 from flashtree.models.layers import Linear, Projections, load_weight
 from flashtree.models.qwen35_config import Qwen35Config
@@ -56,9 +56,9 @@ class GatedDeltaNet:
         conv_inputs, z, b, a = self.inputs(x)
         # a run shifts the conv state by its inputs here (a decode token inside the conv's launch); a tree
         # leaves it to the commit of the accepted path
-        q, k, v = conv_qkv(conv_inputs, step.parents, state.conv, self.conv_weight, c.gdn_qk_heads, c.gdn_v_heads,
-                           c.gdn_head_dim, advance_state=not step.is_tree)
-        g, beta = gates(b, a, self.decay_rate, self.dt_bias)
+        q, k, v, g, beta = conv_qkv(conv_inputs, step.parents, state.conv, self.conv_weight, c.gdn_qk_heads,
+                                    c.gdn_v_heads, c.gdn_head_dim, GateInputs(b, a, self.decay_rate, self.dt_bias),
+                                    advance_state=not step.is_tree)
 
         scratch = None
         # Triton kernels on the GPU for short runs and trees; the torch forms are the CPU reference
