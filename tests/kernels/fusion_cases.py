@@ -9,7 +9,7 @@ import sys
 import torch
 
 from flashtree.kernels.activations import gated_heads, gated_heads_reference, silu_mul, silu_mul_reference
-from flashtree.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
+from flashtree.kernels.qk_norm_rope import norm_rope_into_cache, qk_norm_rope, qk_norm_rope_reference
 from flashtree.kernels.rms_norm import add_rms_norm, add_rms_norm_reference
 from flashtree.models.layers import rope_tables
 
@@ -17,7 +17,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def case_ids() -> list[str]:
-    return [f"{kernel}-{d}" for kernel in ("qk_norm_rope", "gated_heads", "silu_mul", "add_rms_norm")
+    return [f"{kernel}-{d}" for kernel in ("qk_norm_rope", "norm_rope_into_cache", "gated_heads", "silu_mul",
+                                           "add_rms_norm")
             for d in DTYPES]
 
 
@@ -36,6 +37,18 @@ def main() -> None:
         cos, sin = rope_tables(torch.tensor([0, 1, 7, 300, 4096]), 32, 1e7)
         result[f"qk_norm_rope-{name}"] = error(qk_norm_rope(q, w, 1e-6, cos, sin),
                                                qk_norm_rope_reference(q, w, 1e-6, cos, sin))
+
+        # K and V of 5 tokens into rows 9, 2, 7, 3, 11 of the caches (bf16 activations: float16 caches, -ctk f16)
+        kv = torch.randn(5, 2, 2, 64, generator=gen).to(dtype) * 3  # [T, (k ; v), kv heads, head_dim]
+        slots = torch.tensor([9, 2, 7, 3, 11])
+        cache_dtype = torch.float32 if dtype == torch.float32 else torch.float16
+        caches = [torch.zeros(2, 12, 64, dtype=cache_dtype) for _ in range(2)]
+        norm_rope_into_cache(kv[:, 0], kv[:, 1], w, 1e-6, cos, sin, caches[0], caches[1], slots)
+        want = [torch.zeros(2, 12, 64, dtype=cache_dtype) for _ in range(2)]
+        want[0].index_copy_(1, slots, qk_norm_rope_reference(kv[:, 0], w, 1e-6, cos, sin).transpose(0, 1).to(cache_dtype))
+        want[1].index_copy_(1, slots, kv[:, 1].transpose(0, 1).to(cache_dtype))
+        result[f"norm_rope_into_cache-{name}"] = error(tuple(c[:, slots] for c in caches),
+                                                       tuple(c[:, slots] for c in want))
 
         out = torch.randn(4, 5, 64, generator=gen).to(dtype)  # attention output [heads, T, head_dim]
         gate = qg[:, :, 1]  # read in place from the interleaved rows

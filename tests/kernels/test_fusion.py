@@ -1,4 +1,4 @@
-"""The small fused kernels of the decode step (q/k norm + RoPE, the attention output gate,
+"""The small fused kernels of the decode step (q/k norm + RoPE, with the K/V cache write, the attention output gate,
 SiLU-and-multiply, residual add + RMSNorm; the DeltaNet gates run inside the input stage, test_deltanet_conv.py): each Triton kernel against its torch reference under the CPU
 interpreter (in a subprocess), and the references against the unfused model code they replace."""
 
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from flashtree.kernels.activations import gated_heads, silu_mul
 from flashtree.kernels.deltanet_conv import conv_qkv, conv_qkv_reference
 from flashtree.kernels.deltanet_gates import GateInputs, gates_reference
-from flashtree.kernels.qk_norm_rope import apply_rope, qk_norm_rope
+from flashtree.kernels.qk_norm_rope import apply_rope, norm_rope_into_cache, qk_norm_rope
 from flashtree.kernels.rms_norm import add_rms_norm, rms_norm_reference
 from flashtree.models.layers import rope_tables
 from tests.kernels import fusion_cases as cases
@@ -82,6 +82,12 @@ def test_fused_kernels_at_the_27b_shapes_on_gpu():
     cos, sin = rope_tables(torch.arange(1000, 1023, device=dev), 64, 1e7)
     close(qk_norm_rope(qg[:, :, 0], w, 1e-6, cos, sin),
           apply_rope(rms_norm_reference(qg[:, :, 0], w, 1e-6), cos, sin))
+    kv, slots = rand(23, 2, 4, 256, scale=3).to(bf16), torch.randperm(64, device=dev)[:23]  # 4 KV heads of 256
+    caches, want = ([torch.zeros(4, 64, 256, dtype=bf16, device=dev) for _ in range(2)] for _ in range(2))
+    norm_rope_into_cache(kv[:, 0], kv[:, 1], w, 1e-6, cos, sin, caches[0], caches[1], slots)
+    want[0].index_copy_(1, slots, apply_rope(rms_norm_reference(kv[:, 0], w, 1e-6), cos, sin).transpose(0, 1))
+    want[1].index_copy_(1, slots, kv[:, 1].transpose(0, 1))
+    close(tuple(c[:, slots] for c in caches), tuple(c[:, slots] for c in want))
     out = rand(24, 23, 256).to(bf16)
     close(gated_heads(out, qg[:, :, 1]),
           out.transpose(0, 1).reshape(23, -1) * torch.sigmoid(qg[:, :, 1].float()).reshape(23, -1).to(bf16))

@@ -1,6 +1,7 @@
 """Attention's per-head query/key preparation in one launch: RMSNorm over each head (float32, rounded to
 the activation dtype as the model does), then NeoX (rotate-half) RoPE on the first `rot_dim` dims, the
-rest passing through. PyTorch spends about a dozen kernels per tensor on this (casts, norm, slices, two
+rest passing through. For keys going into a float cache the same launch writes them, and the values,
+straight into the cache rows (`norm_rope_into_cache`). PyTorch spends about a dozen kernels per tensor on this (casts, norm, slices, two
 concatenations, negation, products); the Triton kernel is one program per (token, head) and reads the
 query straight out of the interleaved [query ; gate] projection rows.
 """
@@ -45,8 +46,29 @@ def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.T
         return qk_norm_rope_reference(x, weight, eps, cos, sin)
     out = torch.empty(t, heads, dim, dtype=x.dtype, device=x.device)
     _qk_norm_rope_kernel[(t, heads)](x, weight, cos.contiguous(), sin.contiguous(), out, x.stride(0), x.stride(1),
-                                     eps, D=dim, ROT=rot, num_warps=1 if dim <= 128 else 2)
+                                     eps, x, out, out, 0, 0, 0, 0, 0, 0, D=dim, ROT=rot, INTO_CACHE=False,
+                                     num_warps=1 if dim <= 128 else 2)
     return out
+
+
+def norm_rope_into_cache(k: torch.Tensor, v: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                         sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """An attention layer's K/V write for float caches: k [T, Hkv, D] through `qk_norm_rope` and v [T, Hkv, D]
+    as it is, cast to the caches' dtypes, into rows `slots` [T] of k_cache and v_cache [Hkv, capacity, D].
+    One launch where Triton runs (each program also copies its V row), else the reference: the norm, then
+    `index_copy_` of both."""
+    t, heads, dim = k.shape
+    rot = cos.shape[-1]
+    if (triton is None or not triton_runs_on(k.device) or t == 0 or k.stride(-1) != 1 or v.stride(-1) != 1
+            or dim & (dim - 1) or rot % 2 or rot > dim or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1
+            or v.shape != k.shape):
+        k_cache.index_copy_(1, slots, qk_norm_rope(k, weight, eps, cos, sin).transpose(0, 1).to(k_cache.dtype))
+        v_cache.index_copy_(1, slots, v.transpose(0, 1).to(v_cache.dtype))
+        return
+    _qk_norm_rope_kernel[(t, heads)](k, weight, cos.contiguous(), sin.contiguous(), k_cache, k.stride(0), k.stride(1),
+                                     eps, v, v_cache, slots, v.stride(0), v.stride(1), k_cache.stride(0),
+                                     k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), D=dim, ROT=rot,
+                                     INTO_CACHE=True, num_warps=1 if dim <= 128 else 2)
 
 
 if triton is not None:
@@ -60,7 +82,11 @@ if triton is not None:
 
     @triton.jit
     def _qk_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, token_stride, head_stride, eps,
-                             D: tl.constexpr, ROT: tl.constexpr):
+                             v_ptr, v_out_ptr, slots_ptr, v_token_stride, v_head_stride, out_head_stride,
+                             out_row_stride, v_out_head_stride, v_out_row_stride,
+                             D: tl.constexpr, ROT: tl.constexpr, INTO_CACHE: tl.constexpr):
+        """INTO_CACHE: `out` is the K cache (row slots[token] of head `head`), and V's row goes to its cache
+        too; otherwise `out` is a contiguous [T, H, D] (the v and cache arguments unused)."""
         token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         row = x_ptr + token * token_stride + head * head_stride
@@ -75,4 +101,12 @@ if triton is not None:
         sin = tl.load(sin_ptr + token * ROT + offs, mask=rotating, other=0.0)
         rotated = y * cos + tl.where(first_half, -partner, partner) * sin
         out = tl.where(rotating, rotated, y)
-        tl.store(out_ptr + (token * tl.num_programs(1) + head) * D + offs, out.to(out_ptr.dtype.element_ty))
+        if INTO_CACHE:
+            slot = tl.load(slots_ptr + token).to(tl.int64)
+            tl.store(out_ptr + head * out_head_stride + slot * out_row_stride + offs,
+                     out.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty))  # the norm's dtype, then the cache's
+            value = tl.load(v_ptr + token * v_token_stride + head * v_head_stride + offs)
+            tl.store(v_out_ptr + head * v_out_head_stride + slot * v_out_row_stride + offs,
+                     value.to(v_out_ptr.dtype.element_ty))
+        else:
+            tl.store(out_ptr + (token * tl.num_programs(1) + head) * D + offs, out.to(out_ptr.dtype.element_ty))

@@ -29,7 +29,7 @@ from flashtree.kernels import triton_runs_on
 from flashtree.kernels.activations import gated_heads
 from flashtree.kernels.kv_dequant import dequantize_kv
 from flashtree.kernels.kv_quant import FloatKV, rotate, unrotate
-from flashtree.kernels.qk_norm_rope import qk_norm_rope
+from flashtree.kernels.qk_norm_rope import norm_rope_into_cache, qk_norm_rope
 from flashtree.kernels.tree_attention import MAX_TREE_QUERIES, tree_attention
 from flashtree.models.layers import Linear, Projections, load_weight
 from flashtree.models.qwen35_config import Qwen35Config
@@ -74,11 +74,13 @@ class GatedAttention:
         q, gate = qg[:, :, 0], qg[:, :, 1]
         cos, sin = step.rope(c.rope_dim, c.rope_theta)
         q = qk_norm_rope(q, self.q_norm, c.rms_eps, cos, sin)
-        k = qk_norm_rope(k.reshape(n, c.num_kv_heads, c.head_dim), self.k_norm, c.rms_eps, cos, sin)
-        v = v.reshape(n, c.num_kv_heads, c.head_dim)
-
-        kv.k.index_copy_(1, step.slots, kv.type_k.quantize(k.transpose(0, 1)))
-        kv.v.index_copy_(1, step.slots, kv.type_v.quantize(v.transpose(0, 1)))
+        k, v = k.reshape(n, c.num_kv_heads, c.head_dim), v.reshape(n, c.num_kv_heads, c.head_dim)
+        if isinstance(kv.type_k, FloatKV) and isinstance(kv.type_v, FloatKV):  # written as they are: one launch
+            norm_rope_into_cache(k, v, self.k_norm, c.rms_eps, cos, sin, kv.k, kv.v, step.slots)
+        else:
+            k = qk_norm_rope(k, self.k_norm, c.rms_eps, cos, sin)
+            kv.k.index_copy_(1, step.slots, kv.type_k.quantize(k.transpose(0, 1)))
+            kv.v.index_copy_(1, step.slots, kv.type_v.quantize(v.transpose(0, 1)))
         q = q.transpose(0, 1)
         if kv.type_k.rotated:  # R orthogonal: (Rq).(Rk) = q.k, so K is used as stored
             q = rotate(q)
