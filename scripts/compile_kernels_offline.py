@@ -236,6 +236,11 @@ def tree_attention() -> None:
             for blockwise in (False, True):
                 attend(torch.zeros(24, n, 256, dtype=torch.bfloat16), *caches, cache, cache, torch.tensor([8]),
                        torch.ones(n, n, dtype=torch.bool), torch.arange(n), 8 + n, 0.0625, blockwise=blockwise)
+        if cache == "f16":  # the output gate at the store, one split and several
+            for split in (1, 4):
+                attend(torch.zeros(24, 1, 256, dtype=torch.bfloat16), *caches, cache, cache, torch.tensor([8]),
+                       torch.ones(1, 1, dtype=torch.bool), torch.arange(1), 9, 0.0625, split=split,
+                       gate=torch.zeros(1, 24, 2, 256, dtype=torch.bfloat16)[:, :, 1])
 
 
 def kv_dequant() -> None:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from flashtree.errors import FlashtreeError
+from flashtree.kernels.activations import gated_heads
 from flashtree.kernels.kv_quant import kv_type, rotate, unrotate
 from flashtree.kernels.tree_attention import (_triton_supports, choose_splits, graphed_mask, tree_attention,
                                               tree_attention_reference)
@@ -130,6 +131,20 @@ def test_real_sizes_on_gpu(cache, kv_end, n, window):
         out = tree_attention(**args, window=window)
         ref = tree_attention_reference(**args, window=window)
         assert cases.relative_error(out, ref) <= bound, (dtype, cases.relative_error(out, ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("split", [1, None])  # the gate at the row loop's store, and at the combine's
+@pytest.mark.parametrize("n", [1, 23])
+def test_output_gate_at_the_store_on_gpu(n, split):
+    """`gate=` gives what `gated_heads` gives on the ungated output, at the 27B attention shape."""
+    args = _real_inputs("bf16", n, 4096)
+    gate = torch.randn(n, 24, 2, 256, device="cuda").to(torch.bfloat16)[:, :, 1]  # strided, as the projection's
+    gated = tree_attention(**args, split=split, gate=gate)
+    want = gated_heads(tree_attention(**args, split=split), gate)
+    assert gated.shape == want.shape == (n, 24 * 256)
+    assert cases.relative_error(gated, want) <= 1e-2
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import torch
 
+from flashtree.kernels.activations import gated_heads_reference
 from flashtree.kernels.kv_quant import rotate, kv_type, unrotate
 from flashtree.kernels.tree_attention import tree_attention, tree_attention_reference
 
@@ -149,6 +150,11 @@ def _cases():
                                                        forced, "reference")
     cases["q4_0-prefill-t40-g4-w9-float32"] = (dict(cache="q4_0", n=40, group=4, start=40, causal=True), WINDOW,
                                                {}, "reference")
+    # the output gate at the store: through the combine (splits) and straight from the row loop (one split)
+    cases["gated-f32-t23-g4-w9-float32"] = (dict(cache="f32", n=23, group=4), WINDOW, forced, "gated")
+    cases["gated-q8_0-t5-g4-w0-float32-onesplit"] = (dict(cache="q8_0", n=5, group=4), 0, {"split": 1}, "gated")
+    cases["gated-bf16-t5-g4-w9-bfloat16"] = (dict(cache="bf16", n=5, group=4, q_dtype=torch.bfloat16), WINDOW, forced,
+                                             "gated")
     return cases
 
 
@@ -167,6 +173,14 @@ def main() -> None:
             out = tree_attention(**{**args, "q": rotate(args["q"]) if rot_k else args["q"]}, window=window, **launch)
             out = unrotate(out) if rot_v else out
             want = model_path(args, window, unrotated=True)
+        elif expected == "gated":  # the gate as attention.py passes it: strided rows of the [query ; gate] projection
+            heads, n, d = args["q"].shape
+            gate = (torch.randn(n, heads, 2, d, generator=torch.Generator().manual_seed(n)) * 3).to(args["q"].dtype)
+            out = tree_attention(**args, window=window, gate=gate[:, :, 1], **launch)
+            want = gated_heads_reference(tree_attention_reference(**args, window=window), gate[:, :, 1])
+            errors[case] = relative_error(out, want)
+            assert out.shape == (n, heads * d) and out.dtype == args["q"].dtype, case
+            continue
         else:
             out = tree_attention(**args, window=window, **launch)
             want = model_path(args, window) if expected == "model" else tree_attention_reference(**args, window=window)

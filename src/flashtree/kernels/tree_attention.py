@@ -46,6 +46,7 @@ import torch
 
 from flashtree.errors import FlashtreeError
 from flashtree.kernels import interpreted, triton_runs_on
+from flashtree.kernels.activations import gated_heads
 from flashtree.kernels.kv_quant import TQ3_GROUP, TQ3_LEVELS, KVType, kv_type
 
 try:
@@ -224,12 +225,13 @@ if triton is not None:
 
     @triton.jit
     def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, start_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, lse_ptr,
+                               gate_ptr, stride_gt, stride_gh,
                                stride_qh, stride_qt, stride_kh, stride_kr, stride_vh, stride_vr,
                                T, kv_end, heads, scale_log2, window,
                                G: tl.constexpr, D: tl.constexpr, KIND_K: tl.constexpr, KIND_V: tl.constexpr,
                                OP: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, BLOCKWISE: tl.constexpr,
-                               FIXED_TRIPS: tl.constexpr, TRIPS: tl.constexpr):
+                               FIXED_TRIPS: tl.constexpr, TRIPS: tl.constexpr, GATED: tl.constexpr):
         kvh = tl.program_id(0)
         split = tl.program_id(2)
         offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -274,7 +276,11 @@ if triton is not None:
         o = acc / tl.where(has, l_i, 1.0)[:, None]
         row = head.to(tl.int64) * T + tok  # (head, token) index in [heads * T]
         if SPLITS == 1:
-            tl.store(out_ptr + row[:, None] * D + d[None, :], o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
+            if GATED:
+                _store_gated(out_ptr, gate_ptr, ((tok * heads + head) * D).to(tl.int64)[:, None] + d[None, :],
+                             (tok * stride_gt + head * stride_gh).to(tl.int64)[:, None] + d[None, :], o, m_ok[:, None])
+            else:
+                tl.store(out_ptr + row[:, None] * D + d[None, :], o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
         else:
             lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
             base = split.to(tl.int64) * heads * T + row
@@ -282,8 +288,17 @@ if triton is not None:
             tl.store(lse_ptr + base, lse, mask=m_ok)
 
     @triton.jit
-    def _combine_kernel(part_ptr, lse_ptr, out_ptr, rows_total, D: tl.constexpr, SPLITS: tl.constexpr,
-                        SPLITS_P2: tl.constexpr):
+    def _store_gated(out_ptr, gate_ptr, out_offs, gate_offs, o, mask):
+        """Attention's output gate at the store (`activations.gated_heads`), at token-major offsets of
+        [T, heads * D]: the output rounded to its dtype, times sigmoid(gate) rounded to it, rounded again."""
+        dtype = out_ptr.dtype.element_ty
+        g = tl.load(gate_ptr + gate_offs, mask=mask, other=0.0)
+        gated = o.to(dtype).to(tl.float32) * tl.sigmoid(g.to(tl.float32)).to(dtype).to(tl.float32)
+        tl.store(out_ptr + out_offs, gated.to(dtype), mask=mask)
+
+    @triton.jit
+    def _combine_kernel(part_ptr, lse_ptr, out_ptr, rows_total, gate_ptr, stride_gt, stride_gh, T, heads,
+                        D: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, GATED: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         sp = tl.arange(0, SPLITS_P2)
         lse = tl.load(lse_ptr + sp * rows_total + row, mask=sp < SPLITS, other=float("-inf"))
@@ -296,7 +311,12 @@ if triton is not None:
             w = tl.exp2(tl.load(lse_ptr + s * rows_total + row) - mx)
             acc += w * tl.load(part_ptr + (s * rows_total + row) * D + d)
         o = acc / tl.where(den > 0, den, 1.0)
-        tl.store(out_ptr + row * D + d, o.to(out_ptr.dtype.element_ty))
+        if GATED:  # row = head * T + token
+            head, tok = row // T, row % T
+            _store_gated(out_ptr, gate_ptr, (tok * heads + head) * D + d, tok * stride_gt + head * stride_gh + d, o,
+                         d < D)
+        else:
+            tl.store(out_ptr + row * D + d, o.to(out_ptr.dtype.element_ty))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -354,18 +374,20 @@ def _check(q, k_cache, v_cache, tk, tv, start_t, visible, positions, kv_end):
 
 
 def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, positions, kv_end, scale,
-                   window=0, split=None, *, block_rows=None, block_m=None, num_warps=None, num_stages=None,
+                   window=0, split=None, *, gate=None, block_rows=None, block_m=None, num_warps=None, num_stages=None,
                    blockwise=False):
     """Attention of q [heads, T, D] (after RoPE) over cache rows [0, kv_end) of a graphed step; see the
-    module docstring for the mask. -> [heads, T, D] in q.dtype. `split` forces the number of splits,
+    module docstring for the mask. -> [heads, T, D] in q.dtype; with `gate` [T, heads, D] (any strides, the
+    last unit) `activations.gated_heads(result, gate)` instead, [T, heads * D], the gate applied at the store. `split` forces the number of splits,
     `block_rows` (BLOCK_N, K/V rows per step), `block_m` (query rows per program), `num_warps` and
     `num_stages` (software pipelining of the row loop) override the launch defaults; `blockwise` decodes
     quantized rows block by block (`load_rows`; a sweep candidate, not measured yet). Falls back to `tree_attention_reference` where the Triton path does not apply."""
     tk, tv = kv_type(kv_type_k), kv_type(kv_type_v)
     _check(q, k_cache, v_cache, tk, tv, start_t, visible, positions, kv_end)
-    if not _triton_supports(q, tk, tv):
-        return tree_attention_reference(q, k_cache, v_cache, tk, tv, start_t, visible, positions, kv_end, scale,
-                                        window)
+    if not _triton_supports(q, tk, tv) or (gate is not None and gate.stride(-1) != 1):
+        out = tree_attention_reference(q, k_cache, v_cache, tk, tv, start_t, visible, positions, kv_end, scale,
+                                       window)
+        return out if gate is None else gated_heads(out, gate)
     heads, n, d = q.shape
     kv_heads = k_cache.shape[0]
     group = heads // kv_heads
@@ -383,7 +405,9 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
     low_precision = q.dtype in (torch.bfloat16, torch.float16) and not interpreter
     op = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[q.dtype] if low_precision else tl.float32
 
-    out = torch.empty(heads, n, d, dtype=q.dtype, device=q.device)
+    gated = gate is not None
+    out = torch.empty(*((n, heads * d) if gated else (heads, n, d)), dtype=q.dtype, device=q.device)
+    gate_args = (gate, gate.stride(0), gate.stride(1)) if gated else (out, 0, 0)
     if splits > 1:
         part = torch.empty(splits, heads, n, d, dtype=torch.float32, device=q.device)
         lse = torch.empty(splits, heads, n, dtype=torch.float32, device=q.device)
@@ -391,15 +415,16 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
         part = lse = out  # unused
     _tree_attention_kernel[(kv_heads, m_tiles, splits)](
         q, k_cache, v_cache, start_t, visible.contiguous().view(torch.uint8),
-        positions, out, part, lse,
+        positions, out, part, lse, *gate_args,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         n, kv_end, heads, float(scale) * _LOG2E, int(window),
         G=group, D=d, KIND_K=KV_KINDS[tk.name], KIND_V=KV_KINDS[tv.name], OP=op,
         PRECISION=None if low_precision else "ieee",  # float32: exact FMA dots (bf16/f16: tensor cores)
         HAS_WINDOW=window > 0, BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits, BLOCKWISE=blockwise,
         FIXED_TRIPS=interpreter, TRIPS=triton.cdiv(triton.cdiv(kv_end, splits), block_n) if interpreter else 0,
-        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}))
+        GATED=gated, num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}))
     if splits > 1:
-        _combine_kernel[(heads * n,)](part, lse, out, heads * n, D=d, SPLITS=splits,
-                                      SPLITS_P2=triton.next_power_of_2(splits), num_warps=4 if d >= 128 else 1)
+        _combine_kernel[(heads * n,)](part, lse, out, heads * n, *gate_args, n, heads, D=d, SPLITS=splits,
+                                      SPLITS_P2=triton.next_power_of_2(splits), GATED=gated,
+                                      num_warps=4 if d >= 128 else 1)
     return out

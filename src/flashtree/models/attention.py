@@ -84,6 +84,9 @@ class GatedAttention:
         q = q.transpose(0, 1)
         if kv.type_k.rotated:  # R orthogonal: (Rq).(Rk) = q.k, so K is used as stored
             q = rotate(q)
+        if _reads_cache_in_place(step, kv, q) and not kv.type_v.rotated:  # the output gate in the same launch
+            return self.out(tree_attention(q, kv.k, kv.v, kv.type_k, kv.type_v, step.start_tensor(), step.visible,
+                                           step.positions, step.kv_end, c.attention_scale, kv.window, gate=gate))
         if _reads_cache_in_place(step, kv, q):
             out = tree_attention(q, kv.k, kv.v, kv.type_k, kv.type_v, step.start_tensor(), step.visible,
                                  step.positions, step.kv_end, c.attention_scale, kv.window)
