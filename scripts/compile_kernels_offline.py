@@ -272,7 +272,7 @@ def fusion() -> None:
     from flashtree.kernels.activations import gated_heads, silu_mul
     from flashtree.kernels.deltanet_conv import conv_qkv
     from flashtree.kernels.deltanet_gates import GateInputs
-    from flashtree.kernels.qk_norm_rope import norm_rope_into_cache, qk_norm_rope
+    from flashtree.kernels.qk_norm_rope import norm_rope_into_cache, qk_norm_rope, rope_tables
     from flashtree.kernels.rms_norm import add_rms_norm
 
     bf16 = torch.bfloat16
@@ -281,6 +281,7 @@ def fusion() -> None:
         ba = torch.zeros(rows, 96, dtype=bf16)
         qg = torch.zeros(rows, 24, 2, 256, dtype=bf16)
         qk_norm_rope(qg[:, :, 0], torch.ones(256), 1e-6, torch.zeros(rows, 64), torch.zeros(rows, 64))
+        rope_tables(torch.arange(rows), 64, 1e7)
         kv = torch.zeros(rows, 2, 4, 256, dtype=bf16)
         norm_rope_into_cache(kv[:, 0], kv[:, 1], torch.ones(256), 1e-6, torch.zeros(rows, 64), torch.zeros(rows, 64),
                              torch.zeros(4, 1024, 256, dtype=bf16), torch.zeros(4, 1024, 256, dtype=bf16),

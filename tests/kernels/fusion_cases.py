@@ -1,4 +1,5 @@
-"""Runs the interpreter cases of the small fused kernels (attention q/k norm + RoPE, the output gate, SiLU-and-multiply, residual add + RMSNorm) in one process: TRITON_INTERPRET=1 must be set
+"""Runs the interpreter cases of the small fused kernels (the RoPE tables, attention q/k norm + RoPE and the K/V
+cache write, the output gate, SiLU-and-multiply, residual add + RMSNorm) in one process: TRITON_INTERPRET=1 must be set
 before triton is imported, so test_fusion.py launches this file as a subprocess. Prints one JSON object:
 case id -> max |kernel - reference| / max |reference| over the outputs."""
 
@@ -9,16 +10,16 @@ import sys
 import torch
 
 from flashtree.kernels.activations import gated_heads, gated_heads_reference, silu_mul, silu_mul_reference
-from flashtree.kernels.qk_norm_rope import norm_rope_into_cache, qk_norm_rope, qk_norm_rope_reference
+from flashtree.kernels.qk_norm_rope import (norm_rope_into_cache, qk_norm_rope, qk_norm_rope_reference, rope_tables,
+                                            rope_tables_reference)
 from flashtree.kernels.rms_norm import add_rms_norm, add_rms_norm_reference
-from flashtree.models.layers import rope_tables
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def case_ids() -> list[str]:
-    return [f"{kernel}-{d}" for kernel in ("qk_norm_rope", "norm_rope_into_cache", "gated_heads", "silu_mul",
-                                           "add_rms_norm")
+    return [f"{kernel}-{d}" for kernel in ("rope_tables", "qk_norm_rope", "norm_rope_into_cache", "gated_heads",
+                                           "silu_mul", "add_rms_norm")
             for d in DTYPES]
 
 
@@ -34,6 +35,8 @@ def main() -> None:
     for name, dtype in DTYPES.items():
         qg = torch.randn(5, 4, 2, 64, generator=gen).to(dtype) * 3  # [T, heads, (query ; gate), head_dim]
         q, w = qg[:, :, 0], 1 + 0.1 * torch.randn(64, generator=gen)
+        positions = torch.tensor([0, 1, 7, 300, 4096, 262143])
+        result[f"rope_tables-{name}"] = error(rope_tables(positions, 32, 1e7), rope_tables_reference(positions, 32, 1e7))
         cos, sin = rope_tables(torch.tensor([0, 1, 7, 300, 4096]), 32, 1e7)
         result[f"qk_norm_rope-{name}"] = error(qk_norm_rope(q, w, 1e-6, cos, sin),
                                                qk_norm_rope_reference(q, w, 1e-6, cos, sin))

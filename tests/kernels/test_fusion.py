@@ -11,7 +11,7 @@ from flashtree.kernels.deltanet_conv import conv_qkv, conv_qkv_reference
 from flashtree.kernels.deltanet_gates import GateInputs, gates_reference
 from flashtree.kernels.qk_norm_rope import apply_rope, norm_rope_into_cache, qk_norm_rope
 from flashtree.kernels.rms_norm import add_rms_norm, rms_norm_reference
-from flashtree.models.layers import rope_tables
+from flashtree.kernels.qk_norm_rope import rope_tables
 from tests.kernels import fusion_cases as cases
 from tests.kernels.interpreter import run_cases
 

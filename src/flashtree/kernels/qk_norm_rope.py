@@ -8,6 +8,8 @@ query straight out of the interleaved [query ; gate] projection rows.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from flashtree.kernels import triton_runs_on
@@ -18,6 +20,33 @@ try:  # the kernel needs triton; the reference does not
     import triton.language as tl
 except ImportError:  # pragma: no cover - triton is a dependency where kernels run
     triton = None
+
+
+def rope_tables_reference(positions: torch.Tensor, rot_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [T, rot_dim] for NeoX (rotate-half) pairing, computed in float32."""
+    freqs = positions.float()[:, None] * _inv_freq(rot_dim, theta, positions.device)[None, :]
+    angles = torch.cat([freqs, freqs], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def rope_tables(positions: torch.Tensor, rot_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope_tables_reference` in one launch where Triton runs (PyTorch spends about eight kernels on it, once
+    per step), else the reference."""
+    t = positions.shape[0]
+    if triton is None or not triton_runs_on(positions.device) or t == 0 or rot_dim % 2:
+        return rope_tables_reference(positions, rot_dim, theta)
+    cos = torch.empty(t, rot_dim, dtype=torch.float32, device=positions.device)
+    sin = torch.empty_like(cos)
+    half = rot_dim // 2
+    _rope_tables_kernel[(t,)](positions, _inv_freq(rot_dim, theta, positions.device), cos, sin, HALF=half,
+                              BLOCK=triton.next_power_of_2(half), num_warps=1)
+    return cos, sin
+
+
+@functools.cache
+def _inv_freq(rot_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """theta^(-2i / rot_dim), float32 [rot_dim / 2]: made once per device (a CUDA graph reads the same buffer)."""
+    return 1.0 / (theta ** (torch.arange(0, rot_dim, 2, device=device, dtype=torch.float32) / rot_dim))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -72,6 +101,19 @@ def norm_rope_into_cache(k: torch.Tensor, v: torch.Tensor, weight: torch.Tensor,
 
 
 if triton is not None:
+
+    @triton.jit
+    def _rope_tables_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, HALF: tl.constexpr, BLOCK: tl.constexpr):
+        token = tl.program_id(0).to(tl.int64)
+        i = tl.arange(0, BLOCK)
+        ok = i < HALF
+        angle = tl.load(pos_ptr + token).to(tl.float32) * tl.load(inv_ptr + i, mask=ok, other=0.0)
+        c, s = tl.cos(angle), tl.sin(angle)
+        row = token * 2 * HALF
+        tl.store(cos_ptr + row + i, c, mask=ok)  # both halves: the NeoX pairing repeats the frequencies
+        tl.store(cos_ptr + row + HALF + i, c, mask=ok)
+        tl.store(sin_ptr + row + i, s, mask=ok)
+        tl.store(sin_ptr + row + HALF + i, s, mask=ok)
 
     @triton.jit
     def _normed(x_ptr, w_ptr, offs, mask, inv):

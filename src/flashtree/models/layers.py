@@ -209,11 +209,3 @@ class QuantizedEmbedding:
         rows = self.raw_rows[tokens.reshape(-1)]
         out = dequantize(rows.reshape(-1), self.qtype, (rows.shape[0], self.dim), dtype=self.dtype)
         return out.reshape(*tokens.shape, self.dim)
-
-
-def rope_tables(positions: torch.Tensor, rot_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [T, rot_dim] for NeoX (rotate-half) pairing, computed in float32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, device=positions.device, dtype=torch.float32) / rot_dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    angles = torch.cat([freqs, freqs], dim=-1)
-    return angles.cos(), angles.sin()

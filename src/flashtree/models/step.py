@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flashtree.kernels.qk_norm_rope import rope_tables
 from flashtree.kernels.tree_attention import graphed_mask
-from flashtree.models.layers import rope_tables
 
 
 @dataclass(frozen=True)
