@@ -240,7 +240,8 @@ def tree_attention() -> None:
             for split in (1, 4):
                 attend(torch.zeros(24, 1, 256, dtype=torch.bfloat16), *caches, cache, cache, torch.tensor([8]),
                        torch.ones(1, 1, dtype=torch.bool), torch.arange(1), 9, 0.0625, split=split,
-                       gate=torch.zeros(1, 24, 2, 256, dtype=torch.bfloat16)[:, :, 1])
+                       gate=torch.zeros(1, 24, 2, 256, dtype=torch.bfloat16)[:, :, 1],
+                       q_norm=(torch.ones(256), 1e-6, torch.zeros(1, 64), torch.zeros(1, 64)))
 
 
 def kv_dequant() -> None:

@@ -16,6 +16,7 @@ import torch
 
 from flashtree.kernels.activations import gated_heads_reference
 from flashtree.kernels.kv_quant import rotate, kv_type, unrotate
+from flashtree.kernels.qk_norm_rope import qk_norm_rope_reference, rope_tables_reference
 from flashtree.kernels.tree_attention import tree_attention, tree_attention_reference
 
 KV_HEADS, HEAD_DIM, KV_END, CAPACITY = 2, 64, 96, 100
@@ -155,6 +156,11 @@ def _cases():
     cases["gated-q8_0-t5-g4-w0-float32-onesplit"] = (dict(cache="q8_0", n=5, group=4), 0, {"split": 1}, "gated")
     cases["gated-bf16-t5-g4-w9-bfloat16"] = (dict(cache="bf16", n=5, group=4, q_dtype=torch.bfloat16), WINDOW, forced,
                                              "gated")
+    # and the query's norm and RoPE at its load, from the raw projection rows
+    cases["normed-gated-f32-t23-g4-w9-float32"] = (dict(cache="f32", n=23, group=4), WINDOW, forced, "normed")
+    cases["normed-gated-f32-t5-g4-w0-onesplit-float32"] = (dict(cache="f32", n=5, group=4), 0, {"split": 1}, "normed")
+    cases["normed-gated-bf16-t5-g4-w0-onesplit-bfloat16"] = (dict(cache="bf16", n=5, group=4, q_dtype=torch.bfloat16),
+                                                             0, {"split": 1}, "normed")
     return cases
 
 
@@ -173,6 +179,17 @@ def main() -> None:
             out = tree_attention(**{**args, "q": rotate(args["q"]) if rot_k else args["q"]}, window=window, **launch)
             out = unrotate(out) if rot_v else out
             want = model_path(args, window, unrotated=True)
+        elif expected == "normed":  # raw q and the gate as attention.py passes them: [query ; gate] projection rows
+            heads, n, d = args["q"].shape
+            rows = (torch.randn(n, heads, 2, d, generator=torch.Generator().manual_seed(n)) * 3).to(args["q"].dtype)
+            weight, (cos, sin) = 1 + 0.1 * torch.randn(d), rope_tables_reference(args["positions"], d // 2, 1e7)
+            out = tree_attention(**{**args, "q": rows[:, :, 0].transpose(0, 1)}, window=window, gate=rows[:, :, 1],
+                                 q_norm=(weight, 1e-6, cos, sin), **launch)
+            normed = qk_norm_rope_reference(rows[:, :, 0], weight, 1e-6, cos, sin).transpose(0, 1)
+            want = gated_heads_reference(tree_attention_reference(**{**args, "q": normed}, window=window), rows[:, :, 1])
+            errors[case] = relative_error(out, want)
+            assert out.shape == (n, heads * d) and out.dtype == args["q"].dtype, case
+            continue
         elif expected == "gated":  # the gate as attention.py passes it: strided rows of the [query ; gate] projection
             heads, n, d = args["q"].shape
             gate = (torch.randn(n, heads, 2, d, generator=torch.Generator().manual_seed(n)) * 3).to(args["q"].dtype)

@@ -47,6 +47,7 @@ import torch
 from flashtree.errors import FlashtreeError
 from flashtree.kernels import interpreted, triton_runs_on
 from flashtree.kernels.activations import gated_heads
+from flashtree.kernels.qk_norm_rope import qk_norm_rope
 from flashtree.kernels.kv_quant import TQ3_GROUP, TQ3_LEVELS, KVType, kv_type
 
 try:
@@ -225,13 +226,14 @@ if triton is not None:
 
     @triton.jit
     def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, start_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, lse_ptr,
-                               gate_ptr, stride_gt, stride_gh,
+                               gate_ptr, stride_gt, stride_gh, qn_w_ptr, cos_ptr, sin_ptr, qn_eps,
                                stride_qh, stride_qt, stride_kh, stride_kr, stride_vh, stride_vr,
                                T, kv_end, heads, scale_log2, window,
                                G: tl.constexpr, D: tl.constexpr, KIND_K: tl.constexpr, KIND_V: tl.constexpr,
                                OP: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, BLOCKWISE: tl.constexpr,
-                               FIXED_TRIPS: tl.constexpr, TRIPS: tl.constexpr, GATED: tl.constexpr):
+                               FIXED_TRIPS: tl.constexpr, TRIPS: tl.constexpr, GATED: tl.constexpr,
+                               NORM_Q: tl.constexpr, ROT: tl.constexpr):
         kvh = tl.program_id(0)
         split = tl.program_id(2)
         offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -240,8 +242,11 @@ if triton is not None:
         head = kvh * G + m_safe // T
         tok = m_safe % T
         d = tl.arange(0, D)
-        q = tl.load(q_ptr + head.to(tl.int64)[:, None] * stride_qh + tok[:, None] * stride_qt + d[None, :],
-                    mask=m_ok[:, None], other=0.0).to(OP)
+        q_rows = q_ptr + head.to(tl.int64)[:, None] * stride_qh + tok[:, None] * stride_qt
+        if NORM_Q:  # q arrives raw from its projection: per-head RMSNorm and RoPE here (`qk_norm_rope`)
+            q = _norm_rope_rows(q_rows, qn_w_ptr, cos_ptr, sin_ptr, tok, d, m_ok, qn_eps, D, ROT).to(OP)
+        else:
+            q = tl.load(q_rows + d[None, :], mask=m_ok[:, None], other=0.0).to(OP)
 
         start = tl.load(start_ptr).to(tl.int32)
         end = tl.minimum(start + T, kv_end)
@@ -286,6 +291,25 @@ if triton is not None:
             base = split.to(tl.int64) * heads * T + row
             tl.store(part_ptr + base[:, None] * D + d[None, :], o, mask=m_ok[:, None])
             tl.store(lse_ptr + base, lse, mask=m_ok)
+
+    @triton.jit
+    def _norm_rope_rows(rows, w_ptr, cos_ptr, sin_ptr, tok, d, ok, eps, D: tl.constexpr, ROT: tl.constexpr):
+        """`qk_norm_rope` of a [rows, D] tile: RMSNorm over each row in float32, rounded to the input dtype as
+        the model does, then NeoX RoPE on the first ROT dims (cos/sin rows of the tokens), rounded again."""
+        dtype = rows.dtype.element_ty
+        x = tl.load(rows + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        inv = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
+        y = (x * inv[:, None] * tl.load(w_ptr + d).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
+        rotating = d < ROT
+        first_half = d < ROT // 2
+        partner_d = tl.where(first_half, d + ROT // 2, tl.where(rotating, d - ROT // 2, d))
+        xp = tl.load(rows + partner_d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        partner = (xp * inv[:, None] * tl.load(w_ptr + partner_d).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
+        table = tok.to(tl.int64)[:, None] * ROT + d[None, :]
+        cos = tl.load(cos_ptr + table, mask=ok[:, None] & rotating[None, :], other=1.0)
+        sin = tl.load(sin_ptr + table, mask=ok[:, None] & rotating[None, :], other=0.0)
+        rotated = y * cos + tl.where(first_half[None, :], -partner, partner) * sin
+        return tl.where(rotating[None, :], rotated, y).to(dtype)
 
     @triton.jit
     def _store_gated(out_ptr, gate_ptr, out_offs, gate_offs, o, mask):
@@ -374,17 +398,23 @@ def _check(q, k_cache, v_cache, tk, tv, start_t, visible, positions, kv_end):
 
 
 def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, positions, kv_end, scale,
-                   window=0, split=None, *, gate=None, block_rows=None, block_m=None, num_warps=None, num_stages=None,
-                   blockwise=False):
+                   window=0, split=None, *, gate=None, q_norm=None, block_rows=None, block_m=None, num_warps=None,
+                   num_stages=None, blockwise=False):
     """Attention of q [heads, T, D] (after RoPE) over cache rows [0, kv_end) of a graphed step; see the
     module docstring for the mask. -> [heads, T, D] in q.dtype; with `gate` [T, heads, D] (any strides, the
-    last unit) `activations.gated_heads(result, gate)` instead, [T, heads * D], the gate applied at the store. `split` forces the number of splits,
+    last unit) `activations.gated_heads(result, gate)` instead, [T, heads * D], the gate applied at the store.
+    With `q_norm` = (weight, eps, cos, sin), q is the raw projection (any strides, the last unit) and gets
+    `qk_norm_rope(q, weight, eps, cos, sin)` at its load. `split` forces the number of splits,
     `block_rows` (BLOCK_N, K/V rows per step), `block_m` (query rows per program), `num_warps` and
     `num_stages` (software pipelining of the row loop) override the launch defaults; `blockwise` decodes
     quantized rows block by block (`load_rows`; a sweep candidate, not measured yet). Falls back to `tree_attention_reference` where the Triton path does not apply."""
     tk, tv = kv_type(kv_type_k), kv_type(kv_type_v)
     _check(q, k_cache, v_cache, tk, tv, start_t, visible, positions, kv_end)
-    if not _triton_supports(q, tk, tv) or (gate is not None and gate.stride(-1) != 1):
+    rot = q_norm[2].shape[-1] if q_norm is not None else 0
+    if (not _triton_supports(q, tk, tv) or (gate is not None and gate.stride(-1) != 1)
+            or (q_norm is not None and (rot % 2 or rot > q.shape[-1]))):
+        if q_norm is not None:
+            q = qk_norm_rope(q.transpose(0, 1), *q_norm).transpose(0, 1)
         out = tree_attention_reference(q, k_cache, v_cache, tk, tv, start_t, visible, positions, kv_end, scale,
                                        window)
         return out if gate is None else gated_heads(out, gate)
@@ -408,6 +438,8 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
     gated = gate is not None
     out = torch.empty(*((n, heads * d) if gated else (heads, n, d)), dtype=q.dtype, device=q.device)
     gate_args = (gate, gate.stride(0), gate.stride(1)) if gated else (out, 0, 0)
+    weight, eps, cos, sin = q_norm if q_norm is not None else (out, 0.0, out, out)  # unused without NORM_Q
+    norm_args = (weight, cos.contiguous(), sin.contiguous(), float(eps))
     if splits > 1:
         part = torch.empty(splits, heads, n, d, dtype=torch.float32, device=q.device)
         lse = torch.empty(splits, heads, n, dtype=torch.float32, device=q.device)
@@ -415,14 +447,15 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
         part = lse = out  # unused
     _tree_attention_kernel[(kv_heads, m_tiles, splits)](
         q, k_cache, v_cache, start_t, visible.contiguous().view(torch.uint8),
-        positions, out, part, lse, *gate_args,
+        positions, out, part, lse, *gate_args, *norm_args,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         n, kv_end, heads, float(scale) * _LOG2E, int(window),
         G=group, D=d, KIND_K=KV_KINDS[tk.name], KIND_V=KV_KINDS[tv.name], OP=op,
         PRECISION=None if low_precision else "ieee",  # float32: exact FMA dots (bf16/f16: tensor cores)
         HAS_WINDOW=window > 0, BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits, BLOCKWISE=blockwise,
         FIXED_TRIPS=interpreter, TRIPS=triton.cdiv(triton.cdiv(kv_end, splits), block_n) if interpreter else 0,
-        GATED=gated, num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}))
+        GATED=gated, NORM_Q=q_norm is not None, ROT=max(rot, 2),
+        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}))
     if splits > 1:
         _combine_kernel[(heads * n,)](part, lse, out, heads * n, *gate_args, n, heads, D=d, SPLITS=splits,
                                       SPLITS_P2=triton.next_power_of_2(splits), GATED=gated,

@@ -71,9 +71,8 @@ class GatedAttention:
         n = x.shape[0]
         qg, k, v = self.inputs(x)
         qg = qg.reshape(n, c.num_heads, 2, c.head_dim)
-        q, gate = qg[:, :, 0], qg[:, :, 1]
+        raw_q, gate = qg[:, :, 0], qg[:, :, 1]
         cos, sin = step.rope(c.rope_dim, c.rope_theta)
-        q = qk_norm_rope(q, self.q_norm, c.rms_eps, cos, sin)
         k, v = k.reshape(n, c.num_kv_heads, c.head_dim), v.reshape(n, c.num_kv_heads, c.head_dim)
         if isinstance(kv.type_k, FloatKV) and isinstance(kv.type_v, FloatKV):  # written as they are: one launch
             norm_rope_into_cache(k, v, self.k_norm, c.rms_eps, cos, sin, kv.k, kv.v, step.slots)
@@ -81,16 +80,22 @@ class GatedAttention:
             k = qk_norm_rope(k, self.k_norm, c.rms_eps, cos, sin)
             kv.k.index_copy_(1, step.slots, kv.type_k.quantize(k.transpose(0, 1)))
             kv.v.index_copy_(1, step.slots, kv.type_v.quantize(v.transpose(0, 1)))
-        q = q.transpose(0, 1)
-        if kv.type_k.rotated:  # R orthogonal: (Rq).(Rk) = q.k, so K is used as stored
-            q = rotate(q)
-        if _reads_cache_in_place(step, kv, q) and not kv.type_v.rotated:  # the output gate in the same launch
-            return self.out(tree_attention(q, kv.k, kv.v, kv.type_k, kv.type_v, step.start_tensor(), step.visible,
-                                           step.positions, step.kv_end, c.attention_scale, kv.window, gate=gate))
-        if _reads_cache_in_place(step, kv, q):
-            out = tree_attention(q, kv.k, kv.v, kv.type_k, kv.type_v, step.start_tensor(), step.visible,
-                                 step.positions, step.kv_end, c.attention_scale, kv.window)
+        if _reads_cache_in_place(step, kv, raw_q.transpose(0, 1)):
+            # one launch: q's norm and RoPE at the kernel's load (not for TQ3_0 keys, whose q is rotated after
+            # them), the output gate at its store (not for TQ3_0 values, whose output is rotated back first)
+            fused_q, fused_gate = not kv.type_k.rotated, not kv.type_v.rotated
+            q = raw_q.transpose(0, 1) if fused_q else rotate(qk_norm_rope(raw_q, self.q_norm, c.rms_eps, cos,
+                                                                          sin).transpose(0, 1))
+            out = tree_attention(q, kv.k, kv.v, kv.type_k, kv.type_v,
+                                 step.start_tensor(), step.visible, step.positions, step.kv_end, c.attention_scale,
+                                 kv.window, gate=gate if fused_gate else None,
+                                 q_norm=(self.q_norm, c.rms_eps, cos, sin) if fused_q else None)
+            if fused_gate:
+                return self.out(out)
         else:
+            q = qk_norm_rope(raw_q, self.q_norm, c.rms_eps, cos, sin).transpose(0, 1)
+            if kv.type_k.rotated:  # R orthogonal: (Rq).(Rk) = q.k, so K is used as stored
+                q = rotate(q)
             out = self._attend_dequantized(q, step, kv)  # [heads, n, hd]
         if kv.type_v.rotated:  # softmax(.) @ (R v) = R (softmax(.) @ v): rotate the output back
             out = unrotate(out)
