@@ -74,7 +74,8 @@ class GatedAttention:
         raw_q, gate = qg[:, :, 0], qg[:, :, 1]
         cos, sin = step.rope(c.rope_dim, c.rope_theta)
         k, v = k.reshape(n, c.num_kv_heads, c.head_dim), v.reshape(n, c.num_kv_heads, c.head_dim)
-        if isinstance(kv.type_k, FloatKV) and isinstance(kv.type_v, FloatKV):  # written as they are: one launch
+        if type(kv.type_k) is FloatKV and type(kv.type_v) is FloatKV:  # written as cast values: one launch
+            # (the exact type: a subclass may store something else than the cast, e.g. the tests' round trips)
             norm_rope_into_cache(k, v, self.k_norm, c.rms_eps, cos, sin, kv.k, kv.v, step.slots)
         else:
             k = qk_norm_rope(k, self.k_norm, c.rms_eps, cos, sin)
