@@ -35,8 +35,9 @@ QT = QType.Q4_K
 
 def variants(m: int, n: int, k: int) -> list[tuple[str, str, mma.MMAConfig | None]]:
     """qmm and qmh as shipped, and qmh at other launch shapes (row tiles, warps, splits, chains)."""
-    default = mma.choose_config(QT, min(m, 32), n, k, torch.cuda.get_device_properties(0).multi_processor_count)
-    out = [("qmm", "qmm", mma.MMAConfig(default.rt, default.warps, default.splits)), ("qmh", "qmh", default)]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    default = mma.choose_config(QT, min(m, 32), n, k, sms)
+    out = [("qmm", "qmm", mma.choose_config(QT, min(m, 32), n, k, sms, kernel="qmm")), ("qmh", "qmh", default)]
     for rt, warps, split, chains in ((1, 4, 1, 2), (2, 4, 1, 1), (1, 4, 1, 1), (1, 8, 1, 2), (1, 4, 2, 2)):
         c = mma.MMAConfig(rt, warps, split * default.splits, chains)
         if c != default and n % (16 * rt) == 0 and (k // 256) >= warps * c.splits:

@@ -87,6 +87,8 @@ def test_configurations_follow_the_sweep():
     assert [mma.choose_config(QType.Q4_K, m, 17408, 5120) for m in (8, 16, 23, 32)] == [
         mma.MMAConfig(1, 4, 1, 2), mma.MMAConfig(1, 4, 1, 2), mma.MMAConfig(2, 4, 1, 1), mma.MMAConfig(2, 4, 1, 1)]
     assert [mma.kernel_for(QType.Q4_K, 3, n, k) for n, k in ((17408, 5120), (1024, 5120))] == ["qmh", "qmm"]
+    # the bf16 kernel's own choice on the same matrix (what the sweeps compare qmh with)
+    assert [mma.choose_config(QType.Q4_K, m, 17408, 5120, kernel="qmm").rt for m in (8, 16, 23, 32)] == [1, 2, 1, 2]
     assert [mma.choose_config(QType.Q4_K, m, 4096, 1024).rt for m in (8, 16, 23, 32)] == [1, 2, 1, 2]
     assert [mma.choose_config(QType.Q6_K, m, 17408, 5120).rt for m in (8, 16, 23, 32)] == [1, 1, 2, 2]
 

@@ -50,7 +50,6 @@ from typing import Callable, Sequence
 
 import torch
 
-from flashtree.engine.config import MESSAGE_START_TOKENS
 from flashtree.engine.prefix_cache_flags import (DEFAULT_DEVICE_BYTES, DEFAULT_INTERVAL, DEFAULT_MAX_BYTES,
                                                 DEFAULT_MAX_ENTRIES)
 from flashtree.errors import FlashtreeError
@@ -305,8 +304,7 @@ class PrefixCache:
 
     def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES, max_bytes: int = DEFAULT_MAX_BYTES,
                  interval: int = DEFAULT_INTERVAL, device_bytes: int = DEFAULT_DEVICE_BYTES, boundaries: int = 2,
-                 boundary_tokens: Sequence[str] = MESSAGE_START_TOKENS, max_interval_snapshots: int = 8,
-                 clock: Callable[[], float] = time.perf_counter):
+                 max_interval_snapshots: int = 8, clock: Callable[[], float] = time.perf_counter):
         if max_entries < 1 or max_bytes < 1 or interval < 1 or device_bytes < 0:
             raise FlashtreeError(f"prefix cache limits must be >= 1 (entries={max_entries}, bytes={max_bytes}, "
                                  f"interval={interval}) and the device budget >= 0 (device_bytes={device_bytes})")
@@ -314,8 +312,6 @@ class PrefixCache:
         self.device_bytes = device_bytes
         self.max_interval_snapshots = max(1, max_interval_snapshots)
         self.boundaries = boundaries  # snapshots before this many of the last message headers of a prompt
-        self.boundary_tokens = tuple(boundary_tokens)
-        self._boundary_ids: frozenset[int] | None = None  # resolved with the first engine's tokenizer
         self.clock = clock
         self.entries: OrderedDict[tuple[int, ...], Entry] = OrderedDict()  # least recently used first
         self.stats = PrefixCacheStats()
@@ -472,13 +468,12 @@ class PrefixCache:
         return wanted
 
     def _boundary_points(self, runner, prompt_ids: Sequence[int], start: int) -> list[int]:
-        if self._boundary_ids is None:
-            ids = (runner.tokenizer.token_id(t) for t in self.boundary_tokens)
-            self._boundary_ids = frozenset(i for i in ids if i is not None)
-        found = []
-        if self._boundary_ids and self.boundaries > 0:
+        """The positions of the last `boundaries` message headers after `start`: the runner's (its chunks end
+        there too, so these are snapshots of their own)."""
+        headers, found = runner.message_starts, []
+        if headers and self.boundaries > 0:
             for pos in range(len(prompt_ids) - 1, start, -1):
-                if prompt_ids[pos] in self._boundary_ids:
+                if prompt_ids[pos] in headers:
                     found.append(pos)
                     if len(found) == self.boundaries:
                         break

@@ -496,7 +496,7 @@ def _launch(fn, grid: tuple[int, int], threads: int, args: list, device: torch.d
 _H200_SMS = 132
 
 
-def choose_config(qtype: QType, m: int, n: int, k: int, sms: int = _H200_SMS) -> MMAConfig:
+def choose_config(qtype: QType, m: int, n: int, k: int, sms: int = _H200_SMS, kernel: str | None = None) -> MMAConfig:
     """From the H200 sweeps of 2026-11-30 21:35 UTC (benchmarks/sweep_mma.py) and 2026-12-01 02:05 UTC (qmh,
     benchmarks/sweep_mma_rows.py; docs/PERFORMANCE.md).
 
@@ -514,7 +514,7 @@ def choose_config(qtype: QType, m: int, n: int, k: int, sms: int = _H200_SMS) ->
     (two chains there exceed 255 registers and spill)."""
     tiles, sb = n // 16, k // SUPER
     tg = token_groups(m)
-    half = kernel_for(qtype, tg, n, k) == "qmh"
+    half = (kernel or kernel_for(qtype, tg, n, k)) == "qmh"  # `kernel`: the config another kernel would take
     pairs = tg in ((3, 4) if half or qtype == QType.Q6_K else (2, 4))
     rt = 2 if pairs and tiles >= sms and n % 32 == 0 else 1
     warps = 2 if tiles >= 32 * sms else 4
@@ -533,15 +533,10 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: QType, n: int, k: int,
         raise FlashtreeError(f"the MMA kernel takes bf16 rows, got {m} of {x.dtype}")
     kernel = kernel or kernel_for(qtype, token_groups(min(m, MAX_M)), n, k)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-    if kernel == "qmh":
-        xh, sums, scale = prepare_x(x)
-        for start in range(0, m, MAX_M):
-            part = slice(start, start + MAX_M)
-            _launch_matmul(out[part], [xh[part], sums[part], scale[part]], raw, qtype, n, k, config, kernel)
-    else:
-        for start in range(0, m, MAX_M):
-            part = slice(start, start + MAX_M)
-            _launch_matmul(out[part], [x[part]], raw, qtype, n, k, config, kernel)
+    inputs = prepare_x(x) if kernel == "qmh" else (x,)  # row-major, so a launch takes the same rows of each
+    for start in range(0, m, MAX_M):
+        part = slice(start, start + MAX_M)
+        _launch_matmul(out[part], [t[part] for t in inputs], raw, qtype, n, k, config, kernel)
     return out
 
 
