@@ -298,11 +298,12 @@ def fusion() -> None:
 def gated_delta() -> None:
     from flashtree.kernels import gated_delta_triton
 
-    for n in (1, 4, 23):
+    for n in (1, 4, 23, 64):
         q, k = torch.zeros(n, 16, 128), torch.zeros(n, 16, 128)
         v, g, beta, state = torch.zeros(n, 48, 128), torch.zeros(n, 48), torch.zeros(n, 48), torch.zeros(48, 128, 128)
-        gated_delta_triton.recurrent_step(q, k, v, g, beta, state)
-        gated_delta_triton.recurrent_step(q, k, v, g, beta, state, rows=torch.arange(n))  # a commit's path
+        if n < 64:
+            gated_delta_triton.recurrent_step(q, k, v, g, beta, state)
+            gated_delta_triton.recurrent_step(q, k, v, g, beta, state, rows=torch.arange(n))  # a commit's path
         gated_delta_triton.tree_verify(q, k, v, g, beta, state, torch.arange(n) - 1)
 
 

@@ -134,3 +134,24 @@ def test_static_draft_pass_and_commit_accept_like_the_eager_ones():
         assert static.token_ids == eager.token_ids
         assert eager.stats.acceptance_length > 2
         assert abs(static.stats.acceptance_length - eager.stats.acceptance_length) < 0.05
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("device", ["cuda", "auto"])
+def test_the_draft_passes_replay_graphs_on_an_unindexed_gpu(device):
+    """`--device cuda` (or auto) names the GPU without its index, while the draft's weights report `cuda:0`:
+    the proposer must still see one device, capture its block pass and commit it with the target's, and
+    never take the two-device prefetch path."""
+    from flashtree.engine.config import EngineArgs
+    from flashtree.engine.decode import proposer_for
+    from flashtree.engine.loader import load_engine
+
+    demo = load_engine(EngineArgs(device=device))
+    assert demo.target.model.device.index is not None
+    config = GenerationConfig(max_new_tokens=24, mode="ddtree", ignore_eos=True)
+    demo.generate(demo.encode_prompt("def fib(n):"), config)
+    proposer = proposer_for(demo.runner, config)
+    assert proposer.steps is not None and proposer.steps.capture_graphs and proposer.steps.entries
+    assert not proposer.overlaps
+    assert any(key[0] == "commit" and key[3] is not None for key in demo.runner.graph_runner().steps.entries)

@@ -21,6 +21,7 @@ import torch
 
 from flashtree.engine.planner import GIB, fmt_bytes, parse_size
 from flashtree.errors import FlashtreeError
+from flashtree.kernels import indexed
 
 
 def allocator_fraction(cap: int, cuda_overhead: int, total: int, device: str) -> float:
@@ -39,14 +40,9 @@ def cap_process_memory(devices: Iterable[torch.device | str], gpu_memory: str | 
     if gpu_memory is None:
         return
     cap = parse_size(gpu_memory)
-    for device in {_indexed(torch.device(d)) for d in devices if torch.device(d).type == "cuda"}:
+    for device in {indexed(d) for d in devices if torch.device(d).type == "cuda"}:
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(allocator_fraction(cap, cuda_overhead, total, str(device)), device)
-
-
-def _indexed(device: torch.device) -> torch.device:
-    """`cuda` as the `cuda:N` it means, so that one GPU named two ways is capped once."""
-    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 @dataclass(frozen=True)

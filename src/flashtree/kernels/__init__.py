@@ -27,6 +27,15 @@ def triton_runs_on(device: torch.device | str) -> bool:
     return triton_installed() and (torch.device(device).type == "cuda" or interpreted())
 
 
+def indexed(device: torch.device | str) -> torch.device:
+    """`cuda` as the `cuda:N` it means (the current GPU). A tensor's device always carries its index and
+    `cuda` != `cuda:0`, so a model or draft holding an unindexed device fails every "same device?" check
+    against its own tensors."""
+    device = torch.device(device)
+    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None \
+        else device
+
+
 def on_device(device: torch.device | str) -> contextlib.AbstractContextManager:
     """Triton launches its kernels on the *current* CUDA device, whatever device the tensors live on: work on
     a second GPU (a layer split's later stages, the draft on its own GPU) runs inside this context, or its

@@ -20,7 +20,7 @@ import torch
 from flashtree.models.cache import TargetCache
 from flashtree.errors import FlashtreeError
 from flashtree.formats.gguf_file import GGUFFile
-from flashtree.kernels import on_device
+from flashtree.kernels import indexed, on_device
 from flashtree.kernels.activations import silu_mul
 from flashtree.kernels.rms_norm import add_rms_norm, rms_norm
 from flashtree.models.attention import GatedAttention
@@ -136,7 +136,7 @@ class Qwen35Model:
         """The target from `gguf` (a file, or any source with its tensor table), layer by layer on `device`;
         `progress(done, total)` after each layer. With `shard` (tensor parallel) each layer and the LM head
         are cut to one rank's share as they load, and the model has the rank's config."""
-        device = torch.device(device)
+        device = indexed(device)
         local = shard.local_config(config) if shard is not None else config
         d, vocab = config.hidden_size, config.vocab_size
         embed = QuantizedEmbedding.load(gguf, "token_embd.weight", vocab, d, dtype, device)

@@ -13,14 +13,16 @@ from typing import Sequence
 import torch
 
 from flashtree.errors import FlashtreeError
+from flashtree.kernels import indexed
 from flashtree.models.layers import Linear, Projections, QuantLinear
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """`auto` (or None): the first GPU if there is one, else the CPU; otherwise cpu, cuda or cuda:N, checked
-    against the GPUs this torch sees."""
+    against the GPUs this torch sees. A GPU comes back indexed (`kernels.indexed`): with an unindexed one,
+    the draft's "same device as the target?" check failed and its passes ran eagerly."""
     if device in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
@@ -34,7 +36,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         if dev.index is not None and dev.index >= count:
             raise FlashtreeError(f"device {str(device)!r} requested but this machine has {count} CUDA device(s): "
                                  f"cuda:0 to cuda:{count - 1}")
-    return dev
+    return indexed(dev)
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
