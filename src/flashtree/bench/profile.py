@@ -20,15 +20,15 @@ FAMILIES = (
     (r"_q4_k", "Q4_K matmul"), (r"_q6_k", "Q6_K matmul"),  # qmm_/qmv_ (CUDA) and Triton
     (r"_q5_k|_q8_0|_iq4_xs", "other quantized matmul"), (r"dequant", "dequantize"),
     (r"_sum_splits", "split-K sums"), (r"rms_norm", "RMSNorm"),
-    (r"gated_delta|recurrent|tree_verify|deltanet|conv_qkv|chunk_", "DeltaNet"),
+    (r"gated_delta|recurrent|_tree_kernel|deltanet|conv_qkv|chunk_", "DeltaNet"),
     (r"attention|attn|softmax|flash|fmha", "attention"),
-    (r"gemm|gemv|cutlass|xmma|cublas|aten::mm|aten::addmm|aten::linear|aten::matmul|aten::bmm", "dense matmul (cuBLAS)"),
+    (r"gemm|gemv|cutlass|xmma|cublas|nvjet|aten::mm|aten::addmm|aten::linear|aten::matmul|aten::bmm", "dense matmul (cuBLAS)"),
     (r"memcpy|memset|copy|aten::to\b|aten::cat|index", "copies and indexing"),
     (r"elementwise|vectorized|unrolled|reduce|aten::", "elementwise and reductions"),
 )
 
 
-TOP_NAMES = 25  # individual kernels listed, by launch count: what a fusion would remove
+TOP_NAMES = 25  # individual kernels listed by launch count (what a fusion would remove), and by time
 
 
 def family(name: str) -> str:
@@ -68,7 +68,9 @@ def profile_call(fn, device: torch.device, warmup: int = 2) -> dict:
     total = {"kernels": sum(f["count"] for f in families.values()),
              "ms": sum(f["ms"] for f in families.values())}
     top = sorted(names.items(), key=lambda item: -item[1]["count"])[:TOP_NAMES]
-    return {**total, "families": dict(sorted(families.items(), key=lambda item: -item[1]["ms"])), "top": dict(top)}
+    longest = sorted(names.items(), key=lambda item: -item[1]["ms"])[:TOP_NAMES // 2]
+    return {**total, "families": dict(sorted(families.items(), key=lambda item: -item[1]["ms"])), "top": dict(top),
+            "longest": dict(longest)}
 
 
 def print_profile(name: str, report: dict, device: torch.device) -> None:
@@ -78,6 +80,7 @@ def print_profile(name: str, report: dict, device: torch.device) -> None:
     for label, entry in report["families"].items():
         share = entry["ms"] / report["ms"] if report["ms"] else 0.0
         print(f"  {label:28} {entry['count']:6d} {entry['ms']:10.3f} ms {100 * share:5.1f} %")
-    print(f"  most launched ({unit}, count, ms):")
-    for label, entry in report.get("top", {}).items():
-        print(f"    {entry['count']:6d} {entry['ms']:9.3f}  {label[:110]}")
+    for heading, key in (("most launched", "top"), ("longest in total", "longest")):
+        print(f"  {heading} ({unit}, count, ms):")
+        for label, entry in report.get(key, {}).items():
+            print(f"    {entry['count']:6d} {entry['ms']:9.3f}  {label[:110]}")
