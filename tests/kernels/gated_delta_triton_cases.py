@@ -56,7 +56,7 @@ def case_ids() -> list[str]:
     ids += [f"tree-d32-{name}" for name in TREES]
     ids += ["tree-d64-random64", "tree-d64-chain64-strong", "tree-d32-random17-gqa",
             "tree-d64-random17-bv32-bk32", "tree-d32-random17-strided", "tree-d64x32-random17",
-            "tree-d32-random64-tf32x3"]
+            "tree-d32-random64-ieee", "tree-d32-random17-bv16"]
     return ids
 
 
@@ -120,8 +120,10 @@ def tree_case(case: str) -> dict:
     options = {}
     if "bv32" in case:
         options.update(block_v=32, block_k=32)
-    if "tf32x3" in case:
-        options.update(precision="tf32x3")
+    if "bv16" in case:
+        options.update(block_v=16)
+    if "ieee" in case:
+        options.update(precision="ieee")
     out = tree_verify(q, k, v, g, beta, state, parents, **options)
     ref = tree_verify_reference(q, k, v, g, beta, state, parents)
     assert out.shape == ref.shape and out.dtype == torch.float32

@@ -150,14 +150,14 @@ def recurrent_step(q, k, v, g, beta, state, block_v: int | None = None, num_warp
     return out
 
 
-def tree_verify(q, k, v, g, beta, state, parents, block_v: int | None = None, block_k: int = 16,
-                num_warps: int | None = None, precision: str = "ieee") -> torch.Tensor:
+def tree_verify(q, k, v, g, beta, state, parents, block_v: int = 32, block_k: int = 16,
+                num_warps: int | None = None, precision: str = "tf32x3") -> torch.Tensor:
     """Outputs [T, H, dv] (float32) of every node of a draft tree of T <= 64 nodes, node i seeing the
     state reached along its root-to-node path. parents int64 [T]: parents[i] < i, -1 = child of the
     current state (values are not checked on the device: a parent >= i is treated as -1).
-    `state` is only read. `precision`: tl.dot input precision ("ieee" exact float32 FMA, or
-    "tf32x3", tensor cores at about float32 accuracy).
-    """
+    `state` is only read. `precision`: tl.dot input precision ("tf32x3", tensor cores at about float32
+    accuracy, or "ieee", float32 FMA). The defaults are the fastest of a sweep at the 27B shape
+    (benchmarks/sweep_deltanet_tree.py, H200 2026-12-01: a 23-node tree 52 -> 28 us and less, the same error)."""
     _check(q, k, v, g, beta, state, parents)
     if triton is None or not triton_runs_on(state.device):
         return tree_verify_reference(q, k, v, g, beta, state, parents)
@@ -168,12 +168,11 @@ def tree_verify(q, k, v, g, beta, state, parents, block_v: int | None = None, bl
         return out
     parents = parents.contiguous()
     block_t = max(16, triton.next_power_of_2(t))
-    block_v = block_v or _default_block_v(h, dv)
-    block_k = min(block_k, dk)
+    block_v, block_k = min(block_v, dv), min(block_k, dk)
     if dv % block_v or dk % block_k:
         raise FlashtreeError(f"block_v = {block_v} must divide dv = {dv} and block_k = {block_k} dk = {dk}")
     if num_warps is None:
-        # sm_90 ptxas, dk = 128, block_v = 16: T <= 32 at 4 warps 112 registers, T <= 64 at 8 warps 255 (no spills)
+        # sm_90 ptxas, dk = 128: T <= 32 at 4 warps, T <= 64 at 8 warps without spills
         num_warps = 8 if block_t >= 64 else 4
     _tree_kernel[(h, dv // block_v)](q, k, v, g, beta, state, parents, out, t, hk,
                                      *_strides(q, k, v, g, beta, state, out),

@@ -1,0 +1,76 @@
+#!/usr/bin/env python3
+"""The DeltaNet tree-verify kernel at the 27B shape (16 q/k heads, 48 value heads, 128 x 128 states) on the
+GPU at several launch shapes and tree shapes, beside the one-token recurrent step.
+
+    python3 benchmarks/sweep_deltanet_tree.py [--out tree.json]
+
+Each point runs under a CUDA graph with the state rotated past the L2 (`flashtree bench --kernels` timing)
+and is checked against the torch reference (max |error| / max |reference|). Prints one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from flashtree.bench.kernels import rotation, time_graph  # noqa: E402
+from flashtree.kernels import gated_delta_triton as gdt  # noqa: E402
+
+HK, H, D = 16, 48, 128
+# (block_v, block_k, warps, precision): the default first; the 2026-12-01 sweep's row-by-row substitution and
+# parent-mask input are gone (slower or no faster)
+VARIANTS = ((32, 16, 4, "tf32x3"), (16, 16, 4, "ieee"), (32, 16, 4, "ieee"), (16, 16, 4, "tf32x3"),
+            (32, 32, 4, "tf32x3"), (64, 16, 4, "tf32x3"), (32, 16, 8, "tf32x3"), (64, 32, 8, "tf32x3"))
+
+
+def trees(rng: random.Random) -> dict[str, list[int]]:
+    """Parent lists: chains (the chain mode), a bushy DDTree-like tree, and a star."""
+    bushy = [-1] + [rng.randint(max(0, i - 4), i - 1) for i in range(1, 23)]
+    return {"chain16": list(range(-1, 15)), "chain23": list(range(-1, 22)), "bushy23": bushy,
+            "star23": [-1] + [0] * 22}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="tree.json")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    states = [torch.randn(H, D, D, device="cuda") * 0.1 for _ in range(rotation(H * D * D * 4))]
+    results = []
+    token = [t.cuda() for t in (F.normalize(torch.randn(1, HK, D), dim=-1), F.normalize(torch.randn(1, HK, D), dim=-1),
+                                torch.randn(1, H, D), -torch.rand(1, H), torch.rand(1, H))]
+    us = time_graph([lambda s=s: gdt.recurrent_step(*token, s) for s in states]) * 1e6
+    print(f"recurrent step (1 token): {us:.1f} us", flush=True)
+    results.append({"tree": "ar", "variant": "recurrent", "us": us})
+    for name, parents in trees(random.Random(0)).items():
+        t = len(parents)
+        p = torch.tensor(parents, device="cuda")
+        anc = gdt.ancestors_from_parents(p.cpu()).cuda()
+        q, k = (F.normalize(torch.randn(t, HK, D, device="cuda"), dim=-1) for _ in range(2))
+        v, g, beta = torch.randn(t, H, D, device="cuda"), -torch.rand(t, H, device="cuda"), torch.rand(t, H, device="cuda")
+        ref = gdt.tree_verify_reference(q, k, v, g, beta, states[0], p)
+        cells = []
+        for block_v, block_k, warps, precision in VARIANTS:
+            kw = dict(block_v=block_v, block_k=block_k, num_warps=warps, precision=precision)
+            out = gdt.tree_verify(q, k, v, g, beta, states[0], p, **kw)
+            err = ((out - ref).abs().max() / ref.abs().max()).item()
+            us = time_graph([lambda s=s: gdt.tree_verify(q, k, v, g, beta, s, p, **kw) for s in states]) * 1e6
+            label = f"v{block_v}k{block_k}w{warps}/{precision}"
+            results.append({"tree": name, "variant": label, "us": us, "err": err})
+            cells.append(f"{label} {us:.1f} {err:.0e}")
+        print(f"{name:8} " + " | ".join(cells), flush=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
