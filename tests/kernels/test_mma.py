@@ -143,7 +143,8 @@ def _exact_q6_k(rows: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """d sc (q - 32) in float64: every Q6_K value exactly."""
     q, scales, d = mma._unpack_q6_k(rows.reshape(-1, 210), n, k)
     sc = scales.view(torch.int8).double().reshape(n, k // 16).repeat_interleave(16, dim=1)
-    return (q.double() - 32) * sc * d.contiguous().view(torch.float16).double().reshape(n, k // 256).repeat_interleave(256, dim=1)
+    d = d.contiguous().view(torch.float16).double().reshape(n, k // 256).repeat_interleave(256, dim=1)
+    return (q.double() - 32) * sc * d
 
 
 def test_float16_q6_k_fragments_hold_every_value_exactly():
