@@ -83,7 +83,7 @@ def main() -> int:
         for m in ROWS:
             c, tg = mma.choose_config(QT, m, n, k), mma.token_groups(m)
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-            xh, sums, scale = mma.prepare_x(x)
+            xh, sums, scale = mma.prepare_x(x, QT)
             out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
             cells = []
             for i, label in enumerate(sources):

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Q4_K at 2-64 rows of x on the GPU: the bf16 token-column kernel (qmm) against the float16 kernel (qmh,
-its x conversion included) at several launch shapes, and dense bf16 cuBLAS as the peer, at the 27B shapes.
+"""Q6_K (default) or Q4_K at 2-64 rows of x on the GPU: the bf16 token-column kernel (qmm) against the float16
+kernel (qmh, its x conversion included) at several launch shapes, and dense bf16 cuBLAS as the peer, at the 27B
+shapes (Q6_K: the FFN down projections, attention V and the LM head, the head at 16 and 23 rows only).
 
-    python3 benchmarks/sweep_mma_rows.py [--out rows.json]
+    python3 benchmarks/sweep_mma_rows.py [--types Q6_K,Q4_K] [--out rows.json]
 
 Each point is timed the way `flashtree bench --kernels` times one (CUDA graph, weights rotated past the
 L2) and checked against the float32 dequantization (max |error| / max |reference|). Prints one table.
@@ -27,77 +28,101 @@ from flashtree.bench.kernels import rotation, time_graph  # noqa: E402
 from flashtree.bench.steps import read_bandwidth  # noqa: E402
 from flashtree.kernels.quant_matmul import mma, quant_matmul_reference, random_quant_weight  # noqa: E402
 
-SHAPES = {"gate/up 17408x5120": (17408, 5120), "down 5120x17408": (5120, 17408),
-          "q+gate 12288x5120": (12288, 5120), "kv 1024x5120": (1024, 5120)}
 ROWS = (2, 8, 16, 23, 32, 64)
-QT = QType.Q4_K
+# per type: label -> (n, k, row counts)
+SHAPES = {
+    QType.Q6_K: {"down 5120x17408": (5120, 17408, ROWS), "v 1024x5120": (1024, 5120, ROWS),
+                 "head 248320x5120": (248320, 5120, (16, 23))},
+    QType.Q4_K: {"gate/up 17408x5120": (17408, 5120, ROWS), "down 5120x17408": (5120, 17408, ROWS),
+                 "q+gate 12288x5120": (12288, 5120, ROWS), "kv 1024x5120": (1024, 5120, ROWS)},
+}
+# qmh's other launch shapes (row tiles, warps, splits as a multiple of the default's, chains)
+QMH_ALTERNATIVES = ((1, 4, 1, 2), (2, 4, 1, 1), (1, 4, 1, 1), (1, 8, 1, 2), (1, 4, 2, 2))
 
 
-def variants(m: int, n: int, k: int) -> list[tuple[str, str, mma.MMAConfig | None]]:
-    """qmm and qmh as shipped, and qmh at other launch shapes (row tiles, warps, splits, chains)."""
+def _label(kernel: str, c: mma.MMAConfig) -> str:
+    return f"{kernel} r{c.rt}w{c.warps}s{c.splits}c{c.chains}"
+
+
+def variants(qtype: QType, m: int, n: int, k: int) -> list[tuple[str, str, mma.MMAConfig]]:
+    """qmm and qmh in their own launch shapes (marked *), and qmh at the other shapes that fit the matrix."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    default = mma.choose_config(QT, min(m, 32), n, k, sms)
-    out = [("qmm", "qmm", mma.choose_config(QT, min(m, 32), n, k, sms, kernel="qmm")), ("qmh", "qmh", default)]
-    for rt, warps, split, chains in ((1, 4, 1, 2), (2, 4, 1, 1), (1, 4, 1, 1), (1, 8, 1, 2), (1, 4, 2, 2)):
+    rows = min(m, mma.MAX_M)
+    out = []
+    for kernel in ("qmm", "qmh"):
+        c = mma.choose_config(qtype, rows, n, k, sms, kernel=kernel)
+        out.append((_label(kernel, c) + "*", kernel, c))
+    default = out[-1][2]
+    for rt, warps, split, chains in QMH_ALTERNATIVES:
         c = mma.MMAConfig(rt, warps, split * default.splits, chains)
         if c != default and n % (16 * rt) == 0 and (k // 256) >= warps * c.splits:
-            out.append((f"qmh r{rt}w{warps}s{c.splits}c{chains}", "qmh", c))
+            out.append((_label("qmh", c), "qmh", c))
     return out
 
 
-def precompile(arch: str) -> None:
-    """Every instance the sweep launches, compiled in parallel into the on-disk cache first."""
+def precompile(types: list[QType], arch: str) -> None:
+    """Every instance the sweep launches, and qmh's x conversions, compiled in parallel into the on-disk cache."""
     jobs = {}
-    for n, k in SHAPES.values():
-        for m in ROWS:
-            tg = mma.token_groups(min(m, 32))
-            for _, kernel, c in variants(m, n, k):
-                name = mma._instance(QT, c, tg, kernel)
-                jobs[name] = mma._wrapper(name, QT, c, tg, kernel)
+    for qtype in types:
+        jobs[mma._prep_x_instance(qtype)] = mma._prep_x_wrapper(qtype)
+        for n, k, rows in SHAPES[qtype].values():
+            for m in rows:
+                tg = mma.token_groups(min(m, mma.MAX_M))
+                for _, kernel, c in variants(qtype, m, n, k):
+                    name = mma._instance(qtype, c, tg, kernel)
+                    jobs[name] = mma._wrapper(name, qtype, c, tg, kernel)
     mma.precompile(list(jobs.items()), arch)
+
+
+def sweep_shape(qtype: QType, label: str, n: int, k: int, rows, read_bps: float, deadline: float,
+                results: dict) -> None:
+    first = random_quant_weight(qtype, n, k, "cuda", seed=0)
+    weights = [first] + [random_quant_weight(qtype, n, k, "cuda", seed=i) for i in range(1, rotation(first.nbytes))]
+    dense = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(rotation(n * k * 2))]
+    floor = first.nbytes / read_bps
+    for m in rows:
+        if time.time() > deadline:
+            print("budget spent", flush=True)
+            break
+        x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+        ref = quant_matmul_reference(x, first).float()
+        cells = []
+        us = time_graph([lambda w=w: F.linear(x, w) for w in dense]) * 1e6
+        cells.append(f"bf16 {us:.1f}")
+        results["points"].append({"type": qtype.name, "matrix": label, "rows": m, "variant": "dense bf16", "us": us})
+        for name, kernel, config in variants(qtype, m, n, k):
+            try:
+                out = mma.matmul(x, first.raw, qtype, n, k, config, kernel).float()
+            except Exception as e:  # noqa: BLE001 - a variant that fails is reported, the sweep goes on
+                cells.append(f"{name}: FAIL {str(e)[:80]}")
+                continue
+            err = ((out - ref).abs().max() / ref.abs().max()).item()
+            us = time_graph([lambda w=w: mma.matmul(x, w.raw, qtype, n, k, config, kernel) for w in weights]) * 1e6
+            results["points"].append({"type": qtype.name, "matrix": label, "rows": m, "variant": name, "us": us,
+                                      "of_bw": floor * 1e6 / us, "err": err})
+            cells.append(f"{name}: {us:.1f} ({100 * floor * 1e6 / us:.0f}%) {err:.0e}")
+        print(f"{qtype.name} {label:20} {m:3d}  " + " | ".join(cells), flush=True)
+    del weights, dense, first
+    torch.cuda.empty_cache()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--types", default="Q6_K", help="comma-separated: Q6_K, Q4_K")
     parser.add_argument("--out", default="rows.json")
-    parser.add_argument("--budget-s", type=float, default=240)
+    parser.add_argument("--budget-s", type=float, default=360)
     args = parser.parse_args()
+    types = [QType[name] for name in args.types.split(",")]
     t0 = time.time()
-    precompile(mma.arch_of(torch.device("cuda")))
-    print(f"compiled in {time.time() - t0:.0f} s", flush=True)
+    precompile(types, mma.arch_of(torch.device("cuda")))
+    print(f"compiled in {time.time() - t0:.0f} s; * = the kernel's own launch shape", flush=True)
     read_bps = read_bandwidth(torch.device("cuda"))
     print(f"read bandwidth {read_bps / 1e12:.2f} TB/s", flush=True)
     results = {"read_tbs": read_bps / 1e12, "points": []}
-    for label, (n, k) in SHAPES.items():
-        first = random_quant_weight(QT, n, k, "cuda", seed=0)
-        weights = [first] + [random_quant_weight(QT, n, k, "cuda", seed=i) for i in range(1, rotation(first.nbytes))]
-        dense = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(rotation(n * k * 2))]
-        floor = first.nbytes / read_bps
-        for m in ROWS:
-            if time.time() - t0 > args.budget_s:
-                print("budget spent", flush=True)
-                break
-            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-            ref = quant_matmul_reference(x, first).float()
-            cells = []
-            us = time_graph([lambda w=w: F.linear(x, w) for w in dense]) * 1e6
-            cells.append(f"bf16 {us:.1f}")
-            results["points"].append({"matrix": label, "rows": m, "variant": "dense bf16", "us": us})
-            for name, kernel, config in variants(m, n, k):
-                try:
-                    out = mma.matmul(x, first.raw, QT, n, k, config, kernel).float()
-                except Exception as e:  # noqa: BLE001 - a variant that fails is reported, the sweep goes on
-                    cells.append(f"{name}: FAIL {str(e)[:80]}")
-                    continue
-                err = ((out - ref).abs().max() / ref.abs().max()).item()
-                us = time_graph([lambda w=w: mma.matmul(x, w.raw, QT, n, k, config, kernel) for w in weights]) * 1e6
-                results["points"].append({"matrix": label, "rows": m, "variant": name, "us": us,
-                                          "of_bw": floor * 1e6 / us, "err": err})
-                cells.append(f"{name}: {us:.1f} ({100 * floor * 1e6 / us:.0f}%) {err:.0e}")
-            print(f"{label:20} {m:3d}  " + " | ".join(cells), flush=True)
-        del weights, dense, first
-        torch.cuda.empty_cache()
-        Path(args.out).write_text(json.dumps(results, indent=2))
+    for qtype in types:
+        for label, (n, k, rows) in SHAPES[qtype].items():
+            sweep_shape(qtype, label, n, k, rows, read_bps, t0 + args.budget_s, results)
+            Path(args.out).write_text(json.dumps(results, indent=2))
     return 0
 
 

@@ -77,10 +77,10 @@ def test_warps_and_splits_do_not_depend_on_the_row_count():
 
 def test_configurations_follow_the_sweep():
     """The H200 sweeps' choices (docs/PERFORMANCE.md): the LM head on 2 warps, small matrices split K,
-    Q6_K and Q4_K's float16 kernel pair row tiles from 17 rows (qmh on one tile: two accumulator chains),
-    Q4_K's bf16 kernel at 9-16 and 25-32."""
+    Q6_K's bf16 kernel and Q4_K's float16 kernel pair row tiles from 17 rows (qmh on one tile: two
+    accumulator chains), Q4_K's bf16 kernel at 9-16 and 25-32."""
     assert mma.choose_config(QType.Q6_K, 1, 248320, 5120) == mma.MMAConfig(1, 2, 1)
-    assert mma.choose_config(QType.Q6_K, 23, 248320, 5120) == mma.MMAConfig(2, 2, 1)
+    assert mma.choose_config(QType.Q6_K, 23, 248320, 5120, kernel="qmm") == mma.MMAConfig(2, 2, 1)
     assert mma.choose_config(QType.Q4_K, 1, 5120, 17408) == mma.MMAConfig(1, 4, 1)
     assert mma.choose_config(QType.Q4_K, 1, 1024, 5120) == mma.MMAConfig(1, 4, 4)
     assert mma.choose_config(QType.Q4_K, 32, 1024, 5120).rt == 1  # too few tiles to pair
@@ -90,7 +90,114 @@ def test_configurations_follow_the_sweep():
     # the bf16 kernel's own choice on the same matrix (what the sweeps compare qmh with)
     assert [mma.choose_config(QType.Q4_K, m, 17408, 5120, kernel="qmm").rt for m in (8, 16, 23, 32)] == [1, 2, 1, 2]
     assert [mma.choose_config(QType.Q4_K, m, 4096, 1024).rt for m in (8, 16, 23, 32)] == [1, 2, 1, 2]
-    assert [mma.choose_config(QType.Q6_K, m, 17408, 5120).rt for m in (8, 16, 23, 32)] == [1, 1, 2, 2]
+    assert [mma.choose_config(QType.Q6_K, m, 17408, 5120, kernel="qmm").rt for m in (8, 16, 23, 32)] == [1, 1, 2, 2]
+
+
+Q6_K_SHAPES = [(5120, 17408), (17408, 5120), (1024, 5120), (248320, 5120)]  # FFN down, a gate/up size, V, LM head
+
+
+def test_q6_k_takes_the_float16_kernel_where_q4_k_does():
+    """2-32 rows of a Q6_K matrix of 8M+ weights go to qmh, smaller ones (attention V) to qmm, one row to qmv;
+    the same rule as Q4_K's."""
+    for n, k in Q6_K_SHAPES:
+        expect = "qmh" if n * k >= mma.QMH_MIN_WEIGHTS else "qmm"
+        for qtype in TYPES:
+            assert [mma.kernel_for(qtype, tg, n, k) for tg in (1, 2, 3, 4)] == [expect] * 4, (qtype, n, k)
+            assert mma.kernel_for(qtype, mma.token_groups(1), n, k) == "qmv"
+    assert mma.kernel_for(QType.Q6_K, 3, 1024, 5120) == "qmm" and mma.kernel_for(QType.Q6_K, 3, 5120, 17408) == "qmh"
+
+
+def test_q6_k_float16_kernel_pairs_row_tiles_at_17_to_24_rows_only():
+    """One row tile and two accumulator chains, except two tiles on one chain at 17-24 rows (at 25-32 two tiles
+    spill); so two classes of row counts, each giving a row the same bits whatever the other rows. The LM head on
+    2 warps; attention V (fewer tiles than SMs) never pairs."""
+    for n, k in Q6_K_SHAPES:
+        warps = 2 if n == 248320 else 4
+        classes = {m: mma.choose_config(QType.Q6_K, m, n, k, kernel="qmh") for m in range(2, 33)}
+        paired = n >= 16 * 132
+        assert {classes[m] for m in range(17, 25)} == {mma.MMAConfig(2 if paired else 1, warps, classes[17].splits,
+                                                                     1 if paired else 2)}, (n, k)
+        assert {classes[m] for m in (*range(2, 17), *range(25, 33))} == {mma.MMAConfig(1, warps, classes[2].splits, 2)}
+
+
+def test_load_time_compile_plans_the_q6_k_float16_kernel_and_its_x_conversion():
+    jobs = dict(mma.instances_for({(QType.Q6_K, 5120, 17408)}, 132))
+    assert "prep_x_f16_q6_k" in jobs and "prep_x_f16" not in jobs
+    assert sorted(name for name in jobs if name.startswith("qmh")) == [
+        "qmh_q6_k_r1_t1_w4_s1_c2", "qmh_q6_k_r1_t2_w4_s1_c2", "qmh_q6_k_r1_t4_w4_s1_c2", "qmh_q6_k_r2_t3_w4_s1_c1"]
+    assert "qmh<Q6_K, 2, 3, 4, 1, 1>(xh, nullptr, scale, q, h, s, d," in jobs["qmh_q6_k_r2_t3_w4_s1_c1"]
+    assert "prep_x<Q6_K>(x, xh, nullptr, scale, K)" in jobs["prep_x_f16_q6_k"]
+    small = [name for name, _ in mma.instances_for({(QType.Q6_K, 1024, 5120)}, 132)]
+    assert not any(name.startswith(("qmh", "prep_x")) for name in small)
+
+
+def _q6_k_rows(q: torch.Tensor, scales: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """GGUF Q6_K bytes [N, row bytes] of quants q [N, K] (0..63), int8 scales [N, K/16] and float16 d [N, K/256]."""
+    n, k = q.shape
+    rows = mma._pack_q6_k(q.to(torch.uint8), scales.to(torch.int8).view(torch.uint8).reshape(n, k // 256, 16),
+                          d.to(torch.float16).view(torch.uint8).reshape(n, k // 256, 2), n, k)
+    return rows.reshape(n, -1)
+
+
+def _exact_q6_k(rows: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """d sc (q - 32) in float64: every Q6_K value exactly."""
+    q, scales, d = mma._unpack_q6_k(rows.reshape(-1, 210), n, k)
+    sc = scales.view(torch.int8).double().reshape(n, k // 16).repeat_interleave(16, dim=1)
+    d = d.contiguous().view(torch.float16).double().reshape(n, k // 256).repeat_interleave(256, dim=1)
+    return (q.double() - 32) * sc * d
+
+
+def test_float16_q6_k_fragments_hold_every_value_exactly():
+    """What Q6_K's float16 kernel (qmh) rests on, emulated bit for bit from the fragment layout: every quant
+    (0..63) with every int8 scale, in rows g and g + 8 (their own constants), in even and odd MMA steps (the top
+    bits' shifts) and at every position of a sub-block (A register and half), splits into two float16 values whose
+    sum times 4 d or d / 4 is the value exactly. Row 16 i + 8 h + r (r < 8) of the matrix takes scale 8 i + r - 128
+    in every sub-block; value l of sub-block 2c + o takes q = 16 (c % 4) + (l + c // 4) % 16."""
+    n, k = 512, 2048
+    row, sub, value = torch.arange(n)[:, None], torch.arange(k // 16)[None, :], torch.arange(k)[None, :]
+    scales = ((row % 8) + 8 * (row // 16) - 128).expand(n, k // 16)
+    q = (16 * ((value // 32) % 4) + (value % 16 + value // 128) % 16).expand(n, k)
+    d = torch.rand(n, k // 256, generator=torch.Generator().manual_seed(3)) * 0.02 + 1e-3
+    rows = _q6_k_rows(q, scales, d)
+    assert set(scales.unique().tolist()) == set(range(-128, 128))
+    assert all(set(q[0, l::16].tolist()) == set(range(64)) for l in range(16))  # every quant at every position
+    half = mma.dequantize_half_emulated(mma.to_mma_layout(rows, QType.Q6_K, n, k), n, k)
+    assert torch.equal(half, _exact_q6_k(rows, n, k))
+
+
+def test_float16_q6_k_fragments_of_random_blocks_are_exact():
+    n, k = 96, 4096
+    rows = _random_rows(QType.Q6_K, n, k, seed=5)
+    half = mma.dequantize_half_emulated(mma.to_mma_layout(rows, QType.Q6_K, n, k), n, k)
+    assert torch.equal(half, _exact_q6_k(rows, n, k))
+
+
+def test_a_scaled_q6_k_weight_needs_two_float16_values():
+    """Why qmh gives Q6_K two MMAs per 16 values: (q - 32) sc can need 12 significant bits, float16 holds 11; its
+    two parts ql sc and 16 (qt - 2) sc (ql the low nibble, qt the top 2 bits), at the scalings the kernel uses,
+    are exact, and so are the constants its fused multiply-adds subtract."""
+    q = torch.arange(64, dtype=torch.float64)[:, None]
+    sc = torch.arange(-128, 128, dtype=torch.float64)[None, :]
+    whole = (q - 32) * sc
+    assert not torch.equal(whole.to(torch.float16).double(), whole)  # e.g. 31 x 127 = 3937
+    ql, qt = q % 16, q // 16
+    for part in (ql * sc / 4, 4 * ql * sc, 4 * (qt - 2) * sc, 64 * (qt - 2) * sc, -256 * sc, -72 * sc, -384 * sc):
+        assert torch.equal(part.to(torch.float16).double(), part)
+    assert torch.equal(ql * sc / 4 + 4 * (qt - 2) * sc, whole / 4)
+
+
+def test_q6_k_x_order_puts_two_steps_of_a_lane_side_by_side():
+    """Q6_K's float16 x (prep_x): the 8 values a 16-byte load of lane t at 32j + 8t brings are its B fragments of
+    MMA steps 2j and 2j + 1, i.e. the values fragment columns 2t, 2t + 1, 8 + 2t, 8 + 2t + 1 of those steps hold."""
+    k = 512
+    order = mma.q6_k_x_order(k)
+    assert torch.equal(order.sort().values, torch.arange(k))
+    columns = mma._lane_columns(QType.Q6_K)
+    for sb, j, t, o in itertools.product(range(k // 256), range(8), range(4), range(2)):
+        s = 2 * j + o
+        loaded = order[256 * sb + 32 * j + 8 * t + 4 * o:][:4]  # b0 (pairs 0, 1), then b1
+        held = [256 * sb + columns[16 * s + 8 * half + 2 * t + pair] for half in (0, 1) for pair in (0, 1)]
+        assert loaded.tolist() == held, (sb, j, t, o)
 
 
 def _nvrtc_available() -> bool:
@@ -111,6 +218,9 @@ def test_cuda_source_compiles_for_sm90():
                 + mma._wrapper("e", QType.Q4_K, mma.MMAConfig(2, 4, 2), mma.ONE_ROW, "qmv")
                 + mma._wrapper("f", QType.Q6_K, mma.MMAConfig(1, 2, 1), mma.ONE_ROW, "qmv")
                 + mma._wrapper("g", QType.Q4_K, mma.MMAConfig(2, 4, 2), 3, "qmm")
+                + mma._wrapper("h", QType.Q6_K, mma.MMAConfig(1, 4, 2, 2), 4, "qmh")
+                + mma._wrapper("i", QType.Q6_K, mma.MMAConfig(2, 2, 1, 1), 2, "qmh")
+                + mma._prep_x_wrapper(QType.Q6_K)
                 + mma._dequant_wrapper("c", QType.Q4_K, 0) + mma._dequant_wrapper("d", QType.Q6_K, 2)
                 + dict(mma.instances_for({(QType.Q4_K, 17408, 5120)}, 132))["prep_x_f16"])
     cubin = mma.compile_cubin(mma._SOURCE.read_text() + wrappers, "sm_90")
@@ -169,7 +279,7 @@ def test_float16_x_is_x_times_a_power_of_two_per_row():
     k = 1024
     x = torch.randn(4, k, device="cuda") * torch.tensor([[1e-6], [1.0], [3e5], [1e30]], device="cuda")
     x = x.to(torch.bfloat16)
-    xh, sums, scale = mma.prepare_x(x)
+    xh, sums, scale = mma.prepare_x(x, QType.Q4_K)
     assert torch.equal(xh.float() * scale[:, None], x.float())
     peak = (xh.float().abs().amax(dim=1))
     assert bool(((peak >= 256) & (peak < 512)).all()), peak
@@ -181,16 +291,100 @@ def test_float16_x_is_x_times_a_power_of_two_per_row():
 
 @pytest.mark.gpu
 @gpu
-def test_q4_k_rows_of_any_magnitude_match_the_float32_reference():
-    """The float16 kernel's per-row power-of-two scaling: tiny, ordinary and huge rows in one launch."""
+def test_float16_q6_k_x_is_x_times_a_power_of_two_in_the_kernels_order():
+    """prep_x for Q6_K: every bf16 value comes back exactly, at the position `q6_k_x_order` gives it (the
+    order the CPU tests tie to the fragment layout); no sums."""
+    k = 1280
+    x = torch.randn(4, k, device="cuda") * torch.tensor([[1e-6], [1.0], [3e5], [1e30]], device="cuda")
+    x = x.to(torch.bfloat16)
+    xh, scale = mma.prepare_x(x, QType.Q6_K)
+    assert torch.equal(xh.float() * scale[:, None], x.float()[:, mma.q6_k_x_order(k).cuda()])
+    peak = (xh.float().abs().amax(dim=1))
+    assert bool(((peak >= 256) & (peak < 512)).all()), peak
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_float16_kernel_rows_of_any_magnitude_match_the_float32_reference(qtype):
+    """The float16 kernel's per-row power-of-two scaling: tiny, ordinary and huge rows in one launch (a matrix
+    below qmh's size, so asked for by name)."""
     n, k = 256, 2048
-    weight = QuantWeight.from_gguf_bytes(_random_rows(QType.Q4_K, n, k).cuda().reshape(-1), QType.Q4_K, (n, k))
-    dense = quants.dequantize(weight.gguf_bytes(), QType.Q4_K, (n, k), torch.float32)
+    weight = QuantWeight.from_gguf_bytes(_random_rows(qtype, n, k).cuda().reshape(-1), qtype, (n, k))
+    dense = quants.dequantize(weight.gguf_bytes(), qtype, (n, k), torch.float32)
     x = torch.randn(6, k, device="cuda") * torch.tensor([[1e-8], [1e-3], [1.0], [7.0], [1e5], [1e20]], device="cuda")
-    y = quant_matmul(x.to(torch.bfloat16), weight)
+    y = mma.matmul(x.to(torch.bfloat16), weight.raw, qtype, n, k, kernel="qmh")
     ref = x.to(torch.bfloat16).float() @ dense.T
     for row in range(6):
         _check_close(y[row], ref[row])
+
+
+def _gpu_q6_k(n: int, k: int) -> tuple[QuantWeight, torch.Tensor]:
+    """A Q6_K weight of random blocks (every int8 scale, small random d) and its float32 dequantization."""
+    weight = QuantWeight.from_gguf_bytes(_random_rows(QType.Q6_K, n, k).cuda().reshape(-1), QType.Q6_K, (n, k))
+    return weight, quants.dequantize(weight.gguf_bytes(), QType.Q6_K, (n, k), torch.float32)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("shape", [(5120, 17408), (17408, 5120), (1024, 5120), (64, 2816), (48, 768)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
+def test_q6_k_float16_kernel_matches_the_float32_reference(shape):
+    """Q6_K's qmh at 2-32 rows, in its own launch shape (1024x5120 and the small ones below its size, asked for by
+    name; 64x2816 splits its 11 super-blocks in two unequal halves)."""
+    n, k = shape
+    weight, dense = _gpu_q6_k(n, k)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for m in (2, 5, 8, 16, 23, 32):
+        x = torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16)
+        _check_close(mma.matmul(x, weight.raw, QType.Q6_K, n, k, kernel="qmh"), x.float() @ dense.T)
+
+
+@pytest.mark.gpu
+@gpu
+def test_q6_k_float16_kernel_splits_k_unevenly():
+    """Split K where the super-blocks do not divide: 5 over 3 and 4 splits (the last CTA of 4 gets none) and more
+    warps than a split has super-blocks."""
+    n, k = 64, 1280
+    weight, dense = _gpu_q6_k(n, k)
+    x = torch.randn(23, k, device="cuda", dtype=torch.bfloat16)
+    ref = x.float() @ dense.T
+    for config in (mma.MMAConfig(1, 4, 3, 2), mma.MMAConfig(1, 4, 4, 2), mma.MMAConfig(2, 8, 4, 1)):
+        _check_close(mma.matmul(x, weight.raw, QType.Q6_K, n, k, config, "qmh"), ref)
+
+
+@pytest.mark.gpu
+@gpu
+def test_q6_k_takes_the_float16_kernel_and_a_row_keeps_its_bits():
+    """The down projection's verify rows go through qmh (quant_matmul gives the same bits as asking for it), and
+    a row's bits do not depend on the other rows within a class of row counts (2-16 and 25-32, beyond 32 rows
+    too; 17-24), across classes within a rounding."""
+    n, k = 5120, 17408
+    weight, dense = _gpu_q6_k(n, k)
+    x = torch.randn(40, k, device="cuda", dtype=torch.bfloat16)
+    y = quant_matmul(x, weight)
+    assert torch.equal(y, mma.matmul(x, weight.raw, QType.Q6_K, n, k, kernel="qmh"))
+    _check_close(y, x.float() @ dense.T)
+    for m in (2, 8, 16, 25, 32, 33):
+        assert torch.equal(quant_matmul(x[:m], weight), y[:m]), m
+    paired = quant_matmul(x[:24], weight)
+    _check_close(paired, x[:24].float() @ dense.T)
+    for m in (17, 23):
+        assert torch.equal(quant_matmul(x[:m], weight), paired[:m]), m
+
+
+@pytest.mark.gpu
+@gpu
+def test_q6_k_lm_head_shape_matches_the_float32_reference():
+    """The 27B's 248320x5120 Q6_K LM head at 16 and 23 rows (2 warps per CTA): about 1 GB of weights, 5 GB of
+    float32 reference."""
+    n, k = 248320, 5120
+    weight = random_quant_weight(QType.Q6_K, n, k, "cuda")
+    assert mma.kernel_for(QType.Q6_K, mma.token_groups(23), n, k) == "qmh"
+    for m in (16, 23):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        _check_close(quant_matmul(x, weight), quant_matmul_reference(x.float(), weight))
+    torch.cuda.empty_cache()
 
 
 @pytest.mark.gpu
@@ -208,19 +402,20 @@ def test_every_row_count_matches_the_float32_reference(qtype, shape):
 
 
 @pytest.mark.gpu
-@pytest.mark.slow  # 24 configurations x 2 kernels: the full GPU suite; the default ones are in the fast subset
+@pytest.mark.slow  # 24 configurations x 3 kernels: the full GPU suite; the default ones are in the fast subset
 @gpu
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_every_launch_configuration_is_right(qtype):
     n, k = 1024, 4096
     weight = random_quant_weight(qtype, n, k, "cuda")
-    for rows in (1, 23):  # the one-row kernel (qmv) and the token-group one (Q4_K: qmh, Q6_K: qmm)
+    for rows, kernel in ((1, "qmv"), (23, "qmm"), (23, "qmh")):
         x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
         ref = quant_matmul_reference(x.float(), weight)
-        for config in itertools.starmap(mma.MMAConfig, itertools.product((1, 2), (1, 2, 4, 8), (1, 2, 4))):
-            y = mma.matmul(x, weight.raw, qtype, n, k, config)
+        for rt, warps, splits in itertools.product((1, 2), (1, 2, 4, 8), (1, 2, 4)):
+            config = mma.MMAConfig(rt, warps, splits, 2 if kernel == "qmh" and rt == 1 else 1)
+            y = mma.matmul(x, weight.raw, qtype, n, k, config, kernel)
             _check_close(y, ref)
-            assert torch.equal(y, mma.matmul(x, weight.raw, qtype, n, k, config)), (rows, config)
+            assert torch.equal(y, mma.matmul(x, weight.raw, qtype, n, k, config, kernel)), (rows, kernel, config)
 
 
 @pytest.mark.gpu
@@ -241,3 +436,22 @@ def test_graph_replay_and_gguf_bytes_on_the_gpu(qtype):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_float16_kernel_replays_in_a_graph(qtype):
+    """qmh with its x conversion inside a captured CUDA graph (the verify step's), on new x each replay."""
+    n, k = 256, 1024
+    weight = QuantWeight.from_gguf_bytes(_random_rows(qtype, n, k).cuda().reshape(-1), qtype, (n, k))
+    x = torch.randn(23, k, dtype=torch.bfloat16, device="cuda")
+    mma.matmul(x, weight.raw, qtype, n, k, kernel="qmh")  # compiled and loaded outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = mma.matmul(x, weight.raw, qtype, n, k, kernel="qmh")
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, mma.matmul(x, weight.raw, qtype, n, k, kernel="qmh"))

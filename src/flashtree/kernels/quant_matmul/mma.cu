@@ -16,7 +16,7 @@
 // on the H200: with more than 8 tokens the loop's instructions limit, not x's L2 traffic. Nor did a
 // cp.async pipeline through shared memory: it keeps more bytes in flight, but these loops are bound
 // by the instructions they issue, not by memory latency.) `qmv` is the one-row (decode) form; `qmh` is
-// Q4_K's 2-32 row form in float16, with the sub-block scales inside the (exact) weights.
+// the 2-32 row form in float16 (Q4_K and Q6_K), with the sub-block scales inside the (exact) weights.
 // No headers: NVRTC compiles this with nothing but the CUDA built-ins.
 
 typedef unsigned int u32;
@@ -73,6 +73,8 @@ struct Consts {
     u32 bf16_128;  // 0x43004300: bf16 128.0 in both halves
     u32 f32_2p23;  // 0x4B000000: float 2^23
     u32 f16_1024;  // 0x64006400: float16 1024.0 in both halves
+    u32 f16_256;   // 0x5C005C00: float16 256.0 (Q6_K's qmh)
+    u32 f16_64;    // 0x54005400: float16 64.0 (Q6_K's qmh)
 };
 
 __device__ __forceinline__ u32 opaque(u32 v) {
@@ -81,7 +83,9 @@ __device__ __forceinline__ u32 opaque(u32 v) {
     return r;
 }
 
-__device__ __forceinline__ Consts make_consts() { return Consts{opaque(0x43004300u), opaque(0x4B000000u), opaque(0x64006400u)}; }
+__device__ __forceinline__ Consts make_consts() {
+    return Consts{opaque(0x43004300u), opaque(0x4B000000u), opaque(0x64006400u), opaque(0x5C005C00u), opaque(0x54005400u)};
+}
 
 // (a & MASK) | c in one LOP3
 template <u32 MASK>
@@ -538,7 +542,8 @@ __device__ __forceinline__ void qmv(const u16* __restrict__ x, const unsigned ch
 // then holds every bf16 value exactly, down to 2^-23 of that largest one, and the sums stay below 2^14),
 // the output multiplied back by 2^-e. A token's result does not depend on the other rows of x.
 // Row g + 8's nibbles sit at bits 4-7 of each half: OR-ed into 1024.0 they read 1024 + 16 q, so those
-// rows hold 16 q sc and take d / 16 (exact), which saves a shift per register.
+// rows hold 16 q sc and take d / 16 (exact), which saves a shift per register. Q6_K's form (no min term, its
+// scaled weights split over two MMAs) follows Q4_K's below.
 
 __device__ __forceinline__ void mma_f16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
     asm volatile(
@@ -569,37 +574,60 @@ __device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
 #define F16X2_1024 0x64006400u
 #define F16X2_MINUS_1024 0xE400E400u
 
-// bytes b0, b1 of w as float16 (w[b0], w[b1]): OR-ed under 0x64 (1024 + b) and 1024 taken off, exactly
-__device__ __forceinline__ u32 bytes_to_f16x2(u32 w, u32 b0, u32 b1) {
-    return hsub2(__byte_perm(w, 0x64u, (4u << 12) | (b1 << 8) | (4u << 4) | b0), F16X2_1024);
+// bytes b0, b1 of w OR-ed under 0x64: float16 1024 + w[b0], 1024 + w[b1]
+__device__ __forceinline__ u32 under_1024(u32 w, u32 b0, u32 b1) {
+    return __byte_perm(w, 0x64u, (4u << 12) | (b1 << 8) | (4u << 4) | b0);
 }
 
-// CH: independent accumulator chains per tile and token group (MMA step s adds to chain s % CH), so that
-// a super-block's 16 MMAs are not one chain of dependent tensor-core latencies
+// bytes b0, b1 of w as float16 (w[b0], w[b1]): 1024 taken off again, exactly
+__device__ __forceinline__ u32 bytes_to_f16x2(u32 w, u32 b0, u32 b1) { return hsub2(under_1024(w, b0, b1), F16X2_1024); }
+
+template <int CH, int RT, int TG>
+__device__ __forceinline__ void zero(float (&p)[CH][RT][TG][4]) {
+#pragma unroll
+    for (int ch = 0; ch < CH; ++ch) zero(p[ch]);
+}
+
+// this super-block's x of each token group (xrow: the lane's row, from 8t): one address, then constant offsets
+template <int TG>
+__device__ __forceinline__ void super_block_x(const u16* const (&xrow)[TG], int sb, const uint4* (&xb)[TG]) {
+#pragma unroll
+    for (int tg = 0; tg < TG; ++tg) xb[tg] = reinterpret_cast<const uint4*>(xrow[tg] + (sb << 8));
+}
+
+// B fragments of MMA steps 2j, 2j + 1 for each token group: one 16-byte load each (prep_x's order)
+template <int TG>
+__device__ __forceinline__ void load_x_steps(const uint4* const (&xb)[TG], int j, u32 (&bx)[TG][2][2]) {
+#pragma unroll
+    for (int tg = 0; tg < TG; ++tg) {
+        const uint4 v = __ldg(xb[tg] + 4 * j);
+        bx[tg][0][0] = v.x; bx[tg][0][1] = v.y; bx[tg][1][0] = v.z; bx[tg][1][1] = v.w;
+    }
+}
+
+// the chains of tile rt, token group tg added into chain 0
+template <int CH, int RT, int TG>
+__device__ __forceinline__ void add_chains(float (&p)[CH][RT][TG][4], int rt, int tg) {
+#pragma unroll
+    for (int ch = 1; ch < CH; ++ch)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) p[0][rt][tg][c] += p[ch][rt][tg][c];
+}
+
+// CH: independent accumulator chains per tile and token group (Q4_K: MMA step s adds to chain s % CH), so
+// that a super-block's MMAs are not one chain of dependent tensor-core latencies
 template <int RT, int TG, int CH>
 __device__ __forceinline__ void multiply_half(const Weights<Q4_K, RT>& w, const u16* const (&xrow)[TG],
                                               const u16* const (&srow)[TG], int sb, int t, const Consts& k,
                                               float (&acc)[RT][TG][4]) {
     float p[CH][RT][TG][4];
-#pragma unroll
-    for (int ch = 0; ch < CH; ++ch)
-#pragma unroll
-        for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-            for (int tg = 0; tg < TG; ++tg)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) p[ch][rt][tg][c] = 0.0f;
-    const uint4* xb[TG];  // this super-block's x of each token group: one address, then constant offsets
-#pragma unroll
-    for (int tg = 0; tg < TG; ++tg) xb[tg] = reinterpret_cast<const uint4*>(xrow[tg] + (sb << 8));
+    zero(p);
+    const uint4* xb[TG];
+    super_block_x(xrow, sb, xb);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {  // 32-value sub-blocks: MMA steps 2j, 2j + 1
         u32 bx[TG][2][2];
-#pragma unroll
-        for (int tg = 0; tg < TG; ++tg) {
-            const uint4 v = __ldg(xb[tg] + 4 * j);
-            bx[tg][0][0] = v.x; bx[tg][0][1] = v.y; bx[tg][1][0] = v.z; bx[tg][1][1] = v.w;
-        }
+        load_x_steps(xb, j, bx);
 #pragma unroll
         for (int rt = 0; rt < RT; ++rt) {
             const uint4 r0 = w.sc[rt].row[0], r1 = w.sc[rt].row[1];
@@ -639,10 +667,7 @@ __device__ __forceinline__ void multiply_half(const Weights<Q4_K, RT>& w, const 
             const uint2 xs = __ldg(reinterpret_cast<const uint2*>(srow[tg] + (sb << 4)));
             float pm[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             mma_f16(pm, am, xs.x, xs.y);
-#pragma unroll
-            for (int ch = 1; ch < CH; ++ch)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) p[0][rt][tg][c] += p[ch][rt][tg][c];
+            add_chains(p, rt, tg);
             acc[rt][tg][0] = fmaf(n0, pm[0], fmaf(d0, p[0][rt][tg][0], acc[rt][tg][0]));
             acc[rt][tg][1] = fmaf(n0, pm[1], fmaf(d0, p[0][rt][tg][1], acc[rt][tg][1]));
             acc[rt][tg][2] = fmaf(n1, pm[2], fmaf(d1, p[0][rt][tg][2], acc[rt][tg][2]));
@@ -651,16 +676,92 @@ __device__ __forceinline__ void multiply_half(const Weights<Q4_K, RT>& w, const 
     }
 }
 
-// xh, xsum, scale: prep_x's outputs for these M rows. The CTA's warps split K as in qmm. Measured slower on
+// Q6_K in float16. A scaled weight (q - 32) sc can need 12 significant bits (31 x 127 = 3937), one more than
+// float16 holds, so each goes into the A fragments of two MMAs on the same accumulator, both exact: with ql the
+// low nibble and qt the top 2 bits, q - 32 = ql + 16 (qt - 2), and ql sc (at most 15 x 128) and (qt - 2) sc (at
+// most 2 x 128, times a power of two) fit. Each register is one LOP3 (the bits OR-ed into the mantissa of a
+// float16 power of two M) and one HFMA2, (M + bits) sc - (M + offset) sc, whose constant is exact (M + offset
+// has at most 4 significant bits, sc 7) and below 65504:
+//   row g:      ql at bits 0-3 of 256 (ulp 1/4): ql sc / 4     qt at bits 6-7 of 64 (ulp 1/16): 4 (qt - 2) sc
+//   row g + 8:  ql at bits 4-7 of 256:           4 ql sc       qt at bits 8-9 of 256:           64 (qt - 2) sc
+// Row g collects (q - 32) sc / 4 and takes 4 d, row g + 8 collects 4 (q - 32) sc and takes d / 4 (exact).
+// Per 16 values and 8 tokens: 2 MMAs where qmm issues 1 MMA and 4 FFMAs; d once per super-block. The
+// low-nibble MMAs add to chain 0, the top-bit ones to chain CH - 1.
+
+#define F16X2_1152 0x64806480u
+#define F16X2_MINUS_256 0xDC00DC00u
+#define F16X2_MINUS_72 0xD480D480u
+#define F16X2_MINUS_384 0xDE00DE00u
+
+// int8 byte b of w as float16 in both halves: its sign bit flipped, it reads sc + 128 (1152 + sc under 0x64)
+__device__ __forceinline__ u32 int8_to_f16x2(u32 w, u32 b) { return hsub2(under_1024(w ^ 0x80808080u, b, b), F16X2_1152); }
+
+template <int RT, int TG, int CH>
+__device__ __forceinline__ void multiply_half(const Weights<Q6_K, RT>& w, const u16* const (&xrow)[TG], int sb,
+                                              const Consts& k, float (&acc)[RT][TG][4]) {
+    float p[CH][RT][TG][4];
+    zero(p);
+    const uint4* xb[TG];
+    super_block_x(xrow, sb, xb);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {  // MMA steps 2j, 2j + 1 (one 16-value sub-block each): their top bits share a word
+        u32 bx[TG][2][2];
+        load_x_steps(xb, j, bx);
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt) {
+            const u32 hi = word_of(w.qh[rt][j >> 2], j & 3);
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+                const int s = 2 * j + u;
+                const u32 sc0 = int8_to_f16x2(word_of(w.sc[rt].row[0], s >> 2), s & 3);
+                const u32 sc1 = int8_to_f16x2(word_of(w.sc[rt].row[1], s >> 2), s & 3);
+                const u32 c0 = hmul2(sc0, F16X2_MINUS_256), c1 = hmul2(sc1, F16X2_MINUS_256);
+                const u32 e0 = hmul2(sc0, F16X2_MINUS_72), e1 = hmul2(sc1, F16X2_MINUS_384);
+                const u32 lo = word_of(w.q[rt][s >> 2], s & 3), lo8 = lo >> 8;
+                // register r's top bits (bits 8u + 2r of each half) moved to bits 6-7 (r = 0, 2) and 8-9 (r = 1, 3)
+                const u32 hi01 = u ? hi >> 2 : hi << 6, hi23 = u ? hi >> 6 : hi << 2;
+                u32 a[4], b[4];
+                a[0] = hfma2(and_or<0x000F000Fu>(lo, k.f16_256), sc0, c0);     // row g: ql sc / 4
+                a[1] = hfma2(and_or<0x00F000F0u>(lo, k.f16_256), sc1, c1);     // row g + 8: 4 ql sc
+                a[2] = hfma2(and_or<0x000F000Fu>(lo8, k.f16_256), sc0, c0);
+                a[3] = hfma2(and_or<0x00F000F0u>(lo8, k.f16_256), sc1, c1);
+                b[0] = hfma2(and_or<0x00C000C0u>(hi01, k.f16_64), sc0, e0);    // row g: 4 (qt - 2) sc
+                b[1] = hfma2(and_or<0x03000300u>(hi01, k.f16_256), sc1, e1);   // row g + 8: 64 (qt - 2) sc
+                b[2] = hfma2(and_or<0x00C000C0u>(hi23, k.f16_64), sc0, e0);
+                b[3] = hfma2(and_or<0x03000300u>(hi23, k.f16_256), sc1, e1);
+#pragma unroll
+                for (int tg = 0; tg < TG; ++tg) {
+                    mma_f16(p[0][rt][tg], a, bx[tg][u][0], bx[tg][u][1]);
+                    mma_f16(p[CH - 1][rt][tg], b, bx[tg][u][0], bx[tg][u][1]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt) {
+        const float d0 = 4.0f * w.sc[rt].d[0], d1 = 0.25f * w.sc[rt].d[1];
+#pragma unroll
+        for (int tg = 0; tg < TG; ++tg) {
+            add_chains(p, rt, tg);
+            acc[rt][tg][0] = fmaf(d0, p[0][rt][tg][0], acc[rt][tg][0]);
+            acc[rt][tg][1] = fmaf(d0, p[0][rt][tg][1], acc[rt][tg][1]);
+            acc[rt][tg][2] = fmaf(d1, p[0][rt][tg][2], acc[rt][tg][2]);
+            acc[rt][tg][3] = fmaf(d1, p[0][rt][tg][3], acc[rt][tg][3]);
+        }
+    }
+}
+
+// xh, xsum (Q4_K), scale: prep_x's outputs for these M rows. The CTA's warps split K as in qmm. Measured slower on
 // the H200 (2026-12-01, docs/PERFORMANCE.md): warps with row tiles of their own walking the same super-blocks,
 // so that x comes from L1 for all but one (1.2-4x), and the same with x copied into shared memory once per
 // CTA (cp.async, double buffered; up to 1.1x faster at 23-64 rows of one shape, slower elsewhere), although
 // an ablation without x's loads ran 1.2-1.4x faster: x's loads sit on the MMAs' path at 2 warps a scheduler.
-template <int RT, int TG, int WARPS, int SPLITS, int CH>
+template <int QT, int RT, int TG, int WARPS, int SPLITS, int CH>
 __device__ __forceinline__ void qmh(const u16* __restrict__ xh, const u16* __restrict__ xsum,
                                     const float* __restrict__ scale, const unsigned char* __restrict__ quants,
-                                    const unsigned char* __restrict__ scales, u16* __restrict__ out,
-                                    float* __restrict__ partial, int* __restrict__ tickets, int M, int N, int K) {
+                                    const unsigned char* __restrict__ high, const unsigned char* __restrict__ scales,
+                                    const u16* __restrict__ dvals, u16* __restrict__ out, float* __restrict__ partial,
+                                    int* __restrict__ tickets, int M, int N, int K) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int SB = K >> 8;
@@ -674,17 +775,48 @@ __device__ __forceinline__ void qmh(const u16* __restrict__ xh, const u16* __res
     for (int tg = 0; tg < TG; ++tg) {
         const int tok = 8 * tg + g < M ? 8 * tg + g : 0;  // past M: token 0 again, never stored
         xrow[tg] = xh + (long)tok * K + 8 * t;
-        srow[tg] = xsum + (long)tok * (SB << 4) + 4 * t;
+        if constexpr (QT == Q4_K) srow[tg] = xsum + (long)tok * (SB << 4) + 4 * t;
     }
     const Consts k = make_consts();
-    walk_k<Q4_K, RT, WARPS>(quants, quants, scales, nullptr, tile0, SB, ks.begin + warp, ks.end, lane, g,
-                            [&](const Weights<Q4_K, RT>& w, int sb) { multiply_half<RT, TG, CH>(w, xrow, srow, sb, t, k, acc); });
+    walk_k<QT, RT, WARPS>(quants, high, scales, dvals, tile0, SB, ks.begin + warp, ks.end, lane, g,
+                          [&](const Weights<QT, RT>& w, int sb) {
+                              if constexpr (QT == Q4_K) multiply_half<RT, TG, CH>(w, xrow, srow, sb, t, k, acc);
+                              else multiply_half<RT, TG, CH>(w, xrow, sb, k, acc);
+                          });
     epilogue<RT, TG, WARPS, SPLITS>(acc, tile0, out, partial, tickets, M, N, scale);
 }
 
-// x [M, K] bf16 -> xh [M, K] f16 = x 2^e (per row, max |x 2^e| in [256, 512)), xsum [M, K / 256, 16] f16:
-// per super-block and lane t, the sums of sub-blocks 2t, 2t + 1 as hi (2) then lo (2), and scale [M] = 2^-e.
-// One CTA of 256 threads per row.
+// Q4_K's x sums: xsum [M, K / 256, 16] f16, per super-block and lane t the sums of sub-blocks 2t, 2t + 1 as hi
+// (2) then lo (2). h: values i .. i + 7 of row tok; 4 threads per 32-value sub-block.
+__device__ __forceinline__ void store_sub_block_sum(const u32 (&h)[4], int i, int tok, int K, u16* __restrict__ xsum) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) sum += half_to_float((u16)(h[q] & 0xFFFF)) + half_to_float((u16)(h[q] >> 16));
+    sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
+    sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
+    if ((threadIdx.x & 3) == 0) {
+        const int sub = i >> 5, sb = sub >> 3, j = sub & 7;  // sub-block j of super-block sb
+        const u16 hi = float_to_half(sum);
+        const u16 lo = float_to_half(sum - half_to_float(hi));
+        u16* rec = xsum + ((long)tok * (K >> 8) + sb) * 16 + 4 * (j >> 1) + (j & 1);
+        rec[0] = hi;
+        rec[2] = lo;
+    }
+}
+
+// Q6_K's qmh reads lane t's x of MMA steps 2j, 2j + 1 (values 16 (2j + o) + 4t .. + 3 of each 32) in one
+// 16-byte load, so they are stored side by side, at 32j + 8t + 4o. h: values i .. i + 7 (i = 32j + 8c), those
+// of lanes 2 (c & 1) and 2 (c & 1) + 1 in step 2j + (c >> 1).
+__device__ __forceinline__ void store_in_step_pairs(const u32 (&h)[4], int i, u16* __restrict__ hrow) {
+    const int c = (i >> 3) & 3;
+    u16* at = hrow + (i & ~31) + 16 * (c & 1) + 4 * (c >> 1);
+    *reinterpret_cast<uint2*>(at) = make_uint2(h[0], h[1]);
+    *reinterpret_cast<uint2*>(at + 8) = make_uint2(h[2], h[3]);
+}
+
+// x [M, K] bf16 -> xh [M, K] f16 = x 2^e (per row, max |x 2^e| in [256, 512)) in the order QT's qmh reads it
+// (Q4_K: as it is; Q6_K: store_in_step_pairs), scale [M] = 2^-e, and Q4_K's xsum. One CTA of 256 threads per row.
+template <int QT>
 __device__ __forceinline__ void prep_x(const u16* __restrict__ x, u16* __restrict__ xh, u16* __restrict__ xsum,
                                        float* __restrict__ scale, int K) {
     const int tok = blockIdx.x;
@@ -710,28 +842,21 @@ __device__ __forceinline__ void prep_x(const u16* __restrict__ x, u16* __restric
     const float up = __uint_as_float((u32)(127 + e) << 23);
     if (threadIdx.x == 0) scale[tok] = __uint_as_float((u32)(127 - e) << 23);
     u16* hrow = xh + (long)tok * K;
-    for (int i = threadIdx.x * 8; i < K; i += 256 * 8) {  // 4 threads per 32-value sub-block
+    for (int i = threadIdx.x * 8; i < K; i += 256 * 8) {
         const uint4 v = __ldg(reinterpret_cast<const uint4*>(row + i));
         const u32 words[4] = {v.x, v.y, v.z, v.w};
         u32 h[4];
-        float sum = 0.0f;
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
             const u32 lo = float_to_half(__uint_as_float(words[q] << 16) * up);
             const u32 hi = float_to_half(__uint_as_float(words[q] & 0xFFFF0000u) * up);
             h[q] = lo | (hi << 16);
-            sum += half_to_float((u16)lo) + half_to_float((u16)hi);
         }
-        *reinterpret_cast<uint4*>(hrow + i) = make_uint4(h[0], h[1], h[2], h[3]);
-        sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
-        sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
-        if ((threadIdx.x & 3) == 0) {
-            const int sub = i >> 5, sb = sub >> 3, j = sub & 7;  // sub-block j of super-block sb
-            const u16 hi = float_to_half(sum);
-            const u16 lo = float_to_half(sum - half_to_float(hi));
-            u16* rec = xsum + ((long)tok * (K >> 8) + sb) * 16 + 4 * (j >> 1) + (j & 1);
-            rec[0] = hi;
-            rec[2] = lo;
+        if constexpr (QT == Q4_K) {
+            *reinterpret_cast<uint4*>(hrow + i) = make_uint4(h[0], h[1], h[2], h[3]);
+            store_sub_block_sum(h, i, tok, K, xsum);
+        } else {
+            store_in_step_pairs(h, i, hrow);
         }
     }
 }

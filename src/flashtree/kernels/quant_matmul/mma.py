@@ -231,33 +231,93 @@ def _gguf_rows(p: dict[str, torch.Tensor], qtype: QType, n: int, k: int) -> torc
 # the kernels' arithmetic, emulated in torch (what the tests check the layout and decoding against)
 
 
+def _lane_words(p: dict[str, torch.Tensor], qtype: QType, tiles: int, sb: int):
+    """Each lane's word of low nibbles per MMA step s, and (Q6_K) the word of top bits it takes s's from:
+    int64 [T, SB, lane, s] each (the top bits None for Q4_K)."""
+    words = p["quants"].view(torch.int32).reshape(tiles, sb, 4, 32, 4).long() & 0xFFFFFFFF  # [T, SB, j, lane, w]
+    words = words.permute(0, 1, 3, 2, 4).reshape(tiles, sb, 32, 16)  # [T, SB, lane, s]
+    if qtype != QType.Q6_K:
+        return words, None
+    hi = p["high"].view(torch.int32).reshape(tiles, sb, 2, 32, 4).long() & 0xFFFFFFFF  # [T, SB, jj, lane, ww]
+    hi = hi.permute(0, 1, 3, 2, 4).reshape(tiles, sb, 32, 8)  # word v = s // 2
+    return words, hi[..., torch.arange(16, device=words.device) // 2]
+
+
+def _halves(bits: torch.Tensor) -> torch.Tensor:
+    """32-bit registers [..., r] -> their two 16-bit halves [..., r, pair] (low half first)."""
+    return torch.stack([bits & 0xFFFF, bits >> 16], dim=-1)
+
+
+def _fragment_rows(values: torch.Tensor) -> torch.Tensor:
+    """Per-register values [T, SB, lane, s, r, pair] -> [N, K] in fragment columns (A register r: row g + 8 (r & 1),
+    column 16s + 8 (r >> 1) + 2t + pair)."""
+    tiles, sb = values.shape[:2]
+    v = values.reshape(tiles, sb, 8, 4, 16, 2, 2, 2).permute(0, 6, 2, 1, 4, 5, 3, 7)  # [T, h, g, SB, s, half, t, pair]
+    return v.reshape(16 * tiles, sb * SUPER)
+
+
+def _per_column(records: torch.Tensor) -> torch.Tensor:
+    """Per-(row, sub-block) values [T, SB, 16 rows, sub-blocks] -> [N, K] in fragment columns."""
+    tiles, sb, _, subs = records.shape
+    return records.permute(0, 2, 1, 3).reshape(16 * tiles, sb * subs).repeat_interleave(SUPER // subs, dim=1)
+
+
 def _decode_emulated(p: dict[str, torch.Tensor], qtype: QType, n: int, k: int) -> torch.Tensor:
     """Every value as the kernel's `decode` + `sub_scale` compute it, float32 [N, K]: read the words,
     build the bf16 bits of 128 + q (Q6_K: q - 32) per A register, scale per sub-block."""
     tiles, sb = n // 16, k // SUPER
-    words = p["quants"].view(torch.int32).reshape(tiles, sb, 4, 32, 4).long() & 0xFFFFFFFF  # [T, SB, j, lane, w]
-    words = words.permute(0, 1, 3, 2, 4).reshape(tiles, sb, 32, 16)  # [T, SB, lane, s]
+    words, hi_word = _lane_words(p, qtype, tiles, sb)
     r = torch.arange(4, device=words.device)
     bits = ((words[..., None] >> (4 * r)) & 0x000F000F) | 0x43004300  # [T, SB, lane, s, r]
     if qtype == QType.Q6_K:
-        hi = p["high"].view(torch.int32).reshape(tiles, sb, 2, 32, 4).long() & 0xFFFFFFFF  # [T, SB, jj, lane, ww]
-        hi = hi.permute(0, 1, 3, 2, 4).reshape(tiles, sb, 32, 8)  # word v = s // 2
         s = torch.arange(16, device=words.device)
-        hi_word = hi[..., s // 2]  # [T, SB, lane, s]
         shift = (8 * (s % 2))[:, None] + 2 * r  # [s, r]
         bits = bits | (((hi_word[..., None] >> shift) & 0x00030003) << 4)
-    halves = torch.stack([bits & 0xFFFF, bits >> 16], dim=-1)  # [T, SB, lane, s, r, pair]
-    values = (halves << 16).to(torch.int32).view(torch.float32)  # bf16 -> float32 exactly
+    values = (_halves(bits) << 16).to(torch.int32).view(torch.float32)  # bf16 -> float32 exactly
     if qtype == QType.Q6_K:
         values = values - 160.0
     a, b = _scales_emulated(p, qtype, tiles, sb)  # [T, SB, 16 rows, sub-blocks]
-    # values -> [T, SB, g, t, s, r = (half, h), pair] -> rows (h, g), columns (s, half, t, pair)
-    v = values.reshape(tiles, sb, 8, 4, 16, 2, 2, 2).permute(0, 6, 2, 1, 4, 5, 3, 7)  # [T, h, g, SB, s, half, t, pair]
-    sub = 16 // a.shape[-1]  # MMA steps per sub-block: Q4_K 2, Q6_K 1
-    a = a.reshape(tiles, sb, 2, 8, -1).permute(0, 2, 3, 1, 4).repeat_interleave(sub, dim=-1)  # [T, h, g, SB, s]
-    b = b.reshape(tiles, sb, 2, 8, -1).permute(0, 2, 3, 1, 4).repeat_interleave(sub, dim=-1)
-    w = v * a[..., None, None, None] - b[..., None, None, None]
-    return _from_fragment_columns(w.reshape(n, k), qtype, n, k)
+    w = _fragment_rows(values) * _per_column(a) - _per_column(b)
+    return _from_fragment_columns(w, qtype, n, k)
+
+
+# qmh's Q6_K A registers (mma.cu `multiply_half`): per register r, the low nibble's (mask, float16 constant, whether
+# the word is shifted right by 8) and the top bits' (mask, float16 constant, word shifted to put them there)
+_Q6_K_HALF_LOW = ((0x000F000F, 0x5C00, False), (0x00F000F0, 0x5C00, False),
+                  (0x000F000F, 0x5C00, True), (0x00F000F0, 0x5C00, True))
+_Q6_K_HALF_TOP = ((0x00C000C0, 0x5400), (0x03000300, 0x5C00), (0x00C000C0, 0x5400), (0x03000300, 0x5C00))
+# the top-bit constants' offsets (- (M + 2 f) sc) for rows g and g + 8, and the rows' d factors
+_Q6_K_HALF_OFFSET, _Q6_K_HALF_D = (-72.0, -384.0), (4.0, 0.25)
+
+
+def _float16_bits(bits: torch.Tensor) -> torch.Tensor:
+    return bits.to(torch.int16).view(torch.float16)  # two's complement wrap keeps the 16 bits
+
+
+def _q6_k_half_emulated(p: dict[str, torch.Tensor], n: int, k: int) -> torch.Tensor:
+    """Every Q6_K value as qmh's two A fragments carry it, float64 [N, K]: the low nibble and the top bits
+    OR-ed into float16 constants, each one float16 fused multiply-add with the float16 scale (emulated in
+    float64, which holds its exact result, then rounded once), their sum times the row's 4 d or d / 4.
+    Equal to the exact dequantization only if every step is exact."""
+    tiles, sb = n // 16, k // SUPER
+    words, hi_word = _lane_words(p, QType.Q6_K, tiles, sb)  # [T, SB, lane, s]
+    odd = (torch.arange(16, device=words.device) % 2).bool()
+    top_words = (torch.where(odd, hi_word >> 2, hi_word << 6) & 0xFFFFFFFF,  # registers 0, 1
+                 torch.where(odd, hi_word >> 6, hi_word << 2) & 0xFFFFFFFF)  # registers 2, 3
+    low = [(((words >> 8) if shifted else words) & mask) | (magic * 0x10001) for mask, magic, shifted in _Q6_K_HALF_LOW]
+    top = [(top_words[r // 2] & mask) | (magic * 0x10001) for r, (mask, magic) in enumerate(_Q6_K_HALF_TOP)]
+    low, top = (_float16_bits(_halves(torch.stack(regs, dim=-1))).double() for regs in (low, top))  # [.., s, r, pair]
+    # the scale of register r: row g + 8 (r & 1) of the lane's g, sub-block s; int8 read as 1152 + sc - 1152
+    flipped = (p["scales"].reshape(tiles, sb, 16, 16).long() ^ 0x80) | 0x6400
+    sc16 = (_float16_bits(flipped) - 1152).double()  # [T, SB, row, s], exact
+    g, h = torch.arange(32, device=words.device) // 4, torch.arange(4, device=words.device) % 2
+    sc = sc16[:, :, g[:, None] + 8 * h[None, :]].permute(0, 1, 2, 4, 3)[..., None]  # [T, SB, lane, s, r, 1]
+    offset = torch.tensor(_Q6_K_HALF_OFFSET, dtype=torch.float64, device=words.device)[h][:, None]  # [r, 1]
+    a1 = (low * sc + (-256.0 * sc).half().double()).half().double()
+    a2 = (top * sc + (offset * sc).half().double()).half().double()
+    d = p["d"].reshape(tiles, sb, 16, 2).contiguous().view(torch.float16).double()  # [T, SB, 16 rows, 1]
+    factor = torch.tensor(_Q6_K_HALF_D, dtype=torch.float64, device=words.device).repeat_interleave(8)
+    return _from_fragment_columns(_fragment_rows(a1 + a2) * _per_column(d * factor[:, None]), QType.Q6_K, n, k)
 
 
 def _scales_emulated(p: dict[str, torch.Tensor], qtype: QType, tiles: int, sb: int):
@@ -279,6 +339,11 @@ def dequantize_emulated(raw: torch.Tensor, qtype: QType, n: int, k: int) -> torc
     return _decode_emulated(pieces_of(raw, qtype, n, k), qtype, n, k)
 
 
+def dequantize_half_emulated(raw: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Q6_K's weights as its float16 kernel (qmh) builds them, float64 [N, K]."""
+    return _q6_k_half_emulated(pieces_of(raw, QType.Q6_K, n, k), n, k)
+
+
 # ---------------------------------------------------------------------------------------------
 # compiling and launching (CUDA)
 
@@ -286,7 +351,7 @@ def dequantize_emulated(raw: torch.Tensor, qtype: QType, n: int, k: int) -> torc
 @dataclass(frozen=True)
 class MMAConfig:
     """rt: 16-row tiles per warp; warps: per CTA (they split K); splits: CTAs per row group (split K);
-    chains: accumulators per tile and token group in qmh (its 16 MMAs per super-block split over them)."""
+    chains: accumulators per tile and token group in qmh (its MMAs per super-block split over them)."""
 
     rt: int
     warps: int
@@ -303,16 +368,17 @@ def token_groups(m: int) -> int:
 
 
 # Q4_K matrices of at least this many weights take qmh for 2-32 rows; on smaller ones (the 27B's
-# 1024x5120 K and V) its x conversion costs more than it saves (sweep of 2026-12-01)
+# 1024x5120 K and V) its x conversion costs more than it saves (sweep of 2026-12-01). Q6_K takes the same
+# rule until a sweep of its own (benchmarks/sweep_mma_rows.py) says otherwise.
 QMH_MIN_WEIGHTS = 1 << 23
 
 
 def kernel_for(qtype: QType, tg: int, n: int, k: int) -> str:
-    """mma.cu's kernel for `tg` token groups of an [n, k] weight: qmv (one row), qmh (Q4_K in float16: the
-    sub-block scales inside the exact float16 weights) or qmm (bf16, each sub-block scaled in float32)."""
+    """mma.cu's kernel for `tg` token groups of an [n, k] weight: qmv (one row), qmh (float16: the sub-block
+    scales inside the exact float16 weights) or qmm (bf16, each sub-block scaled in float32)."""
     if tg == ONE_ROW:
         return "qmv"
-    return "qmh" if qtype == QType.Q4_K and n * k >= QMH_MIN_WEIGHTS else "qmm"
+    return "qmh" if n * k >= QMH_MIN_WEIGHTS else "qmm"
 
 
 def _instance(qtype: QType, config: MMAConfig, tg: int, kernel: str) -> str:
@@ -336,10 +402,15 @@ def _wrapper(name: str, qtype: QType, config: MMAConfig, tg: int, kernel: str) -
     c = config
     head = f'extern "C" __global__ void __launch_bounds__({c.warps * 32}) {name}'
     if kernel == "qmh":
-        return (f"{head}(const u16* xh, const u16* xs, const float* scale, const unsigned char* q, "
-                f"const unsigned char* s, u16* out, float* part, int* tickets, int M, int N, int K) {{ "
-                f"qmh<{c.rt}, {tg}, {c.warps}, {c.splits}, {c.chains}>(xh, xs, scale, q, s, out, part, tickets, "
-                f"M, N, K); }}\n")
+        call = f"qmh<{qtype.name}, {c.rt}, {tg}, {c.warps}, {c.splits}, {c.chains}>"
+        tail = "u16* out, float* part, int* tickets, int M, int N, int K"
+        if qtype == QType.Q4_K:  # x's sums for the min term; no top bits, d inside the scale records
+            return (f"{head}(const u16* xh, const u16* xs, const float* scale, const unsigned char* q, "
+                    f"const unsigned char* s, {tail}) {{ {call}(xh, xs, scale, q, nullptr, s, nullptr, out, part, "
+                    f"tickets, M, N, K); }}\n")
+        return (f"{head}(const u16* xh, const float* scale, const unsigned char* q, const unsigned char* h, "
+                f"const unsigned char* s, const u16* d, {tail}) {{ {call}(xh, nullptr, scale, q, h, s, d, out, "
+                f"part, tickets, M, N, K); }}\n")
     call = (f"qmv<{qtype.name}, {c.rt}, {c.warps}, {c.splits}>" if kernel == "qmv"
             else f"qmm<{qtype.name}, {c.rt}, {tg}, {c.warps}, {c.splits}>")
     return (f"{head}(const u16* x, const unsigned char* q, const unsigned char* h, const unsigned char* s, "
@@ -347,9 +418,16 @@ def _wrapper(name: str, qtype: QType, config: MMAConfig, tg: int, kernel: str) -
             f"{call}(x, q, h, s, d, out, part, tickets, M, N, K); }}\n")
 
 
-_PREP_X = "prep_x_f16"
-_PREP_X_WRAPPER = (f'extern "C" __global__ void __launch_bounds__(256) {_PREP_X}(const u16* x, u16* xh, u16* xs, '
-                   f"float* scale, int K) {{ prep_x(x, xh, xs, scale, K); }}\n")
+def _prep_x_instance(qtype: QType) -> str:
+    return "prep_x_f16" if qtype == QType.Q4_K else f"prep_x_f16_{qtype.name.lower()}"
+
+
+def _prep_x_wrapper(qtype: QType) -> str:
+    """x's conversion for qmh: Q4_K's also writes the sub-block sums of x (its min term), Q6_K's has none."""
+    head = f'extern "C" __global__ void __launch_bounds__(256) {_prep_x_instance(qtype)}(const u16* x, u16* xh, '
+    if qtype == QType.Q4_K:
+        return f"{head}u16* xs, float* scale, int K) {{ prep_x<Q4_K>(x, xh, xs, scale, K); }}\n"
+    return f"{head}float* scale, int K) {{ prep_x<{qtype.name}>(x, xh, nullptr, scale, K); }}\n"
 
 
 def _dequant_wrapper(name: str, qtype: QType, out: int) -> str:
@@ -501,8 +579,9 @@ def choose_config(qtype: QType, m: int, n: int, k: int, sms: int = _H200_SMS, ke
     benchmarks/sweep_mma_rows.py; docs/PERFORMANCE.md).
 
     Warps and splits depend on the matrix only, never on M: they fix the order in which a row's K is
-    summed. qmm (Q6_K, small Q4_K) then gives a row the same bits whatever the other rows; qmh does for
-    2-16 rows and for 17-32 rows, whose chains differ (the two classes agree within an output rounding).
+    summed. qmm (small matrices) then gives a row the same bits whatever the other rows; qmh does within
+    classes of row counts whose chains differ (they agree within an output rounding): Q4_K's 2-16 and 17-32,
+    Q6_K's 17-24 and the rest.
     The one-row kernel (decode) sums each sub-block in its own MMA column and adds them per lane, another
     order: a decode row and a verify row of the same token can differ in the last bits (near-ties only;
     the bench shows the margin where greedy outputs part).
@@ -511,11 +590,15 @@ def choose_config(qtype: QType, m: int, n: int, k: int, sms: int = _H200_SMS, ke
     found them faster: qmm Q4_K at 9-16 and 25-32 rows, Q6_K from 17 rows, qmh from 17 rows; never on
     matrices with fewer tiles than SMs. qmh splits a tile's 16 MMAs per super-block over two accumulator
     chains with one row tile (a single chain waits on each MMA's latency) and keeps one with two tiles
-    (two chains there exceed 255 registers and spill)."""
+    (two chains there exceed 255 registers and spill). Q6_K's qmh pairs tiles at 17-24 rows only (not yet
+    swept; its double-buffered weights are larger: two tiles at 4 token groups spill 72 bytes, sm_90)."""
     tiles, sb = n // 16, k // SUPER
     tg = token_groups(m)
     half = (kernel or kernel_for(qtype, tg, n, k)) == "qmh"  # `kernel`: the config another kernel would take
-    pairs = tg in ((3, 4) if half or qtype == QType.Q6_K else (2, 4))
+    if half:
+        pairs = tg in ((3, 4) if qtype == QType.Q4_K else (3,))
+    else:
+        pairs = tg in ((3, 4) if qtype == QType.Q6_K else (2, 4))
     rt = 2 if pairs and tiles >= sms and n % 32 == 0 else 1
     warps = 2 if tiles >= 32 * sms else 4
     splits = 1
@@ -526,35 +609,45 @@ def choose_config(qtype: QType, m: int, n: int, k: int, sms: int = _H200_SMS, ke
 
 def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: QType, n: int, k: int,
            config: MMAConfig | None = None, kernel: str | None = None) -> torch.Tensor:
-    """x [M, K] bf16 @ W^T -> [M, N] bf16, W in the fragment layout; 32 rows of x per launch (Q4_K's float16
-    kernel converts all of x once first). `kernel` overrides `kernel_for` (qmm for Q4_K: the sweeps)."""
+    """x [M, K] bf16 @ W^T -> [M, N] bf16, W in the fragment layout; 32 rows of x per launch (the float16
+    kernel converts all of x once first). `kernel` overrides `kernel_for` (the sweeps time qmm where qmh runs)."""
     m = x.shape[0]
     if m < 1 or x.dtype != torch.bfloat16:
         raise FlashtreeError(f"the MMA kernel takes bf16 rows, got {m} of {x.dtype}")
     kernel = kernel or kernel_for(qtype, token_groups(min(m, MAX_M)), n, k)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-    inputs = prepare_x(x) if kernel == "qmh" else (x,)  # row-major, so a launch takes the same rows of each
+    inputs = prepare_x(x, qtype) if kernel == "qmh" else (x,)  # row-major, so a launch takes the same rows of each
     for start in range(0, m, MAX_M):
         part = slice(start, start + MAX_M)
         _launch_matmul(out[part], [t[part] for t in inputs], raw, qtype, n, k, config, kernel)
     return out
 
 
-def prepare_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """bf16 x [M, K] -> (float16 x 2^e per row, its sub-block sums [M, K/256, 16] as float16 hi/lo, 2^-e [M]):
-    the inputs of the Q4_K float16 kernel (mma.cu `prep_x`), one launch for all rows."""
+def prepare_x(x: torch.Tensor, qtype: QType) -> tuple[torch.Tensor, ...]:
+    """bf16 x [M, K] -> the inputs of `qtype`'s float16 kernel (mma.cu `prep_x`), one launch for all rows:
+    Q4_K (float16 x 2^e per row, its sub-block sums [M, K/256, 16] as float16 hi/lo, 2^-e [M]); Q6_K (float16
+    x 2^e with each 32 values in the kernel's order, `q6_k_x_order`, and 2^-e)."""
     m, k = x.shape
-    fn = _program(x.device).function(_PREP_X, _PREP_X_WRAPPER)
+    name = _prep_x_instance(qtype)
+    fn = _program(x.device).function(name, _prep_x_wrapper(qtype))
     xh = torch.empty(m, k, dtype=torch.float16, device=x.device)
-    sums = torch.empty(m, k // SUPER, 16, dtype=torch.float16, device=x.device)
+    sums = (torch.empty(m, k // SUPER, 16, dtype=torch.float16, device=x.device),) if qtype == QType.Q4_K else ()
     scale = torch.empty(m, dtype=torch.float32, device=x.device)
-    _launch(fn, (m, 1), 256, [x, xh, sums, scale, k], x.device)
-    return xh, sums, scale
+    _launch(fn, (m, 1), 256, [x, xh, *sums, scale, k], x.device)
+    return (xh, *sums, scale)
+
+
+def q6_k_x_order(k: int) -> torch.Tensor:
+    """Position p of Q6_K's float16 x holds value `q6_k_x_order(k)[p]` of its row: lane t's values of MMA steps
+    2j and 2j + 1 (16 (2j + o) + 4t .. + 3, see `_lane_columns`) side by side, so one 16-byte load takes both."""
+    p = torch.arange(k)
+    pair, t, o, i = p // 32, (p // 8) % 4, (p // 4) % 2, p % 4
+    return 32 * pair + 16 * o + 4 * t + i
 
 
 def _launch_matmul(out: torch.Tensor, xs: list[torch.Tensor], raw: torch.Tensor, qtype: QType, n: int, k: int,
                    config: MMAConfig | None, kernel: str) -> None:
-    """One launch: out [M <= 32, N] from x's piece(s) `xs` (qmh: the prepared float16 x, sums and scales)."""
+    """One launch: out [M <= 32, N] from x's piece(s) `xs` (qmh: `prepare_x`'s)."""
     m = out.shape[0]
     # a short last piece of a long x stays in its kernel, and in the configuration of 2-8 rows
     tg = ONE_ROW if kernel == "qmv" else (m + 7) // 8
@@ -566,7 +659,7 @@ def _launch_matmul(out: torch.Tensor, xs: list[torch.Tensor], raw: torch.Tensor,
     p = pieces_of(raw, qtype, n, k)
     partial = (torch.empty(config.splits, m, n, dtype=torch.float32, device=out.device) if config.splits > 1
                else out)
-    weights = ([p["quants"], p["scales"]] if kernel == "qmh" else
+    weights = ([p["quants"], p["scales"]] if kernel == "qmh" and qtype == QType.Q4_K else
                [p["quants"], p.get("high", p["quants"]), p["scales"], p.get("d", p["scales"])])
     tickets = _tickets(out.device, torch.cuda.current_stream(out.device).cuda_stream)
     _launch(fn, (n // (16 * config.rt), config.splits), 32 * config.warps,
@@ -612,7 +705,7 @@ def instances_for(shapes, sms: int) -> list[tuple[str, str]]:
             name = _instance(qtype, config, tg, kernel)
             jobs[name] = _wrapper(name, qtype, config, tg, kernel)
             if kernel == "qmh":
-                jobs[_PREP_X] = _PREP_X_WRAPPER
+                jobs[_prep_x_instance(qtype)] = _prep_x_wrapper(qtype)
         name = _dequant_instance(qtype, _OUT_CODES[torch.bfloat16])
         jobs[name] = _dequant_wrapper(name, qtype, _OUT_CODES[torch.bfloat16])
     return list(jobs.items())
