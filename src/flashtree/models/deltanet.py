@@ -12,6 +12,7 @@ import torch
 from flashtree.models.cache import DeltaNetState, TreeScratch
 from flashtree.formats.gguf_file import GGUFFile
 from flashtree.kernels import gated_delta, gated_delta_fla, gated_delta_triton, triton_runs_on
+from flashtree.kernels.commit_rows import shift_window
 from flashtree.kernels.deltanet_conv import conv_qkv
 from flashtree.kernels.deltanet_gates import GateInputs
 from flashtree.kernels.rms_norm import gated_rms_norm
@@ -88,9 +89,8 @@ def commit_layers(layers: list[tuple[GatedDeltaNet, DeltaNetState, TreeScratch]]
     """Make each layer's state what it would be after decoding the accepted `path` of a verified tree.
     One recurrence runs over all the layers' heads stacked (layers on one device): layers are
     independent, so stacking only saves the per-layer token loops."""
-    kernel = layers[0][0].config.conv_kernel
     for _, state, scratch in layers:
-        state.conv.copy_(torch.cat([state.conv, scratch.conv_inputs[path].to(state.conv.dtype)])[-(kernel - 1):])
+        shift_window(state.conv, scratch.conv_inputs, path)
     if triton_runs_on(path.device):  # one in-place launch per layer reading the path's rows where they are
         for _, state, scratch in layers:
             gated_delta_triton.recurrent_step(scratch.q, scratch.k, scratch.v, scratch.g, scratch.beta, state.ssm,

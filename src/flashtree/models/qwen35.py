@@ -22,6 +22,7 @@ from flashtree.errors import FlashtreeError
 from flashtree.formats.gguf_file import GGUFFile
 from flashtree.kernels import indexed, on_device
 from flashtree.kernels.activations import silu_mul
+from flashtree.kernels.commit_rows import move_rows
 from flashtree.kernels.rms_norm import add_rms_norm, rms_norm
 from flashtree.models.attention import GatedAttention
 from flashtree.models.deltanet import GatedDeltaNet, commit_layers
@@ -237,7 +238,7 @@ class Qwen35Model:
             else:
                 kv = cache.attention[layer.index]
                 for side in (kv.k, kv.v):
-                    side.index_copy_(1, rows, side.index_select(1, source))
+                    move_rows(side, rows, source)
         for device, layers in recurrent.items():
             with on_device(device):
                 commit_layers(layers, path.to(device))

@@ -1,0 +1,98 @@
+"""A verified tree's accepted path committed in place, one launch per tensor.
+
+In PyTorch a commit is a gather, a scatter (and for the conv window a cast, a concat and a copy) per
+tensor: about 250 small kernels per step at the 27B shape (16 attention layers' K and V, 48 conv
+windows). Here each tensor is one launch:
+
+* `move_rows(cache, rows, source)`: cache [H, capacity, W] of any dtype (float K/V rows, or the uint8
+  blocks of a quantized cache): for every head, row rows[i] gets what row source[i] held. A path's node i
+  sits at tree row >= i, so a source row can be another node's destination: a program loads all its
+  path rows, waits for its threads, then stores.
+* `shift_window(window, inputs, path)`: the conv window [K-1, C] (oldest row first) becomes the last K-1
+  rows of [window; inputs[path]], cast to the window's dtype, the same wait between loads and stores.
+
+The row indices are device tensors and the launch shapes depend only on their lengths, so both can be
+captured in a CUDA graph. Without Triton (CPU) the torch forms run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashtree.errors import FlashtreeError
+from flashtree.kernels import triton_runs_on
+
+try:  # the kernels need triton; the torch forms do not
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is a dependency where kernels run
+    triton = None
+
+MAX_PATH = 64  # rows one program holds: a path is at most a tree's node count (gated_delta_triton.MAX_TREE_NODES)
+BLOCK_W = 256  # columns per program
+
+
+def move_rows(cache: torch.Tensor, rows: torch.Tensor, source: torch.Tensor) -> None:
+    """cache[:, rows[i]] = cache[:, source[i]] for every i, as if all sources were read first."""
+    n = rows.shape[0]
+    if cache.dim() != 3 or source.shape != (n,) or n > MAX_PATH:
+        raise FlashtreeError(f"move_rows takes a [H, capacity, W] cache and two index vectors of one length "
+                             f"<= {MAX_PATH}; got {tuple(cache.shape)}, {tuple(rows.shape)}, {tuple(source.shape)}")
+    if n == 0:
+        return
+    if triton is None or not triton_runs_on(cache.device) or cache.stride(2) != 1:
+        cache.index_copy_(1, rows, cache.index_select(1, source))
+        return
+    heads, _, width = cache.shape
+    _move_rows_kernel[(heads, triton.cdiv(width, BLOCK_W))](
+        cache, rows, source, n, width, cache.stride(0), cache.stride(1),
+        BLOCK_N=max(2, triton.next_power_of_2(n)), BLOCK_W=min(BLOCK_W, triton.next_power_of_2(width)))
+
+
+def shift_window(window: torch.Tensor, inputs: torch.Tensor, path: torch.Tensor) -> None:
+    """window[:] = last window.shape[0] rows of [window; inputs[path]], in the window's dtype."""
+    keep, channels = window.shape
+    if inputs.dim() != 2 or inputs.shape[1] != channels or path.dim() != 1:
+        raise FlashtreeError(f"shift_window takes a [K-1, C] window, [T, C] inputs and a path; got "
+                             f"{tuple(window.shape)}, {tuple(inputs.shape)}, {tuple(path.shape)}")
+    if path.shape[0] == 0:
+        return
+    if triton is None or not triton_runs_on(window.device) or window.stride(1) != 1 or inputs.stride(1) != 1:
+        window.copy_(torch.cat([window, inputs[path].to(window.dtype)])[-keep:])
+        return
+    _shift_window_kernel[(triton.cdiv(channels, BLOCK_W),)](
+        window, inputs, path, path.shape[0], keep, channels, window.stride(0), inputs.stride(0),
+        BLOCK_K=max(2, triton.next_power_of_2(keep)), BLOCK_W=BLOCK_W)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _move_rows_kernel(cache_ptr, rows_ptr, source_ptr, n, width, stride_h, stride_r,
+                          BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+        i = tl.arange(0, BLOCK_N)
+        cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+        ok = (i < n)[:, None] & (cols < width)[None, :]
+        base = cache_ptr + tl.program_id(0) * stride_h + cols[None, :]
+        source = tl.load(source_ptr + i, mask=i < n, other=0)
+        values = tl.load(base + source[:, None] * stride_r, mask=ok)
+        tl.debug_barrier()  # every source row read before any destination row is written
+        rows = tl.load(rows_ptr + i, mask=i < n, other=0)
+        tl.store(base + rows[:, None] * stride_r, values, mask=ok)
+
+    @triton.jit
+    def _shift_window_kernel(window_ptr, inputs_ptr, path_ptr, n, keep, channels, stride_w, stride_in,
+                             BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr):
+        j = tl.arange(0, BLOCK_K)  # the new window's rows
+        cols = tl.program_id(0) * BLOCK_W + tl.arange(0, BLOCK_W)
+        live = j < keep
+        at = n + j  # row of [window; inputs[path]] that becomes window row j
+        from_window = live & (at < keep)
+        from_path = live & (at >= keep)
+        node = tl.load(path_ptr + (at - keep), mask=from_path, other=0)
+        col_ok = (cols < channels)[None, :]
+        old = tl.load(window_ptr + at[:, None] * stride_w + cols[None, :], mask=from_window[:, None] & col_ok)
+        new = tl.load(inputs_ptr + node[:, None] * stride_in + cols[None, :], mask=from_path[:, None] & col_ok)
+        values = tl.where(from_window[:, None], old, new.to(old.dtype))
+        tl.debug_barrier()  # every old row read before the window is overwritten
+        tl.store(window_ptr + j[:, None] * stride_w + cols[None, :], values, mask=live[:, None] & col_ok)

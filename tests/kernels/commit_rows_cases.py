@@ -1,0 +1,69 @@
+"""Runs the commit_rows interpreter cases in one process (TRITON_INTERPRET=1 must be set before triton is
+imported, so test_commit_rows.py launches this file as a subprocess). Prints one JSON object: case id ->
+whether the kernel's result equals the torch form's bit for bit."""
+
+import json
+import os
+import sys
+
+import torch
+
+# paths of a verified tree: node i at tree row >= i, so sources overlap later destinations
+PATHS = {"one": [0], "chain": [0, 1, 2, 3], "skips": [0, 2, 3, 5], "deep": [0, 3, 7, 8, 12, 19]}
+CACHES = {"bf16-256": (torch.bfloat16, 256), "f32-300": (torch.float32, 300), "q8-272": (torch.uint8, 272)}
+WINDOWS = {"f32-bf16": (torch.float32, torch.bfloat16), "bf16-bf16": (torch.bfloat16, torch.bfloat16)}
+
+
+def case_ids() -> list[str]:
+    return ([f"move-{c}-{p}" for c in CACHES for p in PATHS] + [f"shift-{w}-{p}" for w in WINDOWS for p in PATHS]
+            + ["shift-strided-inputs"])
+
+
+def _cache(dtype: torch.dtype, width: int, gen: torch.Generator) -> torch.Tensor:
+    if dtype == torch.uint8:
+        return torch.randint(0, 256, (3, 40, width), generator=gen, dtype=torch.uint8)
+    return torch.randn(3, 40, width, generator=gen).to(dtype)
+
+
+def move_case(dtype: torch.dtype, width: int, path: list[int], gen: torch.Generator) -> bool:
+    from flashtree.kernels.commit_rows import move_rows
+
+    cache = _cache(dtype, width, gen)
+    start = 11
+    rows, source = start + torch.arange(len(path)), start + torch.tensor(path)
+    expected = cache.clone()
+    expected.index_copy_(1, rows, expected.index_select(1, source))
+    move_rows(cache, rows, source)
+    return torch.equal(cache, expected)
+
+
+def shift_case(window_dtype: torch.dtype, input_dtype: torch.dtype, path: list[int], gen: torch.Generator,
+               strided: bool = False) -> bool:
+    from flashtree.kernels.commit_rows import shift_window
+
+    window = torch.randn(3, 700, generator=gen).to(window_dtype)
+    inputs = torch.randn(24, 2 * 700 if strided else 700, generator=gen).to(input_dtype)
+    if strided:
+        inputs = inputs[:, ::2]  # not unit-stride: the torch form runs
+    nodes = torch.tensor(path)
+    expected = torch.cat([window, inputs[nodes].to(window_dtype)])[-3:]
+    shift_window(window, inputs, nodes)
+    return torch.equal(window, expected)
+
+
+def main() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    gen = torch.Generator().manual_seed(0)
+    result = {}
+    for c, (dtype, width) in CACHES.items():
+        for p, path in PATHS.items():
+            result[f"move-{c}-{p}"] = move_case(dtype, width, path, gen)
+    for w, (window_dtype, input_dtype) in WINDOWS.items():
+        for p, path in PATHS.items():
+            result[f"shift-{w}-{p}"] = shift_case(window_dtype, input_dtype, path, gen)
+    result["shift-strided-inputs"] = shift_case(torch.float32, torch.bfloat16, PATHS["skips"], gen, strided=True)
+    json.dump(result, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
