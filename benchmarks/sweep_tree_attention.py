@@ -6,11 +6,20 @@ timed with CUDA events and checked against the default launch's output; the tabl
 default and best points, time and K/V read bandwidth.
 
     python3 benchmarks/sweep_tree_attention.py --out $OUT/sweep_attention.json [--budget-s 100]
+
+`--compare` instead times a short fixed list of launches (`COMPARED`) at the verify / decode shapes of
+`COMPARE_CASES` as the model calls the kernel (f16 cache, the query's norm and RoPE at the load, the output
+gate at the store), each captured `GRAPH_CALLS` times in one CUDA graph (GPU time, no launch overhead),
+next to `--baseline FILE`: another version of kernels/tree_attention.py (e.g. `git show REV:...`), at its
+defaults:
+
+    python3 benchmarks/sweep_tree_attention.py --compare --baseline .baseline/tree_attention.py --out $OUT/compare.json
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import json
 import random
@@ -23,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from flashtree.kernels.kv_quant import kv_type  # noqa: E402
+from flashtree.kernels.qk_norm_rope import rope_tables  # noqa: E402
 from flashtree.kernels.tree_attention import choose_splits, tree_attention  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 24, 4, 256
@@ -77,7 +87,7 @@ def sweep_case(n: int, committed: int, cache: str, deadline: float) -> dict:
         if time.time() > deadline:
             break
         m_tiles = -(-group_rows // block_m)
-        splits = max(1, round(scale * choose_splits(committed + n, KV_HEADS, m_tiles, group_rows, block_rows=rows)))
+        splits = max(1, round(scale * choose_splits(committed + n, KV_HEADS, m_tiles, block_rows=rows)))
         launch = dict(block_m=block_m, block_rows=rows, num_warps=warps, num_stages=stages, split=splits,
                       blockwise=blockwise)
         try:
@@ -95,11 +105,120 @@ def sweep_case(n: int, committed: int, cache: str, deadline: float) -> dict:
             "best_GBps": round(kv_bytes / best["us"] / 1e3, 1) if best else None, "points": points}
 
 
+COMPARE_CASES = [(23, 1024), (23, 8192), (23, 65536), (1, 1024), (1, 65536), (65, 8192)]  # (tokens, committed rows)
+GRAPH_CALLS = 10
+# (name, launch overrides, split scale on the default choice); block_m / block_rows / num_warps left out keep
+# the default's. The query-tile candidates apply only where the default tile is 64 rows (T >= 11).
+COMPARED = [
+    ("new default", {}, 1),
+    ("f16 operands", {"operands": torch.float16}, 1),
+    ("splits x2", {}, 2),
+    ("splits x0.5", {}, 0.5),
+    ("2 stages", {"num_stages": 2}, 1),
+    ("32-row chunks", {"block_rows": 32}, 1),
+    ("64-row chunks 2 st", {"block_rows": 64, "num_stages": 2}, 1),
+    ("64-row chunks 1 st", {"block_rows": 64, "num_stages": 1}, 1),
+    ("M32 32-row chunks", {"block_m": 32, "block_rows": 32}, 1),
+    ("M128 8 warps", {"block_m": 128, "num_warps": 8}, 1),
+]
+
+
+def model_inputs(n: int, committed: int) -> dict:
+    """`inputs` as attention.py passes them over an f16 cache: the raw query rows (strided, beside the gate
+    rows of the same projection), the q norm and RoPE tables, and the gate."""
+    args = inputs(n, committed, "f16")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    rows = torch.randn(n, HEADS, 2, HEAD_DIM, device="cuda", generator=g).to(torch.bfloat16)
+    weight = 1 + 0.1 * torch.randn(HEAD_DIM, device="cuda", generator=g)
+    args.update(q=rows[:, :, 0].transpose(0, 1), gate=rows[:, :, 1],
+                q_norm=(weight, 1e-6, *rope_tables(args["positions"], 64, 1e7)))
+    return args
+
+
+def graph_timed(fn, replays: int = 5) -> float:
+    """Microseconds per call of fn, GRAPH_CALLS calls captured in one CUDA graph (fn compiled before)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_CALLS):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / (replays * GRAPH_CALLS) * 1e3
+
+
+def compared_launch(n: int, committed: int, overrides: dict, split_scale: float) -> dict | None:
+    """The launch overrides of one COMPARED entry at (n, committed), the default's tile and chunk unless
+    overridden; None where a query-tile candidate does not apply."""
+    group_rows = HEADS // KV_HEADS * n
+    default_m = min(64, max(16, 1 << (group_rows - 1).bit_length()))  # tree_attention's default tile
+    if "block_m" in overrides and default_m < 64:
+        return None
+    launch = dict(overrides)
+    if split_scale != 1:
+        block_m = launch.get("block_m", default_m)
+        rows = launch.get("block_rows", 16 if block_m >= 64 else 32)
+        m_tiles = -(-group_rows // block_m)
+        launch["split"] = max(1, round(split_scale * choose_splits(committed + n, KV_HEADS, m_tiles, block_rows=rows)))
+    return launch
+
+
+def compare(baseline: str | None, deadline: float) -> list[dict]:
+    old = None
+    if baseline:
+        spec = importlib.util.spec_from_file_location("tree_attention_baseline", baseline)
+        old = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(old)
+    rows = []
+    for n, committed in COMPARE_CASES:
+        args = model_inputs(n, committed)
+        reference = tree_attention(**args)
+        row = {"tokens": n, "committed": committed}
+        if old is not None:
+            row["baseline"] = round(graph_timed(lambda: old.tree_attention(**args)), 1)
+        for name, overrides, scale in COMPARED:
+            launch = compared_launch(n, committed, overrides, scale)
+            if launch is None or time.time() > deadline:
+                continue
+            try:
+                out = tree_attention(**args, **launch)
+                error = ((out.float() - reference.float()).abs().max() / reference.float().abs().max()).item()
+                us = graph_timed(lambda: tree_attention(**args, **launch))
+            except Exception as exc:  # noqa: BLE001 - out of shared memory / registers: not a candidate
+                row[name] = str(exc).splitlines()[0][:60]
+                continue
+            row[name] = round(us, 1) if error < 2e-2 else f"{us:.1f} (error {error:.1e})"
+        rows.append(row)
+    return rows
+
+
+def print_compared(rows: list[dict]) -> None:
+    names = ["baseline"] + [name for name, _, _ in COMPARED]
+    print(f"{'T':>3} {'rows':>6} " + " ".join(f"{name:>{max(9, len(name))}}" for name in names) + "   (us per call)")
+    for r in rows:
+        print(f"{r['tokens']:>3} {r['committed']:>6} " + " ".join(f"{str(r.get(name, '-')):>{max(9, len(name))}}"
+                                                            for name in names))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--budget-s", type=float, default=100.0)
+    parser.add_argument("--compare", action="store_true", help="time COMPARED at COMPARE_CASES (see the docstring)")
+    parser.add_argument("--baseline", help="with --compare: a tree_attention.py file timed at its defaults")
     args = parser.parse_args()
+    if args.compare:
+        rows = compare(args.baseline, time.time() + args.budget_s)
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+        print_compared(rows)
+        return
     results = []
     per_case = args.budget_s / len(CASES)
     for i, case in enumerate(CASES):

@@ -242,6 +242,25 @@ def tree_attention() -> None:
                        torch.ones(1, 1, dtype=torch.bool), torch.arange(1), 9, 0.0625, split=split,
                        gate=torch.zeros(1, 24, 2, 256, dtype=torch.bfloat16)[:, :, 1],
                        q_norm=(torch.ones(256), 1e-6, torch.zeros(1, 64), torch.zeros(1, 64)))
+    _tree_attention_model_path()
+
+
+def _tree_attention_model_path() -> None:
+    """As attention.py launches it over an f16 cache (q's norm and RoPE at the load, the gate at the store),
+    with the default splits at the verify / decode shapes, and the compare sweep's candidate launches
+    (benchmarks/sweep_tree_attention.py --compare)."""
+    from flashtree.kernels.tree_attention import tree_attention as attend
+
+    caches = [torch.zeros(4, 8300, 256, dtype=torch.float16) for _ in range(2)]
+    candidates = ({}, {"operands": torch.float16}, {"num_stages": 2}, {"block_rows": 32},
+                  {"block_rows": 64, "num_stages": 2}, {"block_rows": 64, "num_stages": 1},
+                  {"block_m": 32, "block_rows": 32}, {"block_m": 128, "num_warps": 8})
+    for n, committed in ((23, 1024), (23, 8192), (1, 1024), (65, 8192)):
+        for launch in candidates if n > 1 else ({}, {"block_rows": 16}, {"block_rows": 64}):
+            attend(torch.zeros(n, 24, 2, 256, dtype=torch.bfloat16)[:, :, 0].transpose(0, 1), *caches, "f16", "f16",
+                   torch.tensor([committed]), torch.ones(n, n, dtype=torch.bool), torch.arange(n), committed + n,
+                   0.0625, gate=torch.zeros(n, 24, 2, 256, dtype=torch.bfloat16)[:, :, 1],
+                   q_norm=(torch.ones(256), 1e-6, torch.zeros(n, 64), torch.zeros(n, 64)), **launch)
 
 
 def kv_dequant() -> None:

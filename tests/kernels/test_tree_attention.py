@@ -84,10 +84,12 @@ def test_tq3_0_without_triton_runtime_falls_back_to_reference(monkeypatch):
 
 
 def test_split_choice():
-    assert choose_splits(96, 2, 1, 20) == 1
-    assert choose_splits(65536, 4, 1, 6) * 4 >= 2 * 132  # a long decode fills the H200
-    assert choose_splits(4096, 4, 3, 138) * 4 * 3 >= 132 // 4  # short context: fewer, longer splits
-    assert choose_splits(1 << 22, 1, 1, 1) == 128
+    assert choose_splits(96, 2, 1) == 1
+    assert choose_splits(65536, 4, 1) * 4 >= 2 * 132  # a long decode fills the H200
+    assert choose_splits(1047, 4, 3, block_rows=16) * 4 * 3 >= 132  # 23 tokens over 1K rows: latency-bound
+    assert 1047 // choose_splits(1047, 4, 3, block_rows=16) > 3 * 16  # but each split walks ~4 chunks
+    assert choose_splits(1025, 4, 1, block_rows=32) == 9  # AR decode at 1K rows as before
+    assert choose_splits(1 << 22, 1, 1) == 128
 
 
 def test_errors_name_the_problem():
@@ -127,13 +129,35 @@ def _real_inputs(cache, n, kv_end, dtype=torch.bfloat16, heads=24, kv_heads=4, d
 @pytest.mark.parametrize("window", [0, pytest.param(1024, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("n", [1, 23])
 @pytest.mark.parametrize("kv_end", [4096, pytest.param(65536, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("cache", ["bf16", "q8_0", "q4_0", "tq3_0"])
+@pytest.mark.parametrize("cache", ["f16", "bf16", "q8_0", "q4_0", "tq3_0"])
 def test_real_sizes_on_gpu(cache, kv_end, n, window):
     for dtype, bound in ((torch.bfloat16, 2e-2), (torch.float32, 1e-4)):
         args = _real_inputs(cache, n, kv_end, dtype)
         out = tree_attention(**args, window=window)
         ref = tree_attention_reference(**args, window=window)
         assert cases.relative_error(out, ref) <= bound, (dtype, cases.relative_error(out, ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("launch", [{}, {"operands": torch.float16}, {"block_rows": 32},
+                                    {"block_rows": 64, "num_stages": 2}, {"block_m": 128, "num_warps": 8}])
+@pytest.mark.parametrize("n, kv_end", [(23, 1050), (65, 8260), (1, 1030)])
+def test_short_context_launches_on_gpu(n, kv_end, launch):
+    """The default launch (many splits of whole committed chunks) and the compare sweep's
+    candidates at the 27B shape over an f16 cache (benchmarks/sweep_tree_attention.py --compare)."""
+    args = _real_inputs("f16", n, kv_end)
+    if "block_m" in launch and n == 1:
+        return  # a 6-row group has a 16-row tile
+    assert cases.relative_error(tree_attention(**args, **launch), tree_attention_reference(**args)) <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_f16_operands_keep_a_huge_bf16_query_finite_on_gpu():
+    args = _real_inputs("f16", 23, 1050)
+    args["q"][0] *= 1e6  # past f16's range: clamped, not inf (NaN scores)
+    assert torch.isfinite(tree_attention(**args, operands=torch.float16)).all()
 
 
 @pytest.mark.gpu

@@ -149,6 +149,15 @@ def _cases():
     for cache in ("q8_0", "tq3_0"):  # a short prefill chunk (a causal run, not a tree) over a quantized cache
         cases[f"{cache}-prefill-t40-g4-w0-float32"] = (dict(cache=cache, n=40, group=4, start=40, causal=True), 0,
                                                        forced, "reference")
+    # the default split choice with short chunks (several splits of whole committed chunks, then the chunks
+    # holding start), and start on a chunk boundary (the masked chunks begin exactly at the new rows)
+    for n, window in ((23, 0), (23, WINDOW), (5, WINDOW)):
+        cases[f"f16-t{n}-g4-w{window}-defaultsplits-float32"] = (dict(cache="f16", n=n, group=4), window,
+                                                                 {"block_rows": 16}, "reference")
+    cases["f32-t23-g4-w9-alignedstart-float32"] = (dict(cache="f32", n=23, group=4, start=48), WINDOW,
+                                                   {"split": 2, "block_rows": 16}, "reference")
+    cases["q8_0-t1-g4-w0-manysplits-float32"] = (dict(cache="q8_0", n=1, group=4), 0,
+                                                 {"split": 6, "block_rows": 16}, "reference")
     cases["q4_0-prefill-t40-g4-w9-float32"] = (dict(cache="q4_0", n=40, group=4, start=40, causal=True), WINDOW,
                                                {}, "reference")
     # the output gate at the store: through the combine (splits) and straight from the row loop (one split)

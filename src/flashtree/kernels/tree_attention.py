@@ -18,7 +18,9 @@ BLOCK_M query rows of that head's group (row m = local head * T + token, so a gr
 K/V load) and one split of the rows it can see. The row range is computed on the device from `start_t`:
 [lo, min(start + T, kv_end)) with lo = 0, or with a window the lowest row any query of the tile can see,
 divided evenly (in BLOCK_N multiples) among the splits, so the work spreads over the GPU whatever the
-committed length, and the garbage rows past start + T cost nothing. Each BLOCK_N chunk of K/V rows is
+committed length, and the garbage rows past start + T cost nothing. A split walks its whole chunks of
+committed rows first, unmasked but for a window (`_committed_chunk`), then the at most ceil(T / BLOCK_N) + 1
+chunks holding start and the new rows with the tree mask (`_chunk`). Each BLOCK_N chunk of K/V rows is
 loaded once, dequantized in registers (Q8_0: int8 * fp16 d; Q4_0: (nibble - 8) * d; TQ3_0: fp16 group
 norm * one of 8 centroids picked by 2 low bits + 1 sign bit, in the rotated domain), scores go through
 tl.dot in float32 (bf16/f16 operands for bf16/f16 queries on GPU), masked, and an online softmax (base 2,
@@ -63,6 +65,7 @@ MAX_TREE_QUERIES = 128  # tokens per call (a tree of budget <= 127 plus its root
 _MAX_GROUP = 8
 KV_KINDS = {"f32": 0, "f16": 0, "bf16": 0, "q8_0": 1, "q4_0": 2, "tq3_0": 3}  # kernel's KIND per cache type
 _LOG2E = 1.4426950408889634
+_TL_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16} if triton is not None else {}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -199,7 +202,8 @@ if triton is not None:
                stride_kr, stride_vr, scale_log2, D: tl.constexpr, KIND_K: tl.constexpr, KIND_V: tl.constexpr,
                OP: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCKWISE: tl.constexpr):
-        """One BLOCK_N chunk of rows [r0, min(r0 + BLOCK_N, my_hi)): scores, mask, online-softmax update."""
+        """One BLOCK_N chunk of rows [r0, min(r0 + BLOCK_N, my_hi)) that may hold new rows or end the range:
+        scores, the full mask (tree visibility from `vis_ptr`), online-softmax update."""
         rows = r0 + tl.arange(0, BLOCK_N)
         row_ok = rows < my_hi
         k = load_rows(k_base, rows, row_ok, stride_kr, D, KIND_K, OP, BLOCKWISE)
@@ -213,16 +217,40 @@ if triton is not None:
             key_pos = tl.where(new, tl.load(pos_ptr + node, mask=new, other=0).to(tl.int32), rows)
             ok = ok & ((qpos[:, None] - key_pos[None, :]) < window)
         ok = ok & m_ok[:, None]
-        s = tl.where(ok, s, float("-inf"))
+        v = load_rows(v_base, rows, row_ok, stride_vr, D, KIND_V, OP, BLOCKWISE)
+        return _softmax_update(tl.where(ok, s, float("-inf")), v, m_i, l_i, acc, OP, PRECISION)
+
+    @triton.jit
+    def _committed_chunk(q, k_base, v_base, r0, window, qpos, m_i, l_i, acc, stride_kr, stride_vr, scale_log2,
+                         D: tl.constexpr, KIND_K: tl.constexpr, KIND_V: tl.constexpr, OP: tl.constexpr,
+                         PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCKWISE: tl.constexpr):
+        """`_chunk` for a whole chunk of committed rows (all below start and inside the split): every query
+        sees every row, so no tree-mask gather (a [BLOCK_M, BLOCK_N] byte load whose layout conversions
+        went through shared memory with several barriers per chunk) and no row bounds; only a window, whose
+        mask comes from positions already in registers. Query rows past the tile's end get finite scores
+        (q is zero there) and are never stored."""
+        rows = r0 + tl.arange(0, BLOCK_N)
+        every_row = rows >= r0  # all true: load_rows takes a row mask
+        k = load_rows(k_base, rows, every_row, stride_kr, D, KIND_K, OP, BLOCKWISE)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        if HAS_WINDOW:
+            s = tl.where((qpos[:, None] - rows[None, :]) < window, s, float("-inf"))
+        v = load_rows(v_base, rows, every_row, stride_vr, D, KIND_V, OP, BLOCKWISE)
+        return _softmax_update(s, v, m_i, l_i, acc, OP, PRECISION)
+
+    @triton.jit
+    def _softmax_update(s, v, m_i, l_i, acc, OP: tl.constexpr, PRECISION: tl.constexpr):
+        """Online softmax (base 2, float32) of a chunk's masked scores s [BLOCK_M, BLOCK_N] and values v: new
+        running max, sum and P @ V accumulator. A row with every score masked so far keeps max -inf (its
+        exponents use 0 instead, so no inf - inf)."""
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = load_rows(v_base, rows, row_ok, stride_vr, D, KIND_V, OP, BLOCKWISE)
         acc = acc * alpha[:, None] + tl.dot(p.to(OP), v, input_precision=PRECISION)
-        m_i = m_new
-        return m_i, l_i, acc
+        return m_new, l_i, acc
 
     @triton.jit
     def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, start_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, lse_ptr,
@@ -232,8 +260,8 @@ if triton is not None:
                                G: tl.constexpr, D: tl.constexpr, KIND_K: tl.constexpr, KIND_V: tl.constexpr,
                                OP: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, BLOCKWISE: tl.constexpr,
-                               FIXED_TRIPS: tl.constexpr, TRIPS: tl.constexpr, GATED: tl.constexpr,
-                               NORM_Q: tl.constexpr, ROT: tl.constexpr):
+                               FIXED_TRIPS: tl.constexpr, TRIPS: tl.constexpr, TAIL_TRIPS: tl.constexpr,
+                               GATED: tl.constexpr, NORM_Q: tl.constexpr, ROT: tl.constexpr):
         kvh = tl.program_id(0)
         split = tl.program_id(2)
         offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -244,9 +272,9 @@ if triton is not None:
         d = tl.arange(0, D)
         q_rows = q_ptr + head.to(tl.int64)[:, None] * stride_qh + tok[:, None] * stride_qt
         if NORM_Q:  # q arrives raw from its projection: per-head RMSNorm and RoPE here (`qk_norm_rope`)
-            q = _norm_rope_rows(q_rows, qn_w_ptr, cos_ptr, sin_ptr, tok, d, m_ok, qn_eps, D, ROT).to(OP)
+            q = _query_operand(_norm_rope_rows(q_rows, qn_w_ptr, cos_ptr, sin_ptr, tok, d, m_ok, qn_eps, D, ROT), OP)
         else:
-            q = tl.load(q_rows + d[None, :], mask=m_ok[:, None], other=0.0).to(OP)
+            q = _query_operand(tl.load(q_rows + d[None, :], mask=m_ok[:, None], other=0.0), OP)
 
         start = tl.load(start_ptr).to(tl.int32)
         end = tl.minimum(start + T, kv_end)
@@ -264,15 +292,28 @@ if triton is not None:
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, D), tl.float32)
+        # whole chunks of committed rows first (no tree mask), then the rest: at most the chunk straddling
+        # start and the new rows, ceil(T / BLOCK_N) + 1 chunks
+        committed_hi = my_lo + tl.maximum(tl.minimum(start, my_hi) - my_lo, 0) // BLOCK_N * BLOCK_N
         if FIXED_TRIPS:  # the interpreter cannot loop to a loaded bound: walk the longest range, skip the rest
             for i in range(0, TRIPS):
                 r0 = my_lo + i * BLOCK_N
+                if r0 < committed_hi:
+                    m_i, l_i, acc = _committed_chunk(q, k_base, v_base, r0, window, qpos, m_i, l_i, acc, stride_kr,
+                                                     stride_vr, scale_log2, D, KIND_K, KIND_V, OP, PRECISION,
+                                                     HAS_WINDOW, BLOCK_N, BLOCKWISE)
+            for i in range(0, TAIL_TRIPS):
+                r0 = committed_hi + i * BLOCK_N
                 if r0 < my_hi:
                     m_i, l_i, acc = _chunk(q, k_base, v_base, vis_ptr, pos_ptr, r0, my_hi, start, T, window, tok, qpos,
                                            m_ok, m_i, l_i, acc, stride_kr, stride_vr, scale_log2, D, KIND_K, KIND_V,
                                            OP, PRECISION, HAS_WINDOW, BLOCK_N, BLOCKWISE)
         else:
-            for r0 in range(my_lo, my_hi, BLOCK_N):
+            for r0 in range(my_lo, committed_hi, BLOCK_N):
+                m_i, l_i, acc = _committed_chunk(q, k_base, v_base, r0, window, qpos, m_i, l_i, acc, stride_kr,
+                                                 stride_vr, scale_log2, D, KIND_K, KIND_V, OP, PRECISION, HAS_WINDOW,
+                                                 BLOCK_N, BLOCKWISE)
+            for r0 in range(committed_hi, my_hi, BLOCK_N):
                 m_i, l_i, acc = _chunk(q, k_base, v_base, vis_ptr, pos_ptr, r0, my_hi, start, T, window, tok, qpos,
                                        m_ok, m_i, l_i, acc, stride_kr, stride_vr, scale_log2, D, KIND_K, KIND_V,
                                        OP, PRECISION, HAS_WINDOW, BLOCK_N, BLOCKWISE)
@@ -291,6 +332,15 @@ if triton is not None:
             base = split.to(tl.int64) * heads * T + row
             tl.store(part_ptr + base[:, None] * D + d[None, :], o, mask=m_ok[:, None])
             tl.store(lse_ptr + base, lse, mask=m_ok)
+
+    @triton.jit
+    def _query_operand(q, OP: tl.constexpr):
+        """q as the score dot's operand. A bf16 query for f16 operands (`tree_attention(operands=)`) is clamped to +-65280,
+        the largest bf16 value f16 holds: a query beyond it would turn inf and the scores NaN. (Clamped in
+        bf16: a float32 copy of the [BLOCK_M, D] tile spilled registers.)"""
+        if OP == tl.float16 and q.dtype == tl.bfloat16:
+            q = tl.minimum(tl.maximum(q, -65280.0), 65280.0)
+        return q.to(OP)
 
     @triton.jit
     def _norm_rope_rows(rows, w_ptr, cos_ptr, sin_ptr, tok, d, ok, eps, D: tl.constexpr, ROT: tl.constexpr):
@@ -353,13 +403,14 @@ def _sm_count(device: torch.device) -> int:
     return _H200_SMS
 
 
-def choose_splits(kv_end: int, kv_heads: int, m_tiles: int, group_rows: int, sms: int = _H200_SMS,
-                  block_rows: int = 64) -> int:
-    """Splits of the row range: enough programs (kv_heads * m_tiles * splits) for ~2 per SM, but each split
-    long enough that its float32 partials (group_rows query rows) stay small next to the K/V it reads."""
-    min_rows = max(4 * block_rows, 8 * group_rows)
+def choose_splits(kv_end: int, kv_heads: int, m_tiles: int, sms: int = _H200_SMS, block_rows: int = 64) -> int:
+    """Splits of the row range: enough programs (kv_heads * m_tiles * splits) for ~2 per SM, each split at
+    least 4 chunks long. Short rows ranges are latency-bound (a chain of dependent chunk steps per program),
+    so they split as finely too: 23 tokens over 1K rows took 61 us in one split per query tile (12 programs
+    on 132 SMs, 66 chunks each, H200 2026-12-01), when a split had to be 8 x the query rows long (to keep
+    the float32 partials small next to the K/V they summarize; they stay in L2 at these sizes)."""
     wanted = math.ceil(_PROGRAMS_PER_SM * sms / (kv_heads * m_tiles))
-    return max(1, min(wanted, math.ceil(kv_end / min_rows), _MAX_SPLITS))
+    return max(1, min(wanted, math.ceil(kv_end / (4 * block_rows)), _MAX_SPLITS))
 
 
 def supported_head_dim(d: int, t: KVType) -> bool:
@@ -399,7 +450,7 @@ def _check(q, k_cache, v_cache, tk, tv, start_t, visible, positions, kv_end):
 
 def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, positions, kv_end, scale,
                    window=0, split=None, *, gate=None, q_norm=None, block_rows=None, block_m=None, num_warps=None,
-                   num_stages=None, blockwise=False):
+                   num_stages=None, blockwise=False, operands=None):
     """Attention of q [heads, T, D] (after RoPE) over cache rows [0, kv_end) of a graphed step; see the
     module docstring for the mask. -> [heads, T, D] in q.dtype; with `gate` [T, heads, D] (any strides, the
     last unit) `activations.gated_heads(result, gate)` instead, [T, heads * D], the gate applied at the store.
@@ -407,7 +458,13 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
     `qk_norm_rope(q, weight, eps, cos, sin)` at its load. `split` forces the number of splits,
     `block_rows` (BLOCK_N, K/V rows per step), `block_m` (query rows per program), `num_warps` and
     `num_stages` (software pipelining of the row loop) override the launch defaults; `blockwise` decodes
-    quantized rows block by block (`load_rows`; a sweep candidate, not measured yet). Falls back to `tree_attention_reference` where the Triton path does not apply."""
+    quantized rows block by block (`load_rows`; a sweep candidate, not measured yet); `operands`
+    (torch.bfloat16 / torch.float16) overrides the tensor-core operand type, q's by default (a sweep
+    candidate: f16 operands over an f16 cache feed the K/V rows to the MMAs straight from shared memory,
+    where bf16 ones convert them in registers and store them back first, 104 fewer instructions and two
+    fewer barriers per chunk in the offline SASS; but the fused q norm's prologue then spills 960 bytes per
+    thread instead of 336. f16 holds f16 rows exactly and probabilities more finely than bf16; a bf16
+    query is clamped to f16's range, `_query_operand`). Falls back to `tree_attention_reference` where the Triton path does not apply."""
     tk, tv = kv_type(kv_type_k), kv_type(kv_type_v)
     _check(q, k_cache, v_cache, tk, tv, start_t, visible, positions, kv_end)
     rot = q_norm[2].shape[-1] if q_norm is not None else 0
@@ -429,11 +486,11 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
     wide = d >= 256 and block_m >= 64
     block_n = block_rows or (64 if d <= 128 else 16 if wide else 32)
     m_tiles = triton.cdiv(group * n, block_m)
-    splits = split or choose_splits(kv_end, kv_heads, m_tiles, group * n, _sm_count(q.device), block_n)
+    splits = split or choose_splits(kv_end, kv_heads, m_tiles, _sm_count(q.device), block_n)
     num_warps = num_warps or (4 if block_m * d <= 16 * 256 or wide else 8)
     interpreter = interpreted()
     low_precision = q.dtype in (torch.bfloat16, torch.float16) and not interpreter
-    op = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[q.dtype] if low_precision else tl.float32
+    op = _TL_TYPES[operands or q.dtype] if low_precision else tl.float32
 
     gated = gate is not None
     out = torch.empty(*((n, heads * d) if gated else (heads, n, d)), dtype=q.dtype, device=q.device)
@@ -454,6 +511,7 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
         PRECISION=None if low_precision else "ieee",  # float32: exact FMA dots (bf16/f16: tensor cores)
         HAS_WINDOW=window > 0, BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits, BLOCKWISE=blockwise,
         FIXED_TRIPS=interpreter, TRIPS=triton.cdiv(triton.cdiv(kv_end, splits), block_n) if interpreter else 0,
+        TAIL_TRIPS=triton.cdiv(n, block_n) + 1 if interpreter else 0,
         GATED=gated, NORM_Q=q_norm is not None, ROT=max(rot, 2),
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}))
     if splits > 1:
