@@ -191,7 +191,8 @@ def main() -> None:
         elif expected == "normed":  # raw q and the gate as attention.py passes them: [query ; gate] projection rows
             heads, n, d = args["q"].shape
             rows = (torch.randn(n, heads, 2, d, generator=torch.Generator().manual_seed(n)) * 3).to(args["q"].dtype)
-            weight, (cos, sin) = 1 + 0.1 * torch.randn(d), rope_tables_reference(args["positions"], d // 2, 1e7)
+            weight = 1 + 0.1 * torch.randn(d, generator=torch.Generator().manual_seed(d))
+            cos, sin = rope_tables_reference(args["positions"], d // 2, 1e7)
             out = tree_attention(**{**args, "q": rows[:, :, 0].transpose(0, 1)}, window=window, gate=rows[:, :, 1],
                                  q_norm=(weight, 1e-6, cos, sin), **launch)
             normed = qk_norm_rope_reference(rows[:, :, 0], weight, 1e-6, cos, sin).transpose(0, 1)
