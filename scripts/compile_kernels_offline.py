@@ -314,6 +314,25 @@ def fusion() -> None:
                  16, 48, 128, GateInputs(ba[:, :48], ba[:, 48:], torch.zeros(48), torch.zeros(48)), advance_state=True)
 
 
+def draft() -> None:
+    """The DFlash draft's context append and graph-ready block pass at the 27B draft's geometry: hidden 5120,
+    32 query and 8 KV heads of 128 (its q/k norm + RoPE and K/V write variants differ from the target's heads
+    of 256 with 64 rotated dims). Layer count and MLP width pick no variant, so they are kept small; the
+    weights are left uninitialized (nothing runs)."""
+    from flashtree.models.dflash import DFlashDraft, DraftConfig
+
+    config = DraftConfig.from_json({
+        "hidden_size": 5120, "intermediate_size": 1024, "num_hidden_layers": 1, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1e7, "block_size": 16,
+        "vocab_size": 16, "num_target_layers": 4, "dflash_config": {"mask_token_id": 0, "target_layer_ids": [1]}})
+    with torch.device("meta"):
+        model = DFlashDraft(config)
+    model = model.to_empty(device="cpu").to(torch.bfloat16)
+    cache = model.new_cache(1024)
+    model.append_context(cache, torch.zeros(23, config.feature_size, dtype=torch.bfloat16), torch.arange(23))
+    model.forward_block(cache, torch.zeros(16, 5120, dtype=torch.bfloat16), torch.tensor([23]), 256, torch.tensor([23]))
+
+
 def gated_delta() -> None:
     from flashtree.kernels import gated_delta_triton
 
@@ -329,7 +348,7 @@ def gated_delta() -> None:
 PARTS = {"quant_matmul": quant_matmul, "decode_issue_bound": decode_issue_bound, "mma": mma,
          "tree_attention": tree_attention,
          "kv_dequant": kv_dequant,
-         "norms_and_conv": norms_and_conv, "fusion": fusion, "gated_delta": gated_delta}
+         "norms_and_conv": norms_and_conv, "fusion": fusion, "draft": draft, "gated_delta": gated_delta}
 
 
 def main() -> None:

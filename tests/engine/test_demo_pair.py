@@ -48,7 +48,7 @@ def test_demo_draft_matches_the_zlab_reference(engine):
     embeddings = target.embed_tokens(block).float()
     start = len(prompt)
 
-    cache = draft.new_cache(4096, torch.device("cpu"), torch.float32)
+    cache = draft.new_cache(4096, torch.device("cpu"))
     draft.append_context(cache, features.float(), torch.arange(start))
     ours = draft.forward_block(cache, embeddings, start)
     with torch.no_grad():

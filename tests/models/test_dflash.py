@@ -70,7 +70,7 @@ def ref_block(ref, ctx, emb, first_pos, start, cache=None):
 
 
 def ours_block(model, chunks, emb, max_context=1024):
-    cache = model.new_cache(max_context, torch.device("cpu"), torch.float32)
+    cache = model.new_cache(max_context, torch.device("cpu"))
     pos = 0
     for chunk in chunks:
         model.append_context(cache, chunk, torch.arange(pos, pos + len(chunk)))
@@ -119,7 +119,7 @@ def test_incremental_parity_with_reference_cache(case):
     ctx, _ = inputs(cfg, ctx_len=50)
     ref_cache = DynamicCache(config=cfg)
     ref_cache.activate_past_recording()
-    cache = ours.new_cache(64, torch.device("cpu"), torch.float32)
+    cache = ours.new_cache(64, torch.device("cpu"))
     start = 0
     for i, n in enumerate([23, 1, 7, 16, 3]):
         chunk = ctx[start:start + n]
@@ -150,7 +150,7 @@ def test_bf16_parity():
     ref, ours = make_pair(cfg)
     ref, ours = ref.to(torch.bfloat16), ours.to(torch.bfloat16)
     ctx, emb = inputs(cfg, ctx_len=40)
-    cache = ours.new_cache(64, torch.device("cpu"), torch.bfloat16)
+    cache = ours.new_cache(64, torch.device("cpu"))
     ours.append_context(cache, ctx, torch.arange(40))
     got = ours.forward_block(cache, emb, 40)
     assert got.dtype == torch.bfloat16

@@ -38,7 +38,7 @@ def test_training_forward_matches_inference_block_forward():
         train_out = draft_train_forward(draft, features[None], torch.tensor([T]), embeds[None],
                                         torch.tensor([anchors]))[0]
     for n, p in enumerate(anchors):
-        cache = draft.new_cache(64, dtype=torch.float32)
+        cache = draft.new_cache(64)
         draft.append_context(cache, features[:p], torch.arange(p))
         ref = draft.forward_block(cache, embeds[n], p)
         assert torch.allclose(train_out[n], ref, atol=1e-5), (n, (train_out[n] - ref).abs().max())

@@ -39,7 +39,7 @@ class DFlashProposer:
         self.block_size = draft.config.block_size
         self.capture_layers = tuple(draft.config.target_layer_ids)
         self.device = draft.fc.weight.device  # the draft's own device (--draft-device), maybe not the target's
-        self.cache = draft.new_cache(window, device=self.device, dtype=target_model.dtype)
+        self.cache = draft.new_cache(window, device=self.device)
         same_device = self.device == target_model.device == target_model.lm_head.device
         self.steps = CapturedSteps(self.device, capture_graphs) if capture_graphs is not None and same_device else None
         self._prefetched: tuple[tuple[int, int], torch.Tensor] | None = None  # (bonus, position), block hidden

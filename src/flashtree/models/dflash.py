@@ -11,6 +11,12 @@ states for all block positions at once. Attention is non-causal, except that, li
 Batch size is 1 throughout and tensors carry no batch dimension: features are [n, F], block
 embeddings [block, D]. Context K/V are cached across calls (`DraftContextCache`) because the
 context only ever grows by committed positions; the block's own K/V are never persisted.
+
+The modules' `forward`s are the differentiable torch reference (train/draft.py trains through them).
+`forward_block` and `append_context` run the same arithmetic through the project's fused kernels
+(one launch per norm, residual add + norm, q/k norm + RoPE, K/V write, SiLU * up; fused SDPA in the
+compute dtype), about 85 launches for a 5-layer block pass instead of about 400 small ones; where
+Triton does not run (the CPU) those kernels fall back to the same torch arithmetic.
 """
 
 from __future__ import annotations
@@ -28,7 +34,10 @@ from torch import Tensor, nn
 
 from flashtree.errors import FlashtreeError
 from flashtree.formats.quants import quantize_q8_0
+from flashtree.kernels.activations import silu_mul
+from flashtree.kernels.qk_norm_rope import norm_rope_into_cache, qk_norm_rope, rope_tables
 from flashtree.kernels.quant_matmul import QuantWeight, quant_matmul
+from flashtree.kernels.rms_norm import add_rms_norm, rms_norm
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 CONFIG_FILE = "config.json"
@@ -201,7 +210,8 @@ def _require(ok: bool, key: str, expected: str) -> None:
 
 
 class RMSNorm(nn.Module):
-    """Qwen3 RMSNorm: normalise in fp32, cast back, then scale by the (plain, not 1+w) weight."""
+    """Qwen3 RMSNorm: normalise in fp32, cast back, then scale by the (plain, not 1+w) weight. Inference
+    calls `kernels.rms_norm` with the weight instead (one launch; it scales before the one cast back)."""
 
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -229,27 +239,25 @@ class _Attention(nn.Module):
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.head_dim = c.head_dim
 
-    def key_value(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-        """[n, D] -> K, V as [kv_heads, n, head_dim]; K normed and rotated at its own positions."""
+    def write_key_value(self, x: Tensor, rope: tuple[Tensor, Tensor], keys: Tensor, values: Tensor,
+                        slots: Tensor) -> None:
+        """K (normed, rotated at x's positions) and V of x [n, D] into rows `slots` [n] of keys/values
+        [kv_heads, rows, head_dim]: one launch after the two projections."""
         n = x.shape[0]
-        k = self.k_norm(self.k_proj(x).view(n, -1, self.head_dim))
-        v = self.v_proj(x).view(n, -1, self.head_dim)
-        return _rotate(k, *rope).transpose(0, 1), v.transpose(0, 1)
+        norm_rope_into_cache(self.k_proj(x).view(n, -1, self.head_dim), self.v_proj(x).view(n, -1, self.head_dim),
+                             self.k_norm.weight, self.k_norm.eps, *rope, keys, values, slots)
 
-    def forward(self, x: Tensor, ctx_k: Tensor, ctx_v: Tensor, rope: tuple[Tensor, Tensor],
+    def forward(self, x: Tensor, keys: Tensor, values: Tensor, rope: tuple[Tensor, Tensor], slots: Tensor,
                 mask: Tensor | None) -> Tensor:
-        n = x.shape[0]
-        q = _rotate(self.q_norm(self.q_proj(x).view(n, -1, self.head_dim)), *rope).transpose(0, 1)
-        k, v = self.key_value(x, rope)
-        k, v = torch.cat([ctx_k, k], dim=1), torch.cat([ctx_v, v], dim=1)
-        # GQA without copying K/V: the query heads sharing one KV head (repeat_interleave grouping)
-        # are folded into the query axis, so SDPA sees kv_heads "heads" with group*n queries each.
-        kv_heads, group = k.shape[0], q.shape[0] // k.shape[0]
-        q = q.reshape(kv_heads, group * n, self.head_dim)
-        if mask is not None:
-            mask = mask.repeat(group, 1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim**-0.5)
-        return self.o_proj(out.view(kv_heads * group, n, self.head_dim).transpose(0, 1).reshape(n, -1))
+        """The block x [n, D] attends to keys/values [kv_heads, L, head_dim] after writing its own K/V into
+        their rows `slots` (the last n), so context and block are one run of rows: no concatenation.
+        `mask`: `_additive_mask`'s, or None."""
+        n, kv_heads = x.shape[0], keys.shape[0]
+        self.write_key_value(x, rope, keys, values, slots)
+        q = qk_norm_rope(self.q_proj(x).view(n, -1, self.head_dim), self.q_norm.weight, self.q_norm.eps, *rope)
+        out = F.scaled_dot_product_attention(_fold_groups(q, kv_heads), keys[None], values[None], attn_mask=mask,
+                                             scale=self.head_dim**-0.5)
+        return self.o_proj(_unfold_groups(out, n))
 
 
 class _Q8Linear(nn.Module):
@@ -276,6 +284,10 @@ class _MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
+    def fused(self, x: Tensor) -> Tensor:
+        """`forward` with SiLU(gate) * up in one launch (no autograd: inference only)."""
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+
 
 class _Layer(nn.Module):
     def __init__(self, c: DraftConfig):
@@ -285,43 +297,61 @@ class _Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = _MLP(c)
 
-    def forward(self, h: Tensor, ctx_k: Tensor, ctx_v: Tensor, rope: tuple[Tensor, Tensor],
-                mask: Tensor | None) -> Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), ctx_k, ctx_v, rope, mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: Tensor, delta: Tensor | None, keys: Tensor, values: Tensor, rope: tuple[Tensor, Tensor],
+                slots: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+        """(h, delta) -> (h', delta'): the residual stream arrives with the previous layer's MLP output not
+        yet added (`delta`; None for the first layer), so that each add runs in the launch of the norm
+        after it (as in qwen35). The layer's output is h' + delta'."""
+        norm = self.input_layernorm
+        if delta is None:
+            x = rms_norm(h, norm.weight, norm.eps)
+        else:
+            h, x = add_rms_norm(h, delta, norm.weight, norm.eps)
+        attended = self.self_attn(x, keys, values, rope, slots, mask)
+        h, x = add_rms_norm(h, attended, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        return h, self.mlp.fused(x)
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate-half RoPE over the full head_dim; x is [n, heads, head_dim], cos/sin [n, head_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
+def _fold_groups(q: Tensor, kv_heads: int) -> Tensor:
+    """[n, heads, head_dim] queries -> [1, kv_heads, group * n, head_dim], group-major: the query heads
+    sharing one KV head (repeat_interleave grouping) become more queries of that head. SDPA's fused
+    kernels take neither 3-D inputs nor grouped K/V with a mask; folded, they read K/V as they are."""
+    n, heads, dim = q.shape
+    return q.view(n, kv_heads, heads // kv_heads, dim).permute(1, 2, 0, 3).reshape(1, kv_heads, -1, dim)
 
 
-def _only_valid(visible: Tensor | None, valid: Tensor | None, n: int) -> Tensor | None:
-    """`visible` restricted to the valid key slots (None: no restriction)."""
-    if valid is None:
-        return visible
-    return valid[None].expand(n, -1) if visible is None else visible & valid[None]
+def _unfold_groups(out: Tensor, n: int) -> Tensor:
+    """SDPA's output for `_fold_groups`' queries, [1, kv_heads, group * n, head_dim], back to token-major
+    [n, heads * head_dim]: one copy, whatever strides the chosen SDPA backend gave it."""
+    return out[0].unflatten(1, (-1, n)).permute(2, 0, 1, 3).reshape(n, -1)
 
 
-def _visibility(q_pos: Tensor, k_pos: Tensor, causal: bool, window: int | None) -> Tensor | None:
-    """Which keys each block query sees, in absolute positions (None = all).
+def _hidden_keys(dist: Tensor | None, causal: bool, window: int | None) -> Tensor | None:
+    """Which keys each query must not see, from `dist` = query position - key position (None = it sees all).
 
-    Same rule as the reference's index-based mask (its cache keeps positions contiguous):
-    causal keeps keys at or before the query; a window keeps keys less than `window` away,
-    on both sides when the layer is not causal."""
-    if not causal and window is None:
-        return None
-    dist = q_pos[:, None] - k_pos[None, :]
-    visible = torch.ones_like(dist, dtype=torch.bool)
-    if causal:
-        visible &= dist >= 0
+    Same rule as the reference's index-based mask (its cache keeps positions contiguous): causal
+    hides keys after the query; a window hides keys `window` or more away, on both sides when the
+    layer is not causal."""
+    hidden = dist < 0 if causal else None
     if window is not None:
-        visible &= dist < window
-        if not causal:
-            visible &= -dist < window
-    return visible
+        far = dist >= window if causal else dist.abs() >= window
+        hidden = far if hidden is None else hidden | far
+    return hidden
+
+
+def _additive_mask(hidden: Tensor | None, unfilled: Tensor | None, queries: int, keys: int, dtype: torch.dtype,
+                   device: torch.device) -> Tensor | None:
+    """SDPA's mask [queries, keys] in the compute dtype: -inf at `hidden` keys and at the `unfilled` context
+    slots (a bool over the first keys), else 0; None when nothing is masked. Additive, so SDPA does not
+    convert a boolean mask again in every layer; its rows 16-aligned, so the fused kernels take it uncopied."""
+    if hidden is None and unfilled is None:
+        return None
+    mask = torch.zeros(queries, -(-keys // 16) * 16, dtype=dtype, device=device)[:, :keys]
+    if hidden is not None:
+        mask.masked_fill_(hidden, float("-inf"))
+    if unfilled is not None:
+        mask[:, : unfilled.shape[0]].masked_fill_(unfilled, float("-inf"))
+    return mask
 
 
 # --------------------------------------------------------------------------------------------
@@ -331,13 +361,16 @@ def _visibility(q_pos: Tensor, k_pos: Tensor, causal: bool, window: int | None) 
 
 @dataclass(eq=False)
 class DraftContextCache:
-    """Per-layer K/V of committed context positions, in a ring of `max_context` slots.
+    """Per-layer K/V of committed context positions, in a ring of `max_context` slots, in the draft's
+    compute dtype (attention reads them as they are).
 
     Slot order does not matter to attention (RoPE is applied before caching and masks use the
-    stored positions), so eviction is an overwrite, never a shift."""
+    stored positions), so eviction is an overwrite, never a shift. K/V hold `block_size` rows past the
+    ring: a block pass writes its own K/V right after the context rows it reads (slots that are not
+    valid yet, or these spare rows once the ring is full), so it attends to one run of rows."""
 
-    keys: Tensor       # [layers, kv_heads, max_context, head_dim]
-    values: Tensor     # [layers, kv_heads, max_context, head_dim]
+    keys: Tensor       # [layers, kv_heads, max_context + block_size, head_dim]
+    values: Tensor     # [layers, kv_heads, max_context + block_size, head_dim]
     positions: Tensor  # [max_context] int64, absolute position held by each slot
     count: int = 0     # positions appended since the last reset
 
@@ -350,13 +383,13 @@ class DraftContextCache:
         """Number of valid slots; slots fill from 0, so they are always the first `length`."""
         return min(self.count, self.max_context)
 
+    @property
+    def block_rows(self) -> int:
+        """Rows past the ring: the longest block a pass can write after a full ring."""
+        return self.keys.shape[2] - self.max_context
+
     def reset(self) -> None:
         self.count = 0
-
-    def write(self, layer: int, k: Tensor, v: Tensor, positions: Tensor, slots: Tensor) -> None:
-        self.keys[layer].index_copy_(1, slots, k)
-        self.values[layer].index_copy_(1, slots, v)
-        self.positions.index_copy_(0, slots, positions)
 
 
 # --------------------------------------------------------------------------------------------
@@ -450,31 +483,25 @@ class DFlashDraft(nn.Module):
         return self.fc.weight.dtype
 
     def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos/sin tables in fp32 (positions reach 1e5+), cast to the compute dtype at the end."""
-        dim = self.config.head_dim
-        inv_freq = 1.0 / self.config.rope_theta ** (
-            torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim)
-        freqs = positions.float()[:, None] * inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(self._dtype), emb.sin().to(self._dtype)
+        """float32 cos/sin [n, head_dim] (positions reach 1e5+); the kernels rotate in float32 too."""
+        return rope_tables(positions, self.config.head_dim, self.config.rope_theta)
 
     def project_context(self, target_features: Tensor) -> Tensor:
         """[n, len(target_layer_ids)*D] target features -> [n, D] context vectors."""
         if target_features.dim() != 2 or target_features.shape[1] != self.config.feature_size:
             raise FlashtreeError(f"draft context features must be [n, {self.config.feature_size}], "
                                  f"got {list(target_features.shape)}")
-        return self.hidden_norm(self.fc(target_features.to(self._dtype)))
+        return rms_norm(self.fc(target_features.to(self._dtype)), self.hidden_norm.weight, self.hidden_norm.eps)
 
-    def new_cache(self, max_context: int, device=None, dtype=None) -> DraftContextCache:
+    def new_cache(self, max_context: int, device=None) -> DraftContextCache:
         if max_context < 1:
             raise FlashtreeError(f"draft max_context must be >= 1, got {max_context}")
         c = self.config
         device = self.fc.weight.device if device is None else device
-        dtype = self._dtype if dtype is None else dtype
-        shape = (c.num_hidden_layers, c.num_key_value_heads, max_context, c.head_dim)
+        shape = (c.num_hidden_layers, c.num_key_value_heads, max_context + c.block_size, c.head_dim)
         return DraftContextCache(
-            keys=torch.zeros(shape, device=device, dtype=dtype),
-            values=torch.zeros(shape, device=device, dtype=dtype),
+            keys=torch.zeros(shape, device=device, dtype=self._dtype),
+            values=torch.zeros(shape, device=device, dtype=self._dtype),
             positions=torch.zeros(max_context, device=device, dtype=torch.long),
         )
 
@@ -491,13 +518,13 @@ class DFlashDraft(nn.Module):
             raise FlashtreeError(f"draft context positions must be [{n}], got {list(positions.shape)}")
         keep = min(n, cache.max_context)
         target_features, positions = target_features[n - keep:], positions[n - keep:].to(cache.positions.device)
-        start = (cache.count if count is None else count) + n - keep
+        start = (cache.count if count is None else count) + (n - keep)
         slots = (start + torch.arange(keep, device=cache.positions.device)) % cache.max_context
         ctx = self.project_context(target_features)
         rope = self._rope(positions)
         for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.key_value(ctx, rope)
-            cache.write(i, k.to(cache.keys.dtype), v.to(cache.values.dtype), positions, slots)
+            layer.self_attn.write_key_value(ctx, rope, cache.keys[i], cache.values[i], slots)
+        cache.positions.index_copy_(0, slots, positions)
         if count is None:
             cache.count += n
 
@@ -507,28 +534,41 @@ class DFlashDraft(nn.Module):
         """[block, D] embeddings of [bonus, mask...] at positions start.. -> final-normed hidden [block, D].
 
         Block queries attend to every cached context position and to the whole block, restricted
-        per layer by `layer_is_causal` / `layer_window` (see `_visibility`). A graph-ready call
+        per layer by `layer_is_causal` / `layer_window` (see `_hidden_keys`). A graph-ready call
         (engine/cuda_graphs.py) gives `start_position` as a device tensor, reads a fixed number of
-        context slots `rows` and masks those at or past `context_length` (a device int64 [1])."""
+        context slots `rows` (at least the valid ones) and masks those at or past `context_length`
+        (a device int64 [1]). The block's K/V go to the cache rows after those read (`DraftContextCache`)."""
         c = self.config
-        if block_embeddings.dim() != 2 or block_embeddings.shape[1] != c.hidden_size:
-            raise FlashtreeError(f"draft block embeddings must be [block, {c.hidden_size}], "
-                                 f"got {list(block_embeddings.shape)}")
-        n, ctx_len = block_embeddings.shape[0], cache.length if rows is None else rows
+        shape = block_embeddings.shape
+        if block_embeddings.dim() != 2 or shape[1] != c.hidden_size or shape[0] > cache.block_rows:
+            raise FlashtreeError(f"draft block embeddings must be [block <= {cache.block_rows}, {c.hidden_size}], "
+                                 f"got {list(shape)}")
+        n, ctx_len = shape[0], cache.length if rows is None else rows
+        if not cache.length <= ctx_len <= cache.max_context:
+            raise FlashtreeError(f"draft block pass: rows {ctx_len} must cover the {cache.length} valid context "
+                                 f"slots within the {cache.max_context} of the ring")
         device = cache.positions.device
         q_pos = start_position + torch.arange(n, device=device)
-        k_pos = torch.cat([cache.positions[:ctx_len], q_pos])
-        valid = None
-        if context_length is not None:
-            valid = torch.cat([torch.arange(ctx_len, device=device) < context_length,
-                               torch.ones(n, dtype=torch.bool, device=device)])
         rope = self._rope(q_pos)
-        masks: dict[tuple[bool, int | None], Tensor | None] = {}
-        h = block_embeddings.to(self._dtype)
+        slots = torch.arange(ctx_len, ctx_len + n, device=device)
+        masks = self._masks(q_pos, cache.positions[:ctx_len], context_length)
+        h, delta = block_embeddings.to(self._dtype), None
         for i, layer in enumerate(self.layers):
-            kind = (c.layer_is_causal(i), c.layer_window(i))
-            if kind not in masks:
-                masks[kind] = _only_valid(_visibility(q_pos, k_pos, *kind), valid, n)
-            h = layer(h, cache.keys[i, :, :ctx_len].to(h.dtype), cache.values[i, :, :ctx_len].to(h.dtype),
-                      rope, masks[kind])
-        return self.norm(h)
+            h, delta = layer(h, delta, cache.keys[i, :, : ctx_len + n], cache.values[i, :, : ctx_len + n], rope, slots,
+                             masks[i])
+        return add_rms_norm(h, delta, self.norm.weight, self.norm.eps)[1]
+
+    def _masks(self, q_pos: Tensor, ctx_pos: Tensor, context_length: Tensor | None) -> list[Tensor | None]:
+        """Each layer's `_additive_mask` over [context slots ; block] for the folded queries (`_fold_groups`),
+        made once per distinct (causal, window) rule; `context_length` masks the slots at or past it."""
+        c = self.config
+        n, ctx_len, device = q_pos.shape[0], ctx_pos.shape[0], q_pos.device
+        group = c.num_attention_heads // c.num_key_value_heads
+        rules = [(c.layer_is_causal(i), c.layer_window(i)) for i in range(c.num_hidden_layers)]
+        dist = None
+        if any(causal or window is not None for causal, window in rules):
+            dist = q_pos.repeat(group)[:, None] - torch.cat([ctx_pos, q_pos])[None, :]
+        unfilled = None if context_length is None else torch.arange(ctx_len, device=device) >= context_length
+        masks = {rule: _additive_mask(_hidden_keys(dist, *rule), unfilled, group * n, ctx_len + n, self._dtype, device)
+                 for rule in dict.fromkeys(rules)}
+        return [masks[rule] for rule in rules]
