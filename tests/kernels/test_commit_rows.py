@@ -37,6 +37,9 @@ def test_graph_replays_move_the_rows_of_new_paths():
     cache = torch.randn(4, 96, 256, device="cuda", dtype=torch.bfloat16)
     window, inputs = torch.randn(3, 10240, device="cuda"), torch.randn(23, 10240, device="cuda", dtype=torch.bfloat16)
     rows, source, path = (torch.zeros(4, dtype=torch.long, device="cuda") for _ in range(3))
+    move_rows(cache, rows, source)  # compiled and loaded before the capture, which may not load modules
+    shift_window(window, inputs, path)
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         move_rows(cache, rows, source)
