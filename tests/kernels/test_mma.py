@@ -374,6 +374,7 @@ def test_q6_k_takes_the_float16_kernel_and_a_row_keeps_its_bits():
 
 
 @pytest.mark.gpu
+@pytest.mark.slow  # a 1 GB head and its 5 GB float32 reference
 @gpu
 def test_q6_k_lm_head_shape_matches_the_float32_reference():
     """The 27B's 248320x5120 Q6_K LM head at 16 and 23 rows (2 warps per CTA): about 1 GB of weights, 5 GB of
