@@ -35,8 +35,8 @@ ABLATIONS = {
     "no MMAs": ("for (int tg = 0; tg < TG; ++tg) mma_f16(p[s % CH][rt][tg], a, bx[tg][u][0], bx[tg][u][1]);",
                 "for (int tg = 0; tg < TG; ++tg) p[s % CH][rt][tg][0] += __uint_as_float(a[0] ^ a[1] ^ a[2] ^ a[3] ^ bx[tg][u][0] ^ bx[tg][u][1]);"),
     "no decode": ("a[0] = hfma2(and_or<0x000F000Fu>(lo, k.f16_1024), sc0, c0);", "a[0] = lo ^ sc0 ^ c0;"),
-    "no weight loads": ("if (sb + WARPS < sb_end) load_weights<Q4_K, RT>(quants, quants, scales, nullptr, tile0, SB, sb + WARPS, lane, g, w1);",
-                        "if (sb + WARPS < sb_end) w1 = w0;"),
+    "no weight loads": ("if (sb + WARPS < end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb + WARPS, lane, g, w1);",
+                        "if (sb + WARPS < end) w1 = w0;"),
 }
 
 
@@ -59,8 +59,8 @@ def main() -> int:
                 text = text.replace(f"a[{r}] = hfma2(and_or<{mask}>({word}, k.f16_1024), {sc}, {c});",
                                     f"a[{r}] = {word} ^ {sc} ^ {c};")
         if label == "no weight loads":
-            text = text.replace("if (sb + WARPS < sb_end) load_weights<Q4_K, RT>(quants, quants, scales, nullptr, tile0, SB, sb + WARPS, lane, g, w0);",
-                                "if (sb + WARPS < sb_end) w0 = w1;")
+            text = text.replace("if (sb + WARPS < end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb + WARPS, lane, g, w0);",
+                                "if (sb + WARPS < end) w0 = w1;")
         sources[label] = text
     jobs, plan = {}, []
     for n, k in SHAPES.values():
