@@ -5,6 +5,7 @@
 #   PARTS="fast-tests steps-profile multi-turn" bash tools/gpu/device_figures.sh   (~500 s)
 #   PARTS="tests diagnose sweep steps-1k" bash tools/gpu/device_figures.sh      (~330 s)
 #   PARTS="multi-turn steps-64k" ...;  PARTS="steps-256k-tq3" LIMIT_256K=400 ...
+#   PARTS="sweep-q6k sweep-attention-compare sweep-deltanet-tree" bash tools/gpu/device_figures.sh  (~420 s, carry .baseline)
 # Results under $OUT; each part prints its table's tail.
 source tools/gpu/device_env.sh
 bench() {  # name, seconds, bench flags... (ECHO= builds the plain random model: a real file's untied layout)
@@ -25,6 +26,16 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k steps-256k-tq3}; do
                   > "$OUT/diagnose.txt" 2>&1; echo "== diagnose (rc $?)"; tail -30 "$OUT/diagnose.txt" ;;
     sweep) timeout 150 python3 benchmarks/sweep_quant_matmul.py --types Q4_K,Q6_K --budget-s 100 \
                --out "$OUT/sweep.json" > "$OUT/sweep.txt" 2>&1; echo "== sweep (rc $?)"; tail -24 "$OUT/sweep.txt" ;;
+    # the kernels that landed untimed on 2026-12-01 (third session): Q6_K float16 rows, the tree-attention
+    # defaults against the kernel before them (carry .baseline: git show 3421ff9:src/flashtree/kernels/
+    # tree_attention.py > .baseline/tree_attention.py), the DeltaNet tree kernel's launch shapes
+    sweep-q6k) timeout 150 python3 benchmarks/sweep_mma_rows.py --types Q6_K --budget-s 120 --out "$OUT/rows_q6k.json" \
+                   > "$OUT/rows_q6k.txt" 2>&1; echo "== sweep-q6k (rc $?)"; tail -16 "$OUT/rows_q6k.txt" ;;
+    sweep-attention-compare) timeout 150 python3 benchmarks/sweep_tree_attention.py --compare \
+                   --baseline .baseline/tree_attention.py --budget-s 110 --out "$OUT/attention_compare.json" \
+                   > "$OUT/attention_compare.txt" 2>&1; echo "== sweep-attention-compare (rc $?)"; tail -12 "$OUT/attention_compare.txt" ;;
+    sweep-deltanet-tree) timeout 120 python3 benchmarks/sweep_deltanet_tree.py --out "$OUT/deltanet_tree.json" \
+                   > "$OUT/deltanet_tree.txt" 2>&1; echo "== sweep-deltanet-tree (rc $?)"; tail -6 "$OUT/deltanet_tree.txt" ;;
     sweep-attention) timeout "${LIMIT_SWEEP_ATTN:-150}" python3 benchmarks/sweep_tree_attention.py --budget-s "${BUDGET_SWEEP_ATTN:-120}" \
                --out "$OUT/sweep_attention.json" > "$OUT/sweep_attention.txt" 2>&1
                echo "== sweep-attention (rc $?)"; tail -10 "$OUT/sweep_attention.txt" ;;
