@@ -36,6 +36,9 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k steps-256k-tq3}; do
                    > "$OUT/attention_compare.txt" 2>&1; echo "== sweep-attention-compare (rc $?)"; tail -12 "$OUT/attention_compare.txt" ;;
     sweep-deltanet-tree) timeout 120 python3 benchmarks/sweep_deltanet_tree.py --out "$OUT/deltanet_tree.json" \
                    > "$OUT/deltanet_tree.txt" 2>&1; echo "== sweep-deltanet-tree (rc $?)"; tail -6 "$OUT/deltanet_tree.txt" ;;
+    # fla's launch configurations tuned at the 27B prefill shapes, for src/flashtree/assets/fla-configs/
+    fla-configs) timeout 200 python3 tools/gpu/extract_fla_configs.py --out "$OUT/fla-configs" > "$OUT/fla_configs.txt" 2>&1
+                 echo "== fla-configs (rc $?)"; tail -5 "$OUT/fla_configs.txt" ;;
     sweep-attention) timeout "${LIMIT_SWEEP_ATTN:-150}" python3 benchmarks/sweep_tree_attention.py --budget-s "${BUDGET_SWEEP_ATTN:-120}" \
                --out "$OUT/sweep_attention.json" > "$OUT/sweep_attention.txt" 2>&1
                echo "== sweep-attention (rc $?)"; tail -10 "$OUT/sweep_attention.txt" ;;

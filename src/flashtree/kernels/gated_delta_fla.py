@@ -16,6 +16,8 @@ import importlib.util
 
 import torch
 
+from flashtree.kernels import fla_configs
+
 
 @functools.cache
 def available() -> bool:
@@ -26,8 +28,16 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
             state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Same signature and result as `gated_delta.chunked` (q, k, v [T, H, d]; g, beta [T, H];
     state [H, dk, dv], not modified): (o [T, H, dv] float32, final state float32)."""
+    _shipped_configs(q.device)  # before fla's first import, which reads the setting
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # optional: the gpu extra (fla-core)
 
     o, final = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], scale=1.0,
                                       initial_state=state[None].float(), output_final_state=True)
     return o[0].float(), final[0].float()
+
+
+@functools.cache
+def _shipped_configs(device: torch.device) -> None:
+    """Once per device: fla reads the launch configurations shipped for this GPU model instead of
+    autotuning them (`fla_configs.use_shipped`)."""
+    fla_configs.use_shipped(device)
