@@ -13,9 +13,13 @@ def test_multi_turn_report_on_cpu(tmp_path):
     out = tmp_path / "multi_turn.json"
     assert main(["bench", "--multi-turn", "--modes", "ddtree", "--turns", "3", "--system-tokens", "96",
                  "--prefill-chunk", "32", "--prefix-cache-interval", "32", "-n", "4", "--device", "cpu",
-                 "--out", str(out)]) == 0
+                 "--sessions", "2", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     rows = report["rows"]
+    assert report["sessions"] == 2 and all(len(r["ttft_on_sessions_s"]) == 2 for r in rows)
+    # the cache emptied before each cached session: its turn 1 misses both times, its later turns hit
+    assert rows[0]["cached_tokens_sessions"] == [0, 0]
+    assert all(n > 0 for r in rows[1:] for n in r["cached_tokens_sessions"]), rows
     assert len(rows) == 3 and all(r["identical"] for r in rows), rows
     assert rows[0]["cached_tokens"] == 0 and all(r["cached_tokens"] > 0 for r in rows[1:]), rows
     assert report["mode"] == "ddtree" and report["prefix_cache_entries"] > 0 and report["prefill_chunk"] == 32

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call (carry .whl) for the step, long-context and prefix-cache figures at the Qwen3.6-27B shape (the decisive
 # `--echo` model: same shapes, types and bytes as a real Q4_K_M model), each part with its own limit.
-# PARTS picks and orders them (default: steps-1k multi-turn steps-64k steps-256k-tq3, ~560 s), e.g.
-#   PARTS="fast-tests steps-profile multi-turn" bash tools/gpu/device_figures.sh   (~500 s)
+# PARTS picks and orders them (default: steps-1k multi-turn steps-64k, ~500 s), e.g.
+#   PARTS="fast-tests steps-profile" bash tools/gpu/device_figures.sh   (~400 s)
 #   PARTS="tests diagnose sweep steps-1k" bash tools/gpu/device_figures.sh      (~330 s)
 #   PARTS="multi-turn steps-64k" ...;  PARTS="steps-256k-tq3" LIMIT_256K=400 ...
 #   PARTS="sweep-q6k sweep-attention-compare sweep-deltanet-tree" bash tools/gpu/device_figures.sh  (~420 s, carry .baseline)
@@ -15,7 +15,7 @@ bench() {  # name, seconds, bench flags... (ECHO= builds the plain random model:
   echo "== $name (rc $?)"; tail -${TAIL:-18} "$OUT/$name.txt"
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-for part in ${PARTS:-steps-1k multi-turn steps-64k steps-256k-tq3}; do
+for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
   case $part in
     # the engine's GPU tests first (greedy identity, graphs), then kernels at real sizes; slowest listed
     tests) timeout "${LIMIT_TESTS:-150}" python3 -m pytest -q -p no:cacheprovider -p no:warnings -m gpu --durations=12 \
@@ -55,7 +55,7 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k steps-256k-tq3}; do
     fidelity) timeout 120 python3 -m flashtree.cli.main bench --fidelity --device cuda --dtypes float32,bfloat16 \
                   --prompts 4 --peers --out "$OUT/fidelity.json" > "$OUT/fidelity.txt" 2>&1
               echo "== fidelity (rc $?)"; tail -8 "$OUT/fidelity.txt" ;;
-    multi-turn) TAIL=12 bench multi-turn 110 --multi-turn -n 32 ;;
+    multi-turn) TAIL=12 bench multi-turn 240 --multi-turn -n 32 ;;  # 3 sessions per setting
     steps-64k) bench steps-64k "${LIMIT_64K:-200}" --steps -n 32 --repeat 10 --replay-al 0 --context 65536 \
                    --prefill-chunk 2048 --prefill-lengths "${PREFILL_64K:-131072}" ;;
     # memory: the plain model (the echo model's tied head is a second 0.31 GiB copy); chunks of 512 rows

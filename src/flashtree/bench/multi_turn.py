@@ -2,7 +2,10 @@
 prompt, with and without the prefix cache (docs/PREFIX_CACHE.md).
 
 Both runs use the same weights and the same greedy settings; each turn resends the whole
-conversation, as chat clients do. TTFT is the time from the request to the logits of the first
+conversation, as chat clients do. `--sessions N` runs the chat N times per setting, alternating which
+setting goes first and emptying the cache before each cached session (so turn 1 is a miss every time),
+and reports each turn's median: one session cannot resolve a few percent, whose TTFT without the cache
+varied by 1.6x between turns of equal length on the H200 (2026-12-01). TTFT is the time from the request to the logits of the first
 token (prefill, including restoring a cached prefix). Per turn the report also gives, for both runs,
 the time in the prompt chunks' forwards and their count, and for the cached run the cache's own
 costs: restoring the prefix, taking the snapshots (during prefill and at the end of the turn, where
@@ -12,6 +15,7 @@ waits for the device, so on a GPU the times are device times (the waits add a li
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import replace
 
@@ -85,10 +89,17 @@ def run_multi_turn(args, engine: Engine, model_name: str, device: str) -> int:
     # warm-up at full size (allocator, kernels for every chunk shape), so turn 1 is timed like the rest
     warm_ids = engine.tokenizer.encode(template.render(first, add_generation_prompt=True))
     engines["off"].generate(warm_ids, replace(base, max_new_tokens=4))
-    runs = {name: _session(eng, template, system, args.turns, base) for name, eng in engines.items()}
-    rows = [_row(turn, off, on) for turn, (off, on) in enumerate(zip(runs["off"], runs["on"]), start=1)]
+    runs: dict[str, list[list[dict]]] = {"off": [], "on": []}
+    for session in range(args.sessions):
+        for name in ("off", "on") if session % 2 == 0 else ("on", "off"):  # neither always second
+            if name == "on":
+                cache.clear()  # every cached session starts cold: its turn 1 is a miss
+            runs[name].append(_session(engines[name], template, system, args.turns, base))
+    rows = [_row(turn, [s[turn - 1] for s in runs["off"]], [s[turn - 1] for s in runs["on"]])
+            for turn in range(1, args.turns + 1)]
     report = {"date": time.strftime("%Y-%m-%d"), "device": device, "model": model_name, "mode": mode,
-              "system_tokens": args.system_tokens, "turns": args.turns, "max_tokens": args.max_tokens,
+              "sessions": args.sessions, "system_tokens": args.system_tokens, "turns": args.turns,
+              "max_tokens": args.max_tokens,
               "prefill_chunk": base.prefill_chunk, "prefix_cache_entries": len(cache.entries),
               "prefix_cache_bytes": cache.nbytes, "prefix_cache_device_bytes": cache.device_nbytes, "rows": rows}
     save_report(report, args.out)
@@ -114,26 +125,37 @@ def _session(engine: Engine, template, system: str, turns: int, config) -> list[
     return out
 
 
-def _row(turn: int, off: dict, on: dict) -> dict:
-    cache = on["cache"]
+def _row(turn: int, offs: list[dict], ons: list[dict]) -> dict:
+    """One turn over the sessions: medians of the times (and each session's TTFTs), the counts and bytes of
+    the first session (the same in every session: greedy, same prompts), identical if every session was."""
+    off, on, cache = offs[0], ons[0], ons[0]["cache"]
+    ttft_off, ttft_on = _median(offs, "ttft_s"), _median(ons, "ttft_s")
     return {"turn": turn, "prompt_tokens": on["prompt_tokens"], "cached_tokens": cache.restored_tokens,
-            "ttft_off_s": round(off["ttft_s"], 4), "ttft_on_s": round(on["ttft_s"], 4),
-            "forwards_off_s": round(off["forwards_s"], 4), "forwards_on_s": round(on["forwards_s"], 4),
+            "cached_tokens_sessions": [r["cache"].restored_tokens for r in ons],
+            "ttft_off_s": round(ttft_off, 4), "ttft_on_s": round(ttft_on, 4),
+            "ttft_off_sessions_s": [round(r["ttft_s"], 4) for r in offs],
+            "ttft_on_sessions_s": [round(r["ttft_s"], 4) for r in ons],
+            "forwards_off_s": round(_median(offs, "forwards_s"), 4), "forwards_on_s": round(_median(ons, "forwards_s"), 4),
             "chunks_off": off["chunks"], "chunks_on": on["chunks"],
-            "restore_s": round(cache.restore_s, 4), "snapshot_s": round(cache.snapshot_s, 4),
+            "restore_s": round(statistics.median(r["cache"].restore_s for r in ons), 4),
+            "snapshot_s": round(statistics.median(r["cache"].snapshot_s for r in ons), 4),
             "snapshots": cache.snapshots, "restored_bytes": cache.restored_bytes,
             "snapshot_bytes": cache.snapshot_bytes, "spilled_bytes": cache.spilled_bytes,
             "copied_bytes": cache.copied_bytes,
-            "speedup": round(off["ttft_s"] / on["ttft_s"], 2) if on["ttft_s"] else None,
-            "identical": off["token_ids"] == on["token_ids"]}
+            "speedup": round(ttft_off / ttft_on, 2) if ttft_on else None,
+            "identical": all(a["token_ids"] == b["token_ids"] for a in offs for b in ons)}
+
+
+def _median(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
 
 
 def _print_table(report: dict) -> None:
     print(f"device: {report['device']}   model: {report['model']}   mode: {report['mode']}   system prompt "
           f"~{report['system_tokens']} tokens, {report['max_tokens']} new tokens per turn, prefill chunk "
-          f"{report['prefill_chunk']}")
-    print("TTFT and forwards in s, off / on; restore and snapshot (during prefill and at the turn's end) in s; "
-          "copied: MiB restored + snapshotted + spilled to host")
+          f"{report['prefill_chunk']}, {report['sessions']} session(s) per setting")
+    print("TTFT and forwards in s, off / on (medians over the sessions); restore and snapshot (during prefill and "
+          "at the turn's end) in s; copied: MiB restored + snapshotted + spilled to host")
     print(f"{'turn':>4}{'prompt':>8}{'cached':>8}{'TTFT off':>10}{'TTFT on':>9}{'fwd off':>9}{'fwd on':>8}"
           f"{'chunks':>8}{'restore':>9}{'snapshot':>10}{'copied':>9}{'speedup':>9}  identical")
     for r in report["rows"]:
