@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from flashtree.bench.kernels import time_graph  # noqa: E402
 from flashtree.kernels.kv_quant import kv_type  # noqa: E402
 from flashtree.kernels.qk_norm_rope import rope_tables  # noqa: E402
 from flashtree.kernels.tree_attention import choose_splits, tree_attention  # noqa: E402
@@ -135,23 +136,9 @@ def model_inputs(n: int, committed: int) -> dict:
     return args
 
 
-def graph_timed(fn, replays: int = 5) -> float:
-    """Microseconds per call of fn, GRAPH_CALLS calls captured in one CUDA graph (fn compiled before)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(GRAPH_CALLS):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / (replays * GRAPH_CALLS) * 1e3
+def graph_timed(fn) -> float:
+    """Microseconds per call of fn, GRAPH_CALLS calls captured in one CUDA graph (`bench.kernels.time_graph`)."""
+    return time_graph([fn] * GRAPH_CALLS) * 1e6
 
 
 def compared_launch(n: int, committed: int, overrides: dict, split_scale: float) -> dict | None:
