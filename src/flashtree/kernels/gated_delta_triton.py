@@ -156,8 +156,9 @@ def tree_verify(q, k, v, g, beta, state, parents, block_v: int = 32, block_k: in
     state reached along its root-to-node path. parents int64 [T]: parents[i] < i, -1 = child of the
     current state (values are not checked on the device: a parent >= i is treated as -1).
     `state` is only read. `precision`: tl.dot input precision ("tf32x3", tensor cores at about float32
-    accuracy, or "ieee", float32 FMA). The defaults are the fastest of a sweep at the 27B shape
-    (benchmarks/sweep_deltanet_tree.py, H200 2026-12-01: a 23-node tree 52 -> 28 us and less, the same error)."""
+    accuracy, or "ieee", float32 FMA). The defaults come from a sweep at the 27B shape
+    (benchmarks/sweep_deltanet_tree.py, H200 2026-12-01): 32 columns and tf32x3 were each the faster choice
+    (a 23-node tree 52 -> 35 and 28 us, the same error); the two together are not yet timed."""
     _check(q, k, v, g, beta, state, parents)
     if triton is None or not triton_runs_on(state.device):
         return tree_verify_reference(q, k, v, g, beta, state, parents)
