@@ -155,3 +155,17 @@ def test_the_draft_passes_replay_graphs_on_an_unindexed_gpu(device):
     assert proposer.steps is not None and proposer.steps.capture_graphs and proposer.steps.entries
     assert not proposer.overlaps
     assert any(key[0] == "commit" and key[3] is not None for key in demo.runner.graph_runner().steps.entries)
+
+
+def test_short_prefill_chunks_replay_power_of_two_runs(target, monkeypatch):
+    """A prefill chunk of at most GRAPHED_CHUNK tokens runs as captured runs of 16, 4, 2 and 1 tokens (23 =
+    16 + 4 + 2 + 1), not one eager forward; the output stays the eager engine's."""
+    engine = static_engine(target)
+    sizes = []
+    real = engine.runner.step_forward
+    monkeypatch.setattr(engine.runner, "step_forward", lambda tokens, *a, **k: sizes.append(len(tokens)) or
+                        real(tokens, *a, **k))
+    prompt = (prompts(target.config.vocab_size)[0] * 23)[:23]
+    assert engine.generate(prompt, GenerationConfig(max_new_tokens=6, ignore_eos=True)).token_ids == \
+        reference(target, prompt)[:6]
+    assert sizes[:4] == [16, 4, 2, 1] and set(sizes[4:]) == {1}

@@ -31,6 +31,10 @@ from flashtree.models.step import Step
 
 SCORE_CHUNK = 128  # prompt tokens per pass when scoring a prompt: [128, vocab] float32 logits (127 MB at 248K)
 PROGRESS_MIN_TOKENS = 8192  # prompts this long show a prefill progress bar where the CLI asks for one
+# prefill chunks this short replay captured runs (power-of-two pieces) where the steps are graphed: an eager
+# forward of the 27B shape costs ~60 ms of launches whatever its length (H200, 2026-12-01), while a
+# 1-row step replays in 6.7 ms and a 16-row one in ~13 ms
+GRAPHED_CHUNK = 32
 
 
 @dataclass
@@ -195,10 +199,22 @@ class ModelRunner:
 
     def prefill_chunk(self, cache, token_ids: list[int], capture: Sequence[int] = (),
                       on_features: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> torch.Tensor:
-        """One prefill forward over `token_ids`; returns the last position's logits."""
-        first = cache.length
-        result = self.target.model.forward(torch.tensor(token_ids, dtype=torch.long), cache, capture=capture,
-                                           last_only=True)
+        """One prefill forward over `token_ids` (a short chunk: captured runs, `graphed_pieces`); returns the
+        last position's logits."""
+        if self.graph_runner() is not None and len(token_ids) <= GRAPHED_CHUNK:
+            for piece in graphed_pieces(len(token_ids)):
+                logits = self._prefill_forward(cache, token_ids[:piece], capture, on_features, graphed=True)
+                token_ids = token_ids[piece:]
+            return logits
+        return self._prefill_forward(cache, token_ids, capture, on_features, graphed=False)
+
+    def _prefill_forward(self, cache, token_ids: list[int], capture: Sequence[int],
+                         on_features: Callable[[torch.Tensor, torch.Tensor], None] | None, graphed: bool) -> torch.Tensor:
+        first, tokens = cache.length, torch.tensor(token_ids, dtype=torch.long)
+        if graphed:
+            result = self.step_forward(tokens, cache, capture=capture)
+        else:
+            result = self.target.model.forward(tokens, cache, capture=capture, last_only=True)
         if on_features is not None:
             on_features(result.features, torch.arange(first, cache.length, device=result.features.device))
         return result.logits[-1]
@@ -212,3 +228,9 @@ class ModelRunner:
     def sampler(self, prompt_ids: list[int], config: GenerationConfig) -> Sampler:
         model = self.target.model
         return Sampler(config.sampling, prompt_ids, model.config.vocab_size, model.device)
+
+
+def graphed_pieces(n: int) -> list[int]:
+    """A short chunk of n tokens as runs of power-of-two lengths, longest first: a handful of step shapes
+    (1, 2, 4, ... GRAPHED_CHUNK) serve every chunk length, each captured once per cache bucket."""
+    return [1 << bit for bit in reversed(range(n.bit_length())) if n >> bit & 1]
