@@ -58,6 +58,22 @@ def test_fla_reads_the_written_files(tmp_path):
     assert parsed.lookup_fuzzy(cache.AutotuneKey((64, 48, "torch.bfloat16"))) is not None
 
 
+def test_the_shipped_h200_files_parse_and_hold_the_prefill_kernels():
+    """What tools/gpu/extract_fla_configs.py wrote on an H200 (2026-12-01): fla's file format, one file per
+    chunked gated-delta kernel, each with its configuration for the 27B shape's heads."""
+    files = sorted((fla_configs.SHIPPED / "NVIDIA_H200").glob("*.json"))
+    assert {p.stem for p in files} >= {"chunk_fwd_kernel_o", "chunk_gated_delta_rule_fwd_kernel_h_blockdim64",
+                                       "recompute_w_u_fwd_kernel"}
+    for path in files:
+        content = json.loads(path.read_text())
+        assert content["kernel_name"] == path.stem and content["autotune_entries"] and content["default_config"]
+    try:
+        from fla.ops.utils.cache import KernelConfigFile  # fla-core (the gpu extra) reads them as well
+    except ImportError:
+        return
+    assert all(KernelConfigFile.from_file(path) is not None for path in files)
+
+
 @pytest.fixture
 def clean_env(monkeypatch):
     monkeypatch.delenv("FLA_CACHE_MODE", raising=False)

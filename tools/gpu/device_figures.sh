@@ -37,8 +37,17 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
     sweep-deltanet-tree) timeout 120 python3 benchmarks/sweep_deltanet_tree.py --out "$OUT/deltanet_tree.json" \
                    > "$OUT/deltanet_tree.txt" 2>&1; echo "== sweep-deltanet-tree (rc $?)"; tail -6 "$OUT/deltanet_tree.txt" ;;
     # fla's launch configurations tuned at the 27B prefill shapes, for src/flashtree/assets/fla-configs/
+    # (a tarball: a call returns few files), and installed in this copy's assets for the parts after it
     fla-configs) timeout 200 python3 tools/gpu/extract_fla_configs.py --out "$OUT/fla-configs" > "$OUT/fla_configs.txt" 2>&1
-                 echo "== fla-configs (rc $?)"; tail -5 "$OUT/fla_configs.txt" ;;
+                 echo "== fla-configs (rc $?)"; tail -5 "$OUT/fla_configs.txt"
+                 tar czf "$OUT/fla-configs.tgz" -C "$OUT/fla-configs" . && mkdir -p src/flashtree/assets/fla-configs && cp -r "$OUT"/fla-configs/* src/flashtree/assets/fla-configs/
+                 rm -rf "$OUT/fla-configs" ;;
+    # time to first token after the weights are in memory, on empty kernel caches (a fresh machine) and again
+    cold-start) rm -rf ~/.triton/cache ~/.cache/flashtree
+                for start in cold warm; do
+                    timeout 200 python3 tools/gpu/cold_start.py > "$OUT/cold_start_$start.txt" 2>&1
+                    echo "== $start start (rc $?): $(tail -1 "$OUT/cold_start_$start.txt")"
+                done ;;
     sweep-attention) timeout "${LIMIT_SWEEP_ATTN:-150}" python3 benchmarks/sweep_tree_attention.py --budget-s "${BUDGET_SWEEP_ATTN:-120}" \
                --out "$OUT/sweep_attention.json" > "$OUT/sweep_attention.txt" 2>&1
                echo "== sweep-attention (rc $?)"; tail -10 "$OUT/sweep_attention.txt" ;;
