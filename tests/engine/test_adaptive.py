@@ -107,9 +107,23 @@ def test_an_engines_requests_share_the_times_and_start_where_the_last_ended():
     # a workload where trees do not pay: the next request starts in AR steps and probes after the backoff
     slow = SpeculationHistory()
     timed_budgets(AdaptiveBudget(22, StepCost(), history=slow), [5] * 25, lambda b: 10.0 if b else 1.0)
-    assert slow.budget == 0 and slow.backoff == FIRST_BACKOFF
+    assert slow.budget == 0 and slow.backoff == FIRST_BACKOFF and 0 < slow.steps_away < FIRST_BACKOFF
+    due = FIRST_BACKOFF - slow.steps_away  # the backoff counts on from where the last request stopped
     nxt = timed_budgets(AdaptiveBudget(22, StepCost(), history=slow), [5] * 40, lambda b: 10.0 if b else 1.0)
-    assert nxt[:FIRST_BACKOFF] == [0] * FIRST_BACKOFF
+    assert nxt[:due] == [0] * due and nxt[due] == 22
+
+
+def test_requests_shorter_than_the_backoff_still_probe():
+    """The probe schedule runs across requests: at the longest backoff, requests of 32 steps each still
+    reach a probe every MAX_BACKOFF steps (each starting from zero steps away, none would ever probe)."""
+    shared = SpeculationHistory()
+    budgets = []
+    for _ in range(40):
+        budgets += timed_budgets(AdaptiveBudget(22, StepCost(), history=shared), [1] * 32,
+                                 lambda b: 2.0 if b else 1.0)
+    probes = [i for i in range(1, len(budgets)) if budgets[i] == 22 and budgets[i - 1] == 0]
+    assert shared.backoff == MAX_BACKOFF and len(probes) >= 4
+    assert max(b - a for a, b in zip(probes, probes[1:])) <= MAX_BACKOFF + WINDOW + 32
 
 
 def test_fixed_budget_never_changes():
@@ -214,7 +228,9 @@ def test_a_good_draft_never_switches_once_ar_steps_are_timed(target, reference_o
     [(at, ar), (back, budget)] = first.stats.budget_switches
     assert ar == 0 and budget == config.budget and first.stats.ar_fallback_steps == CALIBRATION
     assert second.stats.budget_switches == [] and second.stats.ar_fallback_steps == 0
-    assert set(engine.runner.speculation.times) == {0, config.budget}
+    assert set(engine.runner.speculation(config).times) == {0, config.budget}
+    # another mode's requests learn on their own: a chain step of the same budget costs and accepts otherwise
+    assert engine.runner.speculation(GenerationConfig(mode="chain")).times == {}
 
 
 def test_adaptive_off_keeps_the_trees(target, reference_outputs):

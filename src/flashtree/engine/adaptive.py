@@ -46,6 +46,8 @@ class SpeculationHistory:
     times: dict[int, list[float]] = field(default_factory=dict)
     budget: int | None = None  # the last request's budget at its end
     backoff: int | None = None  # and its probe backoff
+    steps_away: int = 0  # and its steps since the configured budget was left: the next probe is due across
+    # requests (requests shorter than the backoff would otherwise never probe again)
 
 
 def budget_ladder(budget: int) -> tuple[int, ...]:
@@ -82,7 +84,7 @@ class AdaptiveBudget:
         self.budget = self.history.budget if resumable else budget
         # steps away from the configured budget before the next probe
         self.backoff = self.history.backoff if resumable else first_backoff
-        self.steps_away = 0  # steps since the configured budget was left
+        self.steps_away = self.history.steps_away if resumable else 0  # steps since the configured budget was left
         self.probing = False  # back at the configured budget after a backoff, not yet shown to pay
         self.recent: list[int] = []  # tokens committed by the steps at `budget` since the last decision
         self.times = self.history.times  # seconds of recent steps per budget (0: AR), warm-ups left out
@@ -97,6 +99,7 @@ class AdaptiveBudget:
         self._record(committed, now)
         if not self.calibrating:  # a calibration is the engine's business once, not the next request's start
             self.history.budget, self.history.backoff = self.budget, self.backoff
+            self.history.steps_away = self.steps_away
 
     def _record(self, committed: int, now: float | None) -> None:
         if now is not None:

@@ -63,7 +63,7 @@ def speculative(engine: ModelRunner, prompt_ids: list[int], config: GenerationCo
     cache = engine.new_cache(len(prompt_ids), config)
     logits = engine.prefill_prompt(cache, prompt_ids, config, proposer, stats)[None]
     stats.prefill_s = time.perf_counter() - started
-    policy, clock = budget_policy(config, engine.speculation), step_clock()
+    policy, clock = budget_policy(config, engine.speculation(config)), step_clock()
     bonus = sampler.choose(sampler.distribution(logits)[0])
     [bonus_logprob] = logprobs_of(logits, [bonus], config.logprobs)
     current = config.budget

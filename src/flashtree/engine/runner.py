@@ -58,8 +58,14 @@ class ModelRunner:
         self.use_cuda_graphs = use_cuda_graphs  # decode and verify steps replay CUDA graphs (single-device CUDA targets)
         self._graphs = None  # the GraphedForward, made on first use
         self._kept_cache = None  # (options, cache): reused across requests so captured graphs stay valid
-        self.speculation = SpeculationHistory()  # step times and policy state the adaptive budget hands on
+        # step times and policy state the adaptive budget hands on, per mode and budget: a chain step and a tree
+        # step of one budget cost and accept differently
+        self._speculation: dict[tuple[str, int], SpeculationHistory] = {}
         self.prefill_progress = prefill_progress  # a progress bar (stderr) for prompts of PROGRESS_MIN_TOKENS and more
+
+    def speculation(self, config: GenerationConfig) -> SpeculationHistory:
+        """What earlier requests of `config`'s mode and budget learnt (engine/adaptive.py)."""
+        return self._speculation.setdefault((config.mode, config.budget), SpeculationHistory())
 
     @property
     def tokenizer(self) -> Tokenizer:
