@@ -32,6 +32,7 @@ from gguf import GGMLQuantizationType as QType  # noqa: E402
 from flashtree.bench.kernels import rotation, time_graph  # noqa: E402
 from flashtree.bench.steps import read_bandwidth  # noqa: E402
 from flashtree.kernels.quant_matmul import mma, quant_matmul_reference, random_quant_weight  # noqa: E402
+from flashtree import nvrtc  # noqa: E402
 
 SHAPES = {"gate/up 17408x5120": (17408, 5120), "down 5120x17408": (5120, 17408), "lm_head 248320x5120": (248320, 5120),
           "q+gate 12288x5120": (12288, 5120), "kv 1024x5120": (1024, 5120)}
@@ -74,25 +75,25 @@ def _compile(job: tuple[str, str, str]) -> tuple[str, bytes | str]:
 
 
 def _load(cubin: bytes, name: str, smem: int):
-    driver, _ = mma._cuda()
-    context = mma._check(driver.cuDevicePrimaryCtxRetain(mma._check(driver.cuDeviceGet(0), "cuDeviceGet")), "retain")
-    mma._check(driver.cuCtxSetCurrent(context), "cuCtxSetCurrent")
-    module = mma._check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
-    fn = mma._check(driver.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction")
+    driver, _ = nvrtc.bindings()
+    context = nvrtc.check(driver.cuDevicePrimaryCtxRetain(nvrtc.check(driver.cuDeviceGet(0), "cuDeviceGet")), "retain")
+    nvrtc.check(driver.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+    module = nvrtc.check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
+    fn = nvrtc.check(driver.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction")
     if smem > 48 * 1024:
         attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        mma._check(driver.cuFuncSetAttribute(fn, attr, smem), "cuFuncSetAttribute")
+        nvrtc.check(driver.cuFuncSetAttribute(fn, attr, smem), "cuFuncSetAttribute")
     return fn
 
 
 def _launch(fn, grid, threads, smem, args):
     import ctypes
 
-    driver, _ = mma._cuda()
+    driver, _ = nvrtc.bindings()
     stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
     values = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
     types = tuple(ctypes.c_void_p if isinstance(a, torch.Tensor) else ctypes.c_int for a in args)
-    mma._check(driver.cuLaunchKernel(fn, grid[0], grid[1], 1, threads, 1, 1, smem, stream, (values, types), 0),
+    nvrtc.check(driver.cuLaunchKernel(fn, grid[0], grid[1], 1, threads, 1, 1, smem, stream, (values, types), 0),
                "cuLaunchKernel")
 
 

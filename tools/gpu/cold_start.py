@@ -20,13 +20,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
-import torch  # noqa: E402
-
-from flashtree.engine.config import GenerationConfig  # noqa: E402
-from flashtree.engine.loader import EngineArgs, engine_from_target, random_target  # noqa: E402
-
 
 def main() -> int:
+    # imported here, as the `flashtree` command defers them: the load-time compile's spawned processes import
+    # this file again, and must start without torch
+    import torch
+
+    from flashtree.engine.config import GenerationConfig
+    from flashtree.engine.loader import EngineArgs, engine_from_target, random_target
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--shape", default="qwen3.6-27b", help="a random-weight shape (tiny: a CPU smoke check)")

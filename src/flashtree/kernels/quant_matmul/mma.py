@@ -34,6 +34,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
 
 from flashtree.errors import FlashtreeError
+from flashtree.nvrtc import bindings, check, compile_cubin, compile_to, store
 
 TILE_ROWS = 16
 SUPER = 256
@@ -459,15 +460,6 @@ def _program(device: torch.device) -> _Program:
     return _Program(device)
 
 
-def _cuda():
-    """cuda-python's driver and NVRTC bindings (optional: only GPU runs need them)."""
-    try:
-        from cuda.bindings import driver, nvrtc
-    except ImportError as e:  # pragma: no cover - depends on the installation
-        raise FlashtreeError("the tensor-core quantized kernels need cuda-python: pip install 'cuda-bindings'") from e
-    return driver, nvrtc
-
-
 @functools.cache
 def available() -> bool:
     """cuda-python importable and NVRTC loadable (then Q4_K/Q6_K weights on CUDA use this module's
@@ -475,40 +467,15 @@ def available() -> bool:
     if os.environ.get("FLASHTREE_MMA", "1") == "0":
         return False
     try:
-        _, nvrtc = _cuda()
-        _check(nvrtc.nvrtcVersion(), "nvrtcVersion")
+        _, nvrtc = bindings()
+        check(nvrtc.nvrtcVersion(), "nvrtcVersion")
     except Exception:  # noqa: BLE001 - no cuda-python, or it cannot find libnvrtc: the Triton kernels serve
         return False
     return True
 
 
-def _check(result, what: str):
-    err, *rest = result if isinstance(result, tuple) else (result,)
-    if int(err) != 0:
-        raise FlashtreeError(f"{what} failed: {err}")
-    return rest[0] if len(rest) == 1 else rest
-
-
 def cache_dir() -> Path:
     return Path(os.environ.get("FLASHTREE_CACHE", Path.home() / ".cache" / "flashtree")) / "mma"
-
-
-def compile_cubin(source: str, arch: str) -> bytes:
-    """NVRTC: CUDA C source -> cubin for `arch` (e.g. "sm_90"); no GPU needed."""
-    _, nvrtc = _cuda()
-    prog = _check(nvrtc.nvrtcCreateProgram(source.encode(), b"mma.cu", 0, [], []), "nvrtcCreateProgram")
-    opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17"]
-    err = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0]
-    if int(err) != 0:
-        size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-        log = b" " * size
-        nvrtc.nvrtcGetProgramLog(prog, log)
-        raise FlashtreeError(f"NVRTC could not compile the quantized kernels:\n{log.decode(errors='replace')}")
-    size = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-    cubin = b" " * size
-    _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
-    nvrtc.nvrtcDestroyProgram(prog)
-    return cubin
 
 
 def arch_of(device: torch.device) -> str:
@@ -521,15 +488,8 @@ def _cubin_path(name: str, source: str, arch: str) -> Path:
     return cache_dir() / f"{name}-{key}.cubin"
 
 
-def _store(path: Path, cubin: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # concurrent compilers each rename a whole file
-    tmp.write_bytes(cubin)
-    tmp.replace(path)
-
-
 def _load_function(device: torch.device, name: str, wrapper: str):
-    driver, _ = _cuda()
+    driver, _ = bindings()
     source = _SOURCE.read_text() + wrapper
     arch = arch_of(device)
     path = _cubin_path(name, source, arch)
@@ -537,15 +497,15 @@ def _load_function(device: torch.device, name: str, wrapper: str):
         cubin = path.read_bytes()
     else:
         cubin = compile_cubin(source, arch)
-        _store(path, cubin)
+        store(path, cubin)
     with torch.cuda.device(device):
-        _check(driver.cuInit(0), "cuInit")
+        check(driver.cuInit(0), "cuInit")
         # torch allocates in the device's primary context: load the module there
-        context = _check(driver.cuDevicePrimaryCtxRetain(_check(driver.cuDeviceGet(device.index or 0), "cuDeviceGet")),
+        context = check(driver.cuDevicePrimaryCtxRetain(check(driver.cuDeviceGet(device.index or 0), "cuDeviceGet")),
                          "cuDevicePrimaryCtxRetain")
-        _check(driver.cuCtxSetCurrent(context), "cuCtxSetCurrent")
-        module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
-        return _check(driver.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction")
+        check(driver.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+        module = check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
+        return check(driver.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction")
 
 
 @functools.cache
@@ -556,7 +516,7 @@ def _tickets(device: torch.device, stream: int) -> torch.Tensor:
 
 
 def _launch(fn, grid: tuple[int, int], threads: int, args: list, device: torch.device) -> None:
-    driver, _ = _cuda()
+    driver, _ = bindings()
     stream = driver.CUstream(torch.cuda.current_stream(device).cuda_stream)
     values, types = [], []
     for a in args:
@@ -567,7 +527,7 @@ def _launch(fn, grid: tuple[int, int], threads: int, args: list, device: torch.d
             values.append(a)
             types.append(ctypes.c_int)
     with torch.cuda.device(device):
-        _check(driver.cuLaunchKernel(fn, grid[0], grid[1], 1, threads, 1, 1, 0, stream,
+        check(driver.cuLaunchKernel(fn, grid[0], grid[1], 1, threads, 1, 1, 0, stream,
                                      (tuple(values), tuple(types)), 0), "cuLaunchKernel")
 
 
@@ -684,15 +644,6 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _compile_to_cache(job: tuple[str, str, str]) -> str:
-    name, wrapper, arch = job
-    source = _SOURCE.read_text() + wrapper
-    path = _cubin_path(name, source, arch)
-    if not path.exists():
-        _store(path, compile_cubin(source, arch))
-    return name
-
-
 def instances_for(shapes, sms: int) -> list[tuple[str, str]]:
     """(name, wrapper) of every launch fragment-ordered weights of these (qtype, n, k) shapes can take: one
     row (decode), each count of 8-token groups (verify, short chunks; `choose_config` depends on the
@@ -720,13 +671,16 @@ def uncompiled(jobs: list[tuple[str, str]], arch: str) -> list[tuple[str, str]]:
 def precompile(jobs: list[tuple[str, str]], arch: str, workers: int | None = None, progress=None) -> None:
     """Compile instances into the on-disk cache in parallel processes (NVRTC needs no GPU); `progress`
     is called with each finished name."""
-    todo = [(name, wrapper, arch) for name, wrapper in uncompiled(jobs, arch)]
+    base = _SOURCE.read_text()
+    todo = [(name, base + wrapper, arch, _cubin_path(name, base + wrapper, arch))
+            for name, wrapper in uncompiled(jobs, arch)]
     if not todo:
         return
     workers = workers or max(1, min(len(todo), os.cpu_count() or 1))
     context = multiprocessing.get_context("spawn")  # the parent may hold a CUDA context
     with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-        for name in pool.map(_compile_to_cache, todo):
+        # the workers import flashtree.nvrtc only (no torch): each starts in a fraction of a second
+        for name in pool.map(compile_to, todo):
             if progress:
                 progress(name)
 
