@@ -51,7 +51,7 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
     sweep-attention) timeout "${LIMIT_SWEEP_ATTN:-150}" python3 benchmarks/sweep_tree_attention.py --budget-s "${BUDGET_SWEEP_ATTN:-120}" \
                --out "$OUT/sweep_attention.json" > "$OUT/sweep_attention.txt" 2>&1
                echo "== sweep-attention (rc $?)"; tail -10 "$OUT/sweep_attention.txt" ;;
-    # the FAST GPU subset (~3 min): run it first after any change to code the GPU runs
+    # the FAST GPU subset: run it first after any change to code the GPU runs
     fast-tests) LOG="$OUT/gpu_tests.log" FAST=1 timeout "${LIMIT_TESTS:-270}" bash tools/gpu/gpu_tests.sh tests ;;
     steps-1k) bench steps-1k 200 --steps -n 128 --repeat 10 --context 1024 --prefill-chunk 2048 \
                   --prefill-lengths 1024,13000 ;;
@@ -61,6 +61,12 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
     # the demo pair on HumanEval (speculative against AR) and the GPU fidelity rows beside transformers
     demo) timeout 170 python3 -m flashtree.cli.main bench --device cuda --dataset humaneval --prompts 20 -n 256 \
               --out "$OUT/demo.json" > "$OUT/demo.txt" 2>&1; echo "== demo (rc $?)"; tail -12 "$OUT/demo.txt" ;;
+    demo-no-adaptive) timeout 170 python3 -m flashtree.cli.main bench --device cuda --dataset humaneval --prompts 20 -n 256 \
+              --no-adaptive --out "$OUT/demo_no_adaptive.json" > "$OUT/demo_no_adaptive.txt" 2>&1
+              echo "== demo, adaptive off (rc $?)"; tail -8 "$OUT/demo_no_adaptive.txt" ;;
+    # the whole GPU suite in 4 workers (231 s on 2026-12-01, fourth session)
+    gpu-suite) LOG="$OUT/gpu_tests.log" timeout "${LIMIT_TESTS:-330}" bash tools/gpu/gpu_tests.sh tests
+               grep -A16 "slowest" "$OUT/gpu_tests.log" | head -16 ;;
     fidelity) timeout 120 python3 -m flashtree.cli.main bench --fidelity --device cuda --dtypes float32,bfloat16 \
                   --prompts 4 --peers --out "$OUT/fidelity.json" > "$OUT/fidelity.txt" 2>&1
               echo "== fidelity (rc $?)"; tail -8 "$OUT/fidelity.txt" ;;

@@ -20,8 +20,12 @@ for pair in openai:tests/serve/test_live.py openai:tests/serve/test_responses.py
         echo "not collected (no ${pair%%:*} here): ${pair#*:}"
     fi
 done
+# WORKERS processes share the GPU (pytest-xdist, where installed): the suite is mostly Triton and NVRTC compiles
+# and small launches, so 4 workers ran the whole of it in 231 s on an H200 (2026-12-01); WORKERS=0: one process
+workers=()
+if [ "${WORKERS:-4}" != 0 ] && python3 -c "import xdist" 2>/dev/null; then workers=(-n "${WORKERS:-4}"); fi
 python3 -m pytest -o addopts="" -p no:cacheprovider -p no:warnings -m "$marker" --timeout "${TEST_TIMEOUT:-120}" \
-    -v -rfE --tb=short --durations=15 "${ignore[@]}" ${@:-tests} > "$log" 2>&1
+    -v -rfE --tb=short --durations=15 "${workers[@]}" "${ignore[@]}" ${@:-tests} > "$log" 2>&1
 status=$?
 grep -E "^(FAILED|ERROR) " "$log"
 tail -n 1 "$log"
