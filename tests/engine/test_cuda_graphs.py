@@ -157,6 +157,29 @@ def test_the_draft_passes_replay_graphs_on_an_unindexed_gpu(device):
     assert any(key[0] == "commit" and key[3] is not None for key in demo.runner.graph_runner().steps.entries)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_chain_then_ddtree_on_one_engines_graphs_equal_ar():
+    """Chain and ddtree requests of one budget share the verify and commit graphs. A commit graph captured
+    after a chain (16 nodes) once kept the bounds of that verify's 16 feature rows, and the next tree's
+    accepted nodes past them hit an index assert (the demo pair, 2026-12-01): here both modes, one after
+    the other on one engine in float32, give the AR tokens."""
+    from flashtree.engine.config import EngineArgs
+    from flashtree.engine.loader import DEMO_DRAFT, DEMO_TARGET, engine_from_target
+
+    demo = engine_from_target(load_target(DEMO_TARGET, device="cuda", dtype=torch.float32),
+                              EngineArgs(draft=str(DEMO_DRAFT)))
+    prompts_ = [demo.encode_prompt(text) for text in ("def fib(n):", "def is_prime(n):")]
+    for mode in ("ar", "chain", "ddtree"):
+        config = GenerationConfig(max_new_tokens=96, mode=mode, ignore_eos=True, adaptive=False)
+        outputs = [demo.generate(prompt, config) for prompt in prompts_]
+        if mode == "ar":
+            expected = [result.token_ids for result in outputs]
+        else:
+            assert [result.token_ids for result in outputs] == expected, mode
+            assert max(max(result.stats.accepted) for result in outputs) > 8  # long paths: nodes past a chain's
+
+
 def test_short_prefill_chunks_replay_power_of_two_runs(target, monkeypatch):
     """A prefill chunk of at most GRAPHED_CHUNK tokens runs as captured runs of 16, 4, 2 and 1 tokens (23 =
     16 + 4 + 2 + 1), not one eager forward; the output stays the eager engine's."""

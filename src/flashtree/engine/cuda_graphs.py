@@ -109,6 +109,10 @@ class GraphedForward:
         self.steps = CapturedSteps(model.device, capture_graphs)
         self.cache = None
         self.verify_key = None  # the shape of the last verify: the commit graph reads its outputs
+        # and its features, all of the padded tree's rows: a commit graph captures this tensor, and must not
+        # keep the bounds of one request's slice of it (a chain of 16 nodes, then a tree of 23 on the same
+        # graphs: index out of bounds, 2026-12-01)
+        self.verify_features = None
         self.proposer = None  # the draft proposer kept across requests (engine/decode.py)
 
     def forward(self, tokens: torch.Tensor, cache, tree=None, capture=(), pad_to: int | None = None) -> ForwardOutput:
@@ -129,17 +133,17 @@ class GraphedForward:
                                              lambda host: self._fill(host, tokens, start, tree, size),
                                              lambda packed: self._run(key, packed, cache), idempotent=tree is not None)
         if tree is not None:
-            self.verify_key = key
+            self.verify_key, self.verify_features = key, result.features
         cache.pending.clear()
         cache.pending.update(pending)
         if tree is None:
             cache.length += n
         return ForwardOutput(result.logits[:n], None if result.features is None else result.features[:n])
 
-    def commit(self, cache, path: list[int], proposer, features: torch.Tensor) -> None:
+    def commit(self, cache, path: list[int], proposer) -> None:
         """`Qwen35Model.commit` of the last verify's accepted `path`, plus the proposer's commit of
         their features, as one graph per (path length, verify shape)."""
-        n, start = len(path), cache.length
+        n, start, features = len(path), cache.length, self.verify_features
         static_draft = getattr(proposer, "steps", None) is not None
         key = ("commit", n, self.verify_key, id(proposer) if static_draft else None)
 

@@ -164,7 +164,7 @@ class ModelRunner:
         so both devices work while the target commits."""
         runner = self.graph_runner()
         if runner is not None:
-            return runner.commit(cache, accepted, proposer, features)
+            return runner.commit(cache, accepted, proposer)  # the features: the verify graph's own buffer
         model = self.target.model
         path = torch.tensor(accepted, device=model.device)
         positions = torch.arange(cache.length, cache.length + len(accepted), device=model.device)
