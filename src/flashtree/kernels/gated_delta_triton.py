@@ -9,23 +9,18 @@ program needs only S0[:, tile] (dk x BLOCK_V) and the whole of q/k for its head.
 - `recurrent_step`: T >= 1 tokens in sequence (decode: T = 1; commit of an accepted path: T <= ~17).
   The state tile lives in registers across the token loop and is written back in place, so one
   launch replaces the per-token torch ops and a captured CUDA graph keeps reading the same buffer.
-- `tree_verify`: outputs of every node of a draft tree (T <= 64), each node seeing the state reached along
-  its own root-to-node path; the state is only read. The tree comes as its inclusive ancestor matrix (the
-  engine's, built once per verify step and shared by every layer) or as parent pointers. It is the
-  `ancestor_chunk` (WY) form evaluated in one program:
-    1. the ancestor mask: one [T, T] load, or (parents only) chasing all parent pointers at once, one [T]
-       gather per tree level; then Gamma_i (sum of g over ancestors-or-self) and each node's depth as
-       masked row sums;
+- `tree_verify`: outputs of every node of a draft tree (T <= 64; parents[i] < i, -1 = attached to
+  the current state), each node seeing the state reached along its own root-to-node path; the
+  state is only read. It is the `ancestor_chunk` (WY) form evaluated in one program:
+    1. ancestor mask and Gamma_i (sum of g over ancestors-or-self) by chasing parent pointers,
+       all nodes at once (tree-depth iterations, each a [T] gather from `parents` / `g`);
     2. K S0 (T x BLOCK_V) and K K^T (T x T) with tl.dot over dk chunks;
     3. A = strict-ancestor-masked beta_i exp(Gamma_i - Gamma_j) k_i.k_j, right-hand side
-       beta (V - exp(Gamma) K S0), and (I + A) U = rhs, A strictly lower triangular (parents come before
-       children) and linking a node only to shallower ones: by depth rounds (one tl.dot per tree level) up to
-       `max_rounds` levels, deeper trees by inverting (I + A) over bands of depths that double each step
-       (2 ceil(log2(depth + 1)) - 1 tl.dots);
+       beta (V - exp(Gamma) K S0), and (I + A) U = rhs by forward substitution over the rows
+       (parents come before children, so A is strictly lower triangular);
     4. Q S0 and Q K^T (a second pass over dk: fewer live registers during the solve), then
        O = exp(Gamma) Q S0 + (ancestor-masked exp(Gamma_i - Gamma_j) q_i.k_j) U with one tl.dot.
-  No per-node state is ever materialised (U is T x BLOCK_V), so nothing but q/k/v/g/beta/S0 and the tree
-  is read.
+  No per-node state is ever materialised (U is T x BLOCK_V), so nothing but q/k/v/g/beta/S0 is read.
 
 Without CUDA (and without TRITON_INTERPRET=1) both functions fall back to their torch references,
 which have the same signatures and in-place semantics.
@@ -46,9 +41,6 @@ except ImportError:  # pragma: no cover - triton is a dependency where kernels r
     triton = None
 
 MAX_TREE_NODES = 64
-# tree_verify's deepest tree solved by rounds (D products for depth D): the bands take 2 ceil(log2(D + 1)) - 1,
-# fewer from depth 6 on
-MAX_ROUNDS = 5
 _H200_SMS = 132
 
 
@@ -76,21 +68,19 @@ def recurrent_step_reference(q, k, v, g, beta, state):
     return o
 
 
-def tree_verify_reference(q, k, v, g, beta, state, parents=None, ancestors=None):
-    """`gated_delta.ancestor_chunk` with the ancestor mask `ancestors` or, given only `parents`, the one
-    built from them; state untouched."""
-    _check(q, k, v, g, beta, state)
-    _check_tree(q.shape[0], parents, ancestors)
+def tree_verify_reference(q, k, v, g, beta, state, parents):
+    """`gated_delta.ancestor_chunk` with the ancestor mask built from `parents`; state untouched."""
+    _check(q, k, v, g, beta, state, parents)
     h = v.shape[1]
-    mask = ancestors if ancestors is not None else ancestors_from_parents(parents)
-    o, _, _ = gated_delta.ancestor_chunk(_expand_heads(q, h), _expand_heads(k, h), v, g, beta, state, mask)
+    o, _, _ = gated_delta.ancestor_chunk(_expand_heads(q, h), _expand_heads(k, h), v, g, beta, state,
+                                         ancestors_from_parents(parents))
     return o
 
 
 # ---------------------------------------------------------------------------------------------
 # checks and dispatch
 
-def _check(q, k, v, g, beta, state) -> None:
+def _check(q, k, v, g, beta, state, parents=None) -> None:
     if q.dim() != 3 or k.shape != q.shape or v.dim() != 3:
         raise FlashtreeError(f"q, k must be [T, Hk, dk] and v [T, H, dv]; got q {tuple(q.shape)}, "
                              f"k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -104,18 +94,11 @@ def _check(q, k, v, g, beta, state) -> None:
     if state.shape != (h, dk, dv) or state.dtype != torch.float32:
         raise FlashtreeError(f"state must be float32 [H, dk, dv] = [{h}, {dk}, {dv}]; "
                              f"got {state.dtype} {tuple(state.shape)}")
-
-
-def _check_tree(t: int, parents, ancestors) -> None:
-    if (parents is None) == (ancestors is None):
-        raise FlashtreeError("tree_verify takes the tree as parents or as ancestors, one of the two")
-    if t > MAX_TREE_NODES:
-        raise FlashtreeError(f"tree_verify handles at most {MAX_TREE_NODES} nodes, got {t}")
-    if parents is not None and (parents.shape != (t,) or parents.dtype not in (torch.int64, torch.int32)):
-        raise FlashtreeError(f"parents must be int64 [T] = [{t}]; got {parents.dtype} {tuple(parents.shape)}")
-    if ancestors is not None and (ancestors.shape != (t, t) or ancestors.dtype != torch.bool):
-        raise FlashtreeError(f"ancestors must be bool [T, T] = [{t}, {t}]; got {ancestors.dtype} "
-                             f"{tuple(ancestors.shape)}")
+    if parents is not None:
+        if parents.shape != (t,) or parents.dtype not in (torch.int64, torch.int32):
+            raise FlashtreeError(f"parents must be int64 [T] = [{t}]; got {parents.dtype} {tuple(parents.shape)}")
+        if t > MAX_TREE_NODES:
+            raise FlashtreeError(f"tree_verify handles at most {MAX_TREE_NODES} nodes, got {t}")
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -167,45 +150,35 @@ def recurrent_step(q, k, v, g, beta, state, block_v: int | None = None, num_warp
     return out
 
 
-def tree_verify(q, k, v, g, beta, state, parents=None, ancestors=None, *, block_v: int = 32, block_k: int = 16,
-                num_warps: int | None = None, precision: str = "tf32x3", max_rounds: int = MAX_ROUNDS) -> torch.Tensor:
+def tree_verify(q, k, v, g, beta, state, parents, block_v: int = 32, block_k: int = 16,
+                num_warps: int | None = None, precision: str = "tf32x3") -> torch.Tensor:
     """Outputs [T, H, dv] (float32) of every node of a draft tree of T <= 64 nodes, node i seeing the
-    state reached along its root-to-node path. The tree, one of:
-    - ancestors bool [T, T]: the inclusive ancestor matrix (`gated_delta.ancestor_matrix`; a verify step's
-      `Step.visible`), read with one load. It must be one (lower triangular, transitively closed); not
-      checked on the device.
-    - parents int64 [T]: parents[i] < i, -1 = child of the current state, chased on the device one tree
-      level at a time (values are not checked there: a parent >= i is treated as -1).
+    state reached along its root-to-node path. parents int64 [T]: parents[i] < i, -1 = child of the
+    current state (values are not checked on the device: a parent >= i is treated as -1).
     `state` is only read. `precision`: tl.dot input precision ("tf32x3", tensor cores at about float32
-    accuracy, or "ieee", float32 FMA). `max_rounds`: the deepest tree solved by one product per level, a
-    deeper one by bands of depths (`MAX_ROUNDS`: whichever takes fewer products). The launch defaults come
-    from a sweep at the 27B shape (benchmarks/sweep_deltanet_tree.py, H200 2026-12-01): 32 columns and
-    tf32x3 were each the faster choice (a 23-node tree 52 -> 35 and 28 us, the same error); the two
-    together are not yet timed."""
-    _check(q, k, v, g, beta, state)
-    _check_tree(q.shape[0], parents, ancestors)
+    accuracy, or "ieee", float32 FMA). The defaults come from a sweep at the 27B shape
+    (benchmarks/sweep_deltanet_tree.py, H200 2026-12-01): 32 columns and tf32x3 were each the faster choice
+    (a 23-node tree 52 -> 35 and 28 us, the same error); the two together are not yet timed."""
+    _check(q, k, v, g, beta, state, parents)
     if triton is None or not triton_runs_on(state.device):
-        return tree_verify_reference(q, k, v, g, beta, state, parents, ancestors)
+        return tree_verify_reference(q, k, v, g, beta, state, parents)
     q, k, v, out = _prepared(q, k, v)
     t, hk, dk = q.shape
     _, h, dv = v.shape
     if t == 0:
         return out
-    # bytes, not bool: a uint8 view of the mask loads the same on every Triton backend
-    tree = parents.contiguous() if ancestors is None else ancestors.contiguous().view(torch.uint8)
+    parents = parents.contiguous()
     block_t = max(16, triton.next_power_of_2(t))
     block_v, block_k = min(block_v, dv), min(block_k, dk)
     if dv % block_v or dk % block_k:
         raise FlashtreeError(f"block_v = {block_v} must divide dv = {dv} and block_k = {block_k} dk = {dk}")
     if num_warps is None:
-        # sm_90 ptxas (Triton 3.9, dk = 128, 32 columns): T <= 32 at 4 warps without spills; T <= 64 at 8
-        # warps spills ~400 bytes (tf32x3; ~1.4 KB ieee) once the bands' T x T tiles join (rounds alone: none,
-        # ~400 bytes ieee); 16 warps cap registers at 128 and spill more
+        # sm_90 ptxas, dk = 128: T <= 32 at 4 warps, T <= 64 at 8 warps without spills
         num_warps = 8 if block_t >= 64 else 4
-    _tree_kernel[(h, dv // block_v)](q, k, v, g, beta, state, tree, out, t, hk, max_rounds,
+    _tree_kernel[(h, dv // block_v)](q, k, v, g, beta, state, parents, out, t, hk,
                                      *_strides(q, k, v, g, beta, state, out),
                                      DK=dk, BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_K=block_k, PRECISION=precision,
-                                     FROM_MASK=ancestors is not None, num_warps=num_warps)
+                                     num_warps=num_warps)
     return out
 
 
@@ -261,11 +234,11 @@ if triton is not None:
         tl.store(s_ptrs, s)
 
     @triton.jit
-    def _tree_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, tree_ptr, o_ptr, T, HK, max_rounds,
+    def _tree_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, p_ptr, o_ptr, T, HK,
                      sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, sb_t, sb_h,
                      ss_h, ss_k, ss_v, so_t, so_h,
                      DK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PRECISION: tl.constexpr, FROM_MASK: tl.constexpr):
+                     PRECISION: tl.constexpr):
         h = tl.program_id(0)
         hq = h % HK
         cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -273,14 +246,21 @@ if triton is not None:
         nodes = tl.arange(0, BLOCK_T)  # node index j (the other axis of T x T tiles)
         live = rows < T
 
-        # 1. ancestor mask (inclusive), then Gamma and each node's depth (roots at 0) as masked row sums
-        if FROM_MASK:
-            anc = _load_ancestors(tree_ptr, rows, nodes, T)
-        else:
-            anc = _chase_parents(tree_ptr, rows, nodes, T)
+        # 1. ancestor mask (inclusive) and Gamma by chasing all parent pointers at once
+        parent = tl.load(p_ptr + rows, mask=live, other=-1).to(tl.int32)
+        parent = tl.where(parent < rows, parent, -1)  # guards the loop against invalid input
         g = tl.load(g_ptr + rows * sg_t + h * sg_h, mask=live, other=0.0).to(tl.float32)
-        gamma = tl.sum(tl.where(anc, g[None, :], 0.0), axis=1)
-        level = tl.sum(anc.to(tl.int32), axis=1) - 1
+        anc = rows[:, None] == nodes[None, :]
+        gamma = g
+        cur = parent
+        depth = 0  # of the deepest node (roots at 0): the rounds step 3 needs
+        while tl.max(cur, axis=0) >= 0:
+            has = cur >= 0
+            anc = anc | (nodes[None, :] == cur[:, None])
+            gamma += tl.load(g_ptr + cur * sg_t + h * sg_h, mask=has, other=0.0).to(tl.float32)
+            nxt = tl.load(p_ptr + cur, mask=has, other=-1).to(tl.int32)
+            cur = tl.where(has & (nxt < cur), nxt, -1)
+            depth += 1
 
         # 2. K S0 [BLOCK_T, BLOCK_V] and K K^T [BLOCK_T, BLOCK_T] over dk chunks
         ks = tl.zeros((BLOCK_T, BLOCK_V), dtype=tl.float32)
@@ -298,13 +278,14 @@ if triton is not None:
         v = tl.load(v_ptr + rows[:, None] * sv_t + h * sv_h + cols[None, :], mask=live[:, None],
                     other=0.0).to(tl.float32)
         decay = tl.where(anc, tl.exp(tl.where(anc, gamma[:, None] - gamma[None, :], 0.0)), 0.0)
+        # A links a node only to its ancestors, so the substitution runs by depth, not node by node: round r
+        # (u = b - A u, one tensor-core product) makes every node of depth r final, from its ancestors' final
+        # rows (the same sum as row-by-row substitution); a tree of depth D takes D rounds, not T - 1
         a = tl.where(rows[:, None] != nodes[None, :], beta[:, None] * decay * kk, 0.0)
         b = beta[:, None] * (v - tl.exp(gamma)[:, None] * ks)
-        depth = tl.max(level, axis=0)
-        if depth <= max_rounds:
-            u = _solve_by_rounds(a, b, depth, PRECISION)
-        else:
-            u = _solve_by_bands(a, b, level, depth, rows[:, None] == nodes[None, :], PRECISION)
+        u = b
+        for _ in range(depth):
+            u = b - tl.dot(a, u, input_precision=PRECISION)
 
         # 4. O = exp(Gamma) Q S0 + (decay * Q K^T) U, Q S0 and Q K^T over dk chunks (k, S0 again: cached)
         qs = tl.zeros((BLOCK_T, BLOCK_V), dtype=tl.float32)
@@ -321,60 +302,3 @@ if triton is not None:
         o = tl.exp(gamma)[:, None] * qs
         o = tl.dot(decay * qk, u, o, input_precision=PRECISION)
         tl.store(o_ptr + rows[:, None] * so_t + h * so_h + cols[None, :], o, mask=live[:, None])
-
-    @triton.jit
-    def _load_ancestors(m_ptr, rows, nodes, T):
-        """The caller's inclusive ancestor mask (bytes, row-major [T, T]) as a [BLOCK_T, BLOCK_T] tile."""
-        inside = (rows[:, None] < T) & (nodes[None, :] < T)
-        return tl.load(m_ptr + rows[:, None] * T + nodes[None, :], mask=inside, other=0) != 0
-
-    @triton.jit
-    def _chase_parents(p_ptr, rows, nodes, T):
-        """The inclusive ancestor mask from parent pointers, all nodes at once: one dependent [T] gather per
-        tree level."""
-        parent = tl.load(p_ptr + rows, mask=rows < T, other=-1).to(tl.int32)
-        cur = tl.where(parent < rows, parent, -1)  # guards the loop against invalid input
-        anc = rows[:, None] == nodes[None, :]
-        while tl.max(cur, axis=0) >= 0:
-            has = cur >= 0
-            anc = anc | (nodes[None, :] == cur[:, None])
-            nxt = tl.load(p_ptr + cur, mask=has, other=-1).to(tl.int32)
-            cur = tl.where(has & (nxt < cur), nxt, -1)
-        return anc
-
-    @triton.jit
-    def _solve_by_rounds(a, b, depth, PRECISION: tl.constexpr):
-        """(I + A) u = b by depth: A links a node only to its ancestors, so round r (u = b - A u, one
-        tensor-core product) makes every node of depth r final from its ancestors' final rows (the same sum
-        as row-by-row substitution); a tree of depth D takes D rounds, not T - 1."""
-        u = b
-        for _ in range(depth):
-            u = b - tl.dot(a, u, input_precision=PRECISION)
-        return u
-
-    @triton.jit
-    def _solve_by_bands(a, b, level, depth, diagonal, PRECISION: tl.constexpr):
-        """(I + A) u = b by block inversion over bands of depths. x inverts I + A within each band of depths
-        [m 2^s, (m + 1) 2^s) (and is 0 across bands); two neighbouring bands merge as a 2 x 2 block lower
-        triangular matrix [[L11, 0], [L21, L22]], whose inverse is [[X11, 0], [-X22 L21 X11, X22]]:
-        x - x C x, C holding the links L21 between the halves. Nodes of one depth never link, so bands of 2
-        come free; a tree of depth D takes 2 ceil(log2(D + 1)) - 1 products, the last merge applied to b
-        directly. `diagonal`: the [BLOCK_T, BLOCK_T] identity mask. Products of true inverses stay bounded:
-        the Neumann product (I - A)(I + A^2)(I + A^4)... forms powers of A, whose entries grow like binomial
-        coefficients when keys align and beta ~ 1 (in float32, a relative error of 1e2 on a 64-node chain)."""
-        x = tl.where(diagonal, 1.0, 0.0) - _band_links(a, level, 0)
-        shift = 1
-        while (2 << shift) <= depth:  # until one more merge covers depths 0..D
-            xc = tl.dot(x, _band_links(a, level, shift), input_precision=PRECISION)
-            x = x - tl.dot(xc, x, input_precision=PRECISION)
-            shift += 1
-        y = tl.dot(x, b, input_precision=PRECISION)
-        return y - tl.dot(x, tl.dot(_band_links(a, level, shift), y, input_precision=PRECISION),
-                          input_precision=PRECISION)
-
-    @triton.jit
-    def _band_links(a, level, shift):
-        """A's links from the upper to the lower half of each band of 2^(shift + 1) depths (an ancestor is
-        always the shallower node, so these are all the links between the two halves)."""
-        wide = (level[:, None] >> (shift + 1)) == (level[None, :] >> (shift + 1))
-        return tl.where(wide & ((level[:, None] >> shift) != (level[None, :] >> shift)), a, 0.0)

@@ -69,9 +69,7 @@ class GatedDeltaNet:
                 # a float32 model keeps float32 FMA dots (no TF32 anywhere unless asked); tf32x3 is as
                 # accurate in practice (2026-12-01 sweep: 4e-7 against 2e-7) and about 1.5x faster
                 precision = "ieee" if x.dtype == torch.float32 else "tf32x3"
-                # the step's ancestor mask, built once per verify: no layer chases parent pointers
-                o = gated_delta_triton.tree_verify(q, k, v, g, beta, state.ssm, ancestors=step.visible,
-                                                   precision=precision)
+                o = gated_delta_triton.tree_verify(q, k, v, g, beta, state.ssm, step.parents, precision=precision)
             else:
                 o, _, _ = gated_delta.ancestor_chunk(q, k, v, g, beta, state.ssm, step.visible)
             scratch = TreeScratch(conv_inputs, q, k, v, g, beta)
