@@ -113,6 +113,17 @@ def test_an_engines_requests_share_the_times_and_start_where_the_last_ended():
     assert nxt[:due] == [0] * due and nxt[due] == 22
 
 
+def test_steps_that_captured_a_graph_are_not_timed():
+    """A step in which a CUDA graph was captured (its first shape, or a commit's new path length) costs many
+    steps: its time would make trees look slow. The interval it falls in is left out; the next is timed."""
+    policy = AdaptiveBudget(22, StepCost())
+    policy.record(5, now=0.0, captures=3)
+    policy.record(5, now=1.0, captures=3)  # the first step of budget 22: a warm-up, never timed
+    policy.record(5, now=101.0, captures=4)  # a capture in this interval: not timed
+    policy.record(5, now=102.0, captures=4)
+    assert policy.times[22] == [1.0]
+
+
 def test_requests_shorter_than_the_backoff_still_probe():
     """The probe schedule runs across requests: at the longest backoff, requests of 32 steps each still
     reach a probe every MAX_BACKOFF steps (each starting from zero steps away, none would ever probe)."""

@@ -65,7 +65,7 @@ class FixedBudget:
     def __init__(self, budget: int):
         self.budget = budget
 
-    def record(self, committed: int, now: float | None = None) -> None:
+    def record(self, committed: int, now: float | None = None, captures: int = 0) -> None:
         pass
 
 
@@ -91,21 +91,25 @@ class AdaptiveBudget:
         self.calibrating = 0  # AR steps left to run for timing before going back to `resume`
         self.resume = budget
         self.last: float | None = None  # the clock at the previous record
+        self.last_captures = 0  # and the graphs captured by then
 
-    def record(self, committed: int, now: float | None = None) -> None:
+    def record(self, committed: int, now: float | None = None, captures: int = 0) -> None:
         """After a step at `self.budget`: the tokens it committed (an AR step: 1) and, where the loop times
         its steps, the clock (`time.perf_counter()`): a step's time runs from the previous record to this
-        one, so that it holds all of the step's work (its commit, output, and the device's queue)."""
-        self._record(committed, now)
+        one, so that it holds all of the step's work (its commit, output, and the device's queue).
+        `captures`: CUDA graphs captured so far (`CapturedSteps.captures`); a step in which one was
+        captured is not timed: a capture costs 10-100 steps, and a chain's commits capture one graph per
+        path length (the demo pair on an H200, 2026-12-01, timed such steps and left chain mode for AR)."""
+        self._record(committed, now, captures)
         if not self.calibrating:  # a calibration is the engine's business once, not the next request's start
             self.history.budget, self.history.backoff = self.budget, self.backoff
             self.history.steps_away = self.steps_away
 
-    def _record(self, committed: int, now: float | None) -> None:
+    def _record(self, committed: int, now: float | None, captures: int) -> None:
         if now is not None:
-            if self.last is not None:
+            if self.last is not None and captures == self.last_captures:
                 self._time(self.budget, now - self.last)
-            self.last = now
+            self.last, self.last_captures = now, captures
         if self.calibrating:
             self.calibrating -= 1
             if not self.calibrating:

@@ -51,6 +51,9 @@ class CapturedSteps:
     """Static functions of one packed int64 input, captured per key and replayed (CUDA), or run
     eagerly on the same static inputs (`capture_graphs` False: the CPU tests, or after a failed capture)."""
 
+    captures = 0  # keys met for the first time, in every instance (each a capture on CUDA): the adaptive
+    # budget leaves the steps they fell in untimed
+
     def __init__(self, device: torch.device, capture_graphs: bool | None = None):
         self.device = device
         self.capture_graphs = device.type == "cuda" if capture_graphs is None else capture_graphs
@@ -64,6 +67,7 @@ class CapturedSteps:
         buffers from its first call on, so later graphs may capture them as inputs."""
         entry = self.entries.get(key)
         if entry is None:
+            CapturedSteps.captures += 1
             host = torch.zeros(length, dtype=torch.long)
             entry = self.entries[key] = _Entry(torch.zeros(length, dtype=torch.long, device=self.device),
                                                host.pin_memory() if self.capture_graphs else host)

@@ -28,6 +28,7 @@ from flashtree.drafting.ddtree import DraftTree, build_chain, build_tree, follow
 from flashtree.drafting.proposer import DFlashProposer, Proposer
 from flashtree.engine.adaptive import AdaptiveBudget, FixedBudget, budget_policy, step_clock
 from flashtree.engine.config import GenerationConfig, GenerationStats
+from flashtree.engine.cuda_graphs import CapturedSteps
 from flashtree.engine.output import OutputTracker, TokenLogprob, logprobs_of
 from flashtree.engine.runner import ModelRunner
 
@@ -75,7 +76,7 @@ def speculative(engine: ModelRunner, prompt_ids: list[int], config: GenerationCo
             current = budget
         if budget == 0:
             bonus, bonus_logprob = ar_step(engine, cache, proposer, sampler, bonus, config, stats)
-            policy.record(1, clock() if clock else None)
+            policy.record(1, clock() if clock else None, CapturedSteps.captures)
             continue
         step = tree_step(engine, cache, proposer, sampler, bonus, budget, config, out, stats, policy, clock)
         if step is None:  # an end-of-generation or stop inside the accepted path
@@ -112,7 +113,7 @@ def tree_step(engine: ModelRunner, cache, proposer: Proposer, sampler, bonus: in
     stats.steps += 1
     stats.accepted[len(accepted)] += 1
     stats.proposed += len(tree) - 1
-    policy.record(len(accepted), clock() if clock else None)
+    policy.record(len(accepted), clock() if clock else None, CapturedSteps.captures)
     tokens = tree.tokens[accepted[1:]].tolist()
     # each accepted token, then the bonus, was chosen from its parent node's row: the path's rows in order
     rows = result.logits[accepted] if config.logprobs is not None else None  # no gather unless asked for
