@@ -160,10 +160,11 @@ def test_the_draft_passes_replay_graphs_on_an_unindexed_gpu(device):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_chain_then_ddtree_on_one_engines_graphs_equal_ar():
-    """Chain and ddtree requests of one budget share the verify and commit graphs. A commit graph captured
-    after a chain (16 nodes) once kept the bounds of that verify's 16 feature rows, and the next tree's
-    accepted nodes past them hit an index assert (the demo pair, 2026-12-01): here both modes, one after
-    the other on one engine in float32, give the AR tokens."""
+    """A commit graph once captured the verify's features as one request's slice of its real nodes and kept
+    that bound: after chain requests (16 nodes, then sharing ddtree's padded verify shape) the next tree's
+    accepted nodes past it hit an index assert (the demo pair, H200 2026-12-01). Trees smaller than their
+    padded shape meet the same graphs within one mode. Here both modes, one after the other on one engine
+    in float32, give the AR tokens."""
     from flashtree.engine.config import EngineArgs
     from flashtree.engine.loader import DEMO_DRAFT, DEMO_TARGET, engine_from_target
 
@@ -178,6 +179,21 @@ def test_chain_then_ddtree_on_one_engines_graphs_equal_ar():
         else:
             assert [result.token_ids for result in outputs] == expected, mode
             assert max(max(result.stats.accepted) for result in outputs) > 8  # long paths: nodes past a chain's
+
+
+def test_a_chain_verifies_one_draft_block_not_the_budget(target):
+    """A chain is at most one draft block long: at budget 22 its verify pads to 16 rows (15 below the root),
+    not 23 (at the 27B shape a 16-row verify took 13.2 ms against 17.0 ms for 23, H200 2026-12-01); a DDTree
+    of the same budget keeps its 23. Both give the AR tokens."""
+    engine = static_engine(target, random_draft(target))
+    prompt = prompts(target.config.vocab_size)[0]
+    expected = Engine(target).generate(prompt, GenerationConfig(max_new_tokens=24, ignore_eos=True)).token_ids
+    for mode, rows in (("chain", 16), ("ddtree", 23)):
+        config = GenerationConfig(max_new_tokens=24, mode=mode, budget=22, ignore_eos=True, adaptive=False)
+        assert engine.generate(prompt, config).token_ids == expected
+        sizes = {key[0] for key in engine.runner.graph_runner().steps.entries if key[0] != "commit" and key[1]}
+        assert rows in sizes
+    assert sizes == {16, 23}
 
 
 def test_short_prefill_chunks_replay_power_of_two_runs(target, monkeypatch):

@@ -50,9 +50,15 @@ def autoregressive(engine: ModelRunner, prompt_ids: list[int], config: Generatio
         stats.accepted[1] += 1
 
 
+def tree_width(mode: str, budget: int, draft_logits: torch.Tensor) -> int:
+    """The most nodes below the root a step's tree can have: a chain is at most one draft block long (15 of a
+    budget of 22: its verify pads to 16 rows, not 23), a DDTree has its budget."""
+    return min(budget, draft_logits.shape[0]) if mode == "chain" else budget
+
+
 def make_tree(mode: str, bonus: int, draft_logits: torch.Tensor, budget: int, topk: int) -> DraftTree:
     if mode == "chain":
-        return build_chain(bonus, draft_logits.argmax(-1), min(budget, draft_logits.shape[0]))
+        return build_chain(bonus, draft_logits.argmax(-1), tree_width(mode, budget, draft_logits))
     logprobs, ids = topk_table(draft_logits, min(topk, draft_logits.shape[-1]))
     return build_tree(bonus, logprobs, ids, budget)
 
@@ -104,9 +110,11 @@ def tree_step(engine: ModelRunner, cache, proposer: Proposer, sampler, bonus: in
     """Draft a tree of `budget` nodes below `bonus`, verify it, emit the accepted tokens and commit them;
     returns the next bonus token and its entry, or None when the output ended inside the accepted path."""
     t0 = time.perf_counter()
-    tree = make_tree(config.mode, bonus, proposer.propose(bonus, cache.length), budget, config.topk)
+    draft_logits = proposer.propose(bonus, cache.length)
+    tree = make_tree(config.mode, bonus, draft_logits, budget, config.topk)
     t1 = time.perf_counter()
-    result = engine.step_forward(tree.tokens, cache, tree, proposer.capture_layers, pad_to=budget + 1)
+    result = engine.step_forward(tree.tokens, cache, tree, proposer.capture_layers,
+                                 pad_to=tree_width(config.mode, budget, draft_logits) + 1)
     accepted, bonus = walk(tree, result.logits, sampler)
     stats.draft_s += t1 - t0
     stats.verify_s += time.perf_counter() - t1
