@@ -36,12 +36,14 @@ SHAPES = {
     QType.Q4_K: {"gate/up 17408x5120": (17408, 5120, ROWS), "down 5120x17408": (5120, 17408, ROWS),
                  "q+gate 12288x5120": (12288, 5120, ROWS), "kv 1024x5120": (1024, 5120, ROWS)},
 }
-# qmh's other launch shapes (row tiles, warps, splits as a multiple of the default's, chains)
-QMH_ALTERNATIVES = ((1, 4, 1, 2), (2, 4, 1, 1), (1, 4, 1, 1), (1, 8, 1, 2), (1, 4, 2, 2))
+# qmh's other launch shapes (row tiles, warps, splits as a multiple of the default's, chains, CTAs per SM asked
+# of ptxas: one row tile at 3 or 4 CTAs per SM spills 16-64 bytes at 3-4 token groups, sm_90, NVRTC 13.5)
+QMH_ALTERNATIVES = ((1, 4, 1, 2, 0), (2, 4, 1, 1, 0), (1, 4, 1, 1, 0), (1, 8, 1, 2, 0), (1, 4, 2, 2, 0),
+                    (1, 4, 1, 2, 3), (1, 4, 1, 2, 4))
 
 
 def _label(kernel: str, c: mma.MMAConfig) -> str:
-    return f"{kernel} r{c.rt}w{c.warps}s{c.splits}c{c.chains}"
+    return f"{kernel} r{c.rt}w{c.warps}s{c.splits}c{c.chains}" + (f"b{c.min_blocks}" if c.min_blocks else "")
 
 
 def variants(qtype: QType, m: int, n: int, k: int) -> list[tuple[str, str, mma.MMAConfig]]:
@@ -53,8 +55,8 @@ def variants(qtype: QType, m: int, n: int, k: int) -> list[tuple[str, str, mma.M
         c = mma.choose_config(qtype, rows, n, k, sms, kernel=kernel)
         out.append((_label(kernel, c) + "*", kernel, c))
     default = out[-1][2]
-    for rt, warps, split, chains in QMH_ALTERNATIVES:
-        c = mma.MMAConfig(rt, warps, split * default.splits, chains)
+    for rt, warps, split, chains, min_blocks in QMH_ALTERNATIVES:
+        c = mma.MMAConfig(rt, warps, split * default.splits, chains, min_blocks)
         if c != default and n % (16 * rt) == 0 and (k // 256) >= warps * c.splits:
             out.append((_label("qmh", c), "qmh", c))
     return out

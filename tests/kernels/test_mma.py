@@ -228,6 +228,21 @@ def test_cuda_source_compiles_for_sm90():
 
 
 @pytest.mark.skipif(not _nvrtc_available(), reason="needs cuda-python and NVRTC")
+def test_min_blocks_caps_the_registers_ptxas_may_use():
+    """`MMAConfig.min_blocks` asks ptxas for that many CTAs per SM: an instance of its own whose cubin keeps
+    to the register budget they leave (4 warps, 3 CTAs: 65536 / 384 threads -> at most 170 per thread)."""
+    config = mma.MMAConfig(1, 4, 1, 2, min_blocks=3)
+    name = mma._instance(QType.Q4_K, config, 3, "qmh")
+    assert name.endswith("_c2_b3") and name != mma._instance(QType.Q4_K, mma.MMAConfig(1, 4, 1, 2), 3, "qmh")
+    wrapper = mma._wrapper(name, QType.Q4_K, config, 3, "qmh")
+    assert "__launch_bounds__(128, 3)" in wrapper
+    cubin = mma.compile_cubin(mma._SOURCE.read_text() + wrapper, "sm_90")
+    # the function's register count (EIATTR_REGCOUNT: attribute 0x2f, then its 4-byte size, symbol, value)
+    regcount = cubin.find(bytes([0x04, 0x2F, 0x08, 0x00]))
+    assert regcount >= 0 and int.from_bytes(cubin[regcount + 8 : regcount + 12], "little") <= 170
+
+
+@pytest.mark.skipif(not _nvrtc_available(), reason="needs cuda-python and NVRTC")
 def test_load_time_compile_covers_every_launch_and_caches(monkeypatch, tmp_path):
     """The instances a model's weights can launch (decode, each verify width, prefill's dequantization)
     compile in parallel into the on-disk cache; once there, none is left to compile (a warm start)."""

@@ -352,12 +352,15 @@ def dequantize_half_emulated(raw: torch.Tensor, n: int, k: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class MMAConfig:
     """rt: 16-row tiles per warp; warps: per CTA (they split K); splits: CTAs per row group (split K);
-    chains: accumulators per tile and token group in qmh (its MMAs per super-block split over them)."""
+    chains: accumulators per tile and token group in qmh (its MMAs per super-block split over them);
+    min_blocks: CTAs per SM asked of ptxas (`__launch_bounds__`'s second value; 0: none), which caps the
+    registers to fit them (sm_90, 4 warps: 3 -> 168, 4 -> 128) at the price of spills."""
 
     rt: int
     warps: int
     splits: int
     chains: int = 1
+    min_blocks: int = 0
 
 
 ONE_ROW = 0  # `token_groups` of one row of x: the qmv kernel (sub-blocks in the MMA's columns), not qmm
@@ -387,7 +390,8 @@ def _instance(qtype: QType, config: MMAConfig, tg: int, kernel: str) -> str:
     if kernel == "qmv":
         return f"qmv_{qtype.name.lower()}_r{c.rt}_w{c.warps}_s{c.splits}"
     chains = f"_c{c.chains}" if kernel == "qmh" else ""
-    return f"{kernel}_{qtype.name.lower()}_r{c.rt}_t{tg}_w{c.warps}_s{c.splits}{chains}"
+    blocks = f"_b{c.min_blocks}" if c.min_blocks else ""
+    return f"{kernel}_{qtype.name.lower()}_r{c.rt}_t{tg}_w{c.warps}_s{c.splits}{chains}{blocks}"
 
 
 def _dequant_instance(qtype: QType, out: int) -> str:
@@ -401,7 +405,8 @@ _DEQUANT_WARPS = {torch.bfloat16: 4, torch.float16: 4, torch.float32: 2}
 
 def _wrapper(name: str, qtype: QType, config: MMAConfig, tg: int, kernel: str) -> str:
     c = config
-    head = f'extern "C" __global__ void __launch_bounds__({c.warps * 32}) {name}'
+    bounds = f"{c.warps * 32}, {c.min_blocks}" if c.min_blocks else f"{c.warps * 32}"
+    head = f'extern "C" __global__ void __launch_bounds__({bounds}) {name}'
     if kernel == "qmh":
         call = f"qmh<{qtype.name}, {c.rt}, {tg}, {c.warps}, {c.splits}, {c.chains}>"
         tail = "u16* out, float* part, int* tickets, int M, int N, int K"
