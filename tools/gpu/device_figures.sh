@@ -31,6 +31,9 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
     # tree_attention.py > .baseline/tree_attention.py), the DeltaNet tree kernel's launch shapes
     sweep-q6k) timeout 150 python3 benchmarks/sweep_mma_rows.py --types Q6_K --budget-s 120 --out "$OUT/rows_q6k.json" \
                    > "$OUT/rows_q6k.txt" 2>&1; echo "== sweep-q6k (rc $?)"; tail -16 "$OUT/rows_q6k.txt" ;;
+    # Q4_K at 2-64 rows, qmh's launch shapes including one row tile at 3 and 4 CTAs per SM (MMAConfig.min_blocks)
+    sweep-q4k) timeout 150 python3 benchmarks/sweep_mma_rows.py --types Q4_K --budget-s 120 --out "$OUT/rows_q4k.json" \
+                   > "$OUT/rows_q4k.txt" 2>&1; echo "== sweep-q4k (rc $?)"; tail -26 "$OUT/rows_q4k.txt" ;;
     sweep-attention-compare) timeout 150 python3 benchmarks/sweep_tree_attention.py --compare \
                    --baseline .baseline/tree_attention.py --budget-s 110 --out "$OUT/attention_compare.json" \
                    > "$OUT/attention_compare.txt" 2>&1; echo "== sweep-attention-compare (rc $?)"; tail -12 "$OUT/attention_compare.txt" ;;
