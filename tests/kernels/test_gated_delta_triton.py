@@ -106,10 +106,10 @@ def test_real_sizes_on_gpu(t):
     out = tree_verify(q, k, v, g, beta, state, parents)
     assert torch.equal(state, before)
     assert rel(out, tree_verify_reference(q, k, v, g, beta, state, parents)) <= 1e-4
-    if t > 1:  # a full 64-node tree too
-        parents = cases.random_parents(64, 10).cuda()
+    if t > 1:  # a full 64-node tree and a 64-node chain (depth 63: the most rounds) too
         args = [torch.cat([x] * 3)[:64] for x in (q, k, v, g, beta)]
-        assert rel(tree_verify(*args, state, parents), tree_verify_reference(*args, state, parents)) <= 1e-4
+        for parents in (cases.random_parents(64, 10).cuda(), torch.arange(-1, 63, device="cuda")):
+            assert rel(tree_verify(*args, state, parents), tree_verify_reference(*args, state, parents)) <= 1e-4
 
     ref_state = state.clone()
     ref = recurrent_step_reference(q, k, v, g, beta, ref_state)
