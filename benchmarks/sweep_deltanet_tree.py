@@ -54,7 +54,6 @@ def main() -> int:
     for name, parents in trees(random.Random(0)).items():
         t = len(parents)
         p = torch.tensor(parents, device="cuda")
-        anc = gdt.ancestors_from_parents(p.cpu()).cuda()
         q, k = (F.normalize(torch.randn(t, HK, D, device="cuda"), dim=-1) for _ in range(2))
         v, g, beta = torch.randn(t, H, D, device="cuda"), -torch.rand(t, H, device="cuda"), torch.rand(t, H, device="cuda")
         ref = gdt.tree_verify_reference(q, k, v, g, beta, states[0], p)

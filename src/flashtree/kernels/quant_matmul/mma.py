@@ -22,7 +22,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import itertools
 import multiprocessing
 import os
 import threading
