@@ -48,7 +48,8 @@ def test_notes_tell_a_near_tie_from_a_decided_position(capsys):
            "ms_per_step": 1.0, "speedup": 2.0, "identical_to_ar": 18, "prompts": 20, "ar_fallback_steps": 7,
            "divergences": [tie, decided]}
     _print_table({"device": "cpu", "model": "m", "prompts_per_dataset": 20, "max_tokens": 256,
-                  "weights_bytes_per_step": 1, "rows": [row], "mean": []})
+                  "weights_bytes_per_step": 1, "warmup_s": {"ar": 0.5, "ddtree": 1.25}, "rows": [row], "mean": []})
     printed = capsys.readouterr().out
     assert "prompt 3 differs from ar at token 117" in printed and "prompt 4" in printed
-    assert printed.splitlines()[2].split()[-1] == "7"  # the AR steps column
+    assert printed.splitlines()[1].endswith("ar 0.50 s, ddtree 1.25 s")  # what the untimed warm-up cost
+    assert printed.splitlines()[3].split()[-1] == "7"  # the AR steps column

@@ -169,6 +169,7 @@ def test_bench_writes_json_only_where_out_says_and_names_the_draft(tmp_path, mon
     assert main(argv + ["--out", "report.json"]) == 0
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["draft"] == str(DEMO_DRAFT) and "wrote report.json" in capsys.readouterr().err
+    assert set(report["warmup_s"]) == {"ar", "ddtree"} and all(s > 0 for s in report["warmup_s"].values())
 
 
 def test_output_into_a_closed_pipe_is_no_traceback():

@@ -16,7 +16,7 @@ WINDOWS = {"f32-bf16": (torch.float32, torch.bfloat16), "bf16-bf16": (torch.bflo
 
 def case_ids() -> list[str]:
     return ([f"move-{c}-{p}" for c in CACHES for p in PATHS] + [f"shift-{w}-{p}" for w in WINDOWS for p in PATHS]
-            + ["shift-strided-inputs"])
+            + ["shift-strided-inputs"] + [f"shift-padded-{p}" for p in PATHS])
 
 
 def _cache(dtype: torch.dtype, width: int, gen: torch.Generator) -> torch.Tensor:
@@ -38,7 +38,7 @@ def move_case(dtype: torch.dtype, width: int, path: list[int], gen: torch.Genera
 
 
 def shift_case(window_dtype: torch.dtype, input_dtype: torch.dtype, path: list[int], gen: torch.Generator,
-               strided: bool = False) -> bool:
+               strided: bool = False, padded: bool = False) -> bool:
     from flashtree.kernels.commit_rows import shift_window
 
     window = torch.randn(3, 700, generator=gen).to(window_dtype)
@@ -47,7 +47,10 @@ def shift_case(window_dtype: torch.dtype, input_dtype: torch.dtype, path: list[i
         inputs = inputs[:, ::2]  # not unit-stride: the torch form runs
     nodes = torch.tensor(path)
     expected = torch.cat([window, inputs[nodes].to(window_dtype)])[-3:]
-    shift_window(window, inputs, nodes)
+    if padded:  # a commit graph's path: padded with the root to 8 rows, its length on the device
+        shift_window(window, inputs, torch.tensor(path + [0] * (8 - len(path))), torch.tensor([len(path)]))
+    else:
+        shift_window(window, inputs, nodes)
     return torch.equal(window, expected)
 
 
@@ -62,6 +65,8 @@ def main() -> None:
         for p, path in PATHS.items():
             result[f"shift-{w}-{p}"] = shift_case(window_dtype, input_dtype, path, gen)
     result["shift-strided-inputs"] = shift_case(torch.float32, torch.bfloat16, PATHS["skips"], gen, strided=True)
+    for p, path in PATHS.items():
+        result[f"shift-padded-{p}"] = shift_case(torch.float32, torch.bfloat16, path, gen, padded=True)
     json.dump(result, sys.stdout)
 
 

@@ -52,7 +52,7 @@ def case_ids() -> list[str]:
             ids.append(f"recurrent-d{d}-t{t}")
     ids += ["recurrent-d32-t17-gqa", "recurrent-d64-t4-bv32", "recurrent-d32-t5-strided",
             "recurrent-d32-t6-strong", "recurrent-d32-three-calls", "recurrent-d64x32-t4",
-            "recurrent-d32-t9-rows", "recurrent-d64-t17-rows-gqa"]
+            "recurrent-d32-t9-rows", "recurrent-d64-t17-rows-gqa", "recurrent-d32-t9-rows-padded"]
     ids += [f"tree-d32-{name}" for name in TREES]
     ids += ["tree-d64-random64", "tree-d64-chain64-strong", "tree-d32-random17-gqa",
             "tree-d64-random17-bv32-bk32", "tree-d32-random17-strided", "tree-d64x32-random17",
@@ -94,7 +94,11 @@ def recurrent_case(case: str) -> dict:
         path = torch.tensor([0, 2, 3, t - 1])
         ref_state = state.clone()
         ref = recurrent_step_reference(q[path], k[path], v[path], g[path], beta[path], ref_state)
-        out = recurrent_step(q, k, v, g, beta, state, rows=path)
+        if "padded" in case:  # a commit graph's path: padded with the root, its length on the device
+            out = recurrent_step(q, k, v, g, beta, state, rows=torch.tensor([0, 2, 3, t - 1, 0, 0, 0]),
+                                 count=torch.tensor([4]))[:4]
+        else:
+            out = recurrent_step(q, k, v, g, beta, state, rows=path)
     elif "three" in case:  # three single-token calls equal one call over the sequence
         out = torch.cat([recurrent_step(q[i:i + 1], k[i:i + 1], v[i:i + 1], g[i:i + 1], beta[i:i + 1], state)
                          for i in range(t)])

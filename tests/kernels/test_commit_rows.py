@@ -32,25 +32,28 @@ def test_errors_name_the_problem():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_graph_replays_move_the_rows_of_new_paths():
-    """Captured once, replayed with other paths written into the same index buffers (as the commit graph
-    is): each replay equals the torch form on that path."""
+    """Captured once, replayed with other paths of any length written into the same index buffers (as the
+    commit graph is: padded to 6 rows with the root, whose move the padding repeats, the length on the
+    device): each replay equals the torch form on that path."""
     cache = torch.randn(4, 96, 256, device="cuda", dtype=torch.bfloat16)
     window, inputs = torch.randn(3, 10240, device="cuda"), torch.randn(23, 10240, device="cuda", dtype=torch.bfloat16)
-    rows, source, path = (torch.zeros(4, dtype=torch.long, device="cuda") for _ in range(3))
+    rows, source, path = (torch.zeros(6, dtype=torch.long, device="cuda") for _ in range(3))
+    count = torch.ones(1, dtype=torch.long, device="cuda")
     move_rows(cache, rows, source)  # compiled and loaded before the capture, which may not load modules
-    shift_window(window, inputs, path)
+    shift_window(window, inputs, path, count)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         move_rows(cache, rows, source)
-        shift_window(window, inputs, path)
-    for nodes in ([0, 1, 2, 3], [0, 2, 3, 5], [0, 5, 11, 22]):
-        nodes_t = torch.tensor(nodes, device="cuda")
-        path.copy_(nodes_t)
-        rows.copy_(40 + torch.arange(4, device="cuda"))
-        source.copy_(40 + nodes_t)
+        shift_window(window, inputs, path, count)
+    for nodes in ([0, 1, 2, 3], [0, 2, 3, 5, 9, 14], [0, 5, 11, 22], [0]):
+        n, nodes_t = len(nodes), torch.tensor(nodes, device="cuda")
+        path.zero_()[:n] = nodes_t
+        count.fill_(n)
+        rows.fill_(40)[:n] = 40 + torch.arange(n, device="cuda")
+        source.copy_(40 + path)
         want_cache = cache.clone()
-        want_cache.index_copy_(1, rows, want_cache.index_select(1, source))
+        want_cache.index_copy_(1, rows[:n], want_cache.index_select(1, source[:n]))
         want_window = torch.cat([window, inputs[nodes_t].float()])[-3:]
         graph.replay()
         assert torch.equal(cache, want_cache) and torch.equal(window, want_window)

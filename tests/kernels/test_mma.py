@@ -77,15 +77,16 @@ def test_warps_and_splits_do_not_depend_on_the_row_count():
 
 def test_configurations_follow_the_sweep():
     """The H200 sweeps' choices (docs/PERFORMANCE.md): the LM head on 2 warps, small matrices split K,
-    Q6_K's bf16 kernel and Q4_K's float16 kernel pair row tiles from 17 rows (qmh on one tile: two
-    accumulator chains), Q4_K's bf16 kernel at 9-16 and 25-32."""
+    Q6_K's bf16 kernel pairs row tiles from 17 rows, Q4_K's bf16 kernel at 9-16 and 25-32; Q4_K's float16
+    kernel keeps one tile and two accumulator chains, at 3 CTAs per SM from 17 rows."""
     assert mma.choose_config(QType.Q6_K, 1, 248320, 5120) == mma.MMAConfig(1, 2, 1)
     assert mma.choose_config(QType.Q6_K, 23, 248320, 5120, kernel="qmm") == mma.MMAConfig(2, 2, 1)
     assert mma.choose_config(QType.Q4_K, 1, 5120, 17408) == mma.MMAConfig(1, 4, 1)
     assert mma.choose_config(QType.Q4_K, 1, 1024, 5120) == mma.MMAConfig(1, 4, 4)
     assert mma.choose_config(QType.Q4_K, 32, 1024, 5120).rt == 1  # too few tiles to pair
     assert [mma.choose_config(QType.Q4_K, m, 17408, 5120) for m in (8, 16, 23, 32)] == [
-        mma.MMAConfig(1, 4, 1, 2), mma.MMAConfig(1, 4, 1, 2), mma.MMAConfig(2, 4, 1, 1), mma.MMAConfig(2, 4, 1, 1)]
+        mma.MMAConfig(1, 4, 1, 2), mma.MMAConfig(1, 4, 1, 2), mma.MMAConfig(1, 4, 1, 2, min_blocks=3),
+        mma.MMAConfig(1, 4, 1, 2, min_blocks=3)]
     assert [mma.kernel_for(QType.Q4_K, 3, n, k) for n, k in ((17408, 5120), (1024, 5120))] == ["qmh", "qmm"]
     # the bf16 kernel's own choice on the same matrix (what the sweeps compare qmh with)
     assert [mma.choose_config(QType.Q4_K, m, 17408, 5120, kernel="qmm").rt for m in (8, 16, 23, 32)] == [1, 2, 1, 2]
@@ -386,6 +387,21 @@ def test_q6_k_takes_the_float16_kernel_and_a_row_keeps_its_bits():
     _check_close(paired, x[:24].float() @ dense.T)
     for m in (17, 23):
         assert torch.equal(quant_matmul(x[:m], weight), paired[:m]), m
+
+
+@pytest.mark.gpu
+@gpu
+def test_q4_k_float16_kernel_gives_a_row_the_same_bits_at_2_to_32_rows():
+    """Q4_K's qmh sums a row in one order at every row count (3 CTAs per SM from 17 rows change the registers,
+    not the order): a verify of 23 rows and one of 16 give a shared row the same bits."""
+    n, k = 17408, 5120
+    weight = random_quant_weight(QType.Q4_K, n, k, "cuda")
+    x = torch.randn(32, k, device="cuda", dtype=torch.bfloat16)
+    assert mma.kernel_for(QType.Q4_K, mma.token_groups(32), n, k) == "qmh"
+    y = quant_matmul(x, weight)
+    _check_close(y, quant_matmul_reference(x.float(), weight))
+    for m in (2, 9, 16, 17, 23, 24, 25):
+        assert torch.equal(quant_matmul(x[:m], weight), y[:m]), m
 
 
 @pytest.mark.gpu

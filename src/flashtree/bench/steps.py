@@ -123,8 +123,9 @@ class ReplayProposer:
     def cache(self):
         return self.inner.cache
 
-    def commit_static(self, features: torch.Tensor, positions: torch.Tensor, count: torch.Tensor) -> None:
-        self.inner.commit_static(features, positions, count)
+    def commit_static(self, features: torch.Tensor, positions: torch.Tensor, count: torch.Tensor,
+                      offsets: torch.Tensor | None = None) -> None:
+        self.inner.commit_static(features, positions, count, offsets)
 
     @torch.inference_mode()
     def propose(self, bonus: int, position: int) -> torch.Tensor:

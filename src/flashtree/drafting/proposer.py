@@ -58,10 +58,12 @@ class DFlashProposer:
         with on_device(self.device):
             self.draft.append_context(self.cache, features.to(self.device, self.target.dtype), positions)
 
-    def commit_static(self, features: torch.Tensor, positions: torch.Tensor, count: torch.Tensor) -> None:
-        """`commit` as a device-only function (`count`: int64 [1] positions appended so far); the
+    def commit_static(self, features: torch.Tensor, positions: torch.Tensor, count: torch.Tensor,
+                      offsets: torch.Tensor | None = None) -> None:
+        """`commit` as a device-only function (`count`: int64 [1] positions appended so far; `offsets`: each
+        row's slot after them, for rows padded with copies of row 0, `DFlashDraft.append_context`); the
         caller advances `cache.count`."""
-        self.draft.append_context(self.cache, features.to(self.target.dtype), positions, count)
+        self.draft.append_context(self.cache, features.to(self.target.dtype), positions, count, offsets)
 
     @torch.inference_mode()
     def propose(self, bonus: int, position: int) -> torch.Tensor:

@@ -146,25 +146,29 @@ class GraphedForward:
 
     def commit(self, cache, path: list[int], proposer) -> None:
         """`Qwen35Model.commit` of the last verify's accepted `path`, plus the proposer's commit of
-        their features, as one graph per (path length, verify shape)."""
+        their features, as one graph per verify shape: the path is padded to the verify's rows with the
+        root, its length on the device (a graph per path length would be up to 64 captures per shape)."""
         n, start, features = len(path), cache.length, self.verify_features
+        rows = self.verify_key[0]  # the longest path a verify of this shape can accept
         static_draft = getattr(proposer, "steps", None) is not None
-        key = ("commit", n, self.verify_key, id(proposer) if static_draft else None)
+        key = ("commit", self.verify_key, id(proposer) if static_draft else None)
 
         def run(packed: torch.Tensor) -> None:
-            nodes, start_t = packed[:n], packed[n : n + 1]
-            self.model.run_commit(cache, nodes, start_t)
-            if static_draft:
-                proposer.commit_static(features[nodes], start_t + torch.arange(n, device=nodes.device),
-                                       packed[n + 1 : n + 2])
+            nodes, start_t, count_t = packed[:rows], packed[rows : rows + 1], packed[rows + 2 : rows + 3]
+            self.model.run_commit(cache, nodes, start_t, count_t)
+            if static_draft:  # padding rows repeat the root's features, position and slot
+                offsets = torch.arange(rows, device=nodes.device)
+                offsets = offsets * (offsets < count_t)
+                proposer.commit_static(features[nodes], start_t + offsets, packed[rows + 1 : rows + 2], offsets)
 
         def fill(host: torch.Tensor) -> None:
-            host[:n] = torch.tensor(path)
-            host[n] = start
-            host[n + 1] = proposer.cache.count if static_draft else 0
+            host[:n] = torch.tensor(path)  # and the root (node 0) after them
+            host[rows] = start
+            host[rows + 1] = proposer.cache.count if static_draft else 0
+            host[rows + 2] = n
 
         with torch.inference_mode(), on_device(self.model.device):
-            self.steps.run(key, n + 2, fill, run)
+            self.steps.run(key, rows + 3, fill, run)
         cache.pending.clear()
         cache.length += n
         if static_draft:

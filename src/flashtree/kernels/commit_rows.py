@@ -8,11 +8,14 @@ windows). Here each tensor is one launch:
   blocks of a quantized cache): for every head, row rows[i] gets what row source[i] held. A path's node i
   sits at tree row >= i, so a source row can be another node's destination: a program loads all its
   path rows, waits for its threads, then stores.
-* `shift_window(window, inputs, path)`: the conv window [K-1, C] (oldest row first) becomes the last K-1
-  rows of [window; inputs[path]], cast to the window's dtype, the same wait between loads and stores.
+* `shift_window(window, inputs, path, count=None)`: the conv window [K-1, C] (oldest row first) becomes the
+  last K-1 rows of [window; inputs[path[:count]]], cast to the window's dtype, the same wait between loads
+  and stores.
 
-The row indices are device tensors and the launch shapes depend only on their lengths, so both can be
-captured in a CUDA graph. Without Triton (CPU) the torch forms run.
+The row indices (and `count`) are device tensors and the launch shapes depend only on their lengths, so
+both can be captured in a CUDA graph, one for every path a verify of that many rows can accept (a path
+padded to the verify's rows; `move_rows` pads with copies of its first move). Without Triton (CPU) the
+torch forms run.
 """
 
 from __future__ import annotations
@@ -49,8 +52,10 @@ def move_rows(cache: torch.Tensor, rows: torch.Tensor, source: torch.Tensor) -> 
         BLOCK_N=max(2, triton.next_power_of_2(n)), BLOCK_W=min(BLOCK_W, triton.next_power_of_2(width)))
 
 
-def shift_window(window: torch.Tensor, inputs: torch.Tensor, path: torch.Tensor) -> None:
-    """window[:] = last window.shape[0] rows of [window; inputs[path]], in the window's dtype."""
+def shift_window(window: torch.Tensor, inputs: torch.Tensor, path: torch.Tensor,
+                 count: torch.Tensor | None = None) -> None:
+    """window[:] = last window.shape[0] rows of [window; inputs[path[:count]]], in the window's dtype.
+    `count` (int64 [1] on the device, 1 <= count <= len(path)): the path's live length; None: all of it."""
     keep, channels = window.shape
     if inputs.dim() != 2 or inputs.shape[1] != channels or path.dim() != 1:
         raise FlashtreeError(f"shift_window takes a [K-1, C] window, [T, C] inputs and a path; got "
@@ -58,11 +63,12 @@ def shift_window(window: torch.Tensor, inputs: torch.Tensor, path: torch.Tensor)
     if path.shape[0] == 0:
         return
     if triton is None or not triton_runs_on(window.device) or window.stride(1) != 1 or inputs.stride(1) != 1:
-        window.copy_(torch.cat([window, inputs[path].to(window.dtype)])[-keep:])
+        live = path if count is None else path[: int(count)]
+        window.copy_(torch.cat([window, inputs[live].to(window.dtype)])[-keep:])
         return
     _shift_window_kernel[(triton.cdiv(channels, BLOCK_W),)](
-        window, inputs, path, path.shape[0], keep, channels, window.stride(0), inputs.stride(0),
-        BLOCK_K=max(2, triton.next_power_of_2(keep)), BLOCK_W=BLOCK_W)
+        window, inputs, path, path.shape[0], path if count is None else count, keep, channels, window.stride(0),
+        inputs.stride(0), BLOCK_K=max(2, triton.next_power_of_2(keep)), BLOCK_W=BLOCK_W, HAS_COUNT=count is not None)
 
 
 if triton is not None:
@@ -81,8 +87,10 @@ if triton is not None:
         tl.store(base + rows[:, None] * stride_r, values, mask=ok)
 
     @triton.jit
-    def _shift_window_kernel(window_ptr, inputs_ptr, path_ptr, n, keep, channels, stride_w, stride_in,
-                             BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr):
+    def _shift_window_kernel(window_ptr, inputs_ptr, path_ptr, n, count_ptr, keep, channels, stride_w, stride_in,
+                             BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, HAS_COUNT: tl.constexpr):
+        if HAS_COUNT:  # a padded path: its live length is on the device
+            n = tl.load(count_ptr)
         j = tl.arange(0, BLOCK_K)  # the new window's rows
         cols = tl.program_id(0) * BLOCK_W + tl.arange(0, BLOCK_W)
         live = j < keep

@@ -121,21 +121,27 @@ def _default_block_v(heads: int, dv: int) -> int:
 # public API
 
 def recurrent_step(q, k, v, g, beta, state, block_v: int | None = None, num_warps: int = 4,
-                   rows: torch.Tensor | None = None) -> torch.Tensor:
+                   rows: torch.Tensor | None = None, count: torch.Tensor | None = None) -> torch.Tensor:
     """T >= 1 tokens in sequence: S <- exp(g) S; u = beta (v - S^T k); S <- S + k u^T; o = S^T q.
 
     q, k [T, Hk, dk]; v [T, H, dv]; g, beta [T, H]; state float32 [H, dk, dv], updated in place
     (any strides). Returns o [T, H, dv] float32. `rows` (int64 [T'], on the state's device): the
     recurrence runs over those rows of q, k, v, g, beta in that order, read in place (a verified tree's
-    accepted path, without gathering five tensors first); o is then [T', H, dv].
+    accepted path, without gathering five tensors first); o is then [T', H, dv]. `count` (int64 [1] on the
+    device, with `rows`): only rows[:count] run (a path padded to a fixed length, so that one CUDA graph
+    commits any path of a verify); o's rows from `count` on are not written.
     """
     _check(q, k, v, g, beta, state)
     if rows is not None and (rows.dim() != 1 or rows.dtype not in (torch.int64, torch.int32)):
         raise FlashtreeError(f"rows must be an int64 [T] index, got {rows.dtype} {tuple(rows.shape)}")
+    if count is not None and rows is None:
+        raise FlashtreeError("recurrent_step: `count` bounds a padded `rows`; pass both")
     if triton is None or not triton_runs_on(state.device):
         if rows is not None:
-            q, k, v, g, beta = (x.index_select(0, rows) for x in (q, k, v, g, beta))
-        return recurrent_step_reference(q, k, v, g, beta, state)
+            live = rows if count is None else rows[: int(count)]
+            q, k, v, g, beta = (x.index_select(0, live) for x in (q, k, v, g, beta))
+        o = recurrent_step_reference(q, k, v, g, beta, state)
+        return o if count is None else torch.cat([o, o.new_zeros(rows.shape[0] - o.shape[0], *o.shape[1:])])
     q, k, v, out = _prepared(q, k, v, rows)
     _, hk, dk = q.shape
     t, h, dv = out.shape
@@ -144,9 +150,11 @@ def recurrent_step(q, k, v, g, beta, state, block_v: int | None = None, num_warp
     block_v = block_v or _default_block_v(h, dv)
     if dv % block_v:
         raise FlashtreeError(f"block_v = {block_v} must divide dv = {dv}")
-    _recurrent_kernel[(h, dv // block_v)](q, k, v, g, beta, state, out, rows if rows is not None else out, t, hk,
+    _recurrent_kernel[(h, dv // block_v)](q, k, v, g, beta, state, out, rows if rows is not None else out,
+                                          count if count is not None else out, t, hk,
                                           *_strides(q, k, v, g, beta, state, out),
-                                          DK=dk, BLOCK_V=block_v, HAS_ROWS=rows is not None, num_warps=num_warps)
+                                          DK=dk, BLOCK_V=block_v, HAS_ROWS=rows is not None,
+                                          HAS_COUNT=count is not None, num_warps=num_warps)
     return out
 
 
@@ -204,10 +212,13 @@ def _strides(q, k, v, g, beta, state, out) -> tuple[int, ...]:
 if triton is not None:
 
     @triton.jit
-    def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, o_ptr, rows_ptr, T, HK,
+    def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, o_ptr, rows_ptr, count_ptr, T, HK,
                           sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, sb_t, sb_h,
                           ss_h, ss_k, ss_v, so_t, so_h,
-                          DK: tl.constexpr, BLOCK_V: tl.constexpr, HAS_ROWS: tl.constexpr):
+                          DK: tl.constexpr, BLOCK_V: tl.constexpr, HAS_ROWS: tl.constexpr,
+                          HAS_COUNT: tl.constexpr):
+        if HAS_COUNT:  # a padded path: its live length is on the device
+            T = tl.load(count_ptr)
         h = tl.program_id(0)
         hq = h % HK
         cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)

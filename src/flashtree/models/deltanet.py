@@ -88,17 +88,21 @@ class GatedDeltaNet:
         return self.out(gated_rms_norm(o, self.norm, c.rms_eps, z, x.dtype).reshape(n, -1)), scratch
 
 
-def commit_layers(layers: list[tuple[GatedDeltaNet, DeltaNetState, TreeScratch]], path: torch.Tensor) -> None:
-    """Make each layer's state what it would be after decoding the accepted `path` of a verified tree.
+def commit_layers(layers: list[tuple[GatedDeltaNet, DeltaNetState, TreeScratch]], path: torch.Tensor,
+                  count: torch.Tensor | None = None) -> None:
+    """Make each layer's state what it would be after decoding the accepted `path` of a verified tree
+    (`count`, int64 [1] on the device: only path[:count], a path padded to a fixed length).
     One recurrence runs over all the layers' heads stacked (layers on one device): layers are
     independent, so stacking only saves the per-layer token loops."""
     for _, state, scratch in layers:
-        shift_window(state.conv, scratch.conv_inputs, path)
+        shift_window(state.conv, scratch.conv_inputs, path, count)
     if triton_runs_on(path.device):  # one in-place launch per layer reading the path's rows where they are
         for _, state, scratch in layers:
             gated_delta_triton.recurrent_step(scratch.q, scratch.k, scratch.v, scratch.g, scratch.beta, state.ssm,
-                                              rows=path)
+                                              rows=path, count=count)
         return
+    if count is not None:
+        path = path[: int(count)]
     heads = [state.ssm.shape[0] for _, state, _ in layers]
 
     def stacked(name: str) -> torch.Tensor:

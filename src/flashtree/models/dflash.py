@@ -507,19 +507,24 @@ class DFlashDraft(nn.Module):
 
     @torch.no_grad()
     def append_context(self, cache: DraftContextCache, target_features: Tensor, positions: Tensor,
-                       count: Tensor | None = None) -> None:
+                       count: Tensor | None = None, offsets: Tensor | None = None) -> None:
         """Add newly committed positions ([n, F] features at absolute `positions`) to the cache.
 
         Only the newest `max_context` positions survive, so older rows of a long chunk are skipped
         before the (expensive) fc projection rather than computed and then evicted. A graph-ready call
-        gives the appended count so far as a device `count` (int64 [1]) and advances `cache.count` itself."""
+        gives the appended count so far as a device `count` (int64 [1]) and advances `cache.count` itself;
+        one of a fixed length for any number of live rows also gives each row's slot `offsets` from `count`
+        (padding rows repeat row 0: its features, position and offset 0, so they write what it writes)."""
         n = target_features.shape[0]
-        if positions.shape != (n,):
-            raise FlashtreeError(f"draft context positions must be [{n}], got {list(positions.shape)}")
+        if positions.shape != (n,) or (offsets is not None and (offsets.shape != (n,) or n > cache.max_context)):
+            raise FlashtreeError(f"draft context positions (and offsets) must be [{n}], n <= {cache.max_context} "
+                                 f"with offsets; got {list(positions.shape)}")
         keep = min(n, cache.max_context)
         target_features, positions = target_features[n - keep:], positions[n - keep:].to(cache.positions.device)
         start = (cache.count if count is None else count) + (n - keep)
-        slots = (start + torch.arange(keep, device=cache.positions.device)) % cache.max_context
+        if offsets is None:
+            offsets = torch.arange(keep, device=cache.positions.device)
+        slots = (start + offsets) % cache.max_context
         ctx = self.project_context(target_features)
         rope = self._rope(positions)
         for i, layer in enumerate(self.layers):

@@ -222,16 +222,23 @@ class Qwen35Model:
         cache.pending.clear()
         cache.length += path.shape[0]
 
-    def run_commit(self, cache: TargetCache, path: torch.Tensor, start: torch.Tensor) -> None:
+    def run_commit(self, cache: TargetCache, path: torch.Tensor, start: torch.Tensor,
+                   count: torch.Tensor | None = None) -> None:
         """The device work of `commit` (`start`: int64 [1] committed length): what a CUDA graph captures.
         Accepted K/V rows move from the tree's scratch rows into place; DeltaNet layers rerun the
-        recurrence over the path (batched per device)."""
+        recurrence over the path (batched per device). `count` (int64 [1]): a path padded past its live
+        length with the root (node 0), so that one graph commits every path of a verify: a padding entry
+        repeats the root's move, row `start` onto itself."""
+        offsets = torch.arange(path.shape[0], device=path.device)
+        if count is not None:
+            offsets = offsets * (offsets < count)  # padding moves row start, as the root does
         recurrent: dict[torch.device, list] = {}  # DeltaNet layers per device, committed together below
-        rows, source = start + torch.arange(path.shape[0], device=path.device), start + path  # shared by the layers
+        rows, source = start + offsets, start + path  # shared by the layers
         for layer in self.layers:
             if layer.index in self.boundaries:
                 device = self.boundaries[layer.index]
                 path, rows, source = path.to(device), rows.to(device), source.to(device)
+                count = None if count is None else count.to(device)
             if layer.is_recurrent:
                 entry = (layer.mixer, cache.deltanet[layer.index], cache.pending[layer.index])
                 recurrent.setdefault(path.device, []).append(entry)
@@ -241,7 +248,7 @@ class Qwen35Model:
                     move_rows(side, rows, source)
         for device, layers in recurrent.items():
             with on_device(device):
-                commit_layers(layers, path.to(device))
+                commit_layers(layers, path.to(device), None if count is None else count.to(device))
 
     def _check_tokens(self, tokens: torch.Tensor) -> None:
         if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size):

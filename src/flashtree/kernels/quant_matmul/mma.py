@@ -543,24 +543,27 @@ def choose_config(qtype: QType, m: int, n: int, k: int, sms: int = _H200_SMS, ke
     benchmarks/sweep_mma_rows.py; docs/PERFORMANCE.md).
 
     Warps and splits depend on the matrix only, never on M: they fix the order in which a row's K is
-    summed. qmm (small matrices) then gives a row the same bits whatever the other rows; qmh does within
-    classes of row counts whose chains differ (they agree within an output rounding): Q4_K's 2-16 and 17-32,
-    Q6_K's 17-24 and the rest.
+    summed. qmm (small matrices) then gives a row the same bits whatever the other rows, and so does Q4_K's
+    qmh; Q6_K's qmh does within classes of row counts whose chains differ (they agree within an output
+    rounding): 17-24 and the rest.
     The one-row kernel (decode) sums each sub-block in its own MMA column and adds them per lane, another
     order: a decode row and a verify row of the same token can differ in the last bits (near-ties only;
     the bench shows the margin where greedy outputs part).
     4 warps per CTA (2 on LM-head-sized matrices); split K only when the row tiles cannot give every
     SM about two CTAs. Two row tiles per warp (x's fragments reused from registers) where the sweeps
-    found them faster: qmm Q4_K at 9-16 and 25-32 rows, Q6_K from 17 rows, qmh from 17 rows; never on
-    matrices with fewer tiles than SMs. qmh splits a tile's 16 MMAs per super-block over two accumulator
+    found them faster: qmm Q4_K at 9-16 and 25-32 rows, Q6_K from 17 rows, Q6_K's qmh at 17-24 rows; never
+    on matrices with fewer tiles than SMs. qmh splits a tile's 16 MMAs per super-block over two accumulator
     chains with one row tile (a single chain waits on each MMA's latency) and keeps one with two tiles
     (two chains there exceed 255 registers and spill). Q6_K's qmh pairs tiles at 17-24 rows only (not yet
-    swept; its double-buffered weights are larger: two tiles at 4 token groups spill 72 bytes, sm_90)."""
+    swept; its double-buffered weights are larger: two tiles at 4 token groups spill 72 bytes, sm_90).
+    Q4_K's qmh keeps one tile and two chains at every row count, with 3 CTAs per SM from 17 rows (the sweep
+    of 2026-12-01 08:08 UTC: at 23 rows 8 % faster than two tiles, at 32 rows within 2 %), so a row's bits do
+    not depend on the other rows anywhere in 2-32."""
     tiles, sb = n // 16, k // SUPER
     tg = token_groups(m)
     half = (kernel or kernel_for(qtype, tg, n, k)) == "qmh"  # `kernel`: the config another kernel would take
     if half:
-        pairs = tg in ((3, 4) if qtype == QType.Q4_K else (3,))
+        pairs = qtype != QType.Q4_K and tg == 3
     else:
         pairs = tg in ((3, 4) if qtype == QType.Q6_K else (2, 4))
     rt = 2 if pairs and tiles >= sms and n % 32 == 0 else 1
@@ -568,7 +571,10 @@ def choose_config(qtype: QType, m: int, n: int, k: int, sms: int = _H200_SMS, ke
     splits = 1
     while tiles * splits < 1.5 * sms and sb // (splits * 2) >= warps:
         splits *= 2
-    return MMAConfig(rt, warps, splits, chains=2 if half and rt == 1 else 1)
+    # Q4_K's qmh at 17-32 rows: 3 CTAs per SM (at most 168 registers, 16 spilled bytes) hide its latency
+    # better than paired tiles (23 rows: 44.6 -> 40.9 us on a gate/up matrix)
+    min_blocks = 3 if half and qtype == QType.Q4_K and tg in (3, 4) else 0
+    return MMAConfig(rt, warps, splits, chains=2 if half and rt == 1 else 1, min_blocks=min_blocks)
 
 
 def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: QType, n: int, k: int,
