@@ -208,3 +208,21 @@ def test_short_prefill_chunks_replay_power_of_two_runs(target, monkeypatch):
     assert engine.generate(prompt, GenerationConfig(max_new_tokens=6, ignore_eos=True)).token_ids == \
         reference(target, prompt)[:6]
     assert sizes[:4] == [16, 4, 2, 1] and set(sizes[4:]) == {1}
+
+
+@pytest.mark.parametrize("mode", ["chain", "ddtree"])
+def test_warm_up_meets_the_step_shape_of_every_budget_the_policy_can_take(target, mode):
+    """`Engine.warm_up` runs the request and a few fixed steps at each smaller rung of the budget ladder, so a
+    request on the same prompt that the policy moves to any rung meets no verify shape for the first time
+    (on CUDA: no compile, no capture mid-request)."""
+    vocab = target.config.vocab_size
+    prompt = prompts(vocab)[0]
+    engine = static_engine(target, random_draft(target))
+    config = GenerationConfig(max_new_tokens=8, mode=mode, budget=22, ignore_eos=True)
+    assert engine.warm_up(prompt, config) > 0
+    verify_shapes = lambda: {key[0] for key in engine.runner._graphs.steps.entries if key[1] is True}  # noqa: E731
+    warmed = verify_shapes()
+    for budget in (22, 11, 5, 2, 1):
+        engine.generate(prompt, GenerationConfig(max_new_tokens=8, mode=mode, budget=budget, ignore_eos=True,
+                                                 adaptive=False))
+    assert verify_shapes() == warmed and len(warmed) == 5  # one padded tree size per rung

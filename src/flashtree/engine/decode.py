@@ -50,6 +50,9 @@ def autoregressive(engine: ModelRunner, prompt_ids: list[int], config: Generatio
         stats.accepted[1] += 1
 
 
+FLOAT32_EXACT_IDS = 1 << 24  # token ids below this are exact in float32
+
+
 def tree_width(mode: str, budget: int, draft_logits: torch.Tensor) -> int:
     """The most nodes below the root a step's tree can have: a chain is at most one draft block long (15 of a
     budget of 22: its verify pads to 16 rows, not 23), a DDTree has its budget."""
@@ -60,7 +63,11 @@ def make_tree(mode: str, bonus: int, draft_logits: torch.Tensor, budget: int, to
     if mode == "chain":
         return build_chain(bonus, draft_logits.argmax(-1), tree_width(mode, budget, draft_logits))
     logprobs, ids = topk_table(draft_logits, min(topk, draft_logits.shape[-1]))
-    return build_tree(bonus, logprobs, ids, budget)
+    if draft_logits.shape[-1] > FLOAT32_EXACT_IDS:
+        return build_tree(bonus, logprobs, ids, budget)
+    # one copy to the host, not one per tensor (each waits for the device)
+    table = torch.stack([logprobs, ids.float()]).cpu()
+    return build_tree(bonus, table[0], table[1].long(), budget)
 
 
 def speculative(engine: ModelRunner, prompt_ids: list[int], config: GenerationConfig, out: OutputTracker,

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from flashtree.drafting.proposer import Proposer
+from flashtree.engine.adaptive import budget_ladder
 from flashtree.engine.config import GenerationConfig, GenerationResult, GenerationStats
 from flashtree.engine.decode import autoregressive, speculative
 from flashtree.engine.output import OutputTracker, TokenLogprob
@@ -15,6 +16,8 @@ from flashtree.engine.prefix_cache import PrefixCache
 from flashtree.engine.runner import ModelRunner, Target
 from flashtree.errors import FlashtreeError
 from flashtree.models.dflash import DFlashDraft
+
+WARM_UP_TOKENS = 16  # per smaller budget in `Engine.warm_up`: a few verify and commit shapes of each
 
 
 class Engine:
@@ -79,6 +82,18 @@ class Engine:
     @property
     def tokenizer(self):
         return self.target.tokenizer
+
+    def warm_up(self, prompt_ids: Sequence[int], config: GenerationConfig) -> float:
+        """Generate once after `prompt_ids` with `config`, and for a speculative mode a few steps at every
+        budget its adaptive policy can move to: kernels compile and CUDA graphs capture for the step shapes
+        a request like it meets, before any request waits on them (a rung first visited mid-request
+        compiles kernels for its row count there: seconds). Returns the seconds it took."""
+        began = time.perf_counter()
+        self.generate(prompt_ids, config)
+        if config.mode != "ar":
+            for budget in budget_ladder(config.budget)[1:]:
+                self.generate(prompt_ids, replace(config, budget=budget, adaptive=False, max_new_tokens=WARM_UP_TOKENS))
+        return time.perf_counter() - began
 
     def generate(self, prompt_ids: Sequence[int], config: GenerationConfig,
                  on_text: Callable[[str], None] | None = None,
