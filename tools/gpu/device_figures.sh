@@ -73,7 +73,7 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
     fidelity) timeout 120 python3 -m flashtree.cli.main bench --fidelity --device cuda --dtypes float32,bfloat16 \
                   --prompts 4 --peers --out "$OUT/fidelity.json" > "$OUT/fidelity.txt" 2>&1
               echo "== fidelity (rc $?)"; tail -8 "$OUT/fidelity.txt" ;;
-    multi-turn) TAIL=12 bench multi-turn 240 --multi-turn -n 32 ;;  # 3 sessions per setting
+    multi-turn) TAIL=12 bench multi-turn 300 --multi-turn -n 32 ;;  # an untimed session, then 5 per setting
     steps-64k) bench steps-64k "${LIMIT_64K:-200}" --steps -n 32 --repeat 10 --replay-al 0 --context 65536 \
                    --prefill-chunk 2048 --prefill-lengths "${PREFILL_64K:-131072}" ;;
     # memory: the plain model (the echo model's tied head is a second 0.31 GiB copy); chunks of 512 rows

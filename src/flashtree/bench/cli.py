@@ -56,8 +56,8 @@ def add_parser(sub) -> None:
     p.add_argument("--multi-turn", action="store_true",
                    help="time to first token per turn of a chat with a long system prompt, prefix cache off vs on")
     p.add_argument("--turns", type=int_range(1), default=5, help="--multi-turn: chat turns (default 5)")
-    p.add_argument("--sessions", type=int_range(1), default=3,
-                   help="--multi-turn: chats per setting, alternating which goes first; each turn's median (default 3)")
+    p.add_argument("--sessions", type=int_range(1), default=5,
+                   help="--multi-turn: chats per setting, alternating which goes first; each turn's median (default 5)")
     p.add_argument("--system-tokens", type=int_range(1), default=8192, help="--multi-turn: system prompt size (default 8192)")
     p.add_argument("--prefix-cache-interval", type=int_range(1), default=DEFAULT_INTERVAL,
                    help=f"--multi-turn: snapshot interval inside long prompts (default {DEFAULT_INTERVAL})")
