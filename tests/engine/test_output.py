@@ -47,6 +47,20 @@ def test_max_tokens_exact(tok):
     assert tracker.push_many(ids) == 3 and tracker.token_ids == ids[:3] and tracker.finish_reason == "length"
 
 
+def test_takes_without_ending_only_where_no_push_can_end_the_output(tok):
+    """The speculative loop commits a path before pushing it only when this says the pushes cannot end it."""
+    ids, end = tok.encode("a b c"), tok.token_id("<|im_end|>")
+    tracker = OutputTracker(tok, tok.eos_ids, (), 5)
+    assert tracker.takes_without_ending(ids[:2]) and not tracker.takes_without_ending(ids[:2] + [end])
+    tracker.push_many(ids[:3])
+    assert tracker.takes_without_ending(ids[:1]) and not tracker.takes_without_ending(ids[:2])  # the 5th ends it
+    assert not OutputTracker(tok, (), ("x",), 100).takes_without_ending(ids)  # a stop string may end any push
+    assert not OutputTracker(tok, (), (), 100, cancelled=lambda: False).takes_without_ending(ids)
+    for tokens in (ids[:1], ids[:2]):  # and what it promises holds
+        fresh = OutputTracker(tok, tok.eos_ids, (), 3)
+        assert fresh.takes_without_ending(tokens) and fresh.push_many(tokens) == len(tokens) and not fresh.done
+
+
 def test_cancellation(tok):
     calls = iter([False, False, True])
     tracker = OutputTracker(tok, (), (), 100, cancelled=lambda: next(calls))

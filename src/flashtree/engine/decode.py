@@ -133,13 +133,17 @@ def tree_step(engine: ModelRunner, cache, proposer: Proposer, sampler, bonus: in
     # each accepted token, then the bonus, was chosen from its parent node's row: the path's rows in order
     rows = result.logits[accepted] if config.logprobs is not None else None  # no gather unless asked for
     *entries, bonus_logprob = logprobs_of(rows, tokens + [bonus], config.logprobs)
-    for token, entry in zip(tokens, entries):
-        if out.push(token, entry):  # emit up to the end, no further
-            return None
-        sampler.record(token)
     # a draft on its own device starts the next block during the commit, unless the next step is an AR step
     next_bonus = bonus if policy.budget else None
-    engine.commit_step(cache, accepted, proposer, result.features, next_bonus=next_bonus)
+    committed = out.takes_without_ending(tokens)
+    if committed:  # the device commits (and drafts) while the host streams these tokens
+        engine.commit_step(cache, accepted, proposer, result.features, next_bonus=next_bonus)
+    for token, entry in zip(tokens, entries):
+        if out.push(token, entry):  # emit up to the end, no further (the path is then never committed)
+            return None
+        sampler.record(token)
+    if not committed:
+        engine.commit_step(cache, accepted, proposer, result.features, next_bonus=next_bonus)
     return bonus, bonus_logprob
 
 

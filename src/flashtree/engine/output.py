@@ -67,6 +67,13 @@ class OutputTracker:
         if max_new_tokens <= 0:
             self._finish("length", flush=False)
 
+    def takes_without_ending(self, tokens: list[int]) -> bool:
+        """Whether pushing `tokens` surely leaves generation going: no end token among them, room for all and
+        more, no stop strings or cancellation to check. The speculative loop then commits a step's path before
+        pushing its tokens, so the host streams text while the device commits and drafts."""
+        return (self.cancelled is None and not self.stop and self.eos_ids.isdisjoint(tokens)
+                and len(self.token_ids) + len(tokens) < self.max_new_tokens)
+
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
