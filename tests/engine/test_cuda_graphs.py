@@ -191,7 +191,8 @@ def test_a_chain_verifies_one_draft_block_not_the_budget(target):
     for mode, rows in (("chain", 16), ("ddtree", 23)):
         config = GenerationConfig(max_new_tokens=24, mode=mode, budget=22, ignore_eos=True, adaptive=False)
         assert engine.generate(prompt, config).token_ids == expected
-        sizes = {key[0] for key in engine.runner.graph_runner().steps.entries if key[0] != "commit" and key[1]}
+        # greedy: the whole step is one static function (GraphedForward.speculative_step), keyed by its rows
+        sizes = {key[2] for key in engine.runner.graph_runner().steps.entries if key[0] == "speculative"}
         assert rows in sizes
     assert sizes == {16, 23}
 
@@ -220,7 +221,8 @@ def test_warm_up_meets_the_step_shape_of_every_budget_the_policy_can_take(target
     engine = static_engine(target, random_draft(target))
     config = GenerationConfig(max_new_tokens=8, mode=mode, budget=22, ignore_eos=True)
     assert engine.warm_up(prompt, config) > 0
-    verify_shapes = lambda: {key[0] for key in engine.runner._graphs.steps.entries if key[1] is True}  # noqa: E731
+    # greedy: each step is one static function (GraphedForward.speculative_step), keyed by its tree's rows
+    verify_shapes = lambda: {key[2] for key in engine.runner._graphs.steps.entries if key[0] == "speculative"}  # noqa: E731
     warmed = verify_shapes()
     for budget in (22, 11, 5, 2, 1):
         engine.generate(prompt, GenerationConfig(max_new_tokens=8, mode=mode, budget=budget, ignore_eos=True,

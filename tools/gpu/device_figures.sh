@@ -37,6 +37,7 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
     sweep-attention-compare) timeout 150 python3 benchmarks/sweep_tree_attention.py --compare \
                    --baseline .baseline/tree_attention.py --budget-s 110 --out "$OUT/attention_compare.json" \
                    > "$OUT/attention_compare.txt" 2>&1; echo "== sweep-attention-compare (rc $?)"; tail -12 "$OUT/attention_compare.txt" ;;
+    sweep-draft-attention) timeout 120 python3 benchmarks/sweep_draft_attention.py --out "$OUT/draft_attention.json" ;;
     sweep-deltanet-tree) timeout 120 python3 benchmarks/sweep_deltanet_tree.py --out "$OUT/deltanet_tree.json" \
                    > "$OUT/deltanet_tree.txt" 2>&1; echo "== sweep-deltanet-tree (rc $?)"; tail -6 "$OUT/deltanet_tree.txt" ;;
     # fla's launch configurations tuned at the 27B prefill shapes, for src/flashtree/assets/fla-configs/

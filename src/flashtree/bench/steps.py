@@ -239,6 +239,7 @@ def run_steps(args, engine, device_name: str) -> int:
     sampler = engine.runner.sampler(prompt, config)
     row("walk", timed(lambda: walk(tree, result.logits, sampler), device, args.repeat))
     row("commit (depth-4 path)", _commit_time(engine, cache, proposer, tree, capture, args.repeat))
+    _device_step_rows(engine, cache, proposer, bonus, config.topk, device, args.repeat, ar, rows, row)
 
     mark("tree, walk, commit")
     for length in args.prefill_lengths:
@@ -345,6 +346,23 @@ def _profile_speculative_step(engine, cache, proposer, tree, capture, bonus: int
                             ("profile_verify_and_commit", "verify + commit (depth-4 path)", verify_and_commit)):
         report[key] = profile_call(call, device)
         print_profile(name, report[key], device)
+
+
+def _device_step_rows(engine, cache, proposer, bonus: int, topk: int, device, repeat: int, ar: float, rows: list,
+                      row) -> None:
+    """The whole greedy step as the engine runs it where it can (`GraphedForward.speculative_step`: draft, tree,
+    verify, walk and commit in one graph), and its part beyond the draft and verify rows above: what the tree
+    build, the walk and the commit cost inside it."""
+    runner = engine.runner.graph_runner()
+    if runner is None or not hasattr(proposer, "static_block"):
+        return
+    seconds = timed(lambda: runner.speculative_step(cache, proposer, bonus, "ddtree", DEFAULT_BUDGET, topk), device,
+                    repeat)
+    row(f"speculative step (one graph, budget {DEFAULT_BUDGET})", seconds, vs_ar=round(seconds / ar, 2))
+    parts = {r["step"]: r["ms"] for r in rows}
+    inside = parts[f"speculative step (one graph, budget {DEFAULT_BUDGET})"] - parts[f"verify budget {DEFAULT_BUDGET}"] \
+        - parts["draft step"]
+    row("tree + walk + commit in the step graph", inside / 1e3)
 
 
 def _commit_time(engine, cache, proposer, tree, capture, repeat: int) -> float:

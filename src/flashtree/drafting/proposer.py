@@ -72,7 +72,7 @@ class DFlashProposer:
             length = self.cache.length
             with on_device(self.device):
                 return self.steps.run((rows,), 3, lambda host: host.copy_(torch.tensor([bonus, position, length])),
-                                      lambda packed: self._static_block(packed, rows))
+                                      lambda packed: self.static_block(packed, rows))
         pending, self._prefetched = self._prefetched, None
         hidden = pending[1] if pending is not None and pending[0] == (bonus, position) else \
             self._block_hidden(bonus, position)
@@ -94,8 +94,10 @@ class DFlashProposer:
         with on_device(self.device):
             return self.draft.forward_block(self.cache, embeddings, position)
 
-    def _static_block(self, packed: torch.Tensor, rows: int) -> torch.Tensor:
-        """The block pass as a function of device inputs [bonus, position, context length] only."""
+    def static_block(self, packed: torch.Tensor, rows: int) -> torch.Tensor:
+        """The block pass as a function of device inputs [bonus, position, context length] only (the context
+        read up to `rows`, a bucket of `bucket_rows`): [block_size - 1, vocab] float32 logits. A captured
+        function's piece: `propose`, and the whole speculative step (engine/cuda_graphs.py)."""
         first = torch.arange(self.block_size, device=self.device) == 0
         block = torch.where(first, packed[0], self.draft.config.mask_token_id)
         hidden = self.draft.forward_block(self.cache, self.target.embed_tokens(block), packed[1:2], rows, packed[2:3])

@@ -25,9 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
+from flashtree.drafting.ddtree import topk_table
 from flashtree.kernels import on_device
+from flashtree.kernels.tree_build import build_tree, walk_tree
 from flashtree.models.qwen35 import ForwardOutput
-from flashtree.models.step import Step
+from flashtree.models.step import Step, padded_offsets
 
 MIN_BUCKET = 256  # cache rows: the smallest read window; past it, an eighth of the next power of two
 
@@ -118,6 +120,7 @@ class GraphedForward:
         # graphs: index out of bounds, 2026-12-01)
         self.verify_features = None
         self.proposer = None  # the draft proposer kept across requests (engine/decode.py)
+        self._launched = None  # (arguments, cache, proposer, result buffer) of the step `launch_ahead` started
 
     def forward(self, tokens: torch.Tensor, cache, tree=None, capture=(), pad_to: int | None = None) -> ForwardOutput:
         """`tokens` on the host; `tree` a drafting.ddtree.DraftTree whose tokens they are, or None for a run."""
@@ -157,8 +160,7 @@ class GraphedForward:
             nodes, start_t, count_t = packed[:rows], packed[rows : rows + 1], packed[rows + 2 : rows + 3]
             self.model.run_commit(cache, nodes, start_t, count_t)
             if static_draft:  # padding rows repeat the root's features, position and slot
-                offsets = torch.arange(rows, device=nodes.device)
-                offsets = offsets * (offsets < count_t)
+                offsets = padded_offsets(rows, count_t, nodes.device)
                 proposer.commit_static(features[nodes], start_t + offsets, packed[rows + 1 : rows + 2], offsets)
 
         def fill(host: torch.Tensor) -> None:
@@ -177,8 +179,89 @@ class GraphedForward:
             proposer.commit(features[torch.tensor(path, device=features.device)],
                             torch.arange(start, start + n, device=features.device))
 
+    def speculative_step(self, cache, proposer, bonus: int, mode: str, nodes: int, topk: int) -> list[int]:
+        """One whole greedy speculative step as one graph: the draft's block after `bonus`, its tree of `nodes`
+        nodes (a chain of the rank-0 tokens, or the DDTree of the top-`topk` table), the target's verify, the
+        greedy walk and the commit of the accepted path (target cache and draft context). The host sends four
+        numbers and reads back `walk_tree`'s result [count, next bonus, path, path tokens]: the step's only
+        wait. The path is committed before the host sees it, so a step whose tokens end the output commits
+        past the end (the prefix cache then stores only the prompt's snapshots). A step `launch_ahead` started
+        with the same arguments is waited for instead of run again."""
+        arguments = (id(cache), id(proposer), bonus, mode, nodes, topk)
+        launched, self._launched = self._launched, None
+        if launched is not None and launched[0] != arguments:
+            self._finish(*launched)  # never asked for (the loop changed its budget): its commit still counts
+            launched = None
+        if launched is None:
+            launched = (arguments, cache, proposer, self._launch(cache, proposer, bonus, mode, nodes, topk))
+        return self._finish(*launched)
+
+    def launch_ahead(self, cache, proposer, bonus: int, mode: str, nodes: int, topk: int) -> None:
+        """Start the `speculative_step` of these arguments now, without waiting for it, so that the host
+        streams the last step's tokens while the device runs the next one; `speculative_step` with the same
+        arguments (or `settle`) waits for it."""
+        self.settle()
+        result = self._launch(cache, proposer, bonus, mode, nodes, topk)
+        self._launched = ((id(cache), id(proposer), bonus, mode, nodes, topk), cache, proposer, result)
+
+    def settle(self) -> None:
+        """Wait for a step `launch_ahead` started and count its commit (a request that ended before asking for
+        it: the cache is then past the output, as after a path that crosses the end)."""
+        launched, self._launched = self._launched, None
+        if launched is not None:
+            self._finish(*launched)
+
+    def _launch(self, cache, proposer, bonus: int, mode: str, nodes: int, topk: int) -> torch.Tensor:
+        if cache is not self.cache:
+            self.release()
+            self.cache = cache
+        size = nodes + 1
+        cache.reserve(size)
+        draft_rows = bucket_rows(max(proposer.cache.length, 1), proposer.cache.max_context)
+        verify_rows = bucket_rows(cache.length + size, cache.capacity)
+        key = ("speculative", mode, size, topk, draft_rows, verify_rows, id(proposer))
+        inputs = torch.tensor([bonus, cache.length, proposer.cache.length, proposer.cache.count])
+
+        def run(packed: torch.Tensor) -> torch.Tensor:
+            with torch.inference_mode():
+                return self._speculative_step(packed, cache, proposer, mode, nodes, topk, draft_rows, verify_rows)
+
+        with on_device(self.model.device):
+            return self.steps.run(key, len(inputs), lambda host: host.copy_(inputs), run)
+
+    @staticmethod
+    def _finish(_arguments: tuple, cache, proposer, result: torch.Tensor) -> list[int]:
+        values = result.tolist()  # the step's one wait
+        cache.pending.clear()  # the graph committed the scratch its verify wrote
+        cache.length += values[0]
+        proposer.cache.count += values[0]
+        return values
+
+    def _speculative_step(self, packed: torch.Tensor, cache, proposer, mode: str, nodes: int, topk: int,
+                          draft_rows: int, verify_rows: int) -> torch.Tensor:
+        """The static function of `speculative_step`: packed = [bonus, committed length, draft context length,
+        draft positions appended so far]."""
+        size, start = nodes + 1, packed[1:2]
+        draft_logits = proposer.static_block(packed[:3], draft_rows)
+        if mode == "chain":  # the rank-0 token of each row, as drafting.ddtree.build_chain takes it
+            ids = draft_logits.argmax(-1, keepdim=True)
+            logprobs = torch.zeros(ids.shape, device=ids.device)
+        else:
+            logprobs, ids = topk_table(draft_logits, min(topk, draft_logits.shape[-1]))
+        tokens, parents, depths, visible = build_tree(packed[:1], logprobs, ids, nodes, size)
+        slots = start + torch.arange(size, device=start.device)
+        step = Step(start + depths, 0, visible, parents, slots, verify_rows, start)
+        output = self.model.run(tokens, cache, step, proposer.capture_layers)
+        result = walk_tree(tokens, parents, output.logits.argmax(-1))
+        count, path = result[:1], result[2 : 2 + size]
+        self.model.run_commit(cache, path, start, count)
+        offsets = padded_offsets(size, count, path.device)
+        proposer.commit_static(output.features[path], start + offsets, packed[3:4], offsets)
+        return result
+
     def release(self) -> None:
-        """Drop every graph and the cache they were captured on."""
+        """Drop every graph and the cache they were captured on (after waiting for a step launched ahead)."""
+        self.settle()
         self.steps.clear()
         self.cache = None
 

@@ -28,9 +28,10 @@ from flashtree.drafting.ddtree import DraftTree, build_chain, build_tree, follow
 from flashtree.drafting.proposer import DFlashProposer, Proposer
 from flashtree.engine.adaptive import AdaptiveBudget, FixedBudget, budget_policy, step_clock
 from flashtree.engine.config import GenerationConfig, GenerationStats
-from flashtree.engine.cuda_graphs import CapturedSteps
+from flashtree.engine.cuda_graphs import CapturedSteps, GraphedForward
 from flashtree.engine.output import OutputTracker, TokenLogprob, logprobs_of
 from flashtree.engine.runner import ModelRunner
+from flashtree.kernels.tree_build import MAX_TABLE_ROWS, MAX_TOPK, MAX_TREE_ROWS
 
 
 def autoregressive(engine: ModelRunner, prompt_ids: list[int], config: GenerationConfig, out: OutputTracker,
@@ -53,15 +54,15 @@ def autoregressive(engine: ModelRunner, prompt_ids: list[int], config: Generatio
 FLOAT32_EXACT_IDS = 1 << 24  # token ids below this are exact in float32
 
 
-def tree_width(mode: str, budget: int, draft_logits: torch.Tensor) -> int:
+def tree_width(mode: str, budget: int, draft_rows: int) -> int:
     """The most nodes below the root a step's tree can have: a chain is at most one draft block long (15 of a
     budget of 22: its verify pads to 16 rows, not 23), a DDTree has its budget."""
-    return min(budget, draft_logits.shape[0]) if mode == "chain" else budget
+    return min(budget, draft_rows) if mode == "chain" else budget
 
 
 def make_tree(mode: str, bonus: int, draft_logits: torch.Tensor, budget: int, topk: int) -> DraftTree:
     if mode == "chain":
-        return build_chain(bonus, draft_logits.argmax(-1), tree_width(mode, budget, draft_logits))
+        return build_chain(bonus, draft_logits.argmax(-1), tree_width(mode, budget, draft_logits.shape[0]))
     logprobs, ids = topk_table(draft_logits, min(topk, draft_logits.shape[-1]))
     if draft_logits.shape[-1] > FLOAT32_EXACT_IDS:
         return build_tree(bonus, logprobs, ids, budget)
@@ -80,6 +81,21 @@ def speculative(engine: ModelRunner, prompt_ids: list[int], config: GenerationCo
     policy, clock = budget_policy(config, engine.speculation(config)), step_clock()
     bonus = sampler.choose(sampler.distribution(logits)[0])
     [bonus_logprob] = logprobs_of(logits, [bonus], config.logprobs)
+    runner = device_step_runner(engine, proposer, sampler, config)
+    try:
+        speculative_loop(engine, cache, proposer, sampler, bonus, bonus_logprob, config, out, stats, policy, clock,
+                         runner)
+    finally:
+        if runner is not None:
+            runner.settle()  # a step launched ahead of an output that ended: its commit counts (prefix cache)
+
+
+def speculative_loop(engine: ModelRunner, cache, proposer: Proposer, sampler, bonus: int,
+                     bonus_logprob: TokenLogprob | None, config: GenerationConfig, out: OutputTracker,
+                     stats: GenerationStats, policy: AdaptiveBudget | FixedBudget, clock,
+                     runner: GraphedForward | None) -> None:
+    """Steps until the output ends: tree steps (on the device where `runner` is given) or, where the policy says
+    so, plain AR steps."""
     current = config.budget
     while not out.push(bonus, bonus_logprob):
         sampler.record(bonus)
@@ -91,7 +107,10 @@ def speculative(engine: ModelRunner, prompt_ids: list[int], config: GenerationCo
             bonus, bonus_logprob = ar_step(engine, cache, proposer, sampler, bonus, config, stats)
             policy.record(1, clock() if clock else None, CapturedSteps.captures)
             continue
-        step = tree_step(engine, cache, proposer, sampler, bonus, budget, config, out, stats, policy, clock)
+        if runner is not None and tree_width(config.mode, budget, proposer.block_size - 1) < MAX_TREE_ROWS:
+            step = device_tree_step(runner, cache, proposer, bonus, budget, config, out, stats, policy, clock)
+        else:
+            step = tree_step(engine, cache, proposer, sampler, bonus, budget, config, out, stats, policy, clock)
         if step is None:  # an end-of-generation or stop inside the accepted path
             return
         bonus, bonus_logprob = step
@@ -121,7 +140,7 @@ def tree_step(engine: ModelRunner, cache, proposer: Proposer, sampler, bonus: in
     tree = make_tree(config.mode, bonus, draft_logits, budget, config.topk)
     t1 = time.perf_counter()
     result = engine.step_forward(tree.tokens, cache, tree, proposer.capture_layers,
-                                 pad_to=tree_width(config.mode, budget, draft_logits) + 1)
+                                 pad_to=tree_width(config.mode, budget, draft_logits.shape[0]) + 1)
     accepted, bonus = walk(tree, result.logits, sampler)
     stats.draft_s += t1 - t0
     stats.verify_s += time.perf_counter() - t1
@@ -145,6 +164,44 @@ def tree_step(engine: ModelRunner, cache, proposer: Proposer, sampler, bonus: in
     if not committed:
         engine.commit_step(cache, accepted, proposer, result.features, next_bonus=next_bonus)
     return bonus, bonus_logprob
+
+
+def device_step_runner(engine: ModelRunner, proposer: Proposer, sampler, config: GenerationConfig) -> GraphedForward | None:
+    """The graph runner when a whole speculative step can run on the device (`device_tree_step`): greedy
+    with nothing that needs the host between verify and walk (no penalties, bias or log-probabilities), and a
+    graph-ready draft on the target's device."""
+    params = sampler.params
+    if not params.greedy or params.penalized or params.logit_bias or config.logprobs is not None:
+        return None
+    if config.mode == "ddtree" and config.topk > MAX_TOPK or proposer.block_size - 1 > MAX_TABLE_ROWS:
+        return None  # past the device build's table (its heap keys pack rank and row in a few bits)
+    runner = engine.graph_runner()
+    static = getattr(proposer, "steps", None) is not None and hasattr(proposer, "static_block")
+    return runner if runner is not None and static else None
+
+
+def device_tree_step(runner: GraphedForward, cache, proposer: Proposer, bonus: int, budget: int,
+                     config: GenerationConfig, out: OutputTracker, stats: GenerationStats,
+                     policy: AdaptiveBudget | FixedBudget, clock=None) -> tuple[int, None] | None:
+    """`tree_step` as one graph on the device (`GraphedForward.speculative_step`): the same tree, verify, greedy
+    walk and commit, with one wait for the accepted tokens instead of a host tree build and walk between
+    two waits. Its time counts as verify time (the draft's share is not measured apart)."""
+    started = time.perf_counter()
+    nodes = tree_width(config.mode, budget, proposer.block_size - 1)
+    result = runner.speculative_step(cache, proposer, bonus, config.mode, nodes, config.topk)
+    count, bonus = result[0], result[1]
+    tokens = result[2 + nodes + 1 :][1:count]  # the path's tokens below the root
+    stats.verify_s += time.perf_counter() - started
+    stats.steps += 1
+    stats.accepted[count] += 1
+    stats.proposed += nodes
+    policy.record(count, clock() if clock else None, CapturedSteps.captures)
+    if policy.budget == budget and out.takes_without_ending(tokens + [bonus]):
+        runner.launch_ahead(cache, proposer, bonus, config.mode, nodes, config.topk)  # runs while these stream
+    for token in tokens:
+        if out.push(token):  # the step committed past this end (the prefix cache knows: cache.length)
+            return None
+    return bonus, None
 
 
 def walk(tree: DraftTree, logits: torch.Tensor, sampler) -> tuple[list[int], int]:

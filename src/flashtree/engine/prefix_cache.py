@@ -487,14 +487,19 @@ class PrefixCache:
         if session is None:
             return
         cache, request = session.cache, session.request
-        length = cache.length
-        if length > len(token_ids):
-            return  # not the state these tokens describe (should not happen): store nothing
+        length, ended_inside = cache.length, cache.length > len(token_ids)
+        if ended_inside:
+            # a speculative step on the device commits its path before the host sees it (engine/decode.py): the
+            # output ended inside it, so the state is past these tokens and only the prompt's snapshots, with
+            # their rows, are stored
+            length = max((snap.length for snap in session.pending), default=0)
+            if length == 0:
+                return
         started = self.clock()
         # a speculative request that stopped inside a verified tree leaves its scratch pending (never
         # committed): the committed state is still token_ids[:length], but the draft's context may have run
         # ahead of it, so only the prompt's snapshots (taken during prefill) are stored then
-        if not cache.pending and length > session.pending[-1].length:
+        if not ended_inside and not cache.pending and length > session.pending[-1].length:
             session.pending.append(self._snapshot(session))
         rows = _copy_rows(cache, length, session.parent, session.base)
         request.snapshot_bytes += rows.copies.nbytes

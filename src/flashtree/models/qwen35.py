@@ -28,7 +28,7 @@ from flashtree.models.attention import GatedAttention
 from flashtree.models.deltanet import GatedDeltaNet, commit_layers
 from flashtree.models.layers import Linear, Projections, QuantizedEmbedding, load_weight
 from flashtree.models.qwen35_config import Qwen35Config
-from flashtree.models.step import Step
+from flashtree.models.step import Step, padded_offsets
 
 
 class MLP:
@@ -229,9 +229,7 @@ class Qwen35Model:
         recurrence over the path (batched per device). `count` (int64 [1]): a path padded past its live
         length with the root (node 0), so that one graph commits every path of a verify: a padding entry
         repeats the root's move, row `start` onto itself."""
-        offsets = torch.arange(path.shape[0], device=path.device)
-        if count is not None:
-            offsets = offsets * (offsets < count)  # padding moves row start, as the root does
+        offsets = padded_offsets(path.shape[0], count, path.device)  # padding moves row start, as the root does
         recurrent: dict[torch.device, list] = {}  # DeltaNet layers per device, committed together below
         rows, source = start + offsets, start + path  # shared by the layers
         for layer in self.layers:

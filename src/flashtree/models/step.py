@@ -16,6 +16,14 @@ from flashtree.kernels.qk_norm_rope import rope_tables
 from flashtree.kernels.tree_attention import graphed_mask
 
 
+def padded_offsets(rows: int, count: torch.Tensor | None, device) -> torch.Tensor:
+    """int64 [rows]: each row's offset from the committed length along an accepted path of `rows` entries;
+    with `count` (int64 [1] on the device) the path is padded with the root past its live length, and the
+    padding rows get offset 0, the root's (one captured commit serves every path length of a verify)."""
+    offsets = torch.arange(rows, device=device)
+    return offsets if count is None else offsets * (offsets < count)
+
+
 @dataclass(frozen=True)
 class Step:
     positions: torch.Tensor  # int64 [T]: RoPE position of each token
