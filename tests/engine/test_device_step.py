@@ -82,18 +82,29 @@ def test_an_output_that_ends_inside_a_committed_path_keeps_the_prefix_cache_righ
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_captured_device_steps_equal_autoregressive_on_the_gpu():
-    """float32 on the GPU: the replayed one-graph steps (chain and DDTree) give the AR tokens."""
+    """float32 on the GPU: the replayed one-graph steps (chain and DDTree) give the AR tokens, or differ first
+    where the target's top two logits tie to float32 rounding (the demo target has exact ties; a decode row
+    and a verify row, or reads of another cache size, round differently there: seen on the H200, 2026-12-01)."""
+    from flashtree.bench.divergence import first_difference, margin_after
     from flashtree.engine.loader import DEMO_DRAFT, DEMO_TARGET, engine_from_target, load_target
 
     gpu = engine_from_target(load_target(DEMO_TARGET, device="cuda", dtype=torch.float32),
                              EngineArgs(draft=str(DEMO_DRAFT)))
+    identical = 0
     for text in PROMPTS:
         ids = gpu.encode_prompt(text)
-        ar = gpu.generate(ids, GenerationConfig(max_new_tokens=96, mode="ar", ignore_eos=True)).token_ids
+        ar_config = GenerationConfig(max_new_tokens=96, mode="ar", ignore_eos=True)
+        ar = gpu.generate(ids, ar_config).token_ids
         for mode in ("chain", "ddtree"):
             config = GenerationConfig(max_new_tokens=96, mode=mode, ignore_eos=True, adaptive=False)
             result = gpu.generate(ids, config)
-            assert result.token_ids == ar, (text, mode)
             assert result.stats.acceptance_length > 2
+            position = first_difference(result.token_ids, ar)
+            if position is None:
+                identical += 1
+                continue
+            margin = margin_after(gpu, ids + ar[: position + 1], ar_config)
+            assert margin < 1e-3, (text, mode, position, margin)  # a float32 tie, or a wrong token
+    assert identical >= 4
     entries = gpu.runner.graph_runner().steps.entries
     assert any(key[0] == "speculative" and entry.graph is not None for key, entry in entries.items())

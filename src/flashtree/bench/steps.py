@@ -105,11 +105,22 @@ class ReplayProposer:
         self.inner, self.reference, self.al = inner, reference, al
         self.block_size, self.capture_layers = inner.block_size, inner.capture_layers
         self.credit = 0.0
-        self.nonfinite_rows = 0  # draft rows with inf/NaN logits (reported: the draft's own numerics)
+        self._nonfinite_rows = 0  # draft rows with inf/NaN logits (reported: the draft's own numerics)
+        # the same on the device, for `static_block` inside the engine's one-graph step: the record (padded past
+        # its end by one block), the credit and the count of non-finite rows as device state the graph updates
+        device = inner.device
+        self._reference_t = torch.tensor(reference + reference[-1:] * self.block_size, device=device)
+        self._credit_t = torch.zeros(1, device=device, dtype=torch.float64)
+        self._nonfinite_t = torch.zeros(1, device=device, dtype=torch.long)
+
+    @property
+    def nonfinite_rows(self) -> int:
+        return self._nonfinite_rows + int(self._nonfinite_t)
 
     def start(self) -> None:
         self.inner.start()
         self.credit = 0.0
+        self._credit_t.zero_()
 
     def commit(self, features: torch.Tensor, positions: torch.Tensor) -> None:
         self.inner.commit(features, positions)
@@ -127,10 +138,24 @@ class ReplayProposer:
                       offsets: torch.Tensor | None = None) -> None:
         self.inner.commit_static(features, positions, count, offsets)
 
+    def static_block(self, packed: torch.Tensor, rows: int) -> torch.Tensor:
+        """`propose` as a function of device inputs [bonus, position, context length] (the inner draft's
+        `static_block`), so that the engine runs its whole step as one graph (engine/cuda_graphs.py)."""
+        logits = self.inner.static_block(packed, rows)
+        self._nonfinite_t += (~torch.isfinite(logits).all(-1)).sum()
+        logits = torch.nan_to_num(logits).clamp_(-1e3, 1e3)
+        self._credit_t += self.al - 1
+        depth = torch.arange(logits.shape[0], device=logits.device)
+        correct = torch.clamp(self._credit_t.floor(), max=logits.shape[0])
+        self._credit_t -= correct
+        truth = self._reference_t[(packed[1] + 1 + depth).clamp_(max=self._reference_t.shape[0] - 1)]
+        values = torch.where(depth < correct, 1e4, float("-inf")).to(logits.dtype)
+        return logits.scatter_(1, truth[:, None], values[:, None])
+
     @torch.inference_mode()
     def propose(self, bonus: int, position: int) -> torch.Tensor:
         logits = self.inner.propose(bonus, position)
-        self.nonfinite_rows += int((~torch.isfinite(logits).all(-1)).sum())
+        self._nonfinite_rows += int((~torch.isfinite(logits).all(-1)).sum())
         # a random draft fed the echo model's large features gives logits far beyond 1e4 (H200, 27B shape:
         # AL 1.0 until these were bounded), and may overflow: bounded values keep the forced ones decisive
         logits = torch.nan_to_num(logits).clamp_(-1e3, 1e3)
