@@ -79,7 +79,7 @@ def strided(q, k, v, g, beta, state):
 
 
 def recurrent_case(case: str) -> dict:
-    from flashtree.kernels.gated_delta_triton import recurrent_step, recurrent_step_reference
+    from flashtree.kernels.gated_delta_triton import commit_path, recurrent_step, recurrent_step_reference
 
     parts = case.split("-")
     dk, dv = (int(x) for x in parts[1][1:].split("x")) if "x" in parts[1] else (int(parts[1][1:]),) * 2
@@ -90,16 +90,16 @@ def recurrent_case(case: str) -> dict:
     q, k, v, g, beta, state = args
     ref_state = state.clone()
     ref = recurrent_step_reference(q, k, v, g, beta, ref_state)
-    if "rows" in case:  # a path of rows read in place equals the recurrence over the gathered rows
+    if "rows" in case:  # commit_path over rows read in place equals the recurrence over the gathered rows
         path = torch.tensor([0, 2, 3, t - 1])
         ref_state = state.clone()
-        ref = recurrent_step_reference(q[path], k[path], v[path], g[path], beta[path], ref_state)
+        recurrent_step_reference(q[path], k[path], v[path], g[path], beta[path], ref_state)
         if "padded" in case:  # a commit graph's path: padded with the root, its length on the device
-            out = recurrent_step(q, k, v, g, beta, state, rows=torch.tensor([0, 2, 3, t - 1, 0, 0, 0]),
-                                 count=torch.tensor([4]))[:4]
+            commit_path(q, k, v, g, beta, state, torch.tensor([0, 2, 3, t - 1, 0, 0, 0]), torch.tensor([4]))
         else:
-            out = recurrent_step(q, k, v, g, beta, state, rows=path)
-    elif "three" in case:  # three single-token calls equal one call over the sequence
+            commit_path(q, k, v, g, beta, state, path)
+        return {"error": rel(state, ref_state), "state_changed": True}
+    if "three" in case:  # three single-token calls equal one call over the sequence
         out = torch.cat([recurrent_step(q[i:i + 1], k[i:i + 1], v[i:i + 1], g[i:i + 1], beta[i:i + 1], state)
                          for i in range(t)])
     else:

@@ -7,8 +7,8 @@ import torch
 
 from flashtree.errors import FlashtreeError
 from flashtree.kernels import gated_delta
-from flashtree.kernels.gated_delta_triton import (ancestors_from_parents, recurrent_step, recurrent_step_reference,
-                                                  tree_verify, tree_verify_reference)
+from flashtree.kernels.gated_delta_triton import (ancestors_from_parents, commit_path, recurrent_step,
+                                                  recurrent_step_reference, tree_verify, tree_verify_reference)
 
 from tests.kernels import gated_delta_triton_cases as cases
 from tests.kernels.interpreter import run_cases
@@ -115,6 +115,14 @@ def test_real_sizes_on_gpu(t):
     ref = recurrent_step_reference(q, k, v, g, beta, ref_state)
     out = recurrent_step(q, k, v, g, beta, state)
     assert rel(out, ref) <= 1e-4 and rel(state, ref_state) <= 1e-4
+
+    if t > 1:  # a verified path committed in place, padded to the tree's rows with its length on the device
+        path = torch.tensor([0, 2, 5, t - 1], device="cuda")
+        padded = torch.cat([path, path.new_zeros(t - len(path))])
+        ref_state, commit_state = before.clone(), before.clone()
+        recurrent_step_reference(*(x[path] for x in (q, k, v, g, beta)), ref_state)
+        commit_path(q, k, v, g, beta, commit_state, padded, torch.tensor([len(path)], device="cuda"))
+        assert rel(commit_state, ref_state) <= 1e-4
 
     graph_state = before.clone()  # one decode step captured in a CUDA graph replays in place
     q1, k1, v1, g1, b1 = (x[:1].clone() for x in (q, k, v, g, beta))

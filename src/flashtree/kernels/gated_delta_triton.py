@@ -6,9 +6,11 @@ tiling `torch.repeat` gives), so the caller need not expand them. Both kernels r
 (value head, BLOCK_V-wide tile of value columns): the delta rule never mixes value columns, so a
 program needs only S0[:, tile] (dk x BLOCK_V) and the whole of q/k for its head.
 
-- `recurrent_step`: T >= 1 tokens in sequence (decode: T = 1; commit of an accepted path: T <= ~17).
-  The state tile lives in registers across the token loop and is written back in place, so one
-  launch replaces the per-token torch ops and a captured CUDA graph keeps reading the same buffer.
+- `recurrent_step`: T >= 1 tokens in sequence (decode: T = 1). The state tile lives in registers across the
+  token loop and is written back in place, so one launch replaces the per-token torch ops and a captured
+  CUDA graph keeps reading the same buffer.
+- `commit_path`: the same recurrence over an accepted path's rows (a verified tree's, read in place, its
+  length on the device), without outputs, every row loaded before the loop.
 - `tree_verify`: outputs of every node of a draft tree (T <= 64; parents[i] < i, -1 = attached to
   the current state), each node seeing the state reached along its own root-to-node path; the
   state is only read. It is the `ancestor_chunk` (WY) form evaluated in one program:
@@ -120,42 +122,60 @@ def _default_block_v(heads: int, dv: int) -> int:
 # ---------------------------------------------------------------------------------------------
 # public API
 
-def recurrent_step(q, k, v, g, beta, state, block_v: int | None = None, num_warps: int = 4,
-                   rows: torch.Tensor | None = None, count: torch.Tensor | None = None) -> torch.Tensor:
+def recurrent_step(q, k, v, g, beta, state, block_v: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """T >= 1 tokens in sequence: S <- exp(g) S; u = beta (v - S^T k); S <- S + k u^T; o = S^T q.
 
     q, k [T, Hk, dk]; v [T, H, dv]; g, beta [T, H]; state float32 [H, dk, dv], updated in place
-    (any strides). Returns o [T, H, dv] float32. `rows` (int64 [T'], on the state's device): the
-    recurrence runs over those rows of q, k, v, g, beta in that order, read in place (a verified tree's
-    accepted path, without gathering five tensors first); o is then [T', H, dv]. `count` (int64 [1] on the
-    device, with `rows`): only rows[:count] run (a path padded to a fixed length, so that one CUDA graph
-    commits any path of a verify); o's rows from `count` on are not written.
+    (any strides). Returns o [T, H, dv] float32.
     """
     _check(q, k, v, g, beta, state)
-    if rows is not None and (rows.dim() != 1 or rows.dtype not in (torch.int64, torch.int32)):
-        raise FlashtreeError(f"rows must be an int64 [T] index, got {rows.dtype} {tuple(rows.shape)}")
-    if count is not None and rows is None:
-        raise FlashtreeError("recurrent_step: `count` bounds a padded `rows`; pass both")
     if triton is None or not triton_runs_on(state.device):
-        if rows is not None:
-            live = rows if count is None else rows[: int(count)]
-            q, k, v, g, beta = (x.index_select(0, live) for x in (q, k, v, g, beta))
-        o = recurrent_step_reference(q, k, v, g, beta, state)
-        return o if count is None else torch.cat([o, o.new_zeros(rows.shape[0] - o.shape[0], *o.shape[1:])])
-    q, k, v, out = _prepared(q, k, v, rows)
+        return recurrent_step_reference(q, k, v, g, beta, state)
+    q, k, v, out = _prepared(q, k, v)
     _, hk, dk = q.shape
     t, h, dv = out.shape
     if t == 0:
         return out
-    block_v = block_v or _default_block_v(h, dv)
+    block_v = _block_v(block_v, h, dv)
+    _recurrent_kernel[(h, dv // block_v)](q, k, v, g, beta, state, out, t, hk, *_strides(q, k, v, g, beta, state, out),
+                                          DK=dk, BLOCK_V=block_v, num_warps=num_warps)
+    return out
+
+
+def commit_path(q, k, v, g, beta, state, rows: torch.Tensor, count: torch.Tensor | None = None,
+                block_v: int | None = None, num_warps: int = 4) -> None:
+    """The state after the recurrence over rows `rows` (int64 [T'] <= MAX_TREE_NODES, on the state's device) of
+    q, k, v, g, beta in that order, in place: a verified tree's accepted path, read where the verify left it.
+    `count` (int64 [1] on the device): only rows[:count] run (a path padded to a fixed length, so that one
+    CUDA graph commits any path of a verify). No outputs: the kernel loads every row of the path at once and
+    then runs the recurrence from registers, not one dependent round trip to memory per token (q is only
+    checked, the commit needs no outputs)."""
+    _check(q, k, v, g, beta, state)
+    if rows.dim() != 1 or rows.dtype not in (torch.int64, torch.int32) or rows.shape[0] > MAX_TREE_NODES:
+        raise FlashtreeError(f"rows must be an int64 [T] index, T <= {MAX_TREE_NODES}, got {rows.dtype} "
+                             f"{tuple(rows.shape)}")
+    if triton is None or not triton_runs_on(state.device):
+        live = rows if count is None else rows[: int(count)]
+        recurrent_step_reference(*(x.index_select(0, live) for x in (q, k, v, g, beta)), state)
+        return
+    _pow2_dims(k.shape[-1], v.shape[-1])
+    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    t, (_, hk, dk), (_, h, dv) = rows.shape[0], k.shape, v.shape
+    if t == 0:
+        return
+    block_v = _block_v(block_v, h, dv)
+    _commit_path_kernel[(h, dv // block_v)](k, v, g, beta, state, rows, count if count is not None else rows, t, hk,
+                                            k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
+                                            g.stride(1), beta.stride(0), beta.stride(1), *state.stride(),
+                                            DK=dk, BLOCK_T=max(16, triton.next_power_of_2(t)), BLOCK_V=block_v,
+                                            HAS_COUNT=count is not None, num_warps=num_warps)
+
+
+def _block_v(block_v: int | None, heads: int, dv: int) -> int:
+    block_v = block_v or _default_block_v(heads, dv)
     if dv % block_v:
         raise FlashtreeError(f"block_v = {block_v} must divide dv = {dv}")
-    _recurrent_kernel[(h, dv // block_v)](q, k, v, g, beta, state, out, rows if rows is not None else out,
-                                          count if count is not None else out, t, hk,
-                                          *_strides(q, k, v, g, beta, state, out),
-                                          DK=dk, BLOCK_V=block_v, HAS_ROWS=rows is not None,
-                                          HAS_COUNT=count is not None, num_warps=num_warps)
-    return out
+    return block_v
 
 
 def tree_verify(q, k, v, g, beta, state, parents, block_v: int = 32, block_k: int = 16,
@@ -190,12 +210,10 @@ def tree_verify(q, k, v, g, beta, state, parents, block_v: int = 32, block_k: in
     return out
 
 
-def _prepared(q, k, v, rows=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v with unit-stride rows, and the float32 output [T, H, dv] the kernels write (T: the rows
-    read, all of them or `rows`)."""
+def _prepared(q, k, v) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v with unit-stride rows, and the float32 output [T, H, dv] the kernels write."""
     _pow2_dims(q.shape[-1], v.shape[-1])
-    t = q.shape[0] if rows is None else rows.shape[0]
-    out = torch.empty(t, v.shape[1], v.shape[2], dtype=torch.float32, device=v.device)
+    out = torch.empty(q.shape[0], v.shape[1], v.shape[2], dtype=torch.float32, device=v.device)
     return (*(_last_dim_contiguous(x) for x in (q, k, v)), out)
 
 
@@ -212,13 +230,10 @@ def _strides(q, k, v, g, beta, state, out) -> tuple[int, ...]:
 if triton is not None:
 
     @triton.jit
-    def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, o_ptr, rows_ptr, count_ptr, T, HK,
+    def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, o_ptr, T, HK,
                           sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, sb_t, sb_h,
                           ss_h, ss_k, ss_v, so_t, so_h,
-                          DK: tl.constexpr, BLOCK_V: tl.constexpr, HAS_ROWS: tl.constexpr,
-                          HAS_COUNT: tl.constexpr):
-        if HAS_COUNT:  # a padded path: its live length is on the device
-            T = tl.load(count_ptr)
+                          DK: tl.constexpr, BLOCK_V: tl.constexpr):
         h = tl.program_id(0)
         hq = h % HK
         cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -227,20 +242,55 @@ if triton is not None:
         s = tl.load(s_ptrs)  # [DK, BLOCK_V], kept in registers over the token loop
         t = 0
         while t < T:  # a while loop: the interpreter cannot iterate range() over a runtime bound
-            r = t
-            if HAS_ROWS:  # token t of the recurrence is input row rows[t]
-                r = tl.load(rows_ptr + t)
-            kt = tl.load(k_ptr + r * sk_t + hq * sk_h + dk).to(tl.float32)
-            qt = tl.load(q_ptr + r * sq_t + hq * sq_h + dk).to(tl.float32)
-            vt = tl.load(v_ptr + r * sv_t + h * sv_h + cols).to(tl.float32)
-            gt = tl.load(g_ptr + r * sg_t + h * sg_h).to(tl.float32)
-            bt = tl.load(beta_ptr + r * sb_t + h * sb_h).to(tl.float32)
+            kt = tl.load(k_ptr + t * sk_t + hq * sk_h + dk).to(tl.float32)
+            qt = tl.load(q_ptr + t * sq_t + hq * sq_h + dk).to(tl.float32)
+            vt = tl.load(v_ptr + t * sv_t + h * sv_h + cols).to(tl.float32)
+            gt = tl.load(g_ptr + t * sg_t + h * sg_h).to(tl.float32)
+            bt = tl.load(beta_ptr + t * sb_t + h * sb_h).to(tl.float32)
             s = s * tl.exp(gt)
             predicted = tl.sum(s * kt[:, None], axis=0)
             u = bt * (vt - predicted)
             s = s + kt[:, None] * u[None, :]
             o = tl.sum(s * qt[:, None], axis=0)
             tl.store(o_ptr + t * so_t + h * so_h + cols, o)
+            t += 1
+        tl.store(s_ptrs, s)
+
+    @triton.jit
+    def _commit_path_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, rows_ptr, count_ptr, T, HK,
+                            sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, sb_t, sb_h, ss_h, ss_k, ss_v,
+                            DK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+                            HAS_COUNT: tl.constexpr):
+        live = T
+        if HAS_COUNT:  # a padded path: its live length is on the device
+            live = tl.load(count_ptr)
+        h = tl.program_id(0)
+        hq = h % HK
+        cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        dk = tl.arange(0, DK)
+        steps = tl.arange(0, BLOCK_T)
+        present = steps < T
+        rows = tl.load(rows_ptr + steps, mask=present, other=0)
+        # the whole path's inputs in one round of loads: the recurrence below then waits on no memory
+        k_all = tl.load(k_ptr + rows[:, None] * sk_t + hq * sk_h + dk[None, :], mask=present[:, None],
+                        other=0.0).to(tl.float32)
+        v_all = tl.load(v_ptr + rows[:, None] * sv_t + h * sv_h + cols[None, :], mask=present[:, None],
+                        other=0.0).to(tl.float32)
+        g_all = tl.load(g_ptr + rows * sg_t + h * sg_h, mask=present, other=0.0).to(tl.float32)
+        b_all = tl.load(beta_ptr + rows * sb_t + h * sb_h, mask=present, other=0.0).to(tl.float32)
+        s_ptrs = s_ptr + h * ss_h + dk[:, None] * ss_k + cols[None, :] * ss_v
+        s = tl.load(s_ptrs)  # [DK, BLOCK_V]
+        t = 0
+        while t < live:
+            pick = steps == t
+            kt = tl.sum(tl.where(pick[:, None], k_all, 0.0), axis=0)
+            vt = tl.sum(tl.where(pick[:, None], v_all, 0.0), axis=0)
+            gt = tl.sum(tl.where(pick, g_all, 0.0), axis=0)
+            bt = tl.sum(tl.where(pick, b_all, 0.0), axis=0)
+            s = s * tl.exp(gt)
+            predicted = tl.sum(s * kt[:, None], axis=0)
+            u = bt * (vt - predicted)
+            s = s + kt[:, None] * u[None, :]
             t += 1
         tl.store(s_ptrs, s)
 

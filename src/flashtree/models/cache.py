@@ -62,6 +62,8 @@ class TargetCache:
     pending: dict[int, TreeScratch] = field(default_factory=dict)
 
     @classmethod
+    @torch.inference_mode(False)  # a cache outlives the call that makes it (a graphed engine keeps it for the next
+    # request): normal tensors, so that code outside inference mode may still update them in place
     def allocate(cls, config: Qwen35Config, capacity: int, device, dtype: torch.dtype,
                  cache_type_k=None, cache_type_v=None, attn_window: int = 0) -> "TargetCache":
         """`cache_type_k/v`: a KV type name (f32, f16, bf16, q8_0, q4_0, tq3_0); None = `dtype`."""

@@ -98,8 +98,8 @@ def commit_layers(layers: list[tuple[GatedDeltaNet, DeltaNetState, TreeScratch]]
         shift_window(state.conv, scratch.conv_inputs, path, count)
     if triton_runs_on(path.device):  # one in-place launch per layer reading the path's rows where they are
         for _, state, scratch in layers:
-            gated_delta_triton.recurrent_step(scratch.q, scratch.k, scratch.v, scratch.g, scratch.beta, state.ssm,
-                                              rows=path, count=count)
+            gated_delta_triton.commit_path(scratch.q, scratch.k, scratch.v, scratch.g, scratch.beta, state.ssm,
+                                           path, count)
         return
     if count is not None:
         path = path[: int(count)]
