@@ -2,11 +2,13 @@
 # The GPU test suite on a CUDA machine, one line per failure and the totals last:
 #   bash tools/gpu/gpu_tests.sh            # the whole GPU suite (pytest -m gpu)
 #   FAST=1 bash tools/gpu/gpu_tests.sh     # the quick subset to run after every change to code the GPU runs
+#   SLOW=1 bash tools/gpu/gpu_tests.sh     # the rest (FAST=1 and SLOW=1 together are the whole suite)
 # On the lent device (carry .whl, made by scripts/fetch_device_wheels.sh) source tools/gpu/device_env.sh first.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 marker="gpu"
 [ "${FAST:-0}" = 1 ] && marker="gpu and not slow"
+[ "${SLOW:-0}" = 1 ] && marker="gpu and slow"
 # -o addopts="": the project's -q would hide the totals line; --timeout: a hung test costs one test
 # LOG=FILE keeps the full log (one line per test as it finishes, the 15 slowest last) for a run cut short
 log=${LOG:-$(mktemp)}
