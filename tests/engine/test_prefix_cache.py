@@ -27,8 +27,10 @@ def words(rng, vocab, n):
 
 
 def config(mode, **kw):
+    """A fixed tree budget: the adaptive policy's budgets follow measured step times, so two engines' proposals
+    would differ with the machine's load (seen in CI: 72 against 64 proposed nodes)."""
     return GenerationConfig(**{"max_new_tokens": 24, "mode": mode, "ignore_eos": True, "prefill_chunk": 32,
-                               "budget": 8, **kw})
+                               "budget": 8, "adaptive": False, **kw})
 
 
 @pytest.mark.parametrize("mode", ["ar", "chain", "ddtree"])
