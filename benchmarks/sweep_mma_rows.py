@@ -37,13 +37,24 @@ SHAPES = {
                  "q+gate 12288x5120": (12288, 5120, ROWS), "kv 1024x5120": (1024, 5120, ROWS)},
 }
 # qmh's other launch shapes (row tiles, warps, splits as a multiple of the default's, chains, CTAs per SM asked
-# of ptxas: one row tile at 3 or 4 CTAs per SM spills 16-64 bytes at 3-4 token groups, sm_90, NVRTC 13.5)
-QMH_ALTERNATIVES = ((1, 4, 1, 2, 0), (2, 4, 1, 1, 0), (1, 4, 1, 1, 0), (1, 8, 1, 2, 0), (1, 4, 2, 2, 0),
-                    (1, 4, 1, 2, 3), (1, 4, 1, 2, 4))
+# of ptxas: one row tile at 3 or 4 CTAs per SM spills 16-64 bytes at 3-4 token groups, sm_90, NVRTC 13.5; x loaded
+# a sub-block ahead)
+# (the shapes that lost at every point of the sweeps through 2026-12-01's eighth session are left out: two
+# tiles at 4 warps, 8 warps, one chain without a CTA target, split K, 4 CTAs per SM; docs/runs/h200-2026-12-01-s8)
+QMH_ALTERNATIVES = ((1, 4, 1, 2, 0, 0), (1, 4, 1, 2, 3, 0), (1, 4, 1, 2, 3, 1), (1, 4, 1, 1, 3, 1))
+
+
+# qmh with warps owning row tiles of their own (x from L2 once per CTA; own 1: through L1, 2: staged in shared
+# memory): rt, warps, splits (absolute), chains, CTAs per SM asked of ptxas, x ahead, own
+OWN_ALTERNATIVES = ((1, 4, 2, 2, 3, 1, 1), (1, 4, 4, 2, 3, 1, 1), (1, 4, 2, 1, 3, 1, 1),
+                    (1, 4, 1, 2, 3, 0, 2), (1, 4, 2, 2, 3, 0, 2), (1, 4, 4, 2, 3, 0, 2), (1, 4, 8, 2, 3, 0, 2),
+                    (1, 4, 2, 1, 3, 0, 2), (1, 4, 4, 1, 3, 0, 2), (1, 8, 2, 2, 0, 0, 2), (1, 8, 4, 2, 0, 0, 2),
+                    (1, 4, 4, 2, 4, 0, 2))
 
 
 def _label(kernel: str, c: mma.MMAConfig) -> str:
-    return f"{kernel} r{c.rt}w{c.warps}s{c.splits}c{c.chains}" + (f"b{c.min_blocks}" if c.min_blocks else "")
+    return (f"{kernel} r{c.rt}w{c.warps}s{c.splits}c{c.chains}" + (f"b{c.min_blocks}" if c.min_blocks else "")
+            + (f"x{c.x_ahead}" if c.x_ahead else "") + (f"own{c.own_tiles}" if c.own_tiles else ""))
 
 
 def variants(qtype: QType, m: int, n: int, k: int) -> list[tuple[str, str, mma.MMAConfig]]:
@@ -55,9 +66,13 @@ def variants(qtype: QType, m: int, n: int, k: int) -> list[tuple[str, str, mma.M
         c = mma.choose_config(qtype, rows, n, k, sms, kernel=kernel)
         out.append((_label(kernel, c) + "*", kernel, c))
     default = out[-1][2]
-    for rt, warps, split, chains, min_blocks in QMH_ALTERNATIVES:
-        c = mma.MMAConfig(rt, warps, split * default.splits, chains, min_blocks)
+    for rt, warps, split, chains, min_blocks, x_ahead in QMH_ALTERNATIVES:
+        c = mma.MMAConfig(rt, warps, split * default.splits, chains, min_blocks, x_ahead)
         if c != default and n % (16 * rt) == 0 and (k // 256) >= warps * c.splits:
+            out.append((_label("qmh", c), "qmh", c))
+    for rt, warps, splits, chains, min_blocks, x_ahead, own in OWN_ALTERNATIVES:
+        c = mma.MMAConfig(rt, warps, splits, chains, min_blocks, x_ahead, own)
+        if c != default and n % c.rows_per_cta == 0 and (k // 256) >= 2 * splits:
             out.append((_label("qmh", c), "qmh", c))
     return out
 
@@ -113,8 +128,15 @@ def main() -> int:
     parser.add_argument("--types", default="Q6_K", help="comma-separated: Q6_K, Q4_K")
     parser.add_argument("--out", default="rows.json")
     parser.add_argument("--budget-s", type=float, default=360)
+    parser.add_argument("--rows", default=None, help="comma-separated row counts (default: each shape's own)")
+    parser.add_argument("--matrices", default=None, help="comma-separated matrix labels' first words (gate/up, down, ...)")
     args = parser.parse_args()
     types = [QType[name] for name in args.types.split(",")]
+    for qtype in types:
+        chosen = {label: (n, k, tuple(int(r) for r in args.rows.split(",")) if args.rows else rows)
+                  for label, (n, k, rows) in SHAPES[qtype].items()
+                  if args.matrices is None or label.split()[0] in args.matrices.split(",")}
+        SHAPES[qtype] = chosen
     t0 = time.time()
     precompile(types, mma.arch_of(torch.device("cuda")))
     print(f"compiled in {time.time() - t0:.0f} s; * = the kernel's own launch shape", flush=True)

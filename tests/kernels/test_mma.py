@@ -68,25 +68,35 @@ def test_cpu_weights_keep_the_gguf_field_layout():
 
 
 def test_warps_and_splits_do_not_depend_on_the_row_count():
-    """They fix a row's summation order: decode and verify rows must round the same."""
+    """They fix a row's summation order, so that rows of a class of row counts round the same whatever the other
+    rows. One matrix has a class of its own: the Q6_K LM head at 17-24 rows runs on 4 warps, not 2 (its chains
+    differ there anyway)."""
     for qtype in TYPES:
         for n, k in [(17408, 5120), (5120, 17408), (1024, 5120), (248320, 5120)]:
             configs = {m: mma.choose_config(qtype, m, n, k) for m in range(1, 33)}
+            if qtype == QType.Q6_K and n == 248320:
+                assert {(configs[m].warps, configs[m].chains) for m in range(17, 25)} == {(4, 1)}
+                configs = {m: c for m, c in configs.items() if not 17 <= m <= 24}
             assert len({(c.warps, c.splits) for c in configs.values()}) == 1, (qtype, n, k)
 
 
 def test_configurations_follow_the_sweep():
     """The H200 sweeps' choices (docs/PERFORMANCE.md): the LM head on 2 warps, small matrices split K,
     Q6_K's bf16 kernel pairs row tiles from 17 rows, Q4_K's bf16 kernel at 9-16 and 25-32; Q4_K's float16
-    kernel keeps one tile and two accumulator chains, at 3 CTAs per SM from 17 rows."""
+    kernel at 17-32 rows runs 3 CTAs per SM, its warps owning a tile each (x shared in shared memory) where the
+    matrix has a 64-row group per SM, else x a sub-block ahead (one chain at 25-32 rows)."""
     assert mma.choose_config(QType.Q6_K, 1, 248320, 5120) == mma.MMAConfig(1, 2, 1)
     assert mma.choose_config(QType.Q6_K, 23, 248320, 5120, kernel="qmm") == mma.MMAConfig(2, 2, 1)
     assert mma.choose_config(QType.Q4_K, 1, 5120, 17408) == mma.MMAConfig(1, 4, 1)
     assert mma.choose_config(QType.Q4_K, 1, 1024, 5120) == mma.MMAConfig(1, 4, 4)
     assert mma.choose_config(QType.Q4_K, 32, 1024, 5120).rt == 1  # too few tiles to pair
     assert [mma.choose_config(QType.Q4_K, m, 17408, 5120) for m in (8, 16, 23, 32)] == [
-        mma.MMAConfig(1, 4, 1, 2), mma.MMAConfig(1, 4, 1, 2), mma.MMAConfig(1, 4, 1, 2, min_blocks=3),
-        mma.MMAConfig(1, 4, 1, 2, min_blocks=3)]
+        mma.MMAConfig(1, 4, 1, 2), mma.MMAConfig(1, 4, 1, 2), mma.MMAConfig(1, 4, 1, 2, min_blocks=3, own_tiles=2),
+        mma.MMAConfig(1, 4, 1, 2, min_blocks=3, own_tiles=2)]
+    # the FFN down projection: too few 64-row groups to own tiles
+    assert [mma.choose_config(QType.Q4_K, m, 5120, 17408) for m in (16, 23, 32)] == [
+        mma.MMAConfig(1, 4, 1, 2), mma.MMAConfig(1, 4, 1, 2, min_blocks=3, x_ahead=1),
+        mma.MMAConfig(1, 4, 1, 1, min_blocks=3, x_ahead=1)]
     assert [mma.kernel_for(QType.Q4_K, 3, n, k) for n, k in ((17408, 5120), (1024, 5120))] == ["qmh", "qmm"]
     # the bf16 kernel's own choice on the same matrix (what the sweeps compare qmh with)
     assert [mma.choose_config(QType.Q4_K, m, 17408, 5120, kernel="qmm").rt for m in (8, 16, 23, 32)] == [1, 2, 1, 2]
@@ -108,25 +118,32 @@ def test_q6_k_takes_the_float16_kernel_where_q4_k_does():
     assert mma.kernel_for(QType.Q6_K, 3, 1024, 5120) == "qmm" and mma.kernel_for(QType.Q6_K, 3, 5120, 17408) == "qmh"
 
 
-def test_q6_k_float16_kernel_pairs_row_tiles_at_17_to_24_rows_only():
-    """One row tile and two accumulator chains, except two tiles on one chain at 17-24 rows (at 25-32 two tiles
-    spill); so two classes of row counts, each giving a row the same bits whatever the other rows. The LM head on
-    2 warps; attention V (fewer tiles than SMs) never pairs."""
+def test_q6_k_float16_kernel_has_two_classes_of_row_counts():
+    """Each class gives a row the same bits whatever the other rows. On 4-warp matrices (the FFN down
+    projections): one tile and two chains at 2-16 rows, one tile and one chain at 17-32 (3 CTAs per SM,
+    x a sub-block ahead; also attention V when qmh is asked for it). On the LM head (2 warps): the same on 4 warps
+    at 17-24 rows, one tile and two chains elsewhere."""
     for n, k in Q6_K_SHAPES:
-        warps = 2 if n == 248320 else 4
+        head = n == 248320
+        warps = 2 if head else 4
         classes = {m: mma.choose_config(QType.Q6_K, m, n, k, kernel="qmh") for m in range(2, 33)}
-        paired = n >= 16 * 132
-        assert {classes[m] for m in range(17, 25)} == {mma.MMAConfig(2 if paired else 1, warps, classes[17].splits,
-                                                                     1 if paired else 2)}, (n, k)
-        assert {classes[m] for m in (*range(2, 17), *range(25, 33))} == {mma.MMAConfig(1, warps, classes[2].splits, 2)}
+        splits = classes[2].splits
+        if head:
+            assert {classes[m] for m in range(17, 25)} == {mma.MMAConfig(1, 4, splits, 1, min_blocks=3, x_ahead=1)}
+            assert {classes[m] for m in (*range(2, 17), *range(25, 33))} == {mma.MMAConfig(1, warps, splits, 2)}
+        else:
+            wide = mma.MMAConfig(1, warps, splits, 1, min_blocks=3, x_ahead=1)
+            assert {classes[m] for m in range(17, 33)} == {wide}, (n, k)
+            assert {classes[m] for m in range(2, 17)} == {mma.MMAConfig(1, warps, splits, 2)}, (n, k)
 
 
 def test_load_time_compile_plans_the_q6_k_float16_kernel_and_its_x_conversion():
     jobs = dict(mma.instances_for({(QType.Q6_K, 5120, 17408)}, 132))
     assert "prep_x_f16_q6_k" in jobs and "prep_x_f16" not in jobs
     assert sorted(name for name in jobs if name.startswith("qmh")) == [
-        "qmh_q6_k_r1_t1_w4_s1_c2", "qmh_q6_k_r1_t2_w4_s1_c2", "qmh_q6_k_r1_t4_w4_s1_c2", "qmh_q6_k_r2_t3_w4_s1_c1"]
-    assert "qmh<Q6_K, 2, 3, 4, 1, 1>(xh, nullptr, scale, q, h, s, d," in jobs["qmh_q6_k_r2_t3_w4_s1_c1"]
+        "qmh_q6_k_r1_t1_w4_s1_c2", "qmh_q6_k_r1_t2_w4_s1_c2", "qmh_q6_k_r1_t3_w4_s1_c1_b3_x1",
+        "qmh_q6_k_r1_t4_w4_s1_c1_b3_x1"]
+    assert "qmh<Q6_K, 1, 3, 4, 1, 1, 1, 0>(xh, nullptr, scale, q, h, s, d," in jobs["qmh_q6_k_r1_t3_w4_s1_c1_b3_x1"]
     assert "prep_x<Q6_K>(x, xh, nullptr, scale, K)" in jobs["prep_x_f16_q6_k"]
     small = [name for name, _ in mma.instances_for({(QType.Q6_K, 1024, 5120)}, 132)]
     assert not any(name.startswith(("qmh", "prep_x")) for name in small)
@@ -371,37 +388,59 @@ def test_q6_k_float16_kernel_splits_k_unevenly():
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("qtype", TYPES)
+def test_warps_owning_tiles_match_the_reference(qtype):
+    """qmh with each warp owning a row tile (x through L1, or staged in shared memory by the CTA), split K or
+    not, at row counts that fill 2-4 token groups partly, against the float32 dequantization."""
+    n, k = 1024, 2560
+    weight = random_quant_weight(qtype, n, k, "cuda")
+    x = torch.randn(32, k, device="cuda", dtype=torch.bfloat16)
+    for m in (9, 23, 32):
+        ref = quant_matmul_reference(x[:m].float(), weight)
+        for own, splits, x_ahead in ((1, 1, 1), (2, 1, 0), (2, 2, 0), (2, 5, 0)):
+            config = mma.MMAConfig(1, 4, splits, 2, min_blocks=3, x_ahead=x_ahead, own_tiles=own)
+            _check_close(mma.matmul(x[:m], weight.raw, qtype, n, k, config, "qmh"), ref)
+
+
+@pytest.mark.gpu
+@gpu
 def test_q6_k_takes_the_float16_kernel_and_a_row_keeps_its_bits():
     """The down projection's verify rows go through qmh (quant_matmul gives the same bits as asking for it), and
-    a row's bits do not depend on the other rows within a class of row counts (2-16 and 25-32, beyond 32 rows
-    too; 17-24), across classes within a rounding."""
+    a row's bits do not depend on the other rows within a class of row counts (2-16, and 17-32 with the
+    pieces of longer x), across classes within a rounding."""
     n, k = 5120, 17408
     weight, dense = _gpu_q6_k(n, k)
     x = torch.randn(40, k, device="cuda", dtype=torch.bfloat16)
     y = quant_matmul(x, weight)
     assert torch.equal(y, mma.matmul(x, weight.raw, QType.Q6_K, n, k, kernel="qmh"))
     _check_close(y, x.float() @ dense.T)
-    for m in (2, 8, 16, 25, 32, 33):
+    for m in (17, 23, 25, 32, 33):
         assert torch.equal(quant_matmul(x[:m], weight), y[:m]), m
-    paired = quant_matmul(x[:24], weight)
-    _check_close(paired, x[:24].float() @ dense.T)
-    for m in (17, 23):
-        assert torch.equal(quant_matmul(x[:m], weight), paired[:m]), m
+    few = quant_matmul(x[:16], weight)
+    _check_close(few, x[:16].float() @ dense.T)
+    for m in (2, 8):
+        assert torch.equal(quant_matmul(x[:m], weight), few[:m]), m
 
 
 @pytest.mark.gpu
 @gpu
-def test_q4_k_float16_kernel_gives_a_row_the_same_bits_at_2_to_32_rows():
-    """Q4_K's qmh sums a row in one order at every row count (3 CTAs per SM from 17 rows change the registers,
-    not the order): a verify of 23 rows and one of 16 give a shared row the same bits."""
+def test_q4_k_float16_kernel_gives_a_row_the_same_bits_within_a_class_of_row_counts():
+    """Q4_K's qmh sums a row in one order at 2-16 rows and in another at 17-32, where the CTA's warps own a tile
+    each and sum all of K (3 CTAs per SM change the registers, not the order): a verify of 23 rows and one of 32
+    give a shared row the same bits, one of 16 within a rounding."""
     n, k = 17408, 5120
     weight = random_quant_weight(QType.Q4_K, n, k, "cuda")
     x = torch.randn(32, k, device="cuda", dtype=torch.bfloat16)
     assert mma.kernel_for(QType.Q4_K, mma.token_groups(32), n, k) == "qmh"
+    assert mma.choose_config(QType.Q4_K, 32, n, k).own_tiles == 2
     y = quant_matmul(x, weight)
     _check_close(y, quant_matmul_reference(x.float(), weight))
-    for m in (2, 9, 16, 17, 23, 24, 25):
+    for m in (17, 23, 24, 25):
         assert torch.equal(quant_matmul(x[:m], weight), y[:m]), m
+    few = quant_matmul(x[:16], weight)
+    _check_close(few, quant_matmul_reference(x[:16].float(), weight))
+    for m in (2, 9):
+        assert torch.equal(quant_matmul(x[:m], weight), few[:m]), m
 
 
 @pytest.mark.gpu

@@ -153,7 +153,7 @@ def test_real_sizes_on_gpu(qtype, shape):
 @pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q6_K, QType.Q8_0])
 def test_rows_do_not_depend_on_how_many_rows_there_are(qtype):
     """Verify sizes give each row the same bits within a kernel configuration (2-64 rows; the float16 kernels
-    of Q4_K and Q6_K: 2-16 and 17-32 (Q6_K: 17-24) rows, whose accumulator chains differ); a decode row (one row) takes a faster
+    of Q4_K and Q6_K: within classes of row counts, `mma.choose_config`); a decode row (one row) takes a faster
     kernel that sums K in another order (Q4_K/Q6_K: the one-row MMA kernel; Q8_0: the v1 kernel): within
     an output rounding, as across Q4_K's two classes."""
     weight = random_quant_weight(qtype, 5120, 5120, "cuda")

@@ -237,7 +237,8 @@ __device__ __forceinline__ void zero(float (&acc)[RT][TG][4]) {
 }
 
 // The K loop of every kernel: this warp's super-blocks sb, sb + WARPS, ... below `end`, double-buffered: the next
-// super-block's weights are requested before this one is multiplied (`multiply(weights, sb)`), so each warp keeps a
+// super-block's weights are requested before this one is multiplied (`multiply(weights, sb, next)`, next: the warp's
+// following super-block, or sb again at the end), so each warp keeps a
 // super-block of loads in flight while it computes. Two named buffers (unrolled by two): an indexed pair would go
 // to local memory.
 template <int QT, int RT, int WARPS, typename Multiply>
@@ -248,11 +249,11 @@ __device__ __forceinline__ void walk_k(const unsigned char* quants, const unsign
     if (sb < end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb, lane, g, w0);
     while (sb < end) {
         if (sb + WARPS < end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb + WARPS, lane, g, w1);
-        multiply(w0, sb);
+        multiply(w0, sb, sb + WARPS < end ? sb + WARPS : sb);
         sb += WARPS;
         if (sb >= end) break;
         if (sb + WARPS < end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb + WARPS, lane, g, w0);
-        multiply(w1, sb);
+        multiply(w1, sb, sb + WARPS < end ? sb + WARPS : sb);
         sb += WARPS;
     }
 }
@@ -411,7 +412,7 @@ __device__ __forceinline__ void qmm(const u16* __restrict__ x, const unsigned ch
 
     const Consts k = make_consts();
     walk_k<QT, RT, WARPS>(quants, high, scales, dvals, tile0, SB, ks.begin + warp, ks.end, lane, g,
-                          [&](const Weights<QT, RT>& w, int sb) { multiply<QT, RT, TG>(w, xrow, sb, k, acc); });
+                          [&](const Weights<QT, RT>& w, int sb, int) { multiply<QT, RT, TG>(w, xrow, sb, k, acc); });
     epilogue<RT, TG, WARPS, SPLITS>(acc, tile0, out, partial, tickets, M, N);
 }
 
@@ -513,7 +514,7 @@ __device__ __forceinline__ void qmv(const u16* __restrict__ x, const unsigned ch
 
     const Consts k = make_consts();
     walk_k<QT, RT, WARPS>(quants, high, scales, dvals, tile0, SB, ks.begin + warp, ks.end, lane, g,
-                          [&](const Weights<QT, RT>& w, int sb) { multiply_vector<QT, RT>(w, x, sb, g, t, k, acc); });
+                          [&](const Weights<QT, RT>& w, int sb, int) { multiply_vector<QT, RT>(w, x, sb, g, t, k, acc); });
     // the 4 lanes of a row hold its columns' shares: add them (every lane ends with the row's sum), then
     // hand them to qmm's epilogue as token 0 (column 0: lane t = 0, accumulators 0 and 2)
     float sums[RT][1][4];
@@ -605,6 +606,152 @@ __device__ __forceinline__ void load_x_steps(const uint4* const (&xb)[TG], int j
     }
 }
 
+// Where qmh's B fragments (x) and Q4_K's sub-block sums of x come from. A source is told each super-block
+// (`start(sb, next)`, next: the warp's following one, or sb again at the end) and then hands out sub-block j's
+// fragments (`sub_block`) and token group tg's sums (`sums`).
+//
+// GlobalX: every lane loads its own from global memory (L1, L2). XA 0: just before its MMAs. XA 1: a sub-block
+// ahead (sub-block j's registers receive j + 1's load; past the last, sub-block 0 of `next`), so that a load has
+// a whole sub-block of work to arrive in (at 17-32 rows these loads, often L1 misses, were where qmh's warps
+// waited: Nsight Compute, 2026-12-01).
+template <int TG, int XA>
+struct GlobalX {
+    const u16* xrow[TG];  // the lane's row of each token group, from value 8t
+    const u16* srow[TG];  // Q4_K: its sub-block sums, from 4t
+    const uint4* xb[TG];  // this super-block's
+    u32 ahead[TG][2][2];
+    int sb;
+    __device__ __forceinline__ GlobalX(const u16* xh, const u16* xsum, int M, int K, int first) {
+        const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3, SB = K >> 8;
+#pragma unroll
+        for (int tg = 0; tg < TG; ++tg) {
+            const int tok = 8 * tg + g < M ? 8 * tg + g : 0;  // past M: token 0 again, never stored
+            xrow[tg] = xh + (long)tok * K + 8 * t;
+            srow[tg] = xsum != nullptr ? xsum + (long)tok * (SB << 4) + 4 * t : nullptr;
+        }
+        if constexpr (XA == 1) {  // the first sub-block (any valid address when the warp has no super-block)
+            point(min(first, SB - 1), xb);
+            load(xb, 0, ahead);
+        }
+    }
+    __device__ __forceinline__ void point(int at, const uint4* (&p)[TG]) const {
+#pragma unroll
+        for (int tg = 0; tg < TG; ++tg) p[tg] = reinterpret_cast<const uint4*>(xrow[tg] + (at << 8));
+    }
+    // B fragments of MMA steps 2j, 2j + 1 for each token group: one 16-byte load each (prep_x's order)
+    static __device__ __forceinline__ void load(const uint4* const (&p)[TG], int j, u32 (&bx)[TG][2][2]) {
+#pragma unroll
+        for (int tg = 0; tg < TG; ++tg) {
+            const uint4 v = __ldg(p[tg] + 4 * j);
+            bx[tg][0][0] = v.x; bx[tg][0][1] = v.y; bx[tg][1][0] = v.z; bx[tg][1][1] = v.w;
+        }
+    }
+    __device__ __forceinline__ void start(int at, int) {
+        sb = at;
+        point(at, xb);
+    }
+    __device__ __forceinline__ void sub_block(int j, int next, u32 (&bx)[TG][2][2]) {
+        if constexpr (XA == 0) {
+            load(xb, j, bx);
+        } else {
+#pragma unroll
+            for (int tg = 0; tg < TG; ++tg)
+#pragma unroll
+                for (int u = 0; u < 2; ++u) bx[tg][u][0] = ahead[tg][u][0], bx[tg][u][1] = ahead[tg][u][1];
+            if (j < 7) {
+                load(xb, j + 1, ahead);
+            } else {
+                const uint4* xn[TG];
+                point(next, xn);
+                load(xn, 0, ahead);
+            }
+        }
+    }
+    __device__ __forceinline__ uint2 sums(int tg) const {
+        return __ldg(reinterpret_cast<const uint2*>(srow[tg] + (sb << 4)));
+    }
+};
+
+// SharedX: the CTA's threads copy each super-block's x (8 TG rows) and sums into a ring of STAGES stages in
+// shared memory (cp.async, STAGES - 1 super-blocks ahead), so that x is read from L2 once per CTA and super-block,
+// and each warp reads its fragments from there. For qmh's OWN kernels, whose warps walk the same super-blocks:
+// `start` waits at a CTA barrier for the super-block's stage (and for every warp to be done with the stage the
+// next copy overwrites).
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void copy_async16(unsigned shared, const void* global) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared), "l"(global) : "memory");
+}
+__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int PENDING>
+__device__ __forceinline__ void copy_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory"); }
+
+constexpr int X_PITCH = 576;  // bytes per row of x in a stage: 512 of values + 64, so that rows alternate bank halves
+
+template <int TG, int THREADS>
+struct SharedX {
+    static constexpr int ROWS = 8 * TG;
+    static constexpr int STAGES = TG <= 3 ? 3 : 2;  // within 48 KB of static shared memory
+    static constexpr int X_BYTES = ROWS * X_PITCH, STAGE_BYTES = X_BYTES + ROWS * 32;
+    static constexpr int CHUNKS = ROWS * 32;  // 16-byte pieces of one super-block's x
+    static constexpr int PER_THREAD = (CHUNKS + THREADS - 1) / THREADS;
+    unsigned char* ring;
+    const u16* src[PER_THREAD];  // this thread's pieces at super-block 0, and where they go in a stage
+    unsigned dst[PER_THREAD];
+    const u16* sum_src;  // the first 2 ROWS threads: one 16-byte piece of the sums
+    unsigned sum_dst;
+    const unsigned char* here;  // this super-block's stage at the lane's x (row g, byte 16t) and sums (row g, byte 8t)
+    const unsigned char* sums_here;
+    int end, stage;
+    __device__ __forceinline__ SharedX(unsigned char* ring_, const u16* xh, const u16* xsum, int M, int K, int first,
+                                       int end_)
+        : ring(ring_), end(end_), stage(0) {
+        const int SB = K >> 8;
+#pragma unroll
+        for (int i = 0; i < PER_THREAD; ++i) {
+            const int c = min((int)threadIdx.x + THREADS * i, CHUNKS - 1), row = c >> 5;
+            src[i] = xh + (long)(row < M ? row : 0) * K + 8 * (c & 31);
+            dst[i] = row * X_PITCH + 16 * (c & 31);
+        }
+        const int row = min((int)threadIdx.x >> 1, ROWS - 1);
+        sum_src = xsum != nullptr ? xsum + (long)(row < M ? row : 0) * (SB << 4) + 8 * (threadIdx.x & 1) : nullptr;
+        sum_dst = X_BYTES + row * 32 + 16 * (threadIdx.x & 1);
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) copy(first + s, s);
+    }
+    // super-block at (if below end) into stage s, as one commit group (empty past the end: the waits count groups)
+    __device__ __forceinline__ void copy(int at, int s) {
+        if (at < end) {
+            const unsigned base = shared_address(ring + s * STAGE_BYTES);
+#pragma unroll
+            for (int i = 0; i < PER_THREAD; ++i)
+                if (i < PER_THREAD - 1 || (int)threadIdx.x + THREADS * i < CHUNKS) copy_async16(base + dst[i], src[i] + (at << 8));
+            if (sum_src != nullptr && (int)threadIdx.x < 2 * ROWS) copy_async16(base + sum_dst, sum_src + (at << 4));
+        }
+        copy_commit();
+    }
+    __device__ __forceinline__ void start(int at, int) {
+        copy_wait<STAGES - 2>();
+        __syncthreads();
+        copy(at + STAGES - 1, stage == 0 ? STAGES - 1 : stage - 1);
+        const int lane = threadIdx.x & 31;
+        here = ring + stage * STAGE_BYTES + (lane >> 2) * X_PITCH + 16 * (lane & 3);
+        sums_here = ring + stage * STAGE_BYTES + X_BYTES + (lane >> 2) * 32 + 8 * (lane & 3);
+        stage = stage == STAGES - 1 ? 0 : stage + 1;
+    }
+    __device__ __forceinline__ void sub_block(int j, int, u32 (&bx)[TG][2][2]) const {
+#pragma unroll
+        for (int tg = 0; tg < TG; ++tg) {
+            const uint4 v = *reinterpret_cast<const uint4*>(here + tg * 8 * X_PITCH + 64 * j);
+            bx[tg][0][0] = v.x; bx[tg][0][1] = v.y; bx[tg][1][0] = v.z; bx[tg][1][1] = v.w;
+        }
+    }
+    __device__ __forceinline__ uint2 sums(int tg) const {
+        return *reinterpret_cast<const uint2*>(sums_here + tg * 8 * 32);
+    }
+};
+
 // the chains of tile rt, token group tg added into chain 0
 template <int CH, int RT, int TG>
 __device__ __forceinline__ void add_chains(float (&p)[CH][RT][TG][4], int rt, int tg) {
@@ -616,18 +763,16 @@ __device__ __forceinline__ void add_chains(float (&p)[CH][RT][TG][4], int rt, in
 
 // CH: independent accumulator chains per tile and token group (Q4_K: MMA step s adds to chain s % CH), so
 // that a super-block's MMAs are not one chain of dependent tensor-core latencies
-template <int RT, int TG, int CH>
-__device__ __forceinline__ void multiply_half(const Weights<Q4_K, RT>& w, const u16* const (&xrow)[TG],
-                                              const u16* const (&srow)[TG], int sb, int t, const Consts& k,
-                                              float (&acc)[RT][TG][4]) {
+template <int RT, int TG, int CH, typename XSource>
+__device__ __forceinline__ void multiply_half(const Weights<Q4_K, RT>& w, XSource& x, int sb, int next, int t,
+                                              const Consts& k, float (&acc)[RT][TG][4]) {
     float p[CH][RT][TG][4];
     zero(p);
-    const uint4* xb[TG];
-    super_block_x(xrow, sb, xb);
+    x.start(sb, next);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {  // 32-value sub-blocks: MMA steps 2j, 2j + 1
         u32 bx[TG][2][2];
-        load_x_steps(xb, j, bx);
+        x.sub_block(j, next, bx);
 #pragma unroll
         for (int rt = 0; rt < RT; ++rt) {
             const uint4 r0 = w.sc[rt].row[0], r1 = w.sc[rt].row[1];
@@ -664,7 +809,7 @@ __device__ __forceinline__ void multiply_half(const Weights<Q4_K, RT>& w, const 
         const float n0 = -half_to_float((u16)(r0.w >> 16)), n1 = -half_to_float((u16)(r1.w >> 16));
 #pragma unroll
         for (int tg = 0; tg < TG; ++tg) {
-            const uint2 xs = __ldg(reinterpret_cast<const uint2*>(srow[tg] + (sb << 4)));
+            const uint2 xs = x.sums(tg);
             float pm[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             mma_f16(pm, am, xs.x, xs.y);
             add_chains(p, rt, tg);
@@ -696,17 +841,16 @@ __device__ __forceinline__ void multiply_half(const Weights<Q4_K, RT>& w, const 
 // int8 byte b of w as float16 in both halves: its sign bit flipped, it reads sc + 128 (1152 + sc under 0x64)
 __device__ __forceinline__ u32 int8_to_f16x2(u32 w, u32 b) { return hsub2(under_1024(w ^ 0x80808080u, b, b), F16X2_1152); }
 
-template <int RT, int TG, int CH>
-__device__ __forceinline__ void multiply_half(const Weights<Q6_K, RT>& w, const u16* const (&xrow)[TG], int sb,
+template <int RT, int TG, int CH, typename XSource>
+__device__ __forceinline__ void multiply_half(const Weights<Q6_K, RT>& w, XSource& x, int sb, int next,
                                               const Consts& k, float (&acc)[RT][TG][4]) {
     float p[CH][RT][TG][4];
     zero(p);
-    const uint4* xb[TG];
-    super_block_x(xrow, sb, xb);
+    x.start(sb, next);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {  // MMA steps 2j, 2j + 1 (one 16-value sub-block each): their top bits share a word
         u32 bx[TG][2][2];
-        load_x_steps(xb, j, bx);
+        x.sub_block(j, next, bx);
 #pragma unroll
         for (int rt = 0; rt < RT; ++rt) {
             const u32 hi = word_of(w.qh[rt][j >> 2], j & 3);
@@ -756,34 +900,68 @@ __device__ __forceinline__ void multiply_half(const Weights<Q6_K, RT>& w, const 
 // so that x comes from L1 for all but one (1.2-4x), and the same with x copied into shared memory once per
 // CTA (cp.async, double buffered; up to 1.1x faster at 23-64 rows of one shape, slower elsewhere), although
 // an ablation without x's loads ran 1.2-1.4x faster: x's loads sit on the MMAs' path at 2 warps a scheduler.
-template <int QT, int RT, int TG, int WARPS, int SPLITS, int CH>
+// OWN 1: each warp owns RT tiles of its own and walks all of the CTA's super-blocks, the CTA's warps in step, so
+// that x comes from L2 once per CTA and super-block and from L1 for its other warps (with OWN 0 every 16-row tile
+// reads all of x from L2: at 23 rows and K = 17408 that is 5x the weights' bytes); splits fill the GPU instead.
+// OWN 2: the same with x staged in shared memory (SharedX).
+template <int RT, int TG, int WARPS, int SPLITS>
+__device__ __forceinline__ void epilogue_own(const float (&acc)[RT][TG][4], int tile0, u16* __restrict__ out,
+                                             float* __restrict__ partial, int* __restrict__ tickets, int M, int N,
+                                             const float* __restrict__ scale) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int tg = 0; tg < TG; ++tg)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int tok = 8 * tg + 2 * t + (c & 1);
+                if (tok < M)
+                    store_sum<SPLITS>(acc[rt][tg][c] * __ldg(scale + tok), tok, 16 * (tile0 + rt) + g + 8 * (c >> 1), out,
+                                      partial, M, N);
+            }
+    if constexpr (SPLITS > 1) finish_splits<SPLITS, WARPS * 32>(out, partial, tickets, 16 * RT * WARPS * blockIdx.x, 16 * RT * WARPS, M, N);
+}
+
+// qmh's K loop with x from `x` (GlobalX or SharedX)
+template <int QT, int RT, int TG, int STRIDE, int CH, typename XSource>
+__device__ __forceinline__ void walk_half(XSource& x, const unsigned char* quants, const unsigned char* high,
+                                          const unsigned char* scales, const u16* dvals, int tile0, int SB, int first,
+                                          int end, float (&acc)[RT][TG][4]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const Consts k = make_consts();
+    walk_k<QT, RT, STRIDE>(quants, high, scales, dvals, tile0, SB, first, end, lane, g,
+                           [&](const Weights<QT, RT>& w, int sb, int next) {
+                               if constexpr (QT == Q4_K) multiply_half<RT, TG, CH>(w, x, sb, next, t, k, acc);
+                               else multiply_half<RT, TG, CH>(w, x, sb, next, k, acc);
+                           });
+}
+
+template <int QT, int RT, int TG, int WARPS, int SPLITS, int CH, int XA, int OWN>
 __device__ __forceinline__ void qmh(const u16* __restrict__ xh, const u16* __restrict__ xsum,
                                     const float* __restrict__ scale, const unsigned char* __restrict__ quants,
                                     const unsigned char* __restrict__ high, const unsigned char* __restrict__ scales,
                                     const u16* __restrict__ dvals, u16* __restrict__ out, float* __restrict__ partial,
                                     int* __restrict__ tickets, int M, int N, int K) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, t = lane & 3;
+    const int warp = threadIdx.x >> 5;
     const int SB = K >> 8;
-    const int tile0 = blockIdx.x * RT;
+    const int tile0 = OWN ? (blockIdx.x * WARPS + warp) * RT : blockIdx.x * RT;
+    constexpr int STRIDE = OWN ? 1 : WARPS;  // between a warp's super-blocks
     const KRange ks = split_k<SPLITS>(SB);
+    const int first = OWN ? ks.begin : ks.begin + warp;
     float acc[RT][TG][4];
     zero(acc);
-    const u16* xrow[TG];
-    const u16* srow[TG];
-#pragma unroll
-    for (int tg = 0; tg < TG; ++tg) {
-        const int tok = 8 * tg + g < M ? 8 * tg + g : 0;  // past M: token 0 again, never stored
-        xrow[tg] = xh + (long)tok * K + 8 * t;
-        if constexpr (QT == Q4_K) srow[tg] = xsum + (long)tok * (SB << 4) + 4 * t;
+    if constexpr (OWN == 2) {  // x through shared memory
+        typedef SharedX<TG, WARPS * 32> Source;
+        __shared__ __align__(16) unsigned char ring[Source::STAGES * Source::STAGE_BYTES];
+        Source x(ring, xh, xsum, M, K, first, ks.end);
+        walk_half<QT, RT, TG, STRIDE, CH>(x, quants, high, scales, dvals, tile0, SB, first, ks.end, acc);
+    } else {
+        GlobalX<TG, XA> x(xh, xsum, M, K, first);
+        walk_half<QT, RT, TG, STRIDE, CH>(x, quants, high, scales, dvals, tile0, SB, first, ks.end, acc);
     }
-    const Consts k = make_consts();
-    walk_k<QT, RT, WARPS>(quants, high, scales, dvals, tile0, SB, ks.begin + warp, ks.end, lane, g,
-                          [&](const Weights<QT, RT>& w, int sb) {
-                              if constexpr (QT == Q4_K) multiply_half<RT, TG, CH>(w, xrow, srow, sb, t, k, acc);
-                              else multiply_half<RT, TG, CH>(w, xrow, sb, k, acc);
-                          });
-    epilogue<RT, TG, WARPS, SPLITS>(acc, tile0, out, partial, tickets, M, N, scale);
+    if constexpr (OWN) epilogue_own<RT, TG, WARPS, SPLITS>(acc, tile0, out, partial, tickets, M, N, scale);
+    else epilogue<RT, TG, WARPS, SPLITS>(acc, tile0, out, partial, tickets, M, N, scale);
 }
 
 // Q4_K's x sums: xsum [M, K / 256, 16] f16, per super-block and lane t the sums of sub-blocks 2t, 2t + 1 as hi

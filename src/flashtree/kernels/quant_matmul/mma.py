@@ -353,13 +353,22 @@ class MMAConfig:
     """rt: 16-row tiles per warp; warps: per CTA (they split K); splits: CTAs per row group (split K);
     chains: accumulators per tile and token group in qmh (its MMAs per super-block split over them);
     min_blocks: CTAs per SM asked of ptxas (`__launch_bounds__`'s second value; 0: none), which caps the
-    registers to fit them (sm_90, 4 warps: 3 -> 168, 4 -> 128) at the price of spills."""
+    registers to fit them (sm_90, 4 warps: 3 -> 168, 4 -> 128) at the price of spills; x_ahead: qmh loads x a
+    sub-block ahead of its MMAs (1) or just before them (0); own_tiles: qmh's warps own row tiles of their own
+    and walk the same super-blocks (x read from L2 once per CTA) instead of splitting K (0)."""
 
     rt: int
     warps: int
     splits: int
     chains: int = 1
     min_blocks: int = 0
+    x_ahead: int = 0
+    own_tiles: int = 0
+
+    @property
+    def rows_per_cta(self) -> int:
+        """Output rows one CTA computes: its warps split K (16 rt), or with own_tiles each has rt tiles."""
+        return 16 * self.rt * (self.warps if self.own_tiles else 1)
 
 
 ONE_ROW = 0  # `token_groups` of one row of x: the qmv kernel (sub-blocks in the MMA's columns), not qmm
@@ -390,7 +399,9 @@ def _instance(qtype: QType, config: MMAConfig, tg: int, kernel: str) -> str:
         return f"qmv_{qtype.name.lower()}_r{c.rt}_w{c.warps}_s{c.splits}"
     chains = f"_c{c.chains}" if kernel == "qmh" else ""
     blocks = f"_b{c.min_blocks}" if c.min_blocks else ""
-    return f"{kernel}_{qtype.name.lower()}_r{c.rt}_t{tg}_w{c.warps}_s{c.splits}{chains}{blocks}"
+    ahead = f"_x{c.x_ahead}" if kernel == "qmh" and c.x_ahead else ""
+    own = f"_own{c.own_tiles}" if kernel == "qmh" and c.own_tiles else ""
+    return f"{kernel}_{qtype.name.lower()}_r{c.rt}_t{tg}_w{c.warps}_s{c.splits}{chains}{blocks}{ahead}{own}"
 
 
 def _dequant_instance(qtype: QType, out: int) -> str:
@@ -407,7 +418,7 @@ def _wrapper(name: str, qtype: QType, config: MMAConfig, tg: int, kernel: str) -
     bounds = f"{c.warps * 32}, {c.min_blocks}" if c.min_blocks else f"{c.warps * 32}"
     head = f'extern "C" __global__ void __launch_bounds__({bounds}) {name}'
     if kernel == "qmh":
-        call = f"qmh<{qtype.name}, {c.rt}, {tg}, {c.warps}, {c.splits}, {c.chains}>"
+        call = f"qmh<{qtype.name}, {c.rt}, {tg}, {c.warps}, {c.splits}, {c.chains}, {c.x_ahead}, {c.own_tiles}>"
         tail = "u16* out, float* part, int* tickets, int M, int N, int K"
         if qtype == QType.Q4_K:  # x's sums for the min term; no top bits, d inside the scale records
             return (f"{head}(const u16* xh, const u16* xs, const float* scale, const unsigned char* q, "
@@ -543,9 +554,11 @@ def choose_config(qtype: QType, m: int, n: int, k: int, sms: int = _H200_SMS, ke
     benchmarks/sweep_mma_rows.py; docs/PERFORMANCE.md).
 
     Warps and splits depend on the matrix only, never on M: they fix the order in which a row's K is
-    summed. qmm (small matrices) then gives a row the same bits whatever the other rows, and so does Q4_K's
-    qmh; Q6_K's qmh does within classes of row counts whose chains differ (they agree within an output
-    rounding): 17-24 and the rest.
+    summed. qmm (small matrices) then gives a row the same bits whatever the other rows; qmh does within
+    classes of row counts whose chains or K orders differ (they agree within an output rounding): Q4_K 2-16 and
+    17-32 where the warps own tiles (17-32, `own_tiles`: each warp sums all of K), else 2-24 and 25-32; Q6_K
+    17-32 and 2-16 on the FFN down projections, 17-24 and the rest on the LM head. Loading x a sub-block ahead
+    (`x_ahead`) changes no arithmetic.
     The one-row kernel (decode) sums each sub-block in its own MMA column and adds them per lane, another
     order: a decode row and a verify row of the same token can differ in the last bits (near-ties only;
     the bench shows the margin where greedy outputs part).
@@ -554,27 +567,40 @@ def choose_config(qtype: QType, m: int, n: int, k: int, sms: int = _H200_SMS, ke
     found them faster: qmm Q4_K at 9-16 and 25-32 rows, Q6_K from 17 rows, Q6_K's qmh at 17-24 rows; never
     on matrices with fewer tiles than SMs. qmh splits a tile's 16 MMAs per super-block over two accumulator
     chains with one row tile (a single chain waits on each MMA's latency) and keeps one with two tiles
-    (two chains there exceed 255 registers and spill). Q6_K's qmh pairs tiles at 17-24 rows only (not yet
-    swept; its double-buffered weights are larger: two tiles at 4 token groups spill 72 bytes, sm_90).
-    Q4_K's qmh keeps one tile and two chains at every row count, with 3 CTAs per SM from 17 rows (the sweep
-    of 2026-12-01 08:08 UTC: at 23 rows 8 % faster than two tiles, at 32 rows within 2 %), so a row's bits do
-    not depend on the other rows anywhere in 2-32."""
+    (two chains there exceed 255 registers and spill). Q6_K's qmh pairs tiles at 17-24 rows on the LM head
+    only (not yet swept there; its double-buffered weights are larger: two tiles at 4 token groups spill 72
+    bytes, sm_90).
+    Q4_K's qmh keeps one tile, with 3 CTAs per SM from 17 rows (the sweep of 2026-12-01 08:08 UTC: at 23 rows
+    8 % faster than two tiles, at 32 rows within 2 %)."""
     tiles, sb = n // 16, k // SUPER
     tg = token_groups(m)
     half = (kernel or kernel_for(qtype, tg, n, k)) == "qmh"  # `kernel`: the config another kernel would take
+    warps = 2 if tiles >= 32 * sms else 4
+    # Q6_K's qmh at 17-32 rows on 4-warp matrices (the FFN down projections) and at 17-24 on the LM head (there
+    # on 4 warps too): one tile and one chain at 3 CTAs per SM, x a sub-block ahead (eighth session's sweeps: down
+    # 5120x17408 at 23 rows 70.0 -> 49.3 us, at 32 rows 123.4 -> 59.1 us; the head at 23 rows 645.6 -> 569.1 us)
+    lean_q6_k = half and qtype == QType.Q6_K and (tg in (3, 4) and warps == 4 or tg == 3)
+    if lean_q6_k:
+        warps = 4
     if half:
-        pairs = qtype != QType.Q4_K and tg == 3
+        pairs = qtype != QType.Q4_K and tg == 3 and not lean_q6_k
     else:
         pairs = tg in ((3, 4) if qtype == QType.Q6_K else (2, 4))
     rt = 2 if pairs and tiles >= sms and n % 32 == 0 else 1
-    warps = 2 if tiles >= 32 * sms else 4
     splits = 1
     while tiles * splits < 1.5 * sms and sb // (splits * 2) >= warps:
         splits *= 2
     # Q4_K's qmh at 17-32 rows: 3 CTAs per SM (at most 168 registers, 16 spilled bytes) hide its latency
-    # better than paired tiles (23 rows: 44.6 -> 40.9 us on a gate/up matrix)
-    min_blocks = 3 if half and qtype == QType.Q4_K and tg in (3, 4) else 0
-    return MMAConfig(rt, warps, splits, chains=2 if half and rt == 1 else 1, min_blocks=min_blocks)
+    # better than paired tiles (23 rows: 44.6 -> 40.9 us on a gate/up matrix). On matrices with at least a
+    # 64-row group per SM (gate/up, q + gate) the CTA's warps own a tile each and share x through shared memory
+    # (`own_tiles` 2: 23 rows 41.6 -> 36.1 us, 32 rows 54.2 -> 43.8 us on gate/up); on the others (the FFN down
+    # projections: too few groups) x a sub-block ahead at 17-24 rows, and one chain at 25-32 (53.2 -> 47.3 us)
+    q4_k_many_rows = half and qtype == QType.Q4_K and tg in (3, 4)
+    own_tiles = 2 if q4_k_many_rows and n % 64 == 0 and n // 64 >= sms else 0
+    min_blocks = 3 if half and tg in (3, 4) and (qtype == QType.Q4_K or lean_q6_k) else 0
+    chains = 1 if lean_q6_k or not half or rt > 1 or (q4_k_many_rows and tg == 4 and not own_tiles) else 2
+    x_ahead = 1 if lean_q6_k or (q4_k_many_rows and not own_tiles) else 0
+    return MMAConfig(rt, warps, splits, chains=chains, min_blocks=min_blocks, x_ahead=x_ahead, own_tiles=own_tiles)
 
 
 def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: QType, n: int, k: int,
@@ -622,8 +648,8 @@ def _launch_matmul(out: torch.Tensor, xs: list[torch.Tensor], raw: torch.Tensor,
     # a short last piece of a long x stays in its kernel, and in the configuration of 2-8 rows
     tg = ONE_ROW if kernel == "qmv" else (m + 7) // 8
     config = config or choose_config(qtype, m if kernel == "qmv" else max(m, 2), n, k, sm_count(out.device))
-    if n % (16 * config.rt):
-        raise FlashtreeError(f"rt={config.rt} needs N % {16 * config.rt} == 0, N = {n}")
+    if n % config.rows_per_cta:
+        raise FlashtreeError(f"{config} needs N % {config.rows_per_cta} == 0, N = {n}")
     name = _instance(qtype, config, tg, kernel)
     fn = _program(out.device).function(name, _wrapper(name, qtype, config, tg, kernel))
     p = pieces_of(raw, qtype, n, k)
@@ -632,7 +658,7 @@ def _launch_matmul(out: torch.Tensor, xs: list[torch.Tensor], raw: torch.Tensor,
     weights = ([p["quants"], p["scales"]] if kernel == "qmh" and qtype == QType.Q4_K else
                [p["quants"], p.get("high", p["quants"]), p["scales"], p.get("d", p["scales"])])
     tickets = _tickets(out.device, torch.cuda.current_stream(out.device).cuda_stream)
-    _launch(fn, (n // (16 * config.rt), config.splits), 32 * config.warps,
+    _launch(fn, (n // config.rows_per_cta, config.splits), 32 * config.warps,
             [*xs, *weights, out, partial, tickets, m, n, k], out.device)
 
 
