@@ -589,26 +589,10 @@ __device__ __forceinline__ void zero(float (&p)[CH][RT][TG][4]) {
     for (int ch = 0; ch < CH; ++ch) zero(p[ch]);
 }
 
-// this super-block's x of each token group (xrow: the lane's row, from 8t): one address, then constant offsets
-template <int TG>
-__device__ __forceinline__ void super_block_x(const u16* const (&xrow)[TG], int sb, const uint4* (&xb)[TG]) {
-#pragma unroll
-    for (int tg = 0; tg < TG; ++tg) xb[tg] = reinterpret_cast<const uint4*>(xrow[tg] + (sb << 8));
-}
-
-// B fragments of MMA steps 2j, 2j + 1 for each token group: one 16-byte load each (prep_x's order)
-template <int TG>
-__device__ __forceinline__ void load_x_steps(const uint4* const (&xb)[TG], int j, u32 (&bx)[TG][2][2]) {
-#pragma unroll
-    for (int tg = 0; tg < TG; ++tg) {
-        const uint4 v = __ldg(xb[tg] + 4 * j);
-        bx[tg][0][0] = v.x; bx[tg][0][1] = v.y; bx[tg][1][0] = v.z; bx[tg][1][1] = v.w;
-    }
-}
-
 // Where qmh's B fragments (x) and Q4_K's sub-block sums of x come from. A source is told each super-block
 // (`start(sb, next)`, next: the warp's following one, or sb again at the end) and then hands out sub-block j's
-// fragments (`sub_block`) and token group tg's sums (`sums`).
+// fragments (`sub_block(j, next)`, in prep_x's order: one 16-byte load per token group for MMA steps 2j and
+// 2j + 1) and token group tg's sums (`sums`).
 //
 // GlobalX: every lane loads its own from global memory (L1, L2). XA 0: just before its MMAs. XA 1: a sub-block
 // ahead (sub-block j's registers receive j + 1's load; past the last, sub-block 0 of `next`), so that a load has
@@ -638,7 +622,6 @@ struct GlobalX {
 #pragma unroll
         for (int tg = 0; tg < TG; ++tg) p[tg] = reinterpret_cast<const uint4*>(xrow[tg] + (at << 8));
     }
-    // B fragments of MMA steps 2j, 2j + 1 for each token group: one 16-byte load each (prep_x's order)
     static __device__ __forceinline__ void load(const uint4* const (&p)[TG], int j, u32 (&bx)[TG][2][2]) {
 #pragma unroll
         for (int tg = 0; tg < TG; ++tg) {
@@ -895,15 +878,7 @@ __device__ __forceinline__ void multiply_half(const Weights<Q6_K, RT>& w, XSourc
     }
 }
 
-// xh, xsum (Q4_K), scale: prep_x's outputs for these M rows. The CTA's warps split K as in qmm. Measured slower on
-// the H200 (2026-12-01, docs/PERFORMANCE.md): warps with row tiles of their own walking the same super-blocks,
-// so that x comes from L1 for all but one (1.2-4x), and the same with x copied into shared memory once per
-// CTA (cp.async, double buffered; up to 1.1x faster at 23-64 rows of one shape, slower elsewhere), although
-// an ablation without x's loads ran 1.2-1.4x faster: x's loads sit on the MMAs' path at 2 warps a scheduler.
-// OWN 1: each warp owns RT tiles of its own and walks all of the CTA's super-blocks, the CTA's warps in step, so
-// that x comes from L2 once per CTA and super-block and from L1 for its other warps (with OWN 0 every 16-row tile
-// reads all of x from L2: at 23 rows and K = 17408 that is 5x the weights' bytes); splits fill the GPU instead.
-// OWN 2: the same with x staged in shared memory (SharedX).
+// qmh's end when its warps own tiles (OWN): each warp stores its own rows, no sum across warps.
 template <int RT, int TG, int WARPS, int SPLITS>
 __device__ __forceinline__ void epilogue_own(const float (&acc)[RT][TG][4], int tile0, u16* __restrict__ out,
                                              float* __restrict__ partial, int* __restrict__ tickets, int M, int N,
@@ -937,6 +912,12 @@ __device__ __forceinline__ void walk_half(XSource& x, const unsigned char* quant
                            });
 }
 
+// xh, xsum (Q4_K), scale: prep_x's outputs for these M rows. OWN 0: the CTA's warps split K as in qmm. OWN 1:
+// each warp owns RT tiles of its own and walks all of the CTA's super-blocks, the CTA's warps in step, so that x
+// comes from L2 once per CTA and super-block and from L1 for its other warps (with OWN 0 every 16-row tile reads
+// all of x: at 23 rows 5.3 bytes of x per byte of weights); splits fill the GPU instead. OWN 2: the same with x
+// staged in shared memory (SharedX), the choice on wide matrices at 17-32 rows (2026-12-01, eighth session:
+// gate/up 23 rows 41.6 -> 36.1 us; OWN 1 and the second session's per-CTA double-buffered copy were slower).
 template <int QT, int RT, int TG, int WARPS, int SPLITS, int CH, int XA, int OWN>
 __device__ __forceinline__ void qmh(const u16* __restrict__ xh, const u16* __restrict__ xsum,
                                     const float* __restrict__ scale, const unsigned char* __restrict__ quants,

@@ -579,7 +579,7 @@ def choose_config(qtype: QType, m: int, n: int, k: int, sms: int = _H200_SMS, ke
     # Q6_K's qmh at 17-32 rows on 4-warp matrices (the FFN down projections) and at 17-24 on the LM head (there
     # on 4 warps too): one tile and one chain at 3 CTAs per SM, x a sub-block ahead (eighth session's sweeps: down
     # 5120x17408 at 23 rows 70.0 -> 49.3 us, at 32 rows 123.4 -> 59.1 us; the head at 23 rows 645.6 -> 569.1 us)
-    lean_q6_k = half and qtype == QType.Q6_K and (tg in (3, 4) and warps == 4 or tg == 3)
+    lean_q6_k = half and qtype == QType.Q6_K and (tg == 3 or (tg == 4 and warps == 4))
     if lean_q6_k:
         warps = 4
     if half:
