@@ -34,7 +34,8 @@ SHAPES = {
     QType.Q6_K: {"down 5120x17408": (5120, 17408, ROWS), "v 1024x5120": (1024, 5120, ROWS),
                  "head 248320x5120": (248320, 5120, (16, 23))},
     QType.Q4_K: {"gate/up 17408x5120": (17408, 5120, ROWS), "down 5120x17408": (5120, 17408, ROWS),
-                 "q+gate 12288x5120": (12288, 5120, ROWS), "kv 1024x5120": (1024, 5120, ROWS)},
+                 "q+gate 12288x5120": (12288, 5120, ROWS), "kv 1024x5120": (1024, 5120, ROWS),
+                 "out 5120x6144": (5120, 6144, ROWS)},
 }
 # qmh's other launch shapes (row tiles, warps, splits as a multiple of the default's, chains, CTAs per SM asked
 # of ptxas: one row tile at 3 or 4 CTAs per SM spills 16-64 bytes at 3-4 token groups, sm_90, NVRTC 13.5; x loaded
@@ -52,14 +53,27 @@ OWN_ALTERNATIVES = ((1, 4, 2, 2, 3, 1, 1), (1, 4, 4, 2, 3, 1, 1), (1, 4, 2, 1, 3
                     (1, 4, 4, 2, 4, 0, 2))
 
 
+# qmv's: accumulator chains, CTAs per SM asked of ptxas
+QMV_ALTERNATIVES = ((2, 0), (4, 0), (2, 5), (1, 6))
+
+
 def _label(kernel: str, c: mma.MMAConfig) -> str:
     return (f"{kernel} r{c.rt}w{c.warps}s{c.splits}c{c.chains}" + (f"b{c.min_blocks}" if c.min_blocks else "")
             + (f"x{c.x_ahead}" if c.x_ahead else "") + (f"own{c.own_tiles}" if c.own_tiles else ""))
 
 
 def variants(qtype: QType, m: int, n: int, k: int) -> list[tuple[str, str, mma.MMAConfig]]:
-    """qmm and qmh in their own launch shapes (marked *), and qmh at the other shapes that fit the matrix."""
+    """qmm and qmh in their own launch shapes (marked *), and qmh at the other shapes that fit the matrix; one
+    row: qmv in its own shape and at the other chain counts and CTA targets."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if m == 1:  # decode: the one-row kernel, at more accumulator chains and CTAs per SM
+        c = mma.choose_config(qtype, 1, n, k, sms)
+        out = [(_label("qmv", c) + "*", "qmv", c)]
+        for chains, min_blocks in QMV_ALTERNATIVES:
+            alt = mma.MMAConfig(c.rt, c.warps, c.splits, chains, min_blocks)
+            if alt != c:
+                out.append((_label("qmv", alt), "qmv", alt))
+        return out
     rows = min(m, mma.MAX_M)
     out = []
     for kernel in ("qmm", "qmh"):

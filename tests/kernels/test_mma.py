@@ -81,14 +81,15 @@ def test_warps_and_splits_do_not_depend_on_the_row_count():
 
 
 def test_configurations_follow_the_sweep():
-    """The H200 sweeps' choices (docs/PERFORMANCE.md): the LM head on 2 warps, small matrices split K,
-    Q6_K's bf16 kernel pairs row tiles from 17 rows, Q4_K's bf16 kernel at 9-16 and 25-32; Q4_K's float16
-    kernel at 17-32 rows runs 3 CTAs per SM, its warps owning a tile each (x shared in shared memory) where the
-    matrix has a 64-row group per SM, else x a sub-block ahead (one chain at 25-32 rows)."""
+    """The H200 sweeps' choices (docs/PERFORMANCE.md): the LM head on 2 warps, small matrices split K, Q4_K's
+    one-row kernel on two accumulator chains, Q6_K's bf16 kernel pairs row tiles from 17 rows, Q4_K's bf16
+    kernel at 9-16 and 25-32; Q4_K's float16 kernel at 17-32 rows runs 3 CTAs per SM, its warps owning a tile
+    each (x shared in shared memory) where the matrix has a 64-row group per SM, else x a sub-block ahead (one
+    chain at 25-32 rows)."""
     assert mma.choose_config(QType.Q6_K, 1, 248320, 5120) == mma.MMAConfig(1, 2, 1)
     assert mma.choose_config(QType.Q6_K, 23, 248320, 5120, kernel="qmm") == mma.MMAConfig(2, 2, 1)
-    assert mma.choose_config(QType.Q4_K, 1, 5120, 17408) == mma.MMAConfig(1, 4, 1)
-    assert mma.choose_config(QType.Q4_K, 1, 1024, 5120) == mma.MMAConfig(1, 4, 4)
+    assert mma.choose_config(QType.Q4_K, 1, 5120, 17408) == mma.MMAConfig(1, 4, 1, chains=2)
+    assert mma.choose_config(QType.Q4_K, 1, 1024, 5120) == mma.MMAConfig(1, 4, 4, chains=2)
     assert mma.choose_config(QType.Q4_K, 32, 1024, 5120).rt == 1  # too few tiles to pair
     assert [mma.choose_config(QType.Q4_K, m, 17408, 5120) for m in (8, 16, 23, 32)] == [
         mma.MMAConfig(1, 4, 1, 2), mma.MMAConfig(1, 4, 1, 2), mma.MMAConfig(1, 4, 1, 2, min_blocks=3, own_tiles=2),

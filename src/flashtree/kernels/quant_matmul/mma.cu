@@ -455,27 +455,37 @@ template <> struct VectorX<Q6_K> {
 // Column sets: Q4_K's 8 sub-blocks fill the 8 columns once; Q6_K's 16 fill them twice (steps 0-7, 8-15).
 template <int QT> __device__ constexpr int column_sets() { return QT == Q4_K ? 1 : 2; }
 
-template <int QT, int RT>
+// CH: accumulator chains (MMA step s adds to chain s % CH; each column's sub-block has its steps in different
+// chains, summed at the end), so that the 16 MMAs of a super-block are not one chain of dependent latencies
+template <int QT, int RT, int CH>
 __device__ __forceinline__ void multiply_vector(const Weights<QT, RT>& w, const u16* row, int sb, int g, int t,
                                                 const Consts& k, float (&acc)[RT][2]) {
     typedef Type<QT> T;
     constexpr int SETS = column_sets<QT>();
     VectorX<QT> x;
     x.load(row, sb, g, t);
-    float xs[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // Q4_K: column j's sum of x (sub-block j)
+    float xs[CH][4];  // Q4_K: column j's sum of x (sub-block j), per chain
+#pragma unroll
+    for (int ch = 0; ch < CH; ++ch) xs[ch][0] = xs[ch][1] = xs[ch][2] = xs[ch][3] = 0.0f;
     if constexpr (T::NEEDS_XSUM) {
 #pragma unroll
         for (int s = 0; s < 16; ++s) {
             u32 b0, b1;
             x.fragment(s, g, b0, b1);
-            mma_ones(xs, b0, b1);
+            mma_ones(xs[s % CH], b0, b1);
         }
+#pragma unroll
+        for (int ch = 1; ch < CH; ++ch)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) xs[0][c] += xs[ch][c];
     }
 #pragma unroll
     for (int rt = 0; rt < RT; ++rt) {
-        float p[SETS][4];
+        float p[SETS][CH][4];
 #pragma unroll
-        for (int c = 0; c < SETS; ++c) p[c][0] = p[c][1] = p[c][2] = p[c][3] = 0.0f;
+        for (int c = 0; c < SETS; ++c)
+#pragma unroll
+            for (int ch = 0; ch < CH; ++ch) p[c][ch][0] = p[c][ch][1] = p[c][ch][2] = p[c][ch][3] = 0.0f;
 #pragma unroll
         for (int s = 0; s < 16; ++s) {
             u32 frag[4], b0, b1;
@@ -483,22 +493,24 @@ __device__ __forceinline__ void multiply_vector(const Weights<QT, RT>& w, const 
             const u32 hi = T::HIGH_BYTES > 0 ? word_of(w.qh[rt][s >> 3], (s >> 1) & 3) : 0u;
             decode<QT>(lo, hi, s, k, frag);
             x.fragment(s, g, b0, b1);
-            mma_bf16(p[(s >> 3) & (SETS - 1)], frag, b0, b1);
+            mma_bf16(p[(s >> 3) & (SETS - 1)][s % CH], frag, b0, b1);
         }
-        // p[set][c]: row g (c < 2) or g + 8, column 2t + (c & 1), i.e. sub-block 8 set + 2t + (c & 1)
+        // p[set][0][c]: row g (c < 2) or g + 8, column 2t + (c & 1), i.e. sub-block 8 set + 2t + (c & 1)
 #pragma unroll
         for (int set = 0; set < SETS; ++set)
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
+#pragma unroll
+                for (int ch = 1; ch < CH; ++ch) p[set][0][c] += p[set][ch][c];
                 float a, b;
                 T::sub_scale(w.sc[rt], c >> 1, 8 * set + 2 * t + (c & 1), k, a, b);
-                acc[rt][c >> 1] = fmaf(a, p[set][c], acc[rt][c >> 1]);
-                if constexpr (T::NEEDS_XSUM) acc[rt][c >> 1] = fmaf(-b, xs[c & 1], acc[rt][c >> 1]);
+                acc[rt][c >> 1] = fmaf(a, p[set][0][c], acc[rt][c >> 1]);
+                if constexpr (T::NEEDS_XSUM) acc[rt][c >> 1] = fmaf(-b, xs[0][c & 1], acc[rt][c >> 1]);
             }
     }
 }
 
-template <int QT, int RT, int WARPS, int SPLITS>
+template <int QT, int RT, int WARPS, int SPLITS, int CH>
 __device__ __forceinline__ void qmv(const u16* __restrict__ x, const unsigned char* __restrict__ quants,
                                     const unsigned char* __restrict__ high, const unsigned char* __restrict__ scales,
                                     const u16* __restrict__ dvals, u16* __restrict__ out, float* __restrict__ partial,
@@ -514,7 +526,7 @@ __device__ __forceinline__ void qmv(const u16* __restrict__ x, const unsigned ch
 
     const Consts k = make_consts();
     walk_k<QT, RT, WARPS>(quants, high, scales, dvals, tile0, SB, ks.begin + warp, ks.end, lane, g,
-                          [&](const Weights<QT, RT>& w, int sb, int) { multiply_vector<QT, RT>(w, x, sb, g, t, k, acc); });
+                          [&](const Weights<QT, RT>& w, int sb, int) { multiply_vector<QT, RT, CH>(w, x, sb, g, t, k, acc); });
     // the 4 lanes of a row hold its columns' shares: add them (every lane ends with the row's sum), then
     // hand them to qmm's epilogue as token 0 (column 0: lane t = 0, accumulators 0 and 2)
     float sums[RT][1][4];

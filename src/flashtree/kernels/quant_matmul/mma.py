@@ -395,10 +395,11 @@ def kernel_for(qtype: QType, tg: int, n: int, k: int) -> str:
 
 def _instance(qtype: QType, config: MMAConfig, tg: int, kernel: str) -> str:
     c = config
-    if kernel == "qmv":
-        return f"qmv_{qtype.name.lower()}_r{c.rt}_w{c.warps}_s{c.splits}"
-    chains = f"_c{c.chains}" if kernel == "qmh" else ""
     blocks = f"_b{c.min_blocks}" if c.min_blocks else ""
+    if kernel == "qmv":
+        chains = f"_c{c.chains}" if c.chains > 1 else ""
+        return f"qmv_{qtype.name.lower()}_r{c.rt}_w{c.warps}_s{c.splits}{chains}{blocks}"
+    chains = f"_c{c.chains}" if kernel == "qmh" else ""
     ahead = f"_x{c.x_ahead}" if kernel == "qmh" and c.x_ahead else ""
     own = f"_own{c.own_tiles}" if kernel == "qmh" and c.own_tiles else ""
     return f"{kernel}_{qtype.name.lower()}_r{c.rt}_t{tg}_w{c.warps}_s{c.splits}{chains}{blocks}{ahead}{own}"
@@ -427,7 +428,7 @@ def _wrapper(name: str, qtype: QType, config: MMAConfig, tg: int, kernel: str) -
         return (f"{head}(const u16* xh, const float* scale, const unsigned char* q, const unsigned char* h, "
                 f"const unsigned char* s, const u16* d, {tail}) {{ {call}(xh, nullptr, scale, q, h, s, d, out, "
                 f"part, tickets, M, N, K); }}\n")
-    call = (f"qmv<{qtype.name}, {c.rt}, {c.warps}, {c.splits}>" if kernel == "qmv"
+    call = (f"qmv<{qtype.name}, {c.rt}, {c.warps}, {c.splits}, {c.chains}>" if kernel == "qmv"
             else f"qmm<{qtype.name}, {c.rt}, {tg}, {c.warps}, {c.splits}>")
     return (f"{head}(const u16* x, const unsigned char* q, const unsigned char* h, const unsigned char* s, "
             f"const u16* d, u16* out, float* part, int* tickets, int M, int N, int K) {{ "
@@ -559,9 +560,9 @@ def choose_config(qtype: QType, m: int, n: int, k: int, sms: int = _H200_SMS, ke
     17-32 where the warps own tiles (17-32, `own_tiles`: each warp sums all of K), else 2-24 and 25-32; Q6_K
     17-32 and 2-16 on the FFN down projections, 17-24 and the rest on the LM head. Loading x a sub-block ahead
     (`x_ahead`) changes no arithmetic.
-    The one-row kernel (decode) sums each sub-block in its own MMA column and adds them per lane, another
-    order: a decode row and a verify row of the same token can differ in the last bits (near-ties only;
-    the bench shows the margin where greedy outputs part).
+    The one-row kernel (decode) sums each sub-block in its own MMA column (Q4_K's MMAs in two chains) and
+    adds them per lane, another order: a decode row and a verify row of the same token can differ in the last
+    bits (near-ties only; the bench shows the margin where greedy outputs part).
     4 warps per CTA (2 on LM-head-sized matrices); split K only when the row tiles cannot give every
     SM about two CTAs. Two row tiles per warp (x's fragments reused from registers) where the sweeps
     found them faster: qmm Q4_K at 9-16 and 25-32 rows, Q6_K from 17 rows, Q6_K's qmh at 17-24 rows; never
@@ -599,6 +600,8 @@ def choose_config(qtype: QType, m: int, n: int, k: int, sms: int = _H200_SMS, ke
     own_tiles = 2 if q4_k_many_rows and n % 64 == 0 and n // 64 >= sms else 0
     min_blocks = 3 if half and tg in (3, 4) and (qtype == QType.Q4_K or lean_q6_k) else 0
     chains = 1 if lean_q6_k or not half or rt > 1 or (q4_k_many_rows and tg == 4 and not own_tiles) else 2
+    if tg == ONE_ROW and qtype == QType.Q4_K:  # qmv: two chains (the sweep of 2026-12-02 01:50 UTC: q + gate
+        chains = 2  # 15.3 -> 13.6 us, gate/up 19.1 -> 18.5 us; Q6_K's down no faster, 28.3 -> 28.7 us)
     x_ahead = 1 if lean_q6_k or (q4_k_many_rows and not own_tiles) else 0
     return MMAConfig(rt, warps, splits, chains=chains, min_blocks=min_blocks, x_ahead=x_ahead, own_tiles=own_tiles)
 
