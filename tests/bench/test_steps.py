@@ -116,3 +116,26 @@ def test_random_draft_of_draft_type_q8_0_has_its_layers_packed():
     assert type(draft.layers[0].mlp.up_proj).__name__ == "_Q8Linear"
     assert not any(name.startswith("layers.") and p.dim() == 2 for name, p in draft.named_parameters())
     assert draft.fc.weight.dtype == torch.float32
+
+
+OUT_OF_MEMORY = ("CUDA out of memory. Tried to allocate 340.00 MiB. GPU 0 has a total capacity of 139.80 GiB of which "
+                 "117.13 GiB is free. 22.20 GiB allowed; Of the allocated memory 21.21 GiB is allocated by PyTorch")
+
+
+def test_a_row_out_of_memory_is_reported_and_the_run_goes_on(tmp_path, capsys, monkeypatch):
+    """Under a --gpu-memory cap a prefill row may not fit (the H200 at 23 GiB and 262K tokens, 2026-12-02): it is
+    reported as out of memory, and the other rows and the report still come out."""
+    import flashtree.bench.steps as steps
+
+    def no_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError(OUT_OF_MEMORY)
+
+    monkeypatch.setattr(steps, "_prefill", no_memory)
+    out = tmp_path / "steps.json"
+    assert main(["bench", "--synthetic", "tiny", "--steps", "--device", "cpu", "-n", "16", "--repeat", "1",
+                 "--replay-al", "0", "--out", str(out)]) == 0
+    rows = {r["step"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["prefill 1024"]["error"] == "out of memory"
+    assert rows["prefill 1024"]["detail"].endswith("22.20 GiB allowed")
+    assert rows["ar step"]["ms"] > 0 and rows["verify budget 64"]["ms"] > 0
+    assert "prefill 1024             out of memory  CUDA out of memory. Tried to allocate 340.00 MiB." in capsys.readouterr().out

@@ -191,3 +191,29 @@ def test_run_stats_line_says_when_speculation_fell_back(capsys):
     assert "AR steps" in capsys.readouterr().err
     assert main(argv + ["--no-adaptive"]) == 0
     assert "AR steps" not in capsys.readouterr().err
+
+
+def test_out_of_gpu_memory_is_one_line_with_what_to_try(monkeypatch, capsys):
+    """torch's OutOfMemoryError ends the command with one line (what was asked, what is allowed) and what to
+    try, not a traceback; any other RuntimeError keeps its traceback (a bug)."""
+    import torch
+
+    import flashtree.bench.steps as steps
+
+    def no_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB. 22.20 GiB allowed; Of the "
+                                     "allocated memory 21.49 GiB is allocated by PyTorch")
+
+    monkeypatch.setattr(steps, "run_steps", no_memory)
+    assert main(["bench", "--synthetic", "tiny", "--steps", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: out of GPU memory (CUDA out of memory. Tried to allocate 2.00 MiB. 22.20 GiB "
+                          "allowed); try a smaller --ctx")
+    assert "Of the allocated" not in err and "Traceback" not in err and len(err.splitlines()) == 1
+
+    def bug(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(steps, "run_steps", bug)
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["bench", "--synthetic", "tiny", "--steps", "--device", "cpu"])

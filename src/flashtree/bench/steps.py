@@ -27,6 +27,7 @@ from flashtree.bench.report import save_report
 from flashtree.parallel.placement import resolve_device
 from flashtree.engine.config import DEFAULT_BUDGET, DEFAULT_DRAFT_TYPE, DENSE_DRAFT
 from flashtree.engine.process_memory import measure_process_memory
+from flashtree.errors import out_of_memory_summary
 from flashtree.models.dflash import DFlashDraft, DraftConfig, build_target_layer_ids
 from flashtree.models.layers import Linear, Projections, QuantLinear
 from flashtree.drafting.proposer import DFlashProposer
@@ -210,6 +211,13 @@ def run_steps(args, engine, device_name: str) -> int:
         rows.append(entry)
         _print_row(entry)
 
+    def out_of_memory(name: str, exc: torch.OutOfMemoryError) -> None:
+        """A row that does not fit (under --gpu-memory: on the card being played) is reported as such, and the
+        run goes on to the next row and the memory report."""
+        torch.cuda.empty_cache()
+        rows.append({"step": name, "error": "out of memory", "detail": out_of_memory_summary(exc)})
+        print(f"{name:<24}{'out of memory':>14}  {out_of_memory_summary(exc)}", flush=True)
+
     prompt = _prompt(model.config.vocab_size, args.context)
     # trees on every step (adaptive off): the replay times speculation at its AL, and its record must be verify rows
     config = engine.config_for(mode="ddtree", max_new_tokens=args.max_tokens + 64 * args.repeat, ignore_eos=True,
@@ -239,8 +247,12 @@ def run_steps(args, engine, device_name: str) -> int:
     capture = proposer.capture_layers
     for budget in VERIFY_BUDGETS:
         tree = make_tree("ddtree", bonus, draft_logits, budget, config.topk)
-        verify = timed(lambda: engine.runner.step_forward(tree.tokens, cache, tree, capture, pad_to=budget + 1), device,
-                       args.repeat)
+        try:
+            verify = timed(lambda: engine.runner.step_forward(tree.tokens, cache, tree, capture, pad_to=budget + 1),
+                           device, args.repeat)
+        except torch.OutOfMemoryError as exc:
+            out_of_memory(f"verify budget {budget}", exc)
+            continue
         row(f"verify budget {budget}", verify, roofline_s, vs_ar=round(verify / ar, 2))
         mark(f"ar and verify up to budget {budget}")
     row("draft step", timed(lambda: proposer.propose(bonus, cache.length), device, args.repeat),
@@ -273,8 +285,14 @@ def run_steps(args, engine, device_name: str) -> int:
         ids = _prompt(model.config.vocab_size, length, seed=length)
         fresh = engine.runner.new_cache(length, replace(config, max_new_tokens=8))
         once = length >= LONG_PREFILL  # minutes-long prompts run once (the shorter rows warmed the kernels up)
-        seconds = timed(lambda: _prefill(engine, fresh, ids, args.prefill_chunk), device, repeat=1 if once else 2,
-                        warmup=0 if once else 1)
+        try:
+            seconds = timed(lambda: _prefill(engine, fresh, ids, args.prefill_chunk), device, repeat=1 if once else 2,
+                            warmup=0 if once else 1)
+        except torch.OutOfMemoryError as exc:
+            out_of_memory(f"prefill {length}", exc)
+            continue
+        finally:
+            del fresh
         row(f"prefill {length}", seconds, tok_s=round(length / seconds, 1))
 
     mark("prefill rows")
@@ -384,10 +402,11 @@ def _device_step_rows(engine, cache, proposer, bonus: int, topk: int, device, re
     seconds = timed(lambda: runner.speculative_step(cache, proposer, bonus, "ddtree", DEFAULT_BUDGET, topk), device,
                     repeat)
     row(f"speculative step (one graph, budget {DEFAULT_BUDGET})", seconds, vs_ar=round(seconds / ar, 2))
-    parts = {r["step"]: r["ms"] for r in rows}
-    inside = parts[f"speculative step (one graph, budget {DEFAULT_BUDGET})"] - parts[f"verify budget {DEFAULT_BUDGET}"] \
-        - parts["draft step"]
-    row("tree + walk + commit in the step graph", inside / 1e3)
+    parts = {r["step"]: r["ms"] for r in rows if "ms" in r}  # not the rows that ran out of memory
+    verify = parts.get(f"verify budget {DEFAULT_BUDGET}")
+    if verify is not None:
+        inside = parts[f"speculative step (one graph, budget {DEFAULT_BUDGET})"] - verify - parts["draft step"]
+        row("tree + walk + commit in the step graph", inside / 1e3)
 
 
 def _commit_time(engine, cache, proposer, tree, capture, repeat: int) -> float:

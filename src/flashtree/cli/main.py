@@ -12,7 +12,7 @@ from flashtree.cli import info, plan, run
 from flashtree.cli.args import add_model_args
 from flashtree.cli.chat import add_chat_parser
 from flashtree.cli.threads import set_threads
-from flashtree.errors import FlashtreeError
+from flashtree.errors import OUT_OF_MEMORY_ADVICE, FlashtreeError, out_of_memory_summary
 from flashtree.serve.cli import add_serve_parser
 from flashtree.train import cli as train
 
@@ -52,6 +52,12 @@ def main(argv: list[str] | None = None) -> int:
         return args.handler(args) or 0
     except FlashtreeError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except RuntimeError as exc:  # torch's OutOfMemoryError is one; any other is a bug and keeps its traceback
+        summary = out_of_memory_summary(exc)
+        if summary is None:
+            raise
+        print(f"error: out of GPU memory ({summary}); {OUT_OF_MEMORY_ADVICE}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
