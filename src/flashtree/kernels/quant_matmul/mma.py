@@ -600,7 +600,7 @@ def choose_config(qtype: QType, m: int, n: int, k: int, sms: int = _H200_SMS, ke
     own_tiles = 2 if q4_k_many_rows and n % 64 == 0 and n // 64 >= sms else 0
     min_blocks = 3 if half and tg in (3, 4) and (qtype == QType.Q4_K or lean_q6_k) else 0
     chains = 1 if lean_q6_k or not half or rt > 1 or (q4_k_many_rows and tg == 4 and not own_tiles) else 2
-    if tg == ONE_ROW and qtype == QType.Q4_K:  # qmv: two chains (the sweep of 2026-12-02 01:50 UTC: q + gate
+    if tg == ONE_ROW and qtype == QType.Q4_K:  # qmv: two chains (the sweep of 2026-12-02 01:31 UTC: q + gate
         chains = 2  # 15.3 -> 13.6 us, gate/up 19.1 -> 18.5 us; Q6_K's down no faster, 28.3 -> 28.7 us)
     x_ahead = 1 if lean_q6_k or (q4_k_many_rows and not own_tiles) else 0
     return MMAConfig(rt, warps, splits, chains=chains, min_blocks=min_blocks, x_ahead=x_ahead, own_tiles=own_tiles)
