@@ -215,8 +215,9 @@ def run_steps(args, engine, device_name: str) -> int:
         """A row that does not fit (under --gpu-memory: on the card being played) is reported as such, and the
         run goes on to the next row and the memory report."""
         torch.cuda.empty_cache()
-        rows.append({"step": name, "error": "out of memory", "detail": out_of_memory_summary(exc)})
-        print(f"{name:<24}{'out of memory':>14}  {out_of_memory_summary(exc)}", flush=True)
+        detail = out_of_memory_summary(exc)
+        rows.append({"step": name, "error": "out of memory", "detail": detail})
+        print(f"{name:<24}{'out of memory':>14}  {detail}", flush=True)
 
     prompt = _prompt(model.config.vocab_size, args.context)
     # trees on every step (adaptive off): the replay times speculation at its AL, and its record must be verify rows
