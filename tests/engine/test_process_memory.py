@@ -89,12 +89,34 @@ def test_cap_is_set_once_per_cuda_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"total_memory": 96 * GIB}))
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device: calls.append((f, device)))
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", lambda conf: None)
     cap_process_memory(["cuda", torch.device("cuda:0"), "cuda:1", "cpu"], "24GiB", GIB)
     assert sorted(calls, key=lambda c: c[1].index) == [(23 / 96, torch.device("cuda:0")),
                                                        (23 / 96, torch.device("cuda:1"))]
     calls.clear()
     cap_process_memory(["cuda:0"], None, GIB)  # no --gpu-memory: no cap
     assert calls == []
+
+
+@pytest.mark.parametrize("user_conf, asked", [(None, ["expandable_segments:True"]),
+                                              ("max_split_size_mb:512", ["expandable_segments:True"]),
+                                              ("expandable_segments:False", [])])
+def test_a_cap_grows_segments_in_place_unless_the_user_chose(monkeypatch, user_conf, asked):
+    settings = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"total_memory": 96 * GIB}))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device: None)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", settings.append)
+    if user_conf is None:
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    else:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", user_conf)
+    cap_process_memory(["cuda:0"], "24GiB", GIB)
+    assert settings == asked
+    settings.clear()
+    cap_process_memory(["cpu"], "24GiB", GIB)  # no CUDA device: the allocator is left alone
+    cap_process_memory(["cuda:0"], None, GIB)
+    assert settings == []
 
 
 def test_gpu_memory_flags_reach_the_engine_and_its_cap(monkeypatch):

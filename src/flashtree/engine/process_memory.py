@@ -5,7 +5,10 @@ and the Triton and NVRTC modules it loaded, outside the allocator; a 24 GiB card
 
 * `cap_process_memory`: with `--gpu-memory`, the allocator of each CUDA device the process uses may
   reserve the cap less the memory held outside it (`cuda_overhead`), so that a 24 GiB card can be played
-  on a larger one: an allocation past the cap raises out-of-memory as it would on that card.
+  on a larger one: an allocation past the cap raises out-of-memory as it would on that card. Under a cap
+  the allocator grows its segments in place (expandable segments) unless PYTORCH_CUDA_ALLOC_CONF says
+  otherwise: with fixed segments, blocks cached in one size class cannot serve another, and at 24 GiB
+  the budget-64 verify graph did not fit (H200, 2026-12-02, docs/LONG_CONTEXT.md "Measured under the cap").
 * `measure_process_memory`: the device's used memory (total - free, the context included) against what
   the allocator reserved; the difference is the footprint outside the allocator, the figure that
   `DEFAULT_CUDA_OVERHEAD` stands in for. It counts everything on the device, so it is this process's only
@@ -14,6 +17,7 @@ and the Triton and NVRTC modules it loaded, outside the allocator; a 24 GiB card
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -22,6 +26,9 @@ import torch
 from flashtree.engine.planner import GIB, fmt_bytes, parse_size
 from flashtree.errors import FlashtreeError
 from flashtree.kernels import indexed
+
+
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"  # the user's allocator settings, which a cap leaves as they are
 
 
 def allocator_fraction(cap: int, cuda_overhead: int, total: int, device: str) -> float:
@@ -40,7 +47,10 @@ def cap_process_memory(devices: Iterable[torch.device | str], gpu_memory: str | 
     if gpu_memory is None:
         return
     cap = parse_size(gpu_memory)
-    for device in {indexed(d) for d in devices if torch.device(d).type == "cuda"}:
+    devices = {indexed(d) for d in devices if torch.device(d).type == "cuda"}
+    if devices and "expandable_segments" not in os.environ.get(ALLOC_CONF, ""):
+        torch._C._accelerator_setAllocatorSettings("expandable_segments:True")
+    for device in devices:
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(allocator_fraction(cap, cuda_overhead, total, str(device)), device)
 
