@@ -57,9 +57,10 @@ OWN_ALTERNATIVES = ((1, 4, 2, 2, 3, 1, 1), (1, 4, 4, 2, 3, 1, 1), (1, 4, 2, 1, 3
 # qmv's: accumulator chains, CTAs per SM asked of ptxas
 QMV_ALTERNATIVES = ((2, 0), (4, 0), (2, 5), (1, 6))
 
-# qmh's own shape with its weights two super-blocks ahead, at these CTAs per SM asked of ptxas (at 3 the third
-# buffer spills: 24 bytes with the warps owning tiles at 23 rows, 112 for Q6_K's down projection; sm_90)
-WEIGHTS_AHEAD_MIN_BLOCKS = (2, 0)
+# qmh's own shape with its weights 2 or 3 super-blocks ahead, at these CTAs per SM asked of ptxas: (ahead, CTAs)
+# (at 3 CTAs the third buffer spills: 24 bytes with the warps owning tiles at 23 rows, 112 for Q6_K's down
+# projection; four buffers take 231 registers there, no spills; sm_90)
+WEIGHTS_AHEAD = ((2, 2), (2, 0), (3, 2))
 
 
 def _label(kernel: str, c: mma.MMAConfig) -> str:
@@ -95,8 +96,8 @@ def variants(qtype: QType, m: int, n: int, k: int) -> list[tuple[str, str, mma.M
         c = mma.MMAConfig(rt, warps, splits, chains, min_blocks, x_ahead, own)
         if c != default and n % c.rows_per_cta == 0 and (k // 256) >= 2 * splits:
             out.append((_label("qmh", c), "qmh", c))
-    for min_blocks in WEIGHTS_AHEAD_MIN_BLOCKS:
-        c = replace(default, weights_ahead=2, min_blocks=min_blocks)
+    for ahead, min_blocks in WEIGHTS_AHEAD:
+        c = replace(default, weights_ahead=ahead, min_blocks=min_blocks)
         out.append((_label("qmh", c), "qmh", c))
     return out
 

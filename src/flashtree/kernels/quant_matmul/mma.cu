@@ -240,28 +240,28 @@ __device__ __forceinline__ void zero(float (&acc)[RT][TG][4]) {
 // super-block's weights are requested before this one is multiplied (`multiply(weights, sb, next)`, next: the warp's
 // following super-block, or sb again at the end), so each warp keeps a
 // super-block of loads in flight while it computes. Two named buffers (unrolled by two): an indexed pair would go
-// to local memory. AHEAD 2: three buffers, the loads two super-blocks ahead (twice the bytes in flight per warp;
-// qmh's warps owning tiles at 23 rows keep 8 warps and ~18 KB in flight per SM, about half of what the H200's
-// bandwidth times its latency asks; PERFORMANCE.md, ninth session).
-template <int QT, int RT, int WARPS, typename Multiply>
-__device__ __forceinline__ void walk_k_three(const unsigned char* quants, const unsigned char* high,
-                                             const unsigned char* scales, const u16* dvals, int tile0, int SB, int sb,
-                                             int end, int lane, int g, Multiply&& multiply) {
-    Weights<QT, RT> w0, w1, w2;
-    if (sb < end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb, lane, g, w0);
-    if (sb + WARPS < end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb + WARPS, lane, g, w1);
+// to local memory. AHEAD 2-3: AHEAD + 1 buffers, the loads AHEAD super-blocks ahead (AHEAD times the bytes in
+// flight per warp; qmh's warps owning tiles at 23 rows keep 8 warps and ~18 KB in flight per SM, about half of what
+// the H200's bandwidth times its latency asks; PERFORMANCE.md, ninth session). The buffers are indexed only by
+// constants of the unrolled inner loop, so they stay in registers.
+template <int QT, int RT, int WARPS, int AHEAD, typename Multiply>
+__device__ __forceinline__ void walk_k_ring(const unsigned char* quants, const unsigned char* high,
+                                            const unsigned char* scales, const u16* dvals, int tile0, int SB, int sb,
+                                            int end, int lane, int g, Multiply&& multiply) {
+    Weights<QT, RT> w[AHEAD + 1];
+#pragma unroll
+    for (int i = 0; i < AHEAD; ++i)
+        if (sb + i * WARPS < end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb + i * WARPS, lane, g, w[i]);
     while (sb < end) {
-        if (sb + 2 * WARPS < end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb + 2 * WARPS, lane, g, w2);
-        multiply(w0, sb, sb + WARPS < end ? sb + WARPS : sb);
-        sb += WARPS;
-        if (sb >= end) break;
-        if (sb + 2 * WARPS < end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb + 2 * WARPS, lane, g, w0);
-        multiply(w1, sb, sb + WARPS < end ? sb + WARPS : sb);
-        sb += WARPS;
-        if (sb >= end) break;
-        if (sb + 2 * WARPS < end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb + 2 * WARPS, lane, g, w1);
-        multiply(w2, sb, sb + WARPS < end ? sb + WARPS : sb);
-        sb += WARPS;
+#pragma unroll
+        for (int i = 0; i <= AHEAD; ++i) {
+            if (sb + AHEAD * WARPS < end)
+                load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb + AHEAD * WARPS, lane, g,
+                                     w[(i + AHEAD) % (AHEAD + 1)]);
+            multiply(w[i], sb, sb + WARPS < end ? sb + WARPS : sb);
+            sb += WARPS;
+            if (sb >= end) break;
+        }
     }
 }
 
@@ -269,8 +269,8 @@ template <int QT, int RT, int WARPS, int AHEAD = 1, typename Multiply>
 __device__ __forceinline__ void walk_k(const unsigned char* quants, const unsigned char* high, const unsigned char* scales,
                                        const u16* dvals, int tile0, int SB, int sb, int end, int lane, int g,
                                        Multiply&& multiply) {
-    if constexpr (AHEAD == 2) {
-        walk_k_three<QT, RT, WARPS>(quants, high, scales, dvals, tile0, SB, sb, end, lane, g, multiply);
+    if constexpr (AHEAD > 1) {
+        walk_k_ring<QT, RT, WARPS, AHEAD>(quants, high, scales, dvals, tile0, SB, sb, end, lane, g, multiply);
         return;
     }
     Weights<QT, RT> w0, w1;

@@ -356,7 +356,7 @@ class MMAConfig:
     registers to fit them (sm_90, 4 warps: 3 -> 168, 4 -> 128) at the price of spills; x_ahead: qmh loads x a
     sub-block ahead of its MMAs (1) or just before them (0); own_tiles: qmh's warps own row tiles of their own
     and walk the same super-blocks (x read from L2 once per CTA) instead of splitting K (0); weights_ahead: qmh
-    requests a warp's weights 1 or 2 super-blocks before it multiplies them (two or three register buffers)."""
+    requests a warp's weights 1-3 super-blocks before it multiplies them (weights_ahead + 1 register buffers)."""
 
     rt: int
     warps: int
