@@ -15,7 +15,6 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,22 +56,15 @@ OWN_ALTERNATIVES = ((1, 4, 2, 2, 3, 1, 1), (1, 4, 4, 2, 3, 1, 1), (1, 4, 2, 1, 3
 # qmv's: accumulator chains, CTAs per SM asked of ptxas
 QMV_ALTERNATIVES = ((2, 0), (4, 0), (2, 5), (1, 6))
 
-# qmh's own shape with its weights 2 or 3 super-blocks ahead, at these CTAs per SM asked of ptxas: (ahead, CTAs)
-# (at 3 CTAs the third buffer spills: 24 bytes with the warps owning tiles at 23 rows, 112 for Q6_K's down
-# projection; four buffers take 231 registers there, no spills; sm_90)
-WEIGHTS_AHEAD = ((2, 2), (2, 0), (3, 2))
-
 
 def _label(kernel: str, c: mma.MMAConfig) -> str:
     return (f"{kernel} r{c.rt}w{c.warps}s{c.splits}c{c.chains}" + (f"b{c.min_blocks}" if c.min_blocks else "")
-            + (f"x{c.x_ahead}" if c.x_ahead else "") + (f"own{c.own_tiles}" if c.own_tiles else "")
-            + (f"a{c.weights_ahead}" if c.weights_ahead != 1 else ""))
+            + (f"x{c.x_ahead}" if c.x_ahead else "") + (f"own{c.own_tiles}" if c.own_tiles else ""))
 
 
 def variants(qtype: QType, m: int, n: int, k: int) -> list[tuple[str, str, mma.MMAConfig]]:
-    """qmm and qmh in their own launch shapes (marked *), and qmh at the other shapes that fit the matrix and in
-    its own with the weights two super-blocks ahead; one row: qmv in its own shape and at the other chain counts
-    and CTA targets."""
+    """qmm and qmh in their own launch shapes (marked *), and qmh at the other shapes that fit the matrix; one
+    row: qmv in its own shape and at the other chain counts and CTA targets."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     if m == 1:  # decode: the one-row kernel, at more accumulator chains and CTAs per SM
         c = mma.choose_config(qtype, 1, n, k, sms)
@@ -96,9 +88,6 @@ def variants(qtype: QType, m: int, n: int, k: int) -> list[tuple[str, str, mma.M
         c = mma.MMAConfig(rt, warps, splits, chains, min_blocks, x_ahead, own)
         if c != default and n % c.rows_per_cta == 0 and (k // 256) >= 2 * splits:
             out.append((_label("qmh", c), "qmh", c))
-    for ahead, min_blocks in WEIGHTS_AHEAD:
-        c = replace(default, weights_ahead=ahead, min_blocks=min_blocks)
-        out.append((_label("qmh", c), "qmh", c))
     return out
 
 

@@ -405,28 +405,6 @@ def test_warps_owning_tiles_match_the_reference(qtype):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("qtype", TYPES)
-def test_weights_super_blocks_ahead_give_the_same_bits(qtype):
-    """qmh with three or four weight buffers (`weights_ahead` 2, 3) only moves loads earlier: the same bits as two
-    buffers, with the warps splitting K or owning tiles, split K or not, over super-block counts that end the
-    unrolled loop at each of its buffers (10 super-blocks: a warp takes 2-3 or all 10)."""
-    n, k = 1024, 2560
-    weight = random_quant_weight(qtype, n, k, "cuda")
-    x = torch.randn(32, k, device="cuda", dtype=torch.bfloat16)
-    for m in (9, 23, 32):
-        ref = quant_matmul_reference(x[:m].float(), weight)
-        for own, splits, x_ahead in ((0, 1, 1), (0, 2, 0), (2, 1, 0), (2, 2, 0), (2, 5, 0)):
-            two = mma.MMAConfig(1, 4, splits, 2, min_blocks=2, x_ahead=x_ahead, own_tiles=own)
-            expected = mma.matmul(x[:m], weight.raw, qtype, n, k, two, "qmh")
-            _check_close(expected, ref)
-            for ahead in (2, 3):
-                more = mma.MMAConfig(1, 4, splits, 2, min_blocks=2, x_ahead=x_ahead, own_tiles=own, weights_ahead=ahead)
-                y = mma.matmul(x[:m], weight.raw, qtype, n, k, more, "qmh")
-                assert torch.equal(y, expected), (m, own, splits, ahead)
-
-
-@pytest.mark.gpu
-@gpu
 def test_q6_k_takes_the_float16_kernel_and_a_row_keeps_its_bits():
     """The down projection's verify rows go through qmh (quant_matmul gives the same bits as asking for it), and
     a row's bits do not depend on the other rows within a class of row counts (2-16, and 17-32 with the

@@ -82,6 +82,10 @@ class CapturedSteps:
             entry.graph.replay()
             return entry.output
         result = fn(entry.packed)  # the warm-up is this call's real work
+        # the warm-up's freed blocks stay cached outside the graphs' pool, and the allocator cannot hand them back
+        # while a capture records (no cudaFree then): under a --gpu-memory cap the capture ran out of memory with
+        # them held (23 GiB, budget 22 at 262K tokens, 2026-12-02), so they go back to the driver first
+        torch.cuda.empty_cache()
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self.pool):  # records only: nothing runs twice

@@ -240,39 +240,13 @@ __device__ __forceinline__ void zero(float (&acc)[RT][TG][4]) {
 // super-block's weights are requested before this one is multiplied (`multiply(weights, sb, next)`, next: the warp's
 // following super-block, or sb again at the end), so each warp keeps a
 // super-block of loads in flight while it computes. Two named buffers (unrolled by two): an indexed pair would go
-// to local memory. AHEAD 2-3: AHEAD + 1 buffers, the loads AHEAD super-blocks ahead (AHEAD times the bytes in
-// flight per warp; qmh's warps owning tiles at 23 rows keep 8 warps and ~18 KB in flight per SM, about half of what
-// the H200's bandwidth times its latency asks; PERFORMANCE.md, ninth session). The buffers are indexed only by
-// constants of the unrolled inner loop, so they stay in registers.
-template <int QT, int RT, int WARPS, int AHEAD, typename Multiply>
-__device__ __forceinline__ void walk_k_ring(const unsigned char* quants, const unsigned char* high,
-                                            const unsigned char* scales, const u16* dvals, int tile0, int SB, int sb,
-                                            int end, int lane, int g, Multiply&& multiply) {
-    Weights<QT, RT> w[AHEAD + 1];
-#pragma unroll
-    for (int i = 0; i < AHEAD; ++i)
-        if (sb + i * WARPS < end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb + i * WARPS, lane, g, w[i]);
-    while (sb < end) {
-#pragma unroll
-        for (int i = 0; i <= AHEAD; ++i) {
-            if (sb + AHEAD * WARPS < end)
-                load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb + AHEAD * WARPS, lane, g,
-                                     w[(i + AHEAD) % (AHEAD + 1)]);
-            multiply(w[i], sb, sb + WARPS < end ? sb + WARPS : sb);
-            sb += WARPS;
-            if (sb >= end) break;
-        }
-    }
-}
-
-template <int QT, int RT, int WARPS, int AHEAD = 1, typename Multiply>
+// to local memory. (Three or four buffers, the weights two or three super-blocks ahead, were no faster in qmh at
+// 16-32 rows, 2026-12-02: gate/up 23 rows 35.9 -> 40.6 / 41.3 us; its time follows its CTAs per SM instead, see
+// benchmarks/probe_waves.py.)
+template <int QT, int RT, int WARPS, typename Multiply>
 __device__ __forceinline__ void walk_k(const unsigned char* quants, const unsigned char* high, const unsigned char* scales,
                                        const u16* dvals, int tile0, int SB, int sb, int end, int lane, int g,
                                        Multiply&& multiply) {
-    if constexpr (AHEAD > 1) {
-        walk_k_ring<QT, RT, WARPS, AHEAD>(quants, high, scales, dvals, tile0, SB, sb, end, lane, g, multiply);
-        return;
-    }
     Weights<QT, RT> w0, w1;
     if (sb < end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb, lane, g, w0);
     while (sb < end) {
@@ -939,13 +913,13 @@ __device__ __forceinline__ void epilogue_own(const float (&acc)[RT][TG][4], int 
 }
 
 // qmh's K loop with x from `x` (GlobalX or SharedX)
-template <int QT, int RT, int TG, int STRIDE, int CH, int WA, typename XSource>
+template <int QT, int RT, int TG, int STRIDE, int CH, typename XSource>
 __device__ __forceinline__ void walk_half(XSource& x, const unsigned char* quants, const unsigned char* high,
                                           const unsigned char* scales, const u16* dvals, int tile0, int SB, int first,
                                           int end, float (&acc)[RT][TG][4]) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const Consts k = make_consts();
-    walk_k<QT, RT, STRIDE, WA>(quants, high, scales, dvals, tile0, SB, first, end, lane, g,
+    walk_k<QT, RT, STRIDE>(quants, high, scales, dvals, tile0, SB, first, end, lane, g,
                            [&](const Weights<QT, RT>& w, int sb, int next) {
                                if constexpr (QT == Q4_K) multiply_half<RT, TG, CH>(w, x, sb, next, t, k, acc);
                                else multiply_half<RT, TG, CH>(w, x, sb, next, k, acc);
@@ -958,8 +932,7 @@ __device__ __forceinline__ void walk_half(XSource& x, const unsigned char* quant
 // all of x: at 23 rows 5.3 bytes of x per byte of weights); splits fill the GPU instead. OWN 2: the same with x
 // staged in shared memory (SharedX), the choice on wide matrices at 17-32 rows (2026-12-01, eighth session:
 // gate/up 23 rows 41.6 -> 36.1 us; OWN 1 and the second session's per-CTA double-buffered copy were slower).
-// WA: weights this many super-blocks ahead of the MMAs (`walk_k`'s AHEAD).
-template <int QT, int RT, int TG, int WARPS, int SPLITS, int CH, int XA, int OWN, int WA = 1>
+template <int QT, int RT, int TG, int WARPS, int SPLITS, int CH, int XA, int OWN>
 __device__ __forceinline__ void qmh(const u16* __restrict__ xh, const u16* __restrict__ xsum,
                                     const float* __restrict__ scale, const unsigned char* __restrict__ quants,
                                     const unsigned char* __restrict__ high, const unsigned char* __restrict__ scales,
@@ -977,10 +950,10 @@ __device__ __forceinline__ void qmh(const u16* __restrict__ xh, const u16* __res
         typedef SharedX<TG, WARPS * 32> Source;
         __shared__ __align__(16) unsigned char ring[Source::STAGES * Source::STAGE_BYTES];
         Source x(ring, xh, xsum, M, K, first, ks.end);
-        walk_half<QT, RT, TG, STRIDE, CH, WA>(x, quants, high, scales, dvals, tile0, SB, first, ks.end, acc);
+        walk_half<QT, RT, TG, STRIDE, CH>(x, quants, high, scales, dvals, tile0, SB, first, ks.end, acc);
     } else {
         GlobalX<TG, XA> x(xh, xsum, M, K, first);
-        walk_half<QT, RT, TG, STRIDE, CH, WA>(x, quants, high, scales, dvals, tile0, SB, first, ks.end, acc);
+        walk_half<QT, RT, TG, STRIDE, CH>(x, quants, high, scales, dvals, tile0, SB, first, ks.end, acc);
     }
     if constexpr (OWN) epilogue_own<RT, TG, WARPS, SPLITS>(acc, tile0, out, partial, tickets, M, N, scale);
     else epilogue<RT, TG, WARPS, SPLITS>(acc, tile0, out, partial, tickets, M, N, scale);

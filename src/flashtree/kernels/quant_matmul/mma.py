@@ -355,8 +355,7 @@ class MMAConfig:
     min_blocks: CTAs per SM asked of ptxas (`__launch_bounds__`'s second value; 0: none), which caps the
     registers to fit them (sm_90, 4 warps: 3 -> 168, 4 -> 128) at the price of spills; x_ahead: qmh loads x a
     sub-block ahead of its MMAs (1) or just before them (0); own_tiles: qmh's warps own row tiles of their own
-    and walk the same super-blocks (x read from L2 once per CTA) instead of splitting K (0); weights_ahead: qmh
-    requests a warp's weights 1-3 super-blocks before it multiplies them (weights_ahead + 1 register buffers)."""
+    and walk the same super-blocks (x read from L2 once per CTA) instead of splitting K (0)."""
 
     rt: int
     warps: int
@@ -365,7 +364,6 @@ class MMAConfig:
     min_blocks: int = 0
     x_ahead: int = 0
     own_tiles: int = 0
-    weights_ahead: int = 1
 
     @property
     def rows_per_cta(self) -> int:
@@ -404,8 +402,7 @@ def _instance(qtype: QType, config: MMAConfig, tg: int, kernel: str) -> str:
     chains = f"_c{c.chains}" if kernel == "qmh" else ""
     ahead = f"_x{c.x_ahead}" if kernel == "qmh" and c.x_ahead else ""
     own = f"_own{c.own_tiles}" if kernel == "qmh" and c.own_tiles else ""
-    weights = f"_a{c.weights_ahead}" if kernel == "qmh" and c.weights_ahead != 1 else ""
-    return f"{kernel}_{qtype.name.lower()}_r{c.rt}_t{tg}_w{c.warps}_s{c.splits}{chains}{blocks}{ahead}{own}{weights}"
+    return f"{kernel}_{qtype.name.lower()}_r{c.rt}_t{tg}_w{c.warps}_s{c.splits}{chains}{blocks}{ahead}{own}"
 
 
 def _dequant_instance(qtype: QType, out: int) -> str:
@@ -422,8 +419,7 @@ def _wrapper(name: str, qtype: QType, config: MMAConfig, tg: int, kernel: str) -
     bounds = f"{c.warps * 32}, {c.min_blocks}" if c.min_blocks else f"{c.warps * 32}"
     head = f'extern "C" __global__ void __launch_bounds__({bounds}) {name}'
     if kernel == "qmh":
-        ahead = f", {c.weights_ahead}" if c.weights_ahead != 1 else ""  # the defaults keep their wrapper text
-        call = f"qmh<{qtype.name}, {c.rt}, {tg}, {c.warps}, {c.splits}, {c.chains}, {c.x_ahead}, {c.own_tiles}{ahead}>"
+        call = f"qmh<{qtype.name}, {c.rt}, {tg}, {c.warps}, {c.splits}, {c.chains}, {c.x_ahead}, {c.own_tiles}>"
         tail = "u16* out, float* part, int* tickets, int M, int N, int K"
         if qtype == QType.Q4_K:  # x's sums for the min term; no top bits, d inside the scale records
             return (f"{head}(const u16* xh, const u16* xs, const float* scale, const unsigned char* q, "
