@@ -959,6 +959,85 @@ __device__ __forceinline__ void qmh(const u16* __restrict__ xh, const u16* __res
     else epilogue<RT, TG, WARPS, SPLITS>(acc, tile0, out, partial, tickets, M, N, scale);
 }
 
+// qmh with its warps owning tiles, on a grid that fills every SM alike ("stream-K"). Its time follows the CTAs per
+// SM, not the bytes: 264 CTAs of the gate/up shape take 29.2 us at 23 rows and 272 take 35.9 (the 8 SMs holding a
+// third CTA set the end; benchmarks/probe_waves.py, 2026-12-02). Here gridDim.x CTAs split the G x SB units (row
+// group, super-block) into equal contiguous ranges: a CTA walks whole row groups and at most two pieces of others,
+// x through shared memory as in OWN 2. A row group met whole is stored; a piece goes to the CTA's partial slot (0:
+// the row group its range starts in, 1: the one it ends in), and the last CTA of a row group to arrive adds the
+// pieces in CTA order and stores them (an atomic ticket per row group, reset for the next call). The ranges depend
+// on the matrix and the grid only, so a row's bits do not depend on M within a kernel class.
+__device__ __forceinline__ long stream_cta_of(long u, long U, long P) { return ((u + 1) * P + U - 1) / U - 1; }
+__device__ __forceinline__ int stream_slot(long cta, int group, long U, long P, int SB) {
+    return (cta * U / P) / SB == group ? 0 : 1;
+}
+
+template <int RT, int TG, int WARPS>
+__device__ __forceinline__ void stream_piece(const float (&acc)[RT][TG][4], int group, long U, long P, int SB,
+                                             u16* __restrict__ out, float* __restrict__ partial,
+                                             int* __restrict__ tickets, int M, int N, const float* __restrict__ scale) {
+    constexpr int ROWS = 16 * RT * WARPS;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, warp = threadIdx.x >> 5;
+    const long slab = (long)M * ROWS;
+    float* mine = partial + (2 * (long)blockIdx.x + stream_slot(blockIdx.x, group, U, P, SB)) * slab;
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int tg = 0; tg < TG; ++tg)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int tok = 8 * tg + 2 * t + (c & 1);
+                if (tok < M) mine[(long)tok * ROWS + 16 * (warp * RT + rt) + g + 8 * (c >> 1)] = acc[rt][tg][c];
+            }
+    __threadfence();
+    __syncthreads();
+    __shared__ int last;
+    const long first = stream_cta_of((long)group * SB, U, P), final = stream_cta_of((long)group * SB + SB - 1, U, P);
+    if (threadIdx.x == 0) last = atomicAdd(tickets + group, 1) == (int)(final - first);
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int e = threadIdx.x; e < ROWS * M; e += WARPS * 32) {
+        const int tok = e / ROWS, row = e % ROWS;
+        float total = 0.0f;
+        for (long q = first; q <= final; ++q) {
+            const volatile float* src = partial + (2 * q + stream_slot(q, group, U, P, SB)) * slab;
+            total += src[(long)tok * ROWS + row];
+        }
+        out[(long)tok * N + (long)group * ROWS + row] = float_to_bf16(total * __ldg(scale + tok));
+    }
+    if (threadIdx.x == 0) tickets[group] = 0;
+}
+
+template <int QT, int RT, int TG, int WARPS, int CH>
+__device__ __forceinline__ void qmh_stream(const u16* __restrict__ xh, const u16* __restrict__ xsum,
+                                           const float* __restrict__ scale, const unsigned char* __restrict__ quants,
+                                           const unsigned char* __restrict__ high,
+                                           const unsigned char* __restrict__ scales, const u16* __restrict__ dvals,
+                                           u16* __restrict__ out, float* __restrict__ partial,
+                                           int* __restrict__ tickets, int M, int N, int K) {
+    typedef SharedX<TG, WARPS * 32> Source;
+    __shared__ __align__(16) unsigned char ring[Source::STAGES * Source::STAGE_BYTES];
+    const int warp = threadIdx.x >> 5, SB = K >> 8;
+    const long U = (long)(N / (16 * RT * WARPS)) * SB, P = gridDim.x;
+    const long end = ((long)blockIdx.x + 1) * U / P;
+    for (long u = (long)blockIdx.x * U / P; u < end;) {
+        const int group = (int)(u / SB), first = (int)(u % SB);
+        const int last = (int)min((long)SB, first + (end - u));
+        const int tile0 = (group * WARPS + warp) * RT;
+        float acc[RT][TG][4];
+        zero(acc);
+        {
+            Source x(ring, xh, xsum, M, K, first, last);
+            walk_half<QT, RT, TG, 1, CH>(x, quants, high, scales, dvals, tile0, SB, first, last, acc);
+        }
+        if (first == 0 && last == SB) epilogue_own<RT, TG, WARPS, 1>(acc, tile0, out, partial, tickets, M, N, scale);
+        else stream_piece<RT, TG, WARPS>(acc, group, U, P, SB, out, partial, tickets, M, N, scale);
+        u += last - first;
+        __syncthreads();  // every warp is done with the ring before the next range's copies fill it
+    }
+}
+
 // Q4_K's x sums: xsum [M, K / 256, 16] f16, per super-block and lane t the sums of sub-blocks 2t, 2t + 1 as hi
 // (2) then lo (2). h: values i .. i + 7 of row tok; 4 threads per 32-value sub-block.
 __device__ __forceinline__ void store_sub_block_sum(const u32 (&h)[4], int i, int tok, int K, u16* __restrict__ xsum) {
