@@ -405,34 +405,6 @@ def test_warps_owning_tiles_match_the_reference(qtype):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("qtype", TYPES)
-def test_stream_launch_matches_the_reference_and_keeps_its_bits(qtype):
-    """qmh on a grid of equal (row group, super-block) shares (`stream`): row groups whole in a CTA, in pieces
-    of two CTAs, and in pieces of one unit each (more CTAs than a row group has super-blocks), against the float32
-    dequantization; the same bits on a second call (the pieces add in CTA order) and the tickets left at zero."""
-    x = torch.randn(32, 5120, device="cuda", dtype=torch.bfloat16)
-    for n, k, stream in ((17408, 5120, 1), (17408, 5120, 3), (1024, 2560, 3), (1024, 5120, 1)):
-        weight = random_quant_weight(qtype, n, k, "cuda")
-        config = mma.MMAConfig(1, 4, 1, 2, min_blocks=3, own_tiles=2, stream=stream)
-        for m in (9, 23, 32):
-            y = mma.matmul(x[:m, :k], weight.raw, qtype, n, k, config, "qmh")
-            _check_close(y, quant_matmul_reference(x[:m, :k].float(), weight))
-            assert torch.equal(y, mma.matmul(x[:m, :k], weight.raw, qtype, n, k, config, "qmh")), (n, k, stream, m)
-    tickets = mma._tickets(x.device, torch.cuda.current_stream().cuda_stream)
-    assert int(tickets.abs().sum()) == 0
-
-
-def test_a_stream_launch_needs_warps_owning_tiles_and_no_split():
-    with pytest.raises(FlashtreeError, match="own_tiles 2"):
-        mma.stream_ctas(mma.MMAConfig(1, 4, 1, 2, own_tiles=0, stream=3), 1024, 2560, 132)
-    with pytest.raises(FlashtreeError, match="no split"):
-        mma.stream_ctas(mma.MMAConfig(1, 4, 2, 2, own_tiles=2, stream=3), 1024, 2560, 132)
-    assert mma.stream_ctas(mma.MMAConfig(1, 4, 1, 2, own_tiles=2, stream=3), 17408, 5120, 132) == 396
-    assert mma.stream_ctas(mma.MMAConfig(1, 4, 1, 2, own_tiles=2, stream=3), 1024, 2560, 132) == 160
-
-
-@pytest.mark.gpu
-@gpu
 def test_q6_k_takes_the_float16_kernel_and_a_row_keeps_its_bits():
     """The down projection's verify rows go through qmh (quant_matmul gives the same bits as asking for it), and
     a row's bits do not depend on the other rows within a class of row counts (2-16, and 17-32 with the

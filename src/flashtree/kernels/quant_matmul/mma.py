@@ -355,9 +355,7 @@ class MMAConfig:
     min_blocks: CTAs per SM asked of ptxas (`__launch_bounds__`'s second value; 0: none), which caps the
     registers to fit them (sm_90, 4 warps: 3 -> 168, 4 -> 128) at the price of spills; x_ahead: qmh loads x a
     sub-block ahead of its MMAs (1) or just before them (0); own_tiles: qmh's warps own row tiles of their own
-    and walk the same super-blocks (x read from L2 once per CTA) instead of splitting K (0); stream: qmh with own
-    tiles 2 on a grid of `stream` CTAs per SM that share the (row group, super-block) units equally (mma.cu
-    `qmh_stream`; 0: one CTA per row group and split)."""
+    and walk the same super-blocks (x read from L2 once per CTA) instead of splitting K (0)."""
 
     rt: int
     warps: int
@@ -366,7 +364,6 @@ class MMAConfig:
     min_blocks: int = 0
     x_ahead: int = 0
     own_tiles: int = 0
-    stream: int = 0
 
     @property
     def rows_per_cta(self) -> int:
@@ -405,8 +402,6 @@ def _instance(qtype: QType, config: MMAConfig, tg: int, kernel: str) -> str:
     chains = f"_c{c.chains}" if kernel == "qmh" else ""
     ahead = f"_x{c.x_ahead}" if kernel == "qmh" and c.x_ahead else ""
     own = f"_own{c.own_tiles}" if kernel == "qmh" and c.own_tiles else ""
-    if kernel == "qmh" and c.stream:  # the CTA count is the launch's, not the code's
-        own += "_stream"
     return f"{kernel}_{qtype.name.lower()}_r{c.rt}_t{tg}_w{c.warps}_s{c.splits}{chains}{blocks}{ahead}{own}"
 
 
@@ -424,8 +419,7 @@ def _wrapper(name: str, qtype: QType, config: MMAConfig, tg: int, kernel: str) -
     bounds = f"{c.warps * 32}, {c.min_blocks}" if c.min_blocks else f"{c.warps * 32}"
     head = f'extern "C" __global__ void __launch_bounds__({bounds}) {name}'
     if kernel == "qmh":
-        call = (f"qmh_stream<{qtype.name}, {c.rt}, {tg}, {c.warps}, {c.chains}>" if c.stream else
-                f"qmh<{qtype.name}, {c.rt}, {tg}, {c.warps}, {c.splits}, {c.chains}, {c.x_ahead}, {c.own_tiles}>")
+        call = f"qmh<{qtype.name}, {c.rt}, {tg}, {c.warps}, {c.splits}, {c.chains}, {c.x_ahead}, {c.own_tiles}>"
         tail = "u16* out, float* part, int* tickets, int M, int N, int K"
         if qtype == QType.Q4_K:  # x's sums for the min term; no top bits, d inside the scale records
             return (f"{head}(const u16* xh, const u16* xs, const float* scale, const unsigned char* q, "
@@ -662,24 +656,13 @@ def _launch_matmul(out: torch.Tensor, xs: list[torch.Tensor], raw: torch.Tensor,
     name = _instance(qtype, config, tg, kernel)
     fn = _program(out.device).function(name, _wrapper(name, qtype, config, tg, kernel))
     p = pieces_of(raw, qtype, n, k)
-    grid = (n // config.rows_per_cta, config.splits)
-    if config.stream:
-        grid = (stream_ctas(config, n, k, sm_count(out.device)), 1)
-        partial = torch.empty(2 * grid[0], m, config.rows_per_cta, dtype=torch.float32, device=out.device)
-    else:
-        partial = (torch.empty(config.splits, m, n, dtype=torch.float32, device=out.device) if config.splits > 1
-                   else out)
+    partial = (torch.empty(config.splits, m, n, dtype=torch.float32, device=out.device) if config.splits > 1
+               else out)
     weights = ([p["quants"], p["scales"]] if kernel == "qmh" and qtype == QType.Q4_K else
                [p["quants"], p.get("high", p["quants"]), p["scales"], p.get("d", p["scales"])])
     tickets = _tickets(out.device, torch.cuda.current_stream(out.device).cuda_stream)
-    _launch(fn, grid, 32 * config.warps, [*xs, *weights, out, partial, tickets, m, n, k], out.device)
-
-
-def stream_ctas(config: MMAConfig, n: int, k: int, sms: int) -> int:
-    """CTAs of a `stream` launch: `stream` per SM, at most one per (row group, super-block) unit."""
-    if config.own_tiles != 2 or config.splits != 1:
-        raise FlashtreeError(f"{config}: a stream launch takes warps owning tiles (own_tiles 2) and no split")
-    return min(config.stream * sms, (n // config.rows_per_cta) * (k // SUPER))
+    _launch(fn, (n // config.rows_per_cta, config.splits), 32 * config.warps,
+            [*xs, *weights, out, partial, tickets, m, n, k], out.device)
 
 
 def dequantize(raw: torch.Tensor, qtype: QType, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
