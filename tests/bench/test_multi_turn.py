@@ -35,6 +35,10 @@ def test_multi_turn_report_on_cpu(tmp_path):
         previous = r
     for r in rows:
         assert 0 < r["forwards_on_s"] <= r["ttft_on_s"] and 0 < r["forwards_off_s"] <= r["ttft_off_s"], r
+        # the cached run's chunks cover the prompt past the restored prefix, none longer than a prefill chunk
+        assert len(r["chunk_tokens_on"]) == r["chunks_on"], r
+        assert sum(r["chunk_tokens_on"]) == r["prompt_tokens"] - r["cached_tokens"], r
+        assert all(0 < n <= 32 for n in r["chunk_tokens_on"]), r
         assert r["snapshot_s"] > 0
         assert r["copied_bytes"] == r["restored_bytes"] + r["snapshot_bytes"] + r["spilled_bytes"]
     assert report["prefix_cache_device_bytes"] == report["prefix_cache_bytes"]  # within the default device budget

@@ -8,7 +8,8 @@ and reports each turn's median: one session cannot resolve a few percent, whose 
 varied by 1.6x between turns of equal length on the H200 (2026-12-01). One untimed session per setting
 runs first, so that no timed turn compiles kernels or captures graphs. TTFT is the time from the request to the logits of the first
 token (prefill, including restoring a cached prefix). Per turn the report also gives, for both runs,
-the time in the prompt chunks' forwards and their count, and for the cached run the cache's own
+the time in the prompt chunks' forwards and their count (the JSON: each cached-run chunk's tokens), and for the
+cached run the cache's own
 costs: restoring the prefix, taking the snapshots (during prefill and at the end of the turn, where
 copies past the device budget also move to host RAM) and the bytes those copies moved. Every timer
 waits for the device, so on a GPU the times are device times (the waits add a little to both runs).
@@ -45,23 +46,28 @@ FILLER = ("You are a careful senior engineer. Follow the style guide: type hints
 
 
 class _ForwardTimer:
-    """Stands in for `runner.prefill_chunk` (one prompt chunk's forward) and adds up their time and count."""
+    """Stands in for `runner.prefill_chunk` (one prompt chunk's forward) and adds up their time and count, and
+    keeps each chunk's token count (what decides the forwards a short chunk replays, `runner.graphed_pieces`)."""
 
     def __init__(self, runner: ModelRunner):
         self.inner, self.device = runner.prefill_chunk, runner.target.model.device
-        self.seconds, self.chunks = 0.0, 0
+        self.reset()
         runner.prefill_chunk = self
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, cache, token_ids, *args, **kwargs):
         start = clock(self.device)
         try:
-            return self.inner(*args, **kwargs)
+            return self.inner(cache, token_ids, *args, **kwargs)
         finally:
             self.seconds += clock(self.device) - start
-            self.chunks += 1
+            self.tokens.append(len(token_ids))
+
+    @property
+    def chunks(self) -> int:
+        return len(self.tokens)
 
     def reset(self) -> None:
-        self.seconds, self.chunks = 0.0, 0
+        self.seconds, self.tokens = 0.0, []
 
 
 def system_prompt(engine, tokens: int) -> str:
@@ -113,16 +119,19 @@ def _session(engine: Engine, template, system: str, turns: int, config) -> list[
     forwards = _ForwardTimer(engine.runner)
     messages = [{"role": "system", "content": system}]
     out = []
-    for turn in range(turns):
-        messages.append({"role": "user", "content": QUESTIONS[turn % len(QUESTIONS)]})
-        ids = engine.tokenizer.encode(template.render(messages, add_generation_prompt=True))
-        forwards.reset()
-        result = engine.generate(ids, config)
-        clock(engine.target.model.device)  # the turn's last copies done before the next turn's timers start
-        out.append({"prompt_tokens": len(ids), "ttft_s": result.stats.prefill_s, "forwards_s": forwards.seconds,
-                    "chunks": forwards.chunks, "token_ids": result.token_ids,
-                    "cache": engine.prefix_cache.last_request if engine.prefix_cache is not None else None})
-        messages.append({"role": "assistant", "content": result.text})
+    try:
+        for turn in range(turns):
+            messages.append({"role": "user", "content": QUESTIONS[turn % len(QUESTIONS)]})
+            ids = engine.tokenizer.encode(template.render(messages, add_generation_prompt=True))
+            forwards.reset()
+            result = engine.generate(ids, config)
+            clock(engine.target.model.device)  # the turn's last copies done before the next turn's timers start
+            out.append({"prompt_tokens": len(ids), "ttft_s": result.stats.prefill_s, "forwards_s": forwards.seconds,
+                        "chunks": forwards.chunks, "chunk_tokens": forwards.tokens, "token_ids": result.token_ids,
+                        "cache": engine.prefix_cache.last_request if engine.prefix_cache is not None else None})
+            messages.append({"role": "assistant", "content": result.text})
+    finally:  # the next session's timer wraps the runner's own method, not this one
+        engine.runner.prefill_chunk = forwards.inner
     return out
 
 
@@ -137,7 +146,7 @@ def _row(turn: int, offs: list[dict], ons: list[dict]) -> dict:
             "ttft_off_sessions_s": [round(r["ttft_s"], 4) for r in offs],
             "ttft_on_sessions_s": [round(r["ttft_s"], 4) for r in ons],
             "forwards_off_s": round(_median(offs, "forwards_s"), 4), "forwards_on_s": round(_median(ons, "forwards_s"), 4),
-            "chunks_off": off["chunks"], "chunks_on": on["chunks"],
+            "chunks_off": off["chunks"], "chunks_on": on["chunks"], "chunk_tokens_on": on["chunk_tokens"],
             "restore_s": round(statistics.median(r["cache"].restore_s for r in ons), 4),
             "snapshot_s": round(statistics.median(r["cache"].snapshot_s for r in ons), 4),
             "snapshots": cache.snapshots, "restored_bytes": cache.restored_bytes,
