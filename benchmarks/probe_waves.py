@@ -36,18 +36,18 @@ def main() -> int:
     points = []
     for m in (int(r) for r in args.rows.split(",")):
         kernel = "qmv" if m == 1 else "qmh"
-        config = mma.choose_config(qtype, m, 17408, k, sms, kernel=kernel if m > 1 else None)
+        config = mma.choose_config(qtype, m, 17408, k, sms)
         per_sm = 8 if m == 1 else 1  # qmv's CTAs hold 16 rows: 8 per SM at the 27B shapes
         for share in (1, 1.5, 2, 2 + 8 / sms, 2.5, 3, 3 + 8 / sms, 4):
-            ctas = round(share * per_sm * sms)
-            n = ctas * config.rows_per_cta
+            n = round(share * per_sm * sms) * config.rows_per_cta
+            ctas = n // config.rows_per_cta * config.splits
             first = random_quant_weight(qtype, n, k, "cuda", seed=0)
             weights = [first] + [random_quant_weight(qtype, n, k, "cuda", seed=i) for i in range(1, rotation(first.nbytes))]
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
             us = time_graph([lambda w=w: mma.matmul(x, w.raw, qtype, n, k, config, kernel) for w in weights]) * 1e6
             floor = first.nbytes / read_bps * 1e6
-            points.append({"rows": m, "n": n, "ctas": ctas * config.splits, "us": us, "floor_us": floor})
-            print(f"{kernel} rows {m:2d} n {n:6d} CTAs {ctas * config.splits:5d} ({ctas * config.splits / sms:.2f}/SM): "
+            points.append({"rows": m, "n": n, "ctas": ctas, "us": us, "floor_us": floor})
+            print(f"{kernel} rows {m:2d} n {n:6d} CTAs {ctas:5d} ({ctas / sms:.2f}/SM): "
                   f"{us:6.1f} us, floor {floor:5.1f} ({100 * floor / us:.0f}%), {us / n * 1e3:.2f} ns/row", flush=True)
             del weights, first
             torch.cuda.empty_cache()

@@ -83,8 +83,9 @@ class CapturedSteps:
             return entry.output
         result = fn(entry.packed)  # the warm-up is this call's real work
         # the warm-up's freed blocks stay cached outside the graphs' pool, and the allocator cannot hand them back
-        # while a capture records (no cudaFree then): under a --gpu-memory cap the capture ran out of memory with
-        # them held (23 GiB, budget 22 at 262K tokens, 2026-12-02), so they go back to the driver first
+        # while a capture records (no cudaFree then), so they go back to the driver first. Not enough on its own:
+        # under a 23 GiB cap at 262K tokens the budget-22 capture still ran out of memory with 0.73 GiB reserved
+        # and unallocated (2026-12-02, docs/LONG_CONTEXT.md)
         torch.cuda.empty_cache()
         graph = torch.cuda.CUDAGraph()
         try:
