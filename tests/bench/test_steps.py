@@ -22,6 +22,7 @@ def test_steps_report_on_cpu(tmp_path, capsys):
     steps = [r["step"] for r in report["rows"]]
     assert steps[:5] == ["ar step", "verify budget 15", "verify budget 22", "verify budget 32", "verify budget 64"]
     assert {"draft step", "tree build (budget 22)", "walk", "commit (depth-4 path)", "prefill 1024"} <= set(steps)
+    assert {f"prefill chunk {n}" for n in (1, 8, 16, 23, 32, 51, 64)} <= set(steps)
     assert all(r["ms"] > 0 for r in report["rows"])
     assert report["weights_bytes_per_step"] > 0 and report["read_bandwidth_GBps"] > 0
     replay = report["replay"]

@@ -8,7 +8,7 @@ are replayed and compared with the eager CUDA engine.
 import pytest
 import torch
 
-from flashtree.engine import cuda_graphs
+from flashtree.engine import cuda_graphs, runner
 from flashtree.engine.config import GenerationConfig
 from flashtree.engine.cuda_graphs import GraphedForward, bucket_rows
 from flashtree.engine.generate import Engine
@@ -99,6 +99,26 @@ def test_cuda_graph_replay_equals_eager_cuda(make_gguf, mode):
         config = GenerationConfig(max_new_tokens=N_NEW, mode=mode, ignore_eos=True)
         assert graphed.generate(prompt, config).token_ids == expected
         assert graphed.runner.graph_runner().steps.capture_graphs and graphed.runner.graph_runner().steps.entries
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_padded_chain_prefill_replays_equal_eager_cuda(make_gguf):
+    """A prompt of each padded length's range (`runner.CHAIN_ROWS`, and two runs past 32 tokens) prefilled as
+    captured chain verifies and captured commits gives the eager CUDA engine's tokens (float32)."""
+    gpu = load_target(make_gguf("graphs-cuda", config=tiny_config(num_layers=4, gdn_v_heads=4)), device="cuda",
+                      dtype=torch.float32)
+    generator = torch.Generator().manual_seed(3)
+    for n in (2, 7, 16, 23, 33, 47, 64):
+        prompt = torch.randint(0, gpu.config.vocab_size, (n,), generator=generator).tolist()
+        config = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+        eager = Engine(gpu)
+        eager.runner.use_cuda_graphs = False
+        graphed = Engine(gpu)
+        assert graphed.generate(prompt, config).token_ids == eager.generate(prompt, config).token_ids, n
+        shapes = {key[0] for key in graphed.runner.graph_runner().steps.entries if key[1] is True}
+        runs = [min(32, n - start) for start in range(0, n, 32)]
+        assert shapes == {runner.chain_rows(r, 1 << 20) for r in runs if r > 1}, (n, shapes)
 
 
 def test_static_draft_block_equals_the_eager_one(target):
@@ -200,18 +220,59 @@ def test_a_chain_verifies_one_draft_block_not_the_budget(target):
     assert sizes == {16, 23}
 
 
-def test_short_prefill_chunks_replay_power_of_two_runs(target, monkeypatch):
-    """A prefill chunk of at most GRAPHED_CHUNK tokens runs as captured runs of 16, 4, 2 and 1 tokens (23 =
-    16 + 4 + 2 + 1), not one eager forward; the output stays the eager engine's."""
-    engine = static_engine(target)
-    sizes = []
-    real = engine.runner.step_forward
-    monkeypatch.setattr(engine.runner, "step_forward", lambda tokens, *a, **k: sizes.append(len(tokens)) or
-                        real(tokens, *a, **k))
+def _spied_forwards(engine, monkeypatch) -> list[tuple[int, int | None]]:
+    """(tokens, padded rows: None for a run) of each static forward the engine runs from here on."""
+    calls, graphs = [], engine.runner.graph_runner()
+    real = graphs.forward
+    monkeypatch.setattr(graphs, "forward", lambda tokens, cache, tree=None, capture=(), pad_to=None:
+                        calls.append((len(tokens), None if tree is None else pad_to))
+                        or real(tokens, cache, tree, capture, pad_to))
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["ar", "ddtree"])
+def test_a_short_prefill_chunk_is_one_padded_chain_verify(target, mode, monkeypatch):
+    """A prefill chunk of 2-32 tokens runs as one chain verify padded to the next of CHAIN_ROWS and the commit
+    of its tokens (23 tokens: 24 rows), not one eager forward; the output stays the eager engine's,
+    and in a speculative request the draft is handed every prompt position's features."""
+    engine = static_engine(target, random_draft(target) if mode != "ar" else None)
+    calls = _spied_forwards(engine, monkeypatch)
     prompt = (prompts(target.config.vocab_size)[0] * 23)[:23]
-    assert engine.generate(prompt, GenerationConfig(max_new_tokens=6, ignore_eos=True)).token_ids == \
-        reference(target, prompt)[:6]
-    assert sizes[:4] == [16, 4, 2, 1] and set(sizes[4:]) == {1}
+    config = GenerationConfig(max_new_tokens=6, mode=mode, ignore_eos=True, adaptive=False)
+    assert engine.generate(prompt, config).token_ids == reference(target, prompt)[:6]
+    assert calls[0] == (23, 24)
+    if mode == "ar":
+        assert set(calls[1:]) == {(1, None)}
+    else:
+        assert engine.runner.graph_runner().proposer.cache.count >= 23
+
+
+def test_chain_rows_pad_to_the_next_length_that_fits():
+    assert [runner.chain_rows(n, 1000) for n in (1, 2, 4, 5, 23, 32)] == [1, 4, 4, 8, 24, 32]
+    assert runner.chain_rows(33, 1000) is None  # longer: not one run
+    assert runner.chain_rows(23, 23) is None and runner.chain_rows(23, 24) == 24  # the padding must fit the cache
+
+
+def test_a_chunk_of_more_than_32_tokens_runs_as_two_padded_chains(target, monkeypatch):
+    """40 tokens: a chain of 32 and one of 8 rows; 33: a chain of 32 and the decode step; the eager tokens."""
+    for n, runs in ((40, [(32, 32), (8, 8)]), (33, [(32, 32), (1, None)])):
+        engine = static_engine(target)
+        calls = _spied_forwards(engine, monkeypatch)
+        prompt = (prompts(target.config.vocab_size)[1] * n)[:n]
+        assert engine.generate(prompt, GenerationConfig(max_new_tokens=4, ignore_eos=True)).token_ids == \
+            reference(target, prompt)[:4]
+        assert calls[:2] == runs
+
+
+def test_a_chunk_whose_padding_would_pass_the_context_runs_eagerly(target, monkeypatch):
+    """At the end of a small context (17 prompt tokens + 1 new + 3 scratch rows = 21 < 24) the chunk cannot be
+    padded; it runs eagerly and the output is still the eager engine's."""
+    engine = static_engine(target)
+    calls = _spied_forwards(engine, monkeypatch)
+    prompt = (prompts(target.config.vocab_size)[0] * 17)[:17]
+    config = GenerationConfig(max_new_tokens=1, budget=1, ignore_eos=True)
+    assert engine.generate(prompt, config).token_ids == reference(target, prompt)[:1]
+    assert calls == []
 
 
 @pytest.mark.parametrize("mode", ["chain", "ddtree"])

@@ -13,6 +13,7 @@ tensor-core instances, in parallel processes) and one generation of one token ov
 from __future__ import annotations
 
 import argparse
+import cProfile
 import sys
 import time
 from pathlib import Path
@@ -33,6 +34,8 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--shape", default="qwen3.6-27b", help="a random-weight shape (tiny: a CPU smoke check)")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="write the first token's Python profile here (cProfile; where a cold start's time goes)")
     args = parser.parse_args()
     target = random_target(args.shape, scheme="q4_k_m", device=args.device, echo=True)
     sync = torch.cuda.synchronize if target.model.device.type == "cuda" else (lambda: None)
@@ -42,9 +45,15 @@ def main() -> int:
     ready = time.perf_counter()
     ids = torch.randint(0, target.config.vocab_size - 1, (args.prompt_tokens,),
                         generator=torch.Generator().manual_seed(0)).tolist()
+    profile = cProfile.Profile() if args.profile else None
+    if profile:
+        profile.enable()
     engine.generate(ids, GenerationConfig(max_new_tokens=1, ignore_eos=True))
     sync()
     done = time.perf_counter()
+    if profile:
+        profile.disable()
+        profile.dump_stats(args.profile)
     print(f"load-time compiles {ready - started:.1f} s, first token of a {args.prompt_tokens}-token prompt "
           f"{done - ready:.1f} s: {done - started:.1f} s after the weights are in memory")
     return 0

@@ -49,7 +49,8 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
     # time to first token after the weights are in memory, on empty kernel caches (a fresh machine) and again
     cold-start) rm -rf ~/.triton/cache ~/.cache/flashtree
                 for start in cold warm; do
-                    timeout 200 python3 tools/gpu/cold_start.py > "$OUT/cold_start_$start.txt" 2>&1
+                    timeout 200 python3 tools/gpu/cold_start.py --profile "$OUT/cold_start_$start.prof" \
+                        > "$OUT/cold_start_$start.txt" 2>&1
                     echo "== $start start (rc $?): $(tail -1 "$OUT/cold_start_$start.txt")"
                 done ;;
     sweep-attention) timeout "${LIMIT_SWEEP_ATTN:-150}" python3 benchmarks/sweep_tree_attention.py --budget-s "${BUDGET_SWEEP_ATTN:-120}" \

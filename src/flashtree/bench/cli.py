@@ -85,6 +85,9 @@ def add_parser(sub) -> None:
                    help="--steps: acceptance length of the replay run (0: no replay run)")
     p.add_argument("--prefill-lengths", type=_lengths, default=(1024, 13000),
                    help="--steps: comma-separated prompt lengths whose prefill is timed (default 1024,13000)")
+    p.add_argument("--chunk-lengths", type=_lengths, default=(1, 8, 16, 23, 32, 51, 64),
+                   help="--steps: comma-separated short prefill chunks (tokens) timed one by one on the context, "
+                        "as a prefix-cache hit or a message runs them (default 1,8,16,23,32,51,64)")
     p.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per prefill forward")
     p.set_defaults(handler=run)
 

@@ -47,7 +47,7 @@ FILLER = ("You are a careful senior engineer. Follow the style guide: type hints
 
 class _ForwardTimer:
     """Stands in for `runner.prefill_chunk` (one prompt chunk's forward) and adds up their time and count, and
-    keeps each chunk's token count (what decides the forwards a short chunk replays, `runner.graphed_pieces`)."""
+    keeps each chunk's token count (what decides the step a short chunk replays, `runner.chain_rows`)."""
 
     def __init__(self, runner: ModelRunner):
         self.inner, self.device = runner.prefill_chunk, runner.target.model.device

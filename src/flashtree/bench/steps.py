@@ -280,6 +280,7 @@ def run_steps(args, engine, device_name: str) -> int:
     _device_step_rows(engine, cache, proposer, bonus, config.topk, device, args.repeat, ar, rows, row)
 
     mark("tree, walk, commit")
+    _chunk_rows(engine, cache, args.chunk_lengths, device, args.repeat, ar, roofline_s, row)
     for length in args.prefill_lengths:
         if length + 8 > model.config.context_length:
             continue
@@ -408,6 +409,23 @@ def _device_step_rows(engine, cache, proposer, bonus: int, topk: int, device, re
     if verify is not None:
         inside = parts[f"speculative step (one graph, budget {DEFAULT_BUDGET})"] - verify - parts["draft step"]
         row("tree + walk + commit in the step graph", inside / 1e3)
+
+
+def _chunk_rows(engine, cache, lengths, device, repeat: int, ar: float, roofline_s: float, row) -> None:
+    """A short prefill chunk of each length on the committed context, the way a prefix-cache hit or a chat
+    message runs it (`ModelRunner.prefill_chunk`); each run writes the same cache rows again (the DeltaNet states
+    move on, which changes no time)."""
+    committed = cache.length
+
+    def run_chunk(ids: list[int]) -> None:
+        engine.runner.prefill_chunk(cache, ids)
+        cache.length = committed
+
+    for length in lengths:
+        ids = _prompt(engine.target.model.config.vocab_size, length, seed=length)
+        seconds = timed(lambda: run_chunk(ids), device, repeat)
+        row(f"prefill chunk {length}", seconds, roofline_s, vs_ar=round(seconds / ar, 2),
+            tok_s=round(length / seconds, 1))
 
 
 def _commit_time(engine, cache, proposer, tree, capture, repeat: int) -> float:

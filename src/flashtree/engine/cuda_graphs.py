@@ -152,10 +152,11 @@ class GraphedForward:
             cache.length += n
         return ForwardOutput(result.logits[:n], None if result.features is None else result.features[:n])
 
-    def commit(self, cache, path: list[int], proposer) -> None:
+    def commit(self, cache, path: list[int], proposer=None) -> None:
         """`Qwen35Model.commit` of the last verify's accepted `path`, plus the proposer's commit of
         their features, as one graph per verify shape: the path is padded to the verify's rows with the
-        root, its length on the device (a graph per path length would be up to 64 captures per shape)."""
+        root, its length on the device (a graph per path length would be up to 64 captures per shape).
+        `proposer` None: the target's commit alone (a prefill chunk, whose caller hands the features on)."""
         n, start, features = len(path), cache.length, self.verify_features
         rows = self.verify_key[0]  # the longest path a verify of this shape can accept
         static_draft = getattr(proposer, "steps", None) is not None
@@ -180,7 +181,7 @@ class GraphedForward:
         cache.length += n
         if static_draft:
             proposer.cache.count += n
-        else:
+        elif proposer is not None:
             proposer.commit(features[torch.tensor(path, device=features.device)],
                             torch.arange(start, start + n, device=features.device))
 

@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 import torch
 from tqdm import tqdm
 
+from flashtree.drafting.ddtree import build_chain
 from flashtree.drafting.proposer import Proposer
 from flashtree.engine.adaptive import SpeculationHistory
 from flashtree.engine.config import (MESSAGE_START_TOKENS, GenerationConfig, GenerationStats, cache_rows,
@@ -31,10 +32,13 @@ from flashtree.models.step import Step
 
 SCORE_CHUNK = 128  # prompt tokens per pass when scoring a prompt: [128, vocab] float32 logits (127 MB at 248K)
 PROGRESS_MIN_TOKENS = 8192  # prompts this long show a prefill progress bar where the CLI asks for one
-# prefill chunks this short replay captured runs (power-of-two pieces) where the steps are graphed: an eager
-# forward of the 27B shape costs ~60 ms of launches whatever its length (H200, 2026-12-01), while a
-# 1-row step replays in 6.7 ms, a 16-row one in ~13 ms, 32 rows in ~30 ms and 64 in ~48 ms
-GRAPHED_CHUNK = 64
+# where the steps are graphed, a short prefill chunk runs as runs of at most 32 tokens, each one chain verify
+# padded to the next of these rows and the commit of its tokens (both replayed from CUDA graphs). On the H200 at
+# the 27B shape (2026-12-02, docs/PREFIX_CACHE.md): 1 token 6.8 ms (the decode step), 8 11.0, 16 14.5, 23 17.6,
+# 32 21.1 ms, while one chain of 48 or 64 rows (two launches of every matmul) took 45-48 ms, an eager forward
+# ~60 ms of launches whatever its length, and the power-of-two runs this replaced one whole forward each
+CHAIN_ROWS = (4, 8, 16, 24, 32)
+GRAPHED_CHUNK = 2 * CHAIN_ROWS[-1]  # two runs; a third would cost what one eager forward does
 
 
 @dataclass
@@ -205,22 +209,40 @@ class ModelRunner:
 
     def prefill_chunk(self, cache, token_ids: list[int], capture: Sequence[int] = (),
                       on_features: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> torch.Tensor:
-        """One prefill forward over `token_ids` (a short chunk: captured runs, `graphed_pieces`); returns the
-        last position's logits."""
-        if self.graph_runner() is not None and len(token_ids) <= GRAPHED_CHUNK:
-            for piece in graphed_pieces(len(token_ids)):
-                logits = self._prefill_forward(cache, token_ids[:piece], capture, on_features, graphed=True)
-                token_ids = token_ids[piece:]
-            return logits
-        return self._prefill_forward(cache, token_ids, capture, on_features, graphed=False)
+        """One prefill forward over `token_ids`; returns the last position's logits. A short chunk replays
+        captured steps instead, in runs of at most CHAIN_ROWS[-1] tokens (`_graphed_run`)."""
+        if self.graph_runner() is None or len(token_ids) > GRAPHED_CHUNK:
+            return self._eager_run(cache, token_ids, capture, on_features)
+        run = CHAIN_ROWS[-1]
+        for start in range(0, len(token_ids), run):
+            logits = self._graphed_run(cache, token_ids[start : start + run], capture, on_features)
+        return logits
 
-    def _prefill_forward(self, cache, token_ids: list[int], capture: Sequence[int],
-                         on_features: Callable[[torch.Tensor, torch.Tensor], None] | None, graphed: bool) -> torch.Tensor:
-        first, tokens = cache.length, torch.tensor(token_ids, dtype=torch.long)
-        if graphed:
-            result = self.step_forward(tokens, cache, capture=capture)
+    def _graphed_run(self, cache, token_ids: list[int], capture: Sequence[int],
+                     on_features: Callable[[torch.Tensor, torch.Tensor], None] | None) -> torch.Tensor:
+        """One token: the decode step; more: a chain verify padded to `chain_rows` and the commit of its tokens;
+        an eager forward where the padding would pass the end of the cache."""
+        rows = chain_rows(len(token_ids), cache.capacity - cache.length)
+        if rows is None:
+            return self._eager_run(cache, token_ids, capture, on_features)
+        first, tokens, runner = cache.length, torch.tensor(token_ids), self.graph_runner()
+        if rows == 1:
+            result = runner.forward(tokens, cache, capture=capture)
         else:
-            result = self.target.model.forward(tokens, cache, capture=capture, last_only=True)
+            result = runner.forward(tokens, cache, build_chain(token_ids[0], tokens[1:], len(token_ids) - 1), capture,
+                                    pad_to=rows)
+            runner.commit(cache, list(range(len(token_ids))))
+        return self._hand_on(result, first, cache, on_features)
+
+    def _eager_run(self, cache, token_ids: list[int], capture: Sequence[int],
+                   on_features: Callable[[torch.Tensor, torch.Tensor], None] | None) -> torch.Tensor:
+        first = cache.length
+        result = self.target.model.forward(torch.tensor(token_ids), cache, capture=capture, last_only=True)
+        return self._hand_on(result, first, cache, on_features)
+
+    @staticmethod
+    def _hand_on(result, first: int, cache, on_features) -> torch.Tensor:
+        """The run's features (positions `first` to the cache's end) to `on_features`; its last logits back."""
         if on_features is not None:
             on_features(result.features, torch.arange(first, cache.length, device=result.features.device))
         return result.logits[-1]
@@ -236,7 +258,10 @@ class ModelRunner:
         return Sampler(config.sampling, prompt_ids, model.config.vocab_size, model.device)
 
 
-def graphed_pieces(n: int) -> list[int]:
-    """A short chunk of n tokens as runs of power-of-two lengths, longest first: a handful of step shapes
-    (1, 2, 4, ... GRAPHED_CHUNK) serve every chunk length, each captured once per cache bucket."""
-    return [1 << bit for bit in reversed(range(n.bit_length())) if n >> bit & 1]
+def chain_rows(n: int, room: int) -> int | None:
+    """The rows a graphed prefill run of n tokens replays: 1 (the decode step) for one token, else the smallest
+    of CHAIN_ROWS that holds it and fits the `room` rows left in the cache; None: an eager forward (a run longer
+    than CHAIN_ROWS[-1], or no room for the padding at the very end of the context)."""
+    if n == 1:
+        return 1
+    return next((rows for rows in CHAIN_ROWS if n <= rows <= room), None)
