@@ -241,9 +241,9 @@ class Tokenizer:
         # Longest first, so that a control token that starts with another one is matched whole, as the backend does.
         control_texts = sorted((spec.tokens[i] for i in self._control_ids), key=len, reverse=True)
         self._control_pattern = re.compile(f"({'|'.join(map(re.escape, control_texts))})") if control_texts else None
+        self._token_bytes = [_token_bytes(t) for t in spec.tokens]  # what streaming emits per token
         # One token never covers more bytes than this: bounds the token count from below by the text's length.
-        self.max_token_bytes = max(len(_token_bytes(t)) for t in spec.tokens)
-        self._token_bytes: list[bytes] | None = None
+        self.max_token_bytes = max(map(len, self._token_bytes))
         # `encode_special_tokens` is state on the shared backend, so toggling it must be atomic.
         self._lock = threading.Lock()
 
@@ -333,8 +333,6 @@ class Tokenizer:
 
     def bytes_of(self, token_id: int) -> bytes:
         """The raw bytes one token contributes to the decoded text."""
-        if self._token_bytes is None:  # built on first use: most callers never stream
-            self._token_bytes = [_token_bytes(t) for t in self.spec.tokens]
         return self._token_bytes[token_id]
 
     def stream_decoder(self, skip_special: bool = False) -> StreamDecoder:
