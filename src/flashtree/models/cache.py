@@ -50,6 +50,10 @@ class TreeScratch:
     v: torch.Tensor
     g: torch.Tensor
     beta: torch.Tensor
+    # the torch verify's (`gated_delta.ancestor_chunk`) per-node u and gamma: the commit folds the path's into the
+    # state (`gated_delta.fold`) instead of rerunning the recurrence over it; None after the Triton verify
+    u: torch.Tensor | None = None
+    gamma: torch.Tensor | None = None
 
 
 @dataclass

@@ -70,9 +70,10 @@ class GatedDeltaNet:
                 # accurate in practice (2026-12-01 sweep: 4e-7 against 2e-7) and about 1.5x faster
                 precision = "ieee" if x.dtype == torch.float32 else "tf32x3"
                 o = gated_delta_triton.tree_verify(q, k, v, g, beta, state.ssm, step.parents, precision=precision)
+                scratch = TreeScratch(conv_inputs, q, k, v, g, beta)
             else:
-                o, _, _ = gated_delta.ancestor_chunk(q, k, v, g, beta, state.ssm, step.visible)
-            scratch = TreeScratch(conv_inputs, q, k, v, g, beta)
+                o, u, gamma = gated_delta.ancestor_chunk(q, k, v, g, beta, state.ssm, step.visible)
+                scratch = TreeScratch(conv_inputs, q, k, v, g, beta, u, gamma)
         else:
             if fused:
                 o = gated_delta_triton.recurrent_step(q, k, v, g, beta, state.ssm)  # updates the state in place
@@ -109,6 +110,12 @@ def commit_layers(layers: list[tuple[GatedDeltaNet, DeltaNetState, TreeScratch]]
         return torch.cat([getattr(scratch, name)[path] for _, _, scratch in layers], dim=1)
 
     initial = torch.cat([state.ssm for _, state, _ in layers])
-    _, final = gated_delta.recurrent(stacked("q"), stacked("k"), stacked("v"), stacked("g"), stacked("beta"), initial)
+    if all(scratch.u is not None for _, _, scratch in layers):
+        # the verify's u along the path are the recurrence's own: one batched product for the whole path, where
+        # the token loop costs ~3 ms a commit on 2 CPU cores at the demo's shape (2026-12-02, docs/PERFORMANCE.md)
+        final = gated_delta.fold(initial, stacked("k"), stacked("u"), stacked("gamma"), torch.arange(len(path)))
+    else:
+        _, final = gated_delta.recurrent(stacked("q"), stacked("k"), stacked("v"), stacked("g"), stacked("beta"),
+                                         initial)
     for (_, state, _), ssm in zip(layers, final.split(heads)):
         state.ssm.copy_(ssm)
