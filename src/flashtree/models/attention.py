@@ -18,9 +18,11 @@ to rounding, so the dequantized scratch stays bounded whatever the context.
 from __future__ import annotations
 
 import sys
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from flashtree.models.cache import AttentionKV
@@ -144,9 +146,10 @@ class GatedAttention:
             # a prompt chunk after the whole cache: causal aligned to the last key, which the fused flash
             # kernel takes without a [T, kv] mask, and K/V shared by each query group instead of copied:
             # at 256K context those copies would be ~6 GB per layer
-            return F.scaled_dot_product_attention(q[None], keys[None], values[None],
-                                                  attn_mask=causal_lower_right(q.shape[1], keys.shape[1]),
-                                                  scale=self.config.attention_scale, enable_gqa=True)[0]
+            with _flash_on_cuda(q):
+                return F.scaled_dot_product_attention(q[None], keys[None], values[None],
+                                                      attn_mask=causal_lower_right(q.shape[1], keys.shape[1]),
+                                                      scale=self.config.attention_scale, enable_gqa=True)[0]
         # repeat_interleave copies K/V per query group; the broadcast-view variant saves that memory but
         # changed bf16 results on CUDA beyond the test tolerance (2026-11-29) and waits for a GPU check.
         group = self.config.num_heads // self.config.num_kv_heads
@@ -176,6 +179,14 @@ def _plain_run(step: Step, lo: int, window: int, q) -> bool:
     """Several new tokens, causal among themselves, after every committed row: no tree, window or graph
     padding."""
     return q.shape[1] > 1 and not step.is_tree and not step.graphed and lo == 0 and window == 0 and _SDPA_GQA
+
+
+def _flash_on_cuda(q):
+    """A square chunk (its queries are all the keys: a prompt's first) through the flash kernel the later
+    chunks take (`causal_lower_right` sends those to it directly). The dispatcher would choose cuDNN for it,
+    whose first call in a process cost ~1.2 s of the 27B shape's first token on the H200 (2026-12-02 cold-start
+    profile; benchmarks/sdpa_first_call.py)."""
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION]) if q.device.type == "cuda" else nullcontext()
 
 
 def _flash_takes(q, keys, values) -> bool:
