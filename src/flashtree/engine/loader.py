@@ -22,6 +22,7 @@ from flashtree.errors import FlashtreeError
 from flashtree.formats.chat_template import ChatTemplate
 from flashtree.formats.gguf_file import GGUFFile
 from flashtree.formats.tokenizer import Tokenizer, TokenizerSpec
+from flashtree.kernels import triton_ahead
 from flashtree.kernels.quant_matmul import mma
 from flashtree.models.dflash import DFlashDraft
 from flashtree.models.gguf_config import check_tensor_types, read_config
@@ -192,6 +193,8 @@ def engine_from_target(target: Target, args: EngineArgs = EngineArgs()):
     _check_spec_has_draft(args)
     _default_config(args, "ar")
     compile_tensor_core_kernels(target.model, args.progress)
+    if args.tensor_parallel == 1:  # under tensor parallel a dry chunk would run the ranks' collectives too
+        compile_triton_kernels(target.model, _default_config(args, "ar"), args.progress)
     draft_model = (load_draft(args.draft, target, args.draft_device, args.draft_type) if args.draft is not None
                    else None)
     mode = args.spec or ("ddtree" if draft_model is not None else "ar")
@@ -223,6 +226,31 @@ def compile_tensor_core_kernels(model, progress: bool = False) -> None:
     bar.close()
     print(f"compiled {len(jobs)} tensor-core kernels for {arch} in {time.perf_counter() - started:.1f} s "
           f"(cached in {mma.cache_dir()})", file=sys.stderr)
+
+
+def compile_triton_kernels(model, config: GenerationConfig, progress: bool = False) -> None:
+    """Compile, at load and in parallel threads, the Triton kernels a full prefill chunk of `config`'s length
+    and cache types launches (kernels/triton_ahead.py): their shapes come from one dry chunk over a scratch
+    cache, whose garbage is thrown away with it. Other shapes (decode, verify, short chunks) compile at their
+    first launch as before; a kernel already compiled in this process is not recorded, and one in Triton's
+    disk cache loads from there. Says what it compiled (a bar with `progress`)."""
+    if model.device.type != "cuda" or model.boundaries or not triton_ahead.supported():
+        return
+    chunk = config.prefill_chunk
+    with torch.inference_mode(), triton_ahead.recorded_launches() as launches:
+        scratch = model.new_cache(chunk, config.cache_type_k, config.cache_type_v, config.attn_window)
+        model.forward(torch.zeros(chunk, dtype=torch.long), scratch)
+        del scratch
+    if not launches:
+        return
+    bar = tqdm(total=len(launches), desc="compiling Triton kernels", unit="kernel", disable=not progress)
+    started = time.perf_counter()
+    failed = triton_ahead.compile_launches(launches, progress=lambda name: bar.update())
+    bar.close()
+    names = sorted({launch.name for launch in launches})
+    print(f"compiled {len(launches) - len(failed)} Triton kernel specializations for {chunk}-token prefill chunks "
+          f"in {time.perf_counter() - started:.1f} s ({', '.join(names)})"
+          + (f"; left to their first launch: {', '.join(failed)}" if failed else ""), file=sys.stderr)
 
 
 def _check_spec_has_draft(args: EngineArgs) -> None:
