@@ -239,7 +239,7 @@ def compile_triton_kernels(model, config: GenerationConfig, progress: bool = Fal
     chunk = config.prefill_chunk
     with torch.inference_mode(), triton_ahead.recorded_launches() as launches:
         scratch = model.new_cache(chunk, config.cache_type_k, config.cache_type_v, config.attn_window)
-        model.forward(torch.zeros(chunk, dtype=torch.long), scratch)
+        model.forward(torch.zeros(chunk, dtype=torch.long), scratch, last_only=True)  # as `ModelRunner.prefill`
         del scratch
     if not launches:
         return
