@@ -191,10 +191,10 @@ def engine_from_target(target: Target, args: EngineArgs = EngineArgs()):
     """An Engine over a loaded target (a file's or `random_target`'s), with the draft at `args.draft` if
     given; the mode defaults to ddtree with a draft, else ar. `args.enforce_eager` turns CUDA graphs off."""
     _check_spec_has_draft(args)
-    _default_config(args, "ar")
+    ar_defaults = _default_config(args, "ar")
     compile_tensor_core_kernels(target.model, args.progress)
     if args.tensor_parallel == 1:  # under tensor parallel a dry chunk would run the ranks' collectives too
-        compile_triton_kernels(target.model, _default_config(args, "ar"), args.progress)
+        compile_triton_kernels(target.model, ar_defaults, args.progress)
     draft_model = (load_draft(args.draft, target, args.draft_device, args.draft_type) if args.draft is not None
                    else None)
     mode = args.spec or ("ddtree" if draft_model is not None else "ar")

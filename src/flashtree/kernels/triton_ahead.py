@@ -82,10 +82,9 @@ def recorded_launches() -> Iterator[list[Launch]]:
         _restore_autotuner_choices(tuned)
 
 
-def compile_launches(launches: list[Launch], workers: int | None = None,
-                     progress: Callable[[str], None] | None = None) -> list[str]:
-    """Compile `launches` (the first alone: Triton's one-time set-up, then the rest in `workers` threads);
-    returns the names of those that failed (they compile at their first launch instead)."""
+def compile_launches(launches: list[Launch], progress: Callable[[str], None] | None = None) -> list[str]:
+    """Compile `launches` (the first alone: Triton's one-time set-up, then the rest in a thread each, up to the
+    CPU count); returns the names of those that failed (they compile at their first launch instead)."""
     failed = []
 
     def build(launch: Launch) -> None:
@@ -101,7 +100,7 @@ def compile_launches(launches: list[Launch], workers: int | None = None,
     if not launches:
         return failed
     build(launches[0])
-    with ThreadPoolExecutor(workers or min(len(launches), os.cpu_count() or 1)) as pool:
+    with ThreadPoolExecutor(min(len(launches), os.cpu_count() or 1)) as pool:
         list(pool.map(build, launches[1:]))
     return failed
 
