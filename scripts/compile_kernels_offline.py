@@ -88,9 +88,11 @@ def _machine_code_facts(cubin: bytes) -> dict:
     code = [re.sub(r"^\s*/\*[0-9a-f]+\*/\s*", "", line).split(";")[0] for line in sass.splitlines()
             if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line)]
     loads = collections.Counter(word for line in code for word in line.split() if word.startswith("LDG"))
+    shared = sum(1 for line in code for word in line.split() if word.startswith(("LDS", "STS", "BAR")))
     regs, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
     return {"regs": int(regs.group(1)) if regs else None, "stack": int(stack.group(1)) if stack else None,
-            "instructions": len(code), "global loads": dict(loads), "main loop": _main_loop(sass)}
+            "instructions": len(code), "global loads": dict(loads), "shared and barriers": shared,
+            "main loop": _main_loop(sass)}
 
 
 def _main_loop(sass: str) -> int | None:
@@ -228,14 +230,14 @@ def _print_mma_bound() -> None:
 
 def tree_attention() -> None:
     from flashtree.kernels.kv_quant import kv_type
-    from flashtree.kernels.tree_attention import tree_attention as attend
+    from flashtree.kernels.tree_attention import DECODERS, tree_attention as attend
 
     for cache in ("f16", "q8_0", "q4_0", "tq3_0"):
         caches = [kv_type(cache).quantize(torch.zeros(4, 64, 256)) for _ in range(2)]
         for n in (1, 23):
-            for blockwise in (False, True):
+            for decoder in DECODERS if cache != "f16" else ("value",):
                 attend(torch.zeros(24, n, 256, dtype=torch.bfloat16), *caches, cache, cache, torch.tensor([8]),
-                       torch.ones(n, n, dtype=torch.bool), torch.arange(n), 8 + n, 0.0625, blockwise=blockwise)
+                       torch.ones(n, n, dtype=torch.bool), torch.arange(n), 8 + n, 0.0625, decoder=decoder)
         if cache == "f16":  # the output gate at the store, one split and several
             for split in (1, 4):
                 attend(torch.zeros(24, 1, 256, dtype=torch.bfloat16), *caches, cache, cache, torch.tensor([8]),
@@ -370,6 +372,7 @@ def main() -> None:
             print(f"FAIL {name:<26} {setting}\n     {facts['error']}")
         else:
             print(f"ok   {name:<26} regs {facts['regs']:>3} stack {facts['stack']:>4} instr {facts['instructions']:>5}  "
+                  f"loop {facts['main loop'] or '-'}  shared+bar {facts['shared and barriers']}  "
                   f"loads {facts['global loads']}  {setting}")
     print(f"{len(results)} kernel variants compiled for sm_90, {failed} failed")
     _print_issue_bound()

@@ -64,6 +64,8 @@ _MAX_SPLITS = 128
 MAX_TREE_QUERIES = 128  # tokens per call (a tree of budget <= 127 plus its root, or a short prefill chunk)
 _MAX_GROUP = 8
 KV_KINDS = {"f32": 0, "f16": 0, "bf16": 0, "q8_0": 1, "q4_0": 2, "tq3_0": 3}  # kernel's KIND per cache type
+# how `load_rows` decodes quantized rows: each byte gathered per value, whole blocks as bytes, whole blocks as halfwords
+DECODERS = {"value": 0, "block": 1, "fields": 2}
 _LOG2E = 1.4426950408889634
 _TL_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16} if triton is not None else {}
 
@@ -127,17 +129,19 @@ if triton is not None:
 
     @triton.jit
     def load_rows(base, rows, row_ok, stride_r, D: tl.constexpr, KIND: tl.constexpr, OP: tl.constexpr,
-                  BLOCKWISE: tl.constexpr):
+                  DECODER: tl.constexpr):
         """[BLOCK_N, D] values of cache rows `rows` (zeros where not row_ok), in the dot operand dtype OP.
         KIND 0: float rows; 1: Q8_0 (34-byte blocks: fp16 d, 32 int8); 2: Q4_0 (18-byte blocks: fp16 d,
         16 bytes, byte j = q[j] | q[j + 16] << 4, value (q - 8) * d); 3: TQ3_0 (14-byte blocks: fp16 group
         norm, qs[8] low index bits 2(j%4) of byte j/4, signs[4] high bit j%8 of byte j/8; value = norm *
         C[low | hi << 2], C = +levels then -levels, exactly `TQ3_0.dequantize`: rotated domain, no rotation here).
-        Quantized rows decode per value or, with BLOCKWISE, per block (the same values)."""
+        Quantized rows decode as DECODER (`DECODERS`) says; every decoder gives the same values."""
         row_ptrs = base + rows.to(tl.int64)[:, None] * stride_r
         if KIND == 0:
             x = tl.load(row_ptrs + tl.arange(0, D)[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-        elif BLOCKWISE:
+        elif DECODER == 2:
+            x = _decode_fields(row_ptrs, row_ok, rows.shape[0], D, KIND)
+        elif DECODER == 1:
             x = _decode_blockwise(row_ptrs, row_ok, rows.shape[0], D, KIND)
         else:
             x = _decode_per_value(row_ptrs, row_ok, D, KIND)
@@ -191,6 +195,41 @@ if triton is not None:
         return tl.reshape(x, (BN, D))
 
     @triton.jit
+    def _halfword(ptrs, ok):
+        """uint16 at the (2-byte aligned) byte pointers `ptrs` of uint8 rows, as int32."""
+        return tl.load(ptrs.to(tl.pointer_type(tl.uint16)), mask=ok, other=0).to(tl.int32)
+
+    @triton.jit
+    def _decode_fields(row_ptrs, row_ok, BN: tl.constexpr, D: tl.constexpr, KIND: tl.constexpr):
+        """Each block's fields loaded as [rows, blocks, 1] halfwords (every field of a 34-, 18- or 14-byte block
+        starts at an even byte), so that the block's 32 values, broadcast along the last axis, sit in the
+        thread that loaded them: the scale is converted once per block, and the choice of halfword, shift and
+        mask for each value is a constant of its register."""
+        NB: tl.constexpr = D // 32
+        ok = tl.reshape(row_ok, (1, BN, 1))
+        blocks = tl.reshape(row_ptrs, (1, BN, 1)) + tl.arange(0, NB)[:, None, None] * (34 if KIND == 1 else 18 if KIND == 2 else 14)
+        scale = _halfword(blocks, ok).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)  # [NB, rows, 1]
+        j = tl.arange(0, 32)[None, None, :]
+        if KIND == 1:  # value j: byte j % 2 of halfword j // 2, signed
+            hw = tl.zeros((NB, BN, 32), tl.int32)
+            for i in tl.static_range(16):
+                hw = tl.where(j // 2 == i, _halfword(blocks + 2 + 2 * i, ok), hw)
+            q = (hw << (24 - 8 * (j % 2))) >> 24
+            x = q.to(tl.float32) * scale
+        elif KIND == 2:  # value j: nibble j // 16 of byte j % 16, i.e. of halfword (j % 16) // 2 at bit 8 (j % 2)
+            hw = tl.zeros((NB, BN, 32), tl.int32)
+            for i in tl.static_range(8):
+                hw = tl.where((j % 16) // 2 == i, _halfword(blocks + 2 + 2 * i, ok), hw)
+            x = (((hw >> (8 * (j % 2) + 4 * (j // 16))) & 15).to(tl.float32) - 8.0) * scale
+        else:  # value j: index bits 2 (j % 8) of qs halfword j // 8, sign bit j % 16 of sign halfword j // 16
+            qs = tl.zeros((NB, BN, 32), tl.int32)
+            for i in tl.static_range(4):
+                qs = tl.where(j // 8 == i, _halfword(blocks + 2 + 2 * i, ok), qs)
+            sg = tl.where(j < 16, _halfword(blocks + 10, ok), _halfword(blocks + 12, ok))
+            x = _tq3_values((qs >> (2 * (j % 8))) & 3, (sg >> (j % 16)) & 1) * scale
+        return tl.reshape(tl.permute(x, (1, 0, 2)), (BN, D))
+
+    @triton.jit
     def _tq3_values(low, neg):
         """The unit-norm TQ3_0 value of 2 index bits `low` and a sign bit `neg`."""
         odd = (low & 1) != 0  # a two-level select tree: a linear where-chain spilled registers on sm_90
@@ -201,12 +240,12 @@ if triton is not None:
     def _chunk(q, k_base, v_base, vis_ptr, pos_ptr, r0, my_hi, start, T, window, tok, qpos, m_ok, m_i, l_i, acc,
                stride_kr, stride_vr, scale_log2, D: tl.constexpr, KIND_K: tl.constexpr, KIND_V: tl.constexpr,
                OP: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCKWISE: tl.constexpr):
+               DECODER: tl.constexpr):
         """One BLOCK_N chunk of rows [r0, min(r0 + BLOCK_N, my_hi)) that may hold new rows or end the range:
         scores, the full mask (tree visibility from `vis_ptr`), online-softmax update."""
         rows = r0 + tl.arange(0, BLOCK_N)
         row_ok = rows < my_hi
-        k = load_rows(k_base, rows, row_ok, stride_kr, D, KIND_K, OP, BLOCKWISE)
+        k = load_rows(k_base, rows, row_ok, stride_kr, D, KIND_K, OP, DECODER)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
         rel = rows - start
         new = (rel >= 0) & row_ok
@@ -217,14 +256,14 @@ if triton is not None:
             key_pos = tl.where(new, tl.load(pos_ptr + node, mask=new, other=0).to(tl.int32), rows)
             ok = ok & ((qpos[:, None] - key_pos[None, :]) < window)
         ok = ok & m_ok[:, None]
-        v = load_rows(v_base, rows, row_ok, stride_vr, D, KIND_V, OP, BLOCKWISE)
+        v = load_rows(v_base, rows, row_ok, stride_vr, D, KIND_V, OP, DECODER)
         return _softmax_update(tl.where(ok, s, float("-inf")), v, m_i, l_i, acc, OP, PRECISION)
 
     @triton.jit
     def _committed_chunk(q, k_base, v_base, r0, window, qpos, m_i, l_i, acc, stride_kr, stride_vr, scale_log2,
                          D: tl.constexpr, KIND_K: tl.constexpr, KIND_V: tl.constexpr, OP: tl.constexpr,
                          PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCKWISE: tl.constexpr):
+                         DECODER: tl.constexpr):
         """`_chunk` for a whole chunk of committed rows (all below start and inside the split): every query
         sees every row, so no tree-mask gather (a [BLOCK_M, BLOCK_N] byte load whose layout conversions
         went through shared memory with several barriers per chunk) and no row bounds; only a window, whose
@@ -232,11 +271,11 @@ if triton is not None:
         (q is zero there) and are never stored."""
         rows = r0 + tl.arange(0, BLOCK_N)
         every_row = rows >= r0  # all true: load_rows takes a row mask
-        k = load_rows(k_base, rows, every_row, stride_kr, D, KIND_K, OP, BLOCKWISE)
+        k = load_rows(k_base, rows, every_row, stride_kr, D, KIND_K, OP, DECODER)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         if HAS_WINDOW:
             s = tl.where((qpos[:, None] - rows[None, :]) < window, s, float("-inf"))
-        v = load_rows(v_base, rows, every_row, stride_vr, D, KIND_V, OP, BLOCKWISE)
+        v = load_rows(v_base, rows, every_row, stride_vr, D, KIND_V, OP, DECODER)
         return _softmax_update(s, v, m_i, l_i, acc, OP, PRECISION)
 
     @triton.jit
@@ -259,7 +298,7 @@ if triton is not None:
                                T, kv_end, heads, scale_log2, window,
                                G: tl.constexpr, D: tl.constexpr, KIND_K: tl.constexpr, KIND_V: tl.constexpr,
                                OP: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, BLOCKWISE: tl.constexpr,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, DECODER: tl.constexpr,
                                FIXED_TRIPS: tl.constexpr, TRIPS: tl.constexpr, TAIL_TRIPS: tl.constexpr,
                                GATED: tl.constexpr, NORM_Q: tl.constexpr, ROT: tl.constexpr):
         kvh = tl.program_id(0)
@@ -301,22 +340,22 @@ if triton is not None:
                 if r0 < committed_hi:
                     m_i, l_i, acc = _committed_chunk(q, k_base, v_base, r0, window, qpos, m_i, l_i, acc, stride_kr,
                                                      stride_vr, scale_log2, D, KIND_K, KIND_V, OP, PRECISION,
-                                                     HAS_WINDOW, BLOCK_N, BLOCKWISE)
+                                                     HAS_WINDOW, BLOCK_N, DECODER)
             for i in range(0, TAIL_TRIPS):
                 r0 = committed_hi + i * BLOCK_N
                 if r0 < my_hi:
                     m_i, l_i, acc = _chunk(q, k_base, v_base, vis_ptr, pos_ptr, r0, my_hi, start, T, window, tok, qpos,
                                            m_ok, m_i, l_i, acc, stride_kr, stride_vr, scale_log2, D, KIND_K, KIND_V,
-                                           OP, PRECISION, HAS_WINDOW, BLOCK_N, BLOCKWISE)
+                                           OP, PRECISION, HAS_WINDOW, BLOCK_N, DECODER)
         else:
             for r0 in range(my_lo, committed_hi, BLOCK_N):
                 m_i, l_i, acc = _committed_chunk(q, k_base, v_base, r0, window, qpos, m_i, l_i, acc, stride_kr,
                                                  stride_vr, scale_log2, D, KIND_K, KIND_V, OP, PRECISION, HAS_WINDOW,
-                                                 BLOCK_N, BLOCKWISE)
+                                                 BLOCK_N, DECODER)
             for r0 in range(committed_hi, my_hi, BLOCK_N):
                 m_i, l_i, acc = _chunk(q, k_base, v_base, vis_ptr, pos_ptr, r0, my_hi, start, T, window, tok, qpos,
                                        m_ok, m_i, l_i, acc, stride_kr, stride_vr, scale_log2, D, KIND_K, KIND_V,
-                                       OP, PRECISION, HAS_WINDOW, BLOCK_N, BLOCKWISE)
+                                       OP, PRECISION, HAS_WINDOW, BLOCK_N, DECODER)
 
         has = l_i > 0
         o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -448,17 +487,41 @@ def _check(q, k_cache, v_cache, tk, tv, start_t, visible, positions, kv_end):
         raise FlashtreeError(f"visible must be [T, T], positions [T] and start_t [1] (T={n})")
 
 
+def _launch_defaults(query_rows: int, d: int, quantized: bool) -> tuple[int, int, int, int | None]:
+    """(BLOCK_M, BLOCK_N, warps, stages or None for Triton's) for a KV head's `query_rows` (GQA group x T).
+    Float rows: head_dim 256 with a full query tile takes short row chunks and 4 warps, which keep the
+    [64, 256] accumulator out of local memory (H200 sweep, benchmarks/sweep_tree_attention.py: 545 -> 332 us
+    for 23 tokens at 64K rows). Quantized rows: the fields decoder gives each thread one block of 32 values,
+    so a chunk is as many rows as the CTA's threads cover (1024 / d per warp); past one 64-row query tile,
+    128-row tiles of 8 warps decode each K/V row for fewer tiles."""
+    if quantized:
+        wide = query_rows > 64
+        warps = 8 if wide else 4
+        return (128 if wide else min(64, max(16, triton.next_power_of_2(query_rows))), warps * max(1, 1024 // d),
+                warps, 2 if wide else None)
+    block_m = min(64, max(16, triton.next_power_of_2(query_rows)))
+    wide = d >= 256 and block_m >= 64
+    return block_m, 64 if d <= 128 else 16 if wide else 32, 4 if block_m * d <= 16 * 256 or wide else 8, None
+
+
+def _decoder(name: str) -> int:
+    if name not in DECODERS:
+        raise FlashtreeError(f"unknown KV row decoder {name!r}; choices: {', '.join(DECODERS)}")
+    return DECODERS[name]
+
+
 def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, positions, kv_end, scale,
                    window=0, split=None, *, gate=None, q_norm=None, block_rows=None, block_m=None, num_warps=None,
-                   num_stages=None, blockwise=False, operands=None):
+                   num_stages=None, decoder="fields", operands=None):
     """Attention of q [heads, T, D] (after RoPE) over cache rows [0, kv_end) of a graphed step; see the
     module docstring for the mask. -> [heads, T, D] in q.dtype; with `gate` [T, heads, D] (any strides, the
     last unit) `activations.gated_heads(result, gate)` instead, [T, heads * D], the gate applied at the store.
     With `q_norm` = (weight, eps, cos, sin), q is the raw projection (any strides, the last unit) and gets
     `qk_norm_rope(q, weight, eps, cos, sin)` at its load. `split` forces the number of splits,
     `block_rows` (BLOCK_N, K/V rows per step), `block_m` (query rows per program), `num_warps` and
-    `num_stages` (software pipelining of the row loop) override the launch defaults; `blockwise` decodes
-    quantized rows block by block (`load_rows`; a sweep candidate, not measured yet); `operands`
+    `num_stages` (software pipelining of the row loop) override the launch defaults; `decoder` picks how
+    quantized rows are decoded (`DECODERS`: per value, per block of bytes, per block of halfwords; the same
+    values); `operands`
     (torch.bfloat16 / torch.float16) overrides the tensor-core operand type, q's by default (a sweep
     candidate: f16 operands over an f16 cache feed the K/V rows to the MMAs straight from shared memory,
     where bf16 ones convert them in registers and store them back first, 104 fewer instructions and two
@@ -480,14 +543,11 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
     group = heads // kv_heads
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise FlashtreeError("tree_attention needs unit stride along head_dim (q and both caches)")
-    block_m = block_m or min(64, max(16, triton.next_power_of_2(group * n)))
-    # head_dim 256 with a full query tile: short row chunks and 4 warps keep the [64, 256] accumulator out
-    # of local memory (H200 sweep, benchmarks/sweep_tree_attention.py: 545 -> 332 us for 23 tokens at 64K rows)
-    wide = d >= 256 and block_m >= 64
-    block_n = block_rows or (64 if d <= 128 else 16 if wide else 32)
+    defaults = _launch_defaults(group * n, d, quantized=KV_KINDS[tk.name] > 0 or KV_KINDS[tv.name] > 0)
+    block_m, block_n = block_m or defaults[0], block_rows or defaults[1]
+    num_warps, num_stages = num_warps or defaults[2], num_stages or defaults[3]
     m_tiles = triton.cdiv(group * n, block_m)
     splits = split or choose_splits(kv_end, kv_heads, m_tiles, _sm_count(q.device), block_n)
-    num_warps = num_warps or (4 if block_m * d <= 16 * 256 or wide else 8)
     interpreter = interpreted()
     low_precision = q.dtype in (torch.bfloat16, torch.float16) and not interpreter
     op = _TL_TYPES[operands or q.dtype] if low_precision else tl.float32
@@ -509,7 +569,7 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
         n, kv_end, heads, float(scale) * _LOG2E, int(window),
         G=group, D=d, KIND_K=KV_KINDS[tk.name], KIND_V=KV_KINDS[tv.name], OP=op,
         PRECISION=None if low_precision else "ieee",  # float32: exact FMA dots (bf16/f16: tensor cores)
-        HAS_WINDOW=window > 0, BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits, BLOCKWISE=blockwise,
+        HAS_WINDOW=window > 0, BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits, DECODER=_decoder(decoder),
         FIXED_TRIPS=interpreter, TRIPS=triton.cdiv(triton.cdiv(kv_end, splits), block_n) if interpreter else 0,
         TAIL_TRIPS=triton.cdiv(n, block_n) + 1 if interpreter else 0,
         GATED=gated, NORM_Q=q_norm is not None, ROT=max(rot, 2),
