@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Launch settings of kernels/tree_attention.py at the Qwen3.6-27B attention shape (24 query heads, 4 KV
 heads, head_dim 256), on the GPU: for each case (tokens per call, committed rows, cache type) the
-(BLOCK_M, BLOCK_N, warps, stages, splits, KV row decoder) points, in a fixed random order as far as the budget allows, are
+(BLOCK_M, BLOCK_N, warps, stages, splits) points, in a fixed random order as far as the budget allows, are
 timed with CUDA events and checked against the default launch's output; the table gives each case's
 default and best points, time and K/V read bandwidth.
 
@@ -34,23 +34,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from flashtree.bench.kernels import time_graph  # noqa: E402
 from flashtree.kernels.kv_quant import kv_type  # noqa: E402
 from flashtree.kernels.qk_norm_rope import rope_tables  # noqa: E402
-from flashtree.kernels.tree_attention import DECODERS, choose_splits, tree_attention  # noqa: E402
+from flashtree.kernels.tree_attention import choose_splits, tree_attention  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 24, 4, 256
 CASES = [  # (tokens per call, committed rows, cache type)
     (23, 65536, "f16"), (23, 1024, "f16"), (1, 65536, "f16"), (65, 65536, "f16"), (23, 65536, "tq3_0"),
     (23, 65536, "q8_0"), (512, 65536, "tq3_0"),
 ]
-# timed before the random order: the swept default and BLOCK_M 32, each with the per-value and the
-# block-by-block KV decoder (8x fewer global loads for TQ3_0 rows: scripts/compile_kernels_offline.py)
-FIRST = [(16, 32, 4, 3, 1, "value"), (64, 16, 4, 3, 1, "value"),  # the defaults until 2026-12-02 (decode, verify)
-         (16, 32, 4, 3, 1, "block"), (128, 64, 8, 2, 1, "block"),  # the block decoder's best (2026-12-02, call 1)
-         # the fields decoder at the chunks its layout fills (4 rows a warp at head_dim 256)
-         (16, 16, 4, 3, 1, "fields"), (16, 16, 4, 2, 1, "fields"), (16, 32, 8, 3, 1, "fields"), (16, 16, 4, 3, 2, "fields"),
-         (16, 32, 8, 3, 2, "fields"), (64, 16, 4, 3, 1, "fields"), (64, 32, 8, 3, 1, "fields"), (128, 32, 8, 2, 1, "fields"),
-         (128, 32, 8, 3, 1, "fields"), (128, 32, 8, 2, 2, "fields"), (128, 32, 8, 2, 0.5, "fields")]
+# timed before the random order: the quantized rows' defaults (decode, verify) and their neighbours
+FIRST = [(16, 16, 4, 3, 1), (16, 32, 8, 3, 1), (16, 16, 4, 3, 2), (16, 16, 4, 3, 0.5), (64, 16, 4, 3, 1),
+         (128, 32, 8, 2, 1), (128, 32, 8, 3, 1), (128, 32, 8, 2, 2)]
 GRID = dict(block_m=(16, 32, 64, 128), block_rows=(16, 32, 64), num_warps=(4, 8), num_stages=(1, 2, 3),
-            split_scale=(0.5, 1, 2, 4), decoder=tuple(DECODERS))
+            split_scale=(0.5, 1, 2, 4))
 
 
 def inputs(n: int, committed: int, cache: str) -> dict:
@@ -87,17 +82,14 @@ def sweep_case(n: int, committed: int, cache: str, deadline: float) -> dict:
     grid = list(itertools.product(*GRID.values()))
     random.Random(0).shuffle(grid)  # a budget cut short still samples the whole space
     grid = FIRST + [point for point in grid if point not in FIRST]
-    for block_m, rows, warps, stages, scale, decoder in grid:
-        if decoder != "value" and cache in ("f16", "bf16"):
-            continue  # float rows have no blocks
+    for block_m, rows, warps, stages, scale in grid:
         if block_m < min(64, group_rows):
             continue  # a smaller query tile than the default decodes each K/V row once per extra tile
         if time.time() > deadline:
             break
         m_tiles = -(-group_rows // block_m)
         splits = max(1, round(scale * choose_splits(committed + n, KV_HEADS, m_tiles, block_rows=rows)))
-        launch = dict(block_m=block_m, block_rows=rows, num_warps=warps, num_stages=stages, split=splits,
-                      decoder=decoder)
+        launch = dict(block_m=block_m, block_rows=rows, num_warps=warps, num_stages=stages, split=splits)
         try:
             out = tree_attention(**args, **launch)
             error = ((out.float() - reference.float()).abs().max() / reference.float().abs().max()).item()
@@ -234,7 +226,7 @@ def main() -> None:
     print(f"{'T':>4} {'rows':>7} {'cache':>6} {'default us':>11} {'GB/s':>7} {'best us':>9} {'GB/s':>7}  best point")
     for r in results:
         b = r["best"] or {}
-        point = {k: b[k] for k in ("block_m", "block_rows", "num_warps", "num_stages", "split", "decoder") if k in b}
+        point = {k: b[k] for k in ("block_m", "block_rows", "num_warps", "num_stages", "split") if k in b}
         print(f"{r['tokens']:>4} {r['committed']:>7} {r['cache']:>6} {r['default_us']:>11} {r['default_GBps']:>7} "
               f"{b.get('us', '-'):>9} {r['best_GBps'] or '-':>7}  {point}  ({len(r['points'])} points)")
 

@@ -230,14 +230,13 @@ def _print_mma_bound() -> None:
 
 def tree_attention() -> None:
     from flashtree.kernels.kv_quant import kv_type
-    from flashtree.kernels.tree_attention import DECODERS, tree_attention as attend
+    from flashtree.kernels.tree_attention import tree_attention as attend
 
     for cache in ("f16", "q8_0", "q4_0", "tq3_0"):
         caches = [kv_type(cache).quantize(torch.zeros(4, 64, 256)) for _ in range(2)]
         for n in (1, 23):
-            for decoder in DECODERS if cache != "f16" else ("value",):
-                attend(torch.zeros(24, n, 256, dtype=torch.bfloat16), *caches, cache, cache, torch.tensor([8]),
-                       torch.ones(n, n, dtype=torch.bool), torch.arange(n), 8 + n, 0.0625, decoder=decoder)
+            attend(torch.zeros(24, n, 256, dtype=torch.bfloat16), *caches, cache, cache, torch.tensor([8]),
+                   torch.ones(n, n, dtype=torch.bool), torch.arange(n), 8 + n, 0.0625)
         if cache == "f16":  # the output gate at the store, one split and several
             for split in (1, 4):
                 attend(torch.zeros(24, 1, 256, dtype=torch.bfloat16), *caches, cache, cache, torch.tensor([8]),

@@ -92,6 +92,7 @@ def test_split_choice():
     assert 1047 // choose_splits(1047, 4, 3, block_rows=16) > 3 * 16  # but each split walks ~4 chunks
     assert choose_splits(1025, 4, 1, block_rows=32) == 9  # AR decode at 1K rows as before
     assert choose_splits(1 << 22, 1, 1) == 128
+    assert choose_splits(262144, 4, 1, block_rows=16, programs_per_sm=4) == 128  # quantized decode: 4 programs an SM
 
 
 def test_errors_name_the_problem():

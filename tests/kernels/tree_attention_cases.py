@@ -143,10 +143,6 @@ def _cases():
     cases["f32-t5-g4-start0-float32"] = (dict(cache="f32", n=5, group=4, start=0), 0, forced, "reference")
     cases["f32-t23-g1-noGarbage-float32"] = (dict(cache="f32", n=23, group=1, start=KV_END - 23), WINDOW,
                                              dict(split=5, block_rows=32), "reference")
-    for cache in ("q8_0", "q4_0", "tq3_0"):  # the other decoders of quantized rows (bytes or halfwords per block)
-        for decoder in ("block", "fields"):
-            cases[f"{cache}-t23-g4-w{WINDOW}-float32-{decoder}"] = (dict(cache=cache, n=23, group=4), WINDOW,
-                                                                   {**forced, "decoder": decoder}, "reference")
     for cache in ("q8_0", "tq3_0"):  # a short prefill chunk (a causal run, not a tree) over a quantized cache
         cases[f"{cache}-prefill-t40-g4-w0-float32"] = (dict(cache=cache, n=40, group=4, start=40, causal=True), 0,
                                                        forced, "reference")
@@ -159,6 +155,8 @@ def _cases():
                                                    {"split": 2, "block_rows": 16}, "reference")
     cases["q8_0-t1-g4-w0-manysplits-float32"] = (dict(cache="q8_0", n=1, group=4), 0,
                                                  {"split": 6, "block_rows": 16}, "reference")
+    for cache, n in (("q8_0", 23), ("tq3_0", 1), ("tq3_0", 5)):  # quantized rows at the launch defaults
+        cases[f"{cache}-t{n}-g4-w{WINDOW}-defaults-float32"] = (dict(cache=cache, n=n, group=4), WINDOW, {}, "reference")
     cases["q4_0-prefill-t40-g4-w9-float32"] = (dict(cache="q4_0", n=40, group=4, start=40, causal=True), WINDOW,
                                                {}, "reference")
     # the output gate at the store: through the combine (splits) and straight from the row loop (one split)

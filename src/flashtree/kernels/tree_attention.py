@@ -22,7 +22,8 @@ committed length, and the garbage rows past start + T cost nothing. A split walk
 committed rows first, unmasked but for a window (`_committed_chunk`), then the at most ceil(T / BLOCK_N) + 1
 chunks holding start and the new rows with the tree mask (`_chunk`). Each BLOCK_N chunk of K/V rows is
 loaded once, dequantized in registers (Q8_0: int8 * fp16 d; Q4_0: (nibble - 8) * d; TQ3_0: fp16 group
-norm * one of 8 centroids picked by 2 low bits + 1 sign bit, in the rotated domain), scores go through
+norm * one of 8 centroids picked by 2 low bits + 1 sign bit, in the rotated domain; each thread decodes whole
+32-value blocks from their halfword fields, `_decode_fields`), scores go through
 tl.dot in float32 (bf16/f16 operands for bf16/f16 queries on GPU), masked, and an online softmax (base 2,
 float32 max / sum) accumulates P @ V. Each split writes its normalized partial output and log-sum-exp;
 a second kernel combines the splits per (head, token). With one split the first kernel writes the
@@ -64,8 +65,6 @@ _MAX_SPLITS = 128
 MAX_TREE_QUERIES = 128  # tokens per call (a tree of budget <= 127 plus its root, or a short prefill chunk)
 _MAX_GROUP = 8
 KV_KINDS = {"f32": 0, "f16": 0, "bf16": 0, "q8_0": 1, "q4_0": 2, "tq3_0": 3}  # kernel's KIND per cache type
-# how `load_rows` decodes quantized rows: each byte gathered per value, whole blocks as bytes, whole blocks as halfwords
-DECODERS = {"value": 0, "block": 1, "fields": 2}
 _LOG2E = 1.4426950408889634
 _TL_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16} if triton is not None else {}
 
@@ -121,78 +120,19 @@ if triton is not None:
     TQ3_C0, TQ3_C1, TQ3_C2, TQ3_C3 = (tl.constexpr(level) for level in TQ3_LEVELS)
 
     @triton.jit
-    def _fp16_at(row_ptrs, offs, mask):
-        """fp16 stored little-endian at byte offsets `offs` of uint8 rows, as float32."""
-        lo = tl.load(row_ptrs + offs, mask=mask, other=0).to(tl.uint16)
-        hi = tl.load(row_ptrs + offs + 1, mask=mask, other=0).to(tl.uint16)
-        return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-
-    @triton.jit
-    def load_rows(base, rows, row_ok, stride_r, D: tl.constexpr, KIND: tl.constexpr, OP: tl.constexpr,
-                  DECODER: tl.constexpr):
+    def load_rows(base, rows, row_ok, stride_r, D: tl.constexpr, KIND: tl.constexpr, OP: tl.constexpr):
         """[BLOCK_N, D] values of cache rows `rows` (zeros where not row_ok), in the dot operand dtype OP.
         KIND 0: float rows; 1: Q8_0 (34-byte blocks: fp16 d, 32 int8); 2: Q4_0 (18-byte blocks: fp16 d,
         16 bytes, byte j = q[j] | q[j + 16] << 4, value (q - 8) * d); 3: TQ3_0 (14-byte blocks: fp16 group
         norm, qs[8] low index bits 2(j%4) of byte j/4, signs[4] high bit j%8 of byte j/8; value = norm *
         C[low | hi << 2], C = +levels then -levels, exactly `TQ3_0.dequantize`: rotated domain, no rotation here).
-        Quantized rows decode as DECODER (`DECODERS`) says; every decoder gives the same values."""
+        Quantized rows decode block by block (`_decode_fields`)."""
         row_ptrs = base + rows.to(tl.int64)[:, None] * stride_r
         if KIND == 0:
             x = tl.load(row_ptrs + tl.arange(0, D)[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-        elif DECODER == 2:
+        else:
             x = _decode_fields(row_ptrs, row_ok, rows.shape[0], D, KIND)
-        elif DECODER == 1:
-            x = _decode_blockwise(row_ptrs, row_ok, rows.shape[0], D, KIND)
-        else:
-            x = _decode_per_value(row_ptrs, row_ok, D, KIND)
         return x.to(OP)
-
-    @triton.jit
-    def _decode_per_value(row_ptrs, row_ok, D: tl.constexpr, KIND: tl.constexpr):
-        """Each value gathers its own bytes: each byte is loaded 4-8 times and each scale 32 times, but the
-        values come out in the [rows, D] layout with no register reshapes."""
-        d = tl.arange(0, D)
-        blk = d // 32
-        j = d % 32
-        ok = row_ok[:, None]
-        if KIND == 1:
-            scale = _fp16_at(row_ptrs, (blk * 34)[None, :], ok)
-            qv = tl.load(row_ptrs + (blk * 34 + 2 + j)[None, :], mask=ok, other=0)
-            x = qv.to(tl.int8, bitcast=True).to(tl.float32) * scale
-        elif KIND == 2:
-            scale = _fp16_at(row_ptrs, (blk * 18)[None, :], ok)
-            byte = tl.load(row_ptrs + (blk * 18 + 2 + j % 16)[None, :], mask=ok, other=0).to(tl.int32)
-            nib = (byte >> ((j // 16) * 4)[None, :]) & 15
-            x = (nib.to(tl.float32) - 8.0) * scale
-        else:
-            scale = _fp16_at(row_ptrs, (blk * 14)[None, :], ok)  # the group's norm, repeated in each block
-            qs = tl.load(row_ptrs + (blk * 14 + 2 + j // 4)[None, :], mask=ok, other=0).to(tl.int32)
-            sg = tl.load(row_ptrs + (blk * 14 + 10 + j // 8)[None, :], mask=ok, other=0).to(tl.int32)
-            x = _tq3_values((qs >> ((j % 4) * 2)[None, :]) & 3, (sg >> (j % 8)[None, :]) & 1) * scale
-        return x
-
-    @triton.jit
-    def _decode_blockwise(row_ptrs, row_ok, BN: tl.constexpr, D: tl.constexpr, KIND: tl.constexpr):
-        """Rows read as [rows, blocks, bytes]: every byte and scale loaded once, then spread to its values
-        in registers and reshaped to [rows, D]."""
-        NB: tl.constexpr = D // 32
-        block_ptrs = row_ptrs[:, :, None] + tl.arange(0, NB)[None, :, None] * (34 if KIND == 1 else 18 if KIND == 2 else 14)
-        ok = row_ok[:, None, None]
-        scale = _fp16_at(block_ptrs, 0, ok)  # [rows, blocks, 1]
-        if KIND == 1:
-            qv = tl.load(block_ptrs + 2 + tl.arange(0, 32)[None, None, :], mask=ok, other=0)
-            x = qv.to(tl.int8, bitcast=True).to(tl.float32) * scale
-        elif KIND == 2:
-            byte = tl.load(block_ptrs + 2 + tl.arange(0, 16)[None, None, :], mask=ok, other=0).to(tl.int32)
-            nib = (byte[:, :, None, :] >> (tl.arange(0, 2) * 4)[None, None, :, None]) & 15  # [.., half, 16]
-            x = (tl.reshape(nib, (BN, NB, 32)).to(tl.float32) - 8.0) * scale
-        else:
-            qs = tl.load(block_ptrs + 2 + tl.arange(0, 8)[None, None, :], mask=ok, other=0).to(tl.int32)
-            sg = tl.load(block_ptrs + 10 + tl.arange(0, 4)[None, None, :], mask=ok, other=0).to(tl.int32)
-            low = tl.reshape((qs[:, :, :, None] >> (tl.arange(0, 4) * 2)[None, None, None, :]) & 3, (BN, NB, 32))
-            neg = tl.reshape((sg[:, :, :, None] >> tl.arange(0, 8)[None, None, None, :]) & 1, (BN, NB, 32))
-            x = _tq3_values(low, neg) * scale
-        return tl.reshape(x, (BN, D))
 
     @triton.jit
     def _halfword(ptrs, ok):
@@ -239,13 +179,12 @@ if triton is not None:
     @triton.jit
     def _chunk(q, k_base, v_base, vis_ptr, pos_ptr, r0, my_hi, start, T, window, tok, qpos, m_ok, m_i, l_i, acc,
                stride_kr, stride_vr, scale_log2, D: tl.constexpr, KIND_K: tl.constexpr, KIND_V: tl.constexpr,
-               OP: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
-               DECODER: tl.constexpr):
+               OP: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
         """One BLOCK_N chunk of rows [r0, min(r0 + BLOCK_N, my_hi)) that may hold new rows or end the range:
         scores, the full mask (tree visibility from `vis_ptr`), online-softmax update."""
         rows = r0 + tl.arange(0, BLOCK_N)
         row_ok = rows < my_hi
-        k = load_rows(k_base, rows, row_ok, stride_kr, D, KIND_K, OP, DECODER)
+        k = load_rows(k_base, rows, row_ok, stride_kr, D, KIND_K, OP)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
         rel = rows - start
         new = (rel >= 0) & row_ok
@@ -256,14 +195,13 @@ if triton is not None:
             key_pos = tl.where(new, tl.load(pos_ptr + node, mask=new, other=0).to(tl.int32), rows)
             ok = ok & ((qpos[:, None] - key_pos[None, :]) < window)
         ok = ok & m_ok[:, None]
-        v = load_rows(v_base, rows, row_ok, stride_vr, D, KIND_V, OP, DECODER)
+        v = load_rows(v_base, rows, row_ok, stride_vr, D, KIND_V, OP)
         return _softmax_update(tl.where(ok, s, float("-inf")), v, m_i, l_i, acc, OP, PRECISION)
 
     @triton.jit
     def _committed_chunk(q, k_base, v_base, r0, window, qpos, m_i, l_i, acc, stride_kr, stride_vr, scale_log2,
                          D: tl.constexpr, KIND_K: tl.constexpr, KIND_V: tl.constexpr, OP: tl.constexpr,
-                         PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
-                         DECODER: tl.constexpr):
+                         PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
         """`_chunk` for a whole chunk of committed rows (all below start and inside the split): every query
         sees every row, so no tree-mask gather (a [BLOCK_M, BLOCK_N] byte load whose layout conversions
         went through shared memory with several barriers per chunk) and no row bounds; only a window, whose
@@ -271,11 +209,11 @@ if triton is not None:
         (q is zero there) and are never stored."""
         rows = r0 + tl.arange(0, BLOCK_N)
         every_row = rows >= r0  # all true: load_rows takes a row mask
-        k = load_rows(k_base, rows, every_row, stride_kr, D, KIND_K, OP, DECODER)
+        k = load_rows(k_base, rows, every_row, stride_kr, D, KIND_K, OP)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         if HAS_WINDOW:
             s = tl.where((qpos[:, None] - rows[None, :]) < window, s, float("-inf"))
-        v = load_rows(v_base, rows, every_row, stride_vr, D, KIND_V, OP, DECODER)
+        v = load_rows(v_base, rows, every_row, stride_vr, D, KIND_V, OP)
         return _softmax_update(s, v, m_i, l_i, acc, OP, PRECISION)
 
     @triton.jit
@@ -298,7 +236,7 @@ if triton is not None:
                                T, kv_end, heads, scale_log2, window,
                                G: tl.constexpr, D: tl.constexpr, KIND_K: tl.constexpr, KIND_V: tl.constexpr,
                                OP: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, DECODER: tl.constexpr,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
                                FIXED_TRIPS: tl.constexpr, TRIPS: tl.constexpr, TAIL_TRIPS: tl.constexpr,
                                GATED: tl.constexpr, NORM_Q: tl.constexpr, ROT: tl.constexpr):
         kvh = tl.program_id(0)
@@ -340,22 +278,22 @@ if triton is not None:
                 if r0 < committed_hi:
                     m_i, l_i, acc = _committed_chunk(q, k_base, v_base, r0, window, qpos, m_i, l_i, acc, stride_kr,
                                                      stride_vr, scale_log2, D, KIND_K, KIND_V, OP, PRECISION,
-                                                     HAS_WINDOW, BLOCK_N, DECODER)
+                                                     HAS_WINDOW, BLOCK_N)
             for i in range(0, TAIL_TRIPS):
                 r0 = committed_hi + i * BLOCK_N
                 if r0 < my_hi:
                     m_i, l_i, acc = _chunk(q, k_base, v_base, vis_ptr, pos_ptr, r0, my_hi, start, T, window, tok, qpos,
                                            m_ok, m_i, l_i, acc, stride_kr, stride_vr, scale_log2, D, KIND_K, KIND_V,
-                                           OP, PRECISION, HAS_WINDOW, BLOCK_N, DECODER)
+                                           OP, PRECISION, HAS_WINDOW, BLOCK_N)
         else:
             for r0 in range(my_lo, committed_hi, BLOCK_N):
                 m_i, l_i, acc = _committed_chunk(q, k_base, v_base, r0, window, qpos, m_i, l_i, acc, stride_kr,
                                                  stride_vr, scale_log2, D, KIND_K, KIND_V, OP, PRECISION, HAS_WINDOW,
-                                                 BLOCK_N, DECODER)
+                                                 BLOCK_N)
             for r0 in range(committed_hi, my_hi, BLOCK_N):
                 m_i, l_i, acc = _chunk(q, k_base, v_base, vis_ptr, pos_ptr, r0, my_hi, start, T, window, tok, qpos,
                                        m_ok, m_i, l_i, acc, stride_kr, stride_vr, scale_log2, D, KIND_K, KIND_V,
-                                       OP, PRECISION, HAS_WINDOW, BLOCK_N, DECODER)
+                                       OP, PRECISION, HAS_WINDOW, BLOCK_N)
 
         has = l_i > 0
         o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -442,13 +380,14 @@ def _sm_count(device: torch.device) -> int:
     return _H200_SMS
 
 
-def choose_splits(kv_end: int, kv_heads: int, m_tiles: int, sms: int = _H200_SMS, block_rows: int = 64) -> int:
-    """Splits of the row range: enough programs (kv_heads * m_tiles * splits) for ~2 per SM, each split at
-    least 4 chunks long. Short rows ranges are latency-bound (a chain of dependent chunk steps per program),
+def choose_splits(kv_end: int, kv_heads: int, m_tiles: int, sms: int = _H200_SMS, block_rows: int = 64,
+                  programs_per_sm: int = _PROGRAMS_PER_SM) -> int:
+    """Splits of the row range: enough programs (kv_heads * m_tiles * splits) for ~`programs_per_sm` per SM,
+    each split at least 4 chunks long. Short rows ranges are latency-bound (a chain of dependent chunk steps per program),
     so they split as finely too: 23 tokens over 1K rows took 61 us in one split per query tile (12 programs
     on 132 SMs, 66 chunks each, H200 2026-12-01), when a split had to be 8 x the query rows long (to keep
     the float32 partials small next to the K/V they summarize; they stay in L2 at these sizes)."""
-    wanted = math.ceil(_PROGRAMS_PER_SM * sms / (kv_heads * m_tiles))
+    wanted = math.ceil(programs_per_sm * sms / (kv_heads * m_tiles))
     return max(1, min(wanted, math.ceil(kv_end / (4 * block_rows)), _MAX_SPLITS))
 
 
@@ -491,9 +430,11 @@ def _launch_defaults(query_rows: int, d: int, quantized: bool) -> tuple[int, int
     """(BLOCK_M, BLOCK_N, warps, stages or None for Triton's) for a KV head's `query_rows` (GQA group x T).
     Float rows: head_dim 256 with a full query tile takes short row chunks and 4 warps, which keep the
     [64, 256] accumulator out of local memory (H200 sweep, benchmarks/sweep_tree_attention.py: 545 -> 332 us
-    for 23 tokens at 64K rows). Quantized rows: the fields decoder gives each thread one block of 32 values,
-    so a chunk is as many rows as the CTA's threads cover (1024 / d per warp); past one 64-row query tile,
-    128-row tiles of 8 warps decode each K/V row for fewer tiles."""
+    for 23 tokens at 64K rows). Quantized rows: `_decode_fields` gives each thread one block of 32 values,
+    so a chunk is as many rows as the CTA's threads cover (1024 / d per warp; a longer chunk repeats rows in
+    a thread's registers, and the values then reach shared memory 2 bytes per store); past one 64-row query
+    tile, 128-row tiles of 8 warps decode each K/V row for fewer tiles (H200 sweep at 262K TQ3_0 rows,
+    2026-12-02: 23 tokens 1345 us against 1546 with 64-row tiles)."""
     if quantized:
         wide = query_rows > 64
         warps = 8 if wide else 4
@@ -504,24 +445,16 @@ def _launch_defaults(query_rows: int, d: int, quantized: bool) -> tuple[int, int
     return block_m, 64 if d <= 128 else 16 if wide else 32, 4 if block_m * d <= 16 * 256 or wide else 8, None
 
 
-def _decoder(name: str) -> int:
-    if name not in DECODERS:
-        raise FlashtreeError(f"unknown KV row decoder {name!r}; choices: {', '.join(DECODERS)}")
-    return DECODERS[name]
-
-
 def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, positions, kv_end, scale,
                    window=0, split=None, *, gate=None, q_norm=None, block_rows=None, block_m=None, num_warps=None,
-                   num_stages=None, decoder="fields", operands=None):
+                   num_stages=None, operands=None):
     """Attention of q [heads, T, D] (after RoPE) over cache rows [0, kv_end) of a graphed step; see the
     module docstring for the mask. -> [heads, T, D] in q.dtype; with `gate` [T, heads, D] (any strides, the
     last unit) `activations.gated_heads(result, gate)` instead, [T, heads * D], the gate applied at the store.
     With `q_norm` = (weight, eps, cos, sin), q is the raw projection (any strides, the last unit) and gets
     `qk_norm_rope(q, weight, eps, cos, sin)` at its load. `split` forces the number of splits,
     `block_rows` (BLOCK_N, K/V rows per step), `block_m` (query rows per program), `num_warps` and
-    `num_stages` (software pipelining of the row loop) override the launch defaults; `decoder` picks how
-    quantized rows are decoded (`DECODERS`: per value, per block of bytes, per block of halfwords; the same
-    values); `operands`
+    `num_stages` (software pipelining of the row loop) override the launch defaults; `operands`
     (torch.bfloat16 / torch.float16) overrides the tensor-core operand type, q's by default (a sweep
     candidate: f16 operands over an f16 cache feed the K/V rows to the MMAs straight from shared memory,
     where bf16 ones convert them in registers and store them back first, 104 fewer instructions and two
@@ -543,11 +476,15 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
     group = heads // kv_heads
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise FlashtreeError("tree_attention needs unit stride along head_dim (q and both caches)")
-    defaults = _launch_defaults(group * n, d, quantized=KV_KINDS[tk.name] > 0 or KV_KINDS[tv.name] > 0)
+    quantized = KV_KINDS[tk.name] > 0 or KV_KINDS[tv.name] > 0
+    defaults = _launch_defaults(group * n, d, quantized)
     block_m, block_n = block_m or defaults[0], block_rows or defaults[1]
     num_warps, num_stages = num_warps or defaults[2], num_stages or defaults[3]
     m_tiles = triton.cdiv(group * n, block_m)
-    splits = split or choose_splits(kv_end, kv_heads, m_tiles, _sm_count(q.device), block_n)
+    # a decode over quantized rows (128 registers a thread) fits 4 programs an SM: 132 splits instead of 66
+    # took 462 instead of 648 us over 262K TQ3_0 rows (H200, 2026-12-02, sweep_tree_attention.py)
+    per_sm = 4 if quantized and m_tiles == 1 else _PROGRAMS_PER_SM
+    splits = split or choose_splits(kv_end, kv_heads, m_tiles, _sm_count(q.device), block_n, per_sm)
     interpreter = interpreted()
     low_precision = q.dtype in (torch.bfloat16, torch.float16) and not interpreter
     op = _TL_TYPES[operands or q.dtype] if low_precision else tl.float32
@@ -569,7 +506,7 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
         n, kv_end, heads, float(scale) * _LOG2E, int(window),
         G=group, D=d, KIND_K=KV_KINDS[tk.name], KIND_V=KV_KINDS[tv.name], OP=op,
         PRECISION=None if low_precision else "ieee",  # float32: exact FMA dots (bf16/f16: tensor cores)
-        HAS_WINDOW=window > 0, BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits, DECODER=_decoder(decoder),
+        HAS_WINDOW=window > 0, BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits,
         FIXED_TRIPS=interpreter, TRIPS=triton.cdiv(triton.cdiv(kv_end, splits), block_n) if interpreter else 0,
         TAIL_TRIPS=triton.cdiv(n, block_n) + 1 if interpreter else 0,
         GATED=gated, NORM_Q=q_norm is not None, ROT=max(rot, 2),
