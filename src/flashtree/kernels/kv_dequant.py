@@ -36,7 +36,7 @@ if triton is not None:
         head = tl.program_id(0).to(tl.int64)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         ok = rows < n_rows
-        x = load_rows(src_ptr + head * stride_h, rows, ok, stride_r, D, KIND, OP, True)
+        x = load_rows(src_ptr + head * stride_h, rows, ok, stride_r, D, KIND, OP)
         offs = (head * n_rows + rows.to(tl.int64))[:, None] * D + tl.arange(0, D)[None, :]
         tl.store(out_ptr + offs, x, mask=ok[:, None])
 
