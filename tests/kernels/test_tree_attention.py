@@ -10,8 +10,8 @@ from flashtree.errors import FlashtreeError
 from flashtree.kernels.activations import gated_heads
 from flashtree.kernels.kv_quant import kv_type, rotate, unrotate
 from flashtree.kernels.qk_norm_rope import qk_norm_rope, rope_tables
-from flashtree.kernels.tree_attention import (_triton_supports, choose_splits, graphed_mask, tree_attention,
-                                              tree_attention_reference)
+from flashtree.kernels.tree_attention import (_launch_defaults, _triton_supports, choose_splits, graphed_mask,
+                                              tree_attention, tree_attention_reference)
 from flashtree.models.step import Step
 
 from tests.kernels import tree_attention_cases as cases
@@ -83,6 +83,15 @@ def test_tq3_0_without_triton_runtime_falls_back_to_reference(monkeypatch):
     args = cases.inputs("tq3_0", 5, 4, cache_v="q4_0")
     assert torch.equal(tree_attention(**args, window=cases.WINDOW),
                        tree_attention_reference(**args, window=cases.WINDOW))
+
+
+@pytest.mark.parametrize("d", [32, 64, 128, 256, 512, 1024])
+@pytest.mark.parametrize("query_rows", [6, 138])
+def test_quantized_rows_launch_a_chunk_tl_dot_takes(d, query_rows):
+    pytest.importorskip("triton")
+    block_m, block_n, warps, _ = _launch_defaults(query_rows, d, quantized=True)
+    assert block_n >= 16 and block_m >= 16 and block_n & (block_n - 1) == 0
+    assert block_n == max(16, warps * 1024 // d)  # one 32-value block a thread where the CTA covers the chunk
 
 
 def test_split_choice():

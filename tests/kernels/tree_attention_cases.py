@@ -156,7 +156,8 @@ def _cases():
     cases["q8_0-t1-g4-w0-manysplits-float32"] = (dict(cache="q8_0", n=1, group=4), 0,
                                                  {"split": 6, "block_rows": 16}, "reference")
     for cache, n in (("q8_0", 23), ("tq3_0", 1), ("tq3_0", 5)):  # quantized rows at the launch defaults
-        cases[f"{cache}-t{n}-g4-w{WINDOW}-defaults-float32"] = (dict(cache=cache, n=n, group=4), WINDOW, {}, "reference")
+        cases[f"{cache}-t{n}-g4-w{WINDOW}-defaults-float32"] = (dict(cache=cache, n=n, group=4), WINDOW, {},
+                                                                "reference")
     cases["q4_0-prefill-t40-g4-w9-float32"] = (dict(cache="q4_0", n=40, group=4, start=40, causal=True), WINDOW,
                                                {}, "reference")
     # the output gate at the store: through the combine (splits) and straight from the row loop (one split)

@@ -147,7 +147,8 @@ if triton is not None:
         mask for each value is a constant of its register."""
         NB: tl.constexpr = D // 32
         ok = tl.reshape(row_ok, (1, BN, 1))
-        blocks = tl.reshape(row_ptrs, (1, BN, 1)) + tl.arange(0, NB)[:, None, None] * (34 if KIND == 1 else 18 if KIND == 2 else 14)
+        block_bytes: tl.constexpr = 34 if KIND == 1 else 18 if KIND == 2 else 14
+        blocks = tl.reshape(row_ptrs, (1, BN, 1)) + tl.arange(0, NB)[:, None, None] * block_bytes
         scale = _halfword(blocks, ok).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)  # [NB, rows, 1]
         j = tl.arange(0, 32)[None, None, :]
         if KIND == 1:  # value j: byte j % 2 of halfword j // 2, signed
@@ -438,8 +439,8 @@ def _launch_defaults(query_rows: int, d: int, quantized: bool) -> tuple[int, int
     if quantized:
         wide = query_rows > 64
         warps = 8 if wide else 4
-        return (128 if wide else min(64, max(16, triton.next_power_of_2(query_rows))), warps * max(1, 1024 // d),
-                warps, 2 if wide else None)
+        rows = max(16, warps * max(1, 1024 // d))  # tl.dot takes 16 rows at least (head_dim 512 and up repeat rows)
+        return 128 if wide else min(64, max(16, triton.next_power_of_2(query_rows))), rows, warps, 2 if wide else None
     block_m = min(64, max(16, triton.next_power_of_2(query_rows)))
     wide = d >= 256 and block_m >= 64
     return block_m, 64 if d <= 128 else 16 if wide else 32, 4 if block_m * d <= 16 * 256 or wide else 8, None
