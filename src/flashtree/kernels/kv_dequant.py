@@ -2,8 +2,8 @@
 
 `dequantize_kv(rows, kv_type, dtype)` -> [heads, n, head_dim] in `dtype`, the same values as
 `kv_type.dequantize(rows, dtype)` (the torch reference): each block is decoded in float32 by the same
-`load_rows` the tree-attention kernel reads the cache with (block by block: this kernel holds no
-accumulator, so the decode's registers are free), then rounded once to `dtype`. The reference
+`load_rows` the tree-attention kernel reads the cache with (a thread per 32-value block), then rounded
+once to `dtype`. The reference
 builds int64 indices and float32 copies of every value (about 6 GB at 256K rows of one TQ3_0 layer);
 this writes only the output. Float caches, head dims the decoder cannot tile and CPU tensors without the
 interpreter take the reference.

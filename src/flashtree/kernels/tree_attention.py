@@ -141,10 +141,11 @@ if triton is not None:
 
     @triton.jit
     def _decode_fields(row_ptrs, row_ok, BN: tl.constexpr, D: tl.constexpr, KIND: tl.constexpr):
-        """Each block's fields loaded as [rows, blocks, 1] halfwords (every field of a 34-, 18- or 14-byte block
+        """Each block's fields loaded as [blocks, rows, 1] halfwords (every field of a 34-, 18- or 14-byte block
         starts at an even byte), so that the block's 32 values, broadcast along the last axis, sit in the
         thread that loaded them: the scale is converted once per block, and the choice of halfword, shift and
-        mask for each value is a constant of its register."""
+        mask for each value is a constant of its register. Blocks lead so that a warp's lanes run along a row's
+        blocks: the values then reach shared memory 16 bytes per store."""
         NB: tl.constexpr = D // 32
         ok = tl.reshape(row_ok, (1, BN, 1))
         block_bytes: tl.constexpr = 34 if KIND == 1 else 18 if KIND == 2 else 14
@@ -436,12 +437,12 @@ def _launch_defaults(query_rows: int, d: int, quantized: bool) -> tuple[int, int
     a thread's registers, and the values then reach shared memory 2 bytes per store); past one 64-row query
     tile, 128-row tiles of 8 warps decode each K/V row for fewer tiles (H200 sweep at 262K TQ3_0 rows,
     2026-12-02: 23 tokens 1345 us against 1546 with 64-row tiles)."""
+    block_m = min(64, max(16, triton.next_power_of_2(query_rows)))
     if quantized:
         wide = query_rows > 64
         warps = 8 if wide else 4
         rows = max(16, warps * max(1, 1024 // d))  # tl.dot takes 16 rows at least (head_dim 512 and up repeat rows)
-        return 128 if wide else min(64, max(16, triton.next_power_of_2(query_rows))), rows, warps, 2 if wide else None
-    block_m = min(64, max(16, triton.next_power_of_2(query_rows)))
+        return 128 if wide else block_m, rows, warps, 2 if wide else None
     wide = d >= 256 and block_m >= 64
     return block_m, 64 if d <= 128 else 16 if wide else 32, 4 if block_m * d <= 16 * 256 or wide else 8, None
 
