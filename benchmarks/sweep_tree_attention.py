@@ -8,12 +8,13 @@ default and best points, time and K/V read bandwidth.
     python3 benchmarks/sweep_tree_attention.py --out $OUT/sweep_attention.json [--budget-s 100]
 
 `--compare` instead times a short fixed list of launches (`COMPARED`) at the verify / decode shapes of
-`COMPARE_CASES` as the model calls the kernel (f16 cache, the query's norm and RoPE at the load, the output
-gate at the store), each captured `GRAPH_CALLS` times in one CUDA graph (GPU time, no launch overhead),
-next to `--baseline FILE`: another version of kernels/tree_attention.py (e.g. `git show REV:...`), at its
-defaults:
+`COMPARE_CASES` (or `--cases`) as the model calls the kernel (the query's norm and RoPE at the load and the
+output gate at the store, except over TQ3_0 rows, whose rotation keeps them apart), each captured
+`GRAPH_CALLS` times in one CUDA graph (GPU time, no launch overhead), next to `--baseline FILE`: another
+version of kernels/tree_attention.py (e.g. `git show REV:...`), at its defaults:
 
     python3 benchmarks/sweep_tree_attention.py --compare --baseline .baseline/tree_attention.py --out $OUT/compare.json
+    python3 benchmarks/sweep_tree_attention.py --compare --cases 1:262144:tq3_0,23:65536:q8_0 --baseline ... --out ...
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from flashtree.bench.kernels import time_graph  # noqa: E402
 from flashtree.kernels.kv_quant import kv_type  # noqa: E402
 from flashtree.kernels.qk_norm_rope import rope_tables  # noqa: E402
-from flashtree.kernels.tree_attention import choose_splits, tree_attention  # noqa: E402
+from flashtree.kernels.tree_attention import _launch_defaults, choose_splits, tree_attention  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 24, 4, 256
 CASES = [  # (tokens per call, committed rows, cache type)
@@ -105,10 +106,12 @@ def sweep_case(n: int, committed: int, cache: str, deadline: float) -> dict:
             "best_GBps": round(kv_bytes / best["us"] / 1e3, 1) if best else None, "points": points}
 
 
-COMPARE_CASES = [(23, 1024), (23, 8192), (23, 65536), (1, 1024), (1, 65536), (65, 8192)]  # (tokens, committed rows)
+COMPARE_CASES = [(23, 1024, "f16"), (23, 8192, "f16"), (23, 65536, "f16"), (1, 1024, "f16"), (1, 65536, "f16"),
+                 (65, 8192, "f16")]  # (tokens, committed rows, cache type)
 GRAPH_CALLS = 10
 # (name, launch overrides, split scale on the default choice); block_m / block_rows / num_warps left out keep
-# the default's. The query-tile candidates apply only where the default tile is 64 rows (T >= 11).
+# the default's. The query-tile candidates apply only where the default tile is 64 rows (T >= 11), the
+# register caps only to a decode (one query tile).
 COMPARED = [
     ("new default", {}, 1),
     ("f16 operands", {"operands": torch.float16}, 1),
@@ -120,13 +123,17 @@ COMPARED = [
     ("64-row chunks 1 st", {"block_rows": 64, "num_stages": 1}, 1),
     ("M32 32-row chunks", {"block_m": 32, "block_rows": 32}, 1),
     ("M128 8 warps", {"block_m": 128, "num_warps": 8}, 1),
+    ("128 regs", {"max_registers": 128}, 1),
+    ("splits x0.75", {}, 0.75),
 ]
 
 
-def model_inputs(n: int, committed: int) -> dict:
-    """`inputs` as attention.py passes them over an f16 cache: the raw query rows (strided, beside the gate
-    rows of the same projection), the q norm and RoPE tables, and the gate."""
-    args = inputs(n, committed, "f16")
+def model_inputs(n: int, committed: int, cache: str) -> dict:
+    """`inputs` as attention.py passes them: the raw query rows (strided, beside the gate rows of the same
+    projection), the q norm and RoPE tables, and the gate; over TQ3_0 rows the rotated query alone."""
+    args = inputs(n, committed, cache)
+    if kv_type(cache).rotated:
+        return args
     g = torch.Generator(device="cuda").manual_seed(1)
     rows = torch.randn(n, HEADS, 2, HEAD_DIM, device="cuda", generator=g).to(torch.bfloat16)
     weight = 1 + 0.1 * torch.randn(HEAD_DIM, device="cuda", generator=g)
@@ -140,37 +147,42 @@ def graph_timed(fn) -> float:
     return time_graph([fn] * GRAPH_CALLS) * 1e6
 
 
-def compared_launch(n: int, committed: int, overrides: dict, split_scale: float) -> dict | None:
-    """The launch overrides of one COMPARED entry at (n, committed), the default's tile and chunk unless
-    overridden; None where a query-tile candidate does not apply."""
+def compared_launch(n: int, committed: int, cache: str, overrides: dict, split_scale: float) -> dict | None:
+    """The launch overrides of one COMPARED entry at (n, committed, cache), the default's tile and chunk unless
+    overridden; None where a query-tile or register-cap candidate does not apply."""
     group_rows = HEADS // KV_HEADS * n
-    default_m = min(64, max(16, 1 << (group_rows - 1).bit_length()))  # tree_attention's default tile
-    if "block_m" in overrides and default_m < 64:
+    quantized = kv_type(cache).name not in ("f32", "f16", "bf16")
+    default_m, default_rows, *_ = _launch_defaults(group_rows, HEAD_DIM, quantized)
+    if ("block_m" in overrides and default_m < 64) or ("max_registers" in overrides and group_rows > default_m):
         return None
     launch = dict(overrides)
     if split_scale != 1:
         block_m = launch.get("block_m", default_m)
-        rows = launch.get("block_rows", 16 if block_m >= 64 else 32)
         m_tiles = -(-group_rows // block_m)
-        launch["split"] = max(1, round(split_scale * choose_splits(committed + n, KV_HEADS, m_tiles, block_rows=rows)))
+        per_sm = 4 if quantized and m_tiles == 1 else 2  # tree_attention's choice
+        launch["split"] = max(1, round(split_scale * choose_splits(committed + n, KV_HEADS, m_tiles,
+                                                                   block_rows=launch.get("block_rows", default_rows),
+                                                                   programs_per_sm=per_sm)))
     return launch
 
 
-def compare(baseline: str | None, deadline: float) -> list[dict]:
+def compare(baseline: str | None, cases: list[tuple[int, int, str]], names: list[str], deadline: float) -> list[dict]:
     old = None
     if baseline:
         spec = importlib.util.spec_from_file_location("tree_attention_baseline", baseline)
         old = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(old)
     rows = []
-    for n, committed in COMPARE_CASES:
-        args = model_inputs(n, committed)
+    for n, committed, cache in cases:
+        args = model_inputs(n, committed, cache)
         reference = tree_attention(**args)
-        row = {"tokens": n, "committed": committed}
+        row = {"tokens": n, "committed": committed, "cache": cache}
         if old is not None:
             row["baseline"] = round(graph_timed(lambda: old.tree_attention(**args)), 1)
         for name, overrides, scale in COMPARED:
-            launch = compared_launch(n, committed, overrides, scale)
+            if name not in names:
+                continue
+            launch = compared_launch(n, committed, cache, overrides, scale)
             if launch is None or time.time() > deadline:
                 continue
             try:
@@ -185,12 +197,13 @@ def compare(baseline: str | None, deadline: float) -> list[dict]:
     return rows
 
 
-def print_compared(rows: list[dict]) -> None:
-    names = ["baseline"] + [name for name, _, _ in COMPARED]
-    print(f"{'T':>3} {'rows':>6} " + " ".join(f"{name:>{max(9, len(name))}}" for name in names) + "   (us per call)")
+def print_compared(rows: list[dict], names: list[str]) -> None:
+    names = ["baseline"] + names
+    print(f"{'T':>3} {'rows':>6} {'cache':>5} " + " ".join(f"{name:>{max(9, len(name))}}" for name in names)
+          + "   (us per call)")
     for r in rows:
-        print(f"{r['tokens']:>3} {r['committed']:>6} " + " ".join(f"{str(r.get(name, '-')):>{max(9, len(name))}}"
-                                                            for name in names))
+        print(f"{r['tokens']:>3} {r['committed']:>6} {r['cache']:>5} "
+              + " ".join(f"{str(r.get(name, '-')):>{max(9, len(name))}}" for name in names))
 
 
 def parse_cases(text: str) -> list[tuple[int, int, str]]:
@@ -204,23 +217,36 @@ def parse_cases(text: str) -> list[tuple[int, int, str]]:
     return cases
 
 
+def parse_candidates(text: str) -> list[str]:
+    names = [name for name, _, _ in COMPARED]
+    chosen = text.split(",")
+    unknown = [name for name in chosen if name not in names]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown candidates {unknown}; COMPARED has {names}")
+    return chosen
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--budget-s", type=float, default=100.0)
     parser.add_argument("--compare", action="store_true", help="time COMPARED at COMPARE_CASES (see the docstring)")
     parser.add_argument("--baseline", help="with --compare: a tree_attention.py file timed at its defaults")
-    parser.add_argument("--cases", type=parse_cases, default=CASES,
-                        help="TOKENS:ROWS:CACHE[,...] instead of CASES, e.g. 1:262144:tq3_0,23:65536:q8_0")
+    parser.add_argument("--cases", type=parse_cases,
+                        help="TOKENS:ROWS:CACHE[,...] instead of CASES (COMPARE_CASES with --compare), "
+                             "e.g. 1:262144:tq3_0,23:65536:q8_0")
+    parser.add_argument("--candidates", type=parse_candidates, default=[name for name, _, _ in COMPARED],
+                        help="with --compare: NAME[,...] of COMPARED (default all)")
     args = parser.parse_args()
     if args.compare:
-        rows = compare(args.baseline, time.time() + args.budget_s)
+        rows = compare(args.baseline, args.cases or COMPARE_CASES, args.candidates, time.time() + args.budget_s)
         Path(args.out).write_text(json.dumps(rows, indent=1))
-        print_compared(rows)
+        print_compared(rows, args.candidates)
         return
     results = []
-    per_case = args.budget_s / len(args.cases)
-    for case in args.cases:
+    cases = args.cases or CASES
+    per_case = args.budget_s / len(cases)
+    for case in cases:
         results.append(sweep_case(*case, deadline=time.time() + per_case))
         Path(args.out).write_text(json.dumps(results, indent=1))
     print(f"{'T':>4} {'rows':>7} {'cache':>6} {'default us':>11} {'GB/s':>7} {'best us':>9} {'GB/s':>7}  best point")

@@ -33,7 +33,7 @@ TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
           torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
           torch.bool: "i1"}
-OPTIONS = ("num_warps", "num_stages")
+OPTIONS = ("num_warps", "num_stages", "maxnreg")
 results: dict[tuple, dict] = {}
 
 

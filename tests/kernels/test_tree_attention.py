@@ -86,12 +86,15 @@ def test_tq3_0_without_triton_runtime_falls_back_to_reference(monkeypatch):
 
 
 @pytest.mark.parametrize("d", [32, 64, 128, 256, 512, 1024])
-@pytest.mark.parametrize("query_rows", [6, 138])
+@pytest.mark.parametrize("query_rows", [6, 18, 60, 138])
 def test_quantized_rows_launch_a_chunk_tl_dot_takes(d, query_rows):
     pytest.importorskip("triton")
-    block_m, block_n, warps, _ = _launch_defaults(query_rows, d, quantized=True)
+    block_m, block_n, warps, _, max_registers = _launch_defaults(query_rows, d, quantized=True)
     assert block_n >= 16 and block_m >= 16 and block_n & (block_n - 1) == 0
     assert block_n == max(16, warps * 1024 // d)  # one 32-value block a thread where the CTA covers the chunk
+    # a decode's 16-row tile fits the 4 programs an SM its splits count on: 128 registers a thread
+    assert max_registers == (128 if block_m == 16 else None)
+    assert _launch_defaults(query_rows, d, quantized=True, windowed=True)[4] is None  # a window's mask spilled
 
 
 def test_split_choice():
@@ -148,6 +151,17 @@ def test_real_sizes_on_gpu(cache, kv_end, n, window):
         out = tree_attention(**args, window=window)
         ref = tree_attention_reference(**args, window=window)
         assert cases.relative_error(out, ref) <= bound, (dtype, cases.relative_error(out, ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n", [2, 8, 16])  # a 16-row query tile (capped registers), one 64-row tile, 128-row tiles
+@pytest.mark.parametrize("cache", ["q8_0", "tq3_0"])
+def test_quantized_rows_at_each_query_tile_on_gpu(cache, n):
+    """Each launch default over quantized rows compiles and matches the reference (a register cap on a 64-row
+    tile once stopped ptxas at 8 tokens, a shape the kernel sizes above did not reach)."""
+    args = _real_inputs(cache, n, 2048)
+    assert cases.relative_error(tree_attention(**args), tree_attention_reference(**args)) <= 2e-2
 
 
 # the sweep's candidates compile a kernel each: in the slow GPU suite, the default in the fast one

@@ -34,9 +34,13 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
     # Q4_K at 2-64 rows, qmh's launch shapes including one row tile at 3 and 4 CTAs per SM (MMAConfig.min_blocks)
     sweep-q4k) timeout 150 python3 benchmarks/sweep_mma_rows.py --types Q4_K --budget-s 120 --out "$OUT/rows_q4k.json" \
                    > "$OUT/rows_q4k.txt" 2>&1; echo "== sweep-q4k (rc $?)"; tail -26 "$OUT/rows_q4k.txt" ;;
-    sweep-attention-compare) timeout 150 python3 benchmarks/sweep_tree_attention.py --compare \
-                   --baseline .baseline/tree_attention.py --budget-s 110 --out "$OUT/attention_compare.json" \
-                   > "$OUT/attention_compare.txt" 2>&1; echo "== sweep-attention-compare (rc $?)"; tail -12 "$OUT/attention_compare.txt" ;;
+    # CASES=T:ROWS:CACHE,... instead of the f16 model shapes, e.g. CASES=1:262144:tq3_0,23:65536:q8_0 BUDGET_COMPARE=200,
+    # CANDIDATES="new default,splits x2" some of the sweep's COMPARED launches
+    sweep-attention-compare) timeout $(( ${BUDGET_COMPARE:-110} + 60 )) python3 benchmarks/sweep_tree_attention.py --compare \
+                   --baseline .baseline/tree_attention.py --budget-s "${BUDGET_COMPARE:-110}" ${CASES:+--cases "$CASES"} \
+                   ${CANDIDATES:+--candidates "$CANDIDATES"} \
+                   --out "$OUT/attention_compare.json" > "$OUT/attention_compare.txt" 2>&1
+                   echo "== sweep-attention-compare (rc $?)"; tail -12 "$OUT/attention_compare.txt" ;;
     sweep-draft-attention) timeout 120 python3 benchmarks/sweep_draft_attention.py --out "$OUT/draft_attention.json" ;;
     sweep-deltanet-tree) timeout 120 python3 benchmarks/sweep_deltanet_tree.py --out "$OUT/deltanet_tree.json" \
                    > "$OUT/deltanet_tree.txt" 2>&1; echo "== sweep-deltanet-tree (rc $?)"; tail -6 "$OUT/deltanet_tree.txt" ;;

@@ -126,13 +126,38 @@ if triton is not None:
         16 bytes, byte j = q[j] | q[j + 16] << 4, value (q - 8) * d); 3: TQ3_0 (14-byte blocks: fp16 group
         norm, qs[8] low index bits 2(j%4) of byte j/4, signs[4] high bit j%8 of byte j/8; value = norm *
         C[low | hi << 2], C = +levels then -levels, exactly `TQ3_0.dequantize`: rotated domain, no rotation here).
-        Quantized rows decode block by block (`_decode_fields`)."""
+        The loads (`row_fields`) and the decode (`row_values`) can be apart (`_committed_fields`)."""
+        return row_values(row_fields(base, rows, row_ok, stride_r, D, KIND), D, KIND, OP)
+
+    @triton.jit
+    def row_fields(base, rows, row_ok, stride_r, D: tl.constexpr, KIND: tl.constexpr):
+        """What `row_values` decodes rows from, so that a loop can load the next chunk's fields while it
+        decodes this one's: TQ3_0 rows' `_block_halfwords` (loaded here), other rows' pointers and mask (the
+        load stays with its use: float rows are streamed to shared memory by Triton's pipeliner, and Q8_0's 17
+        halfwords a block held one chunk ahead spilled the verify's registers; H200 sweep, 2026-12-02:
+        ahead, TQ3_0 verify of 23 tokens over 262K rows 1318 -> 1166 us, Q8_0's over 64K 465 -> 591)."""
         row_ptrs = base + rows.to(tl.int64)[:, None] * stride_r
-        if KIND == 0:
-            x = tl.load(row_ptrs + tl.arange(0, D)[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+        if KIND == 3:
+            fields = _block_halfwords(row_ptrs, row_ok, D, KIND)
         else:
-            x = _decode_fields(row_ptrs, row_ok, rows.shape[0], D, KIND)
-        return x.to(OP)
+            fields = (row_ptrs, row_ok)
+        return fields
+
+    @triton.jit
+    def _block_halfwords(row_ptrs, row_ok, D: tl.constexpr, KIND: tl.constexpr):
+        """Each block's fields as [blocks, rows, 1] halfwords (every field of a 34-, 18- or 14-byte block
+        starts at an even byte): the scale, then Q8_0's 16 value halfwords, Q4_0's 8, or TQ3_0's 4 index and
+        2 sign halfwords. Blocks lead so that a warp's lanes run along a row's blocks: the decoded values then
+        reach shared memory 16 bytes per store."""
+        BN: tl.constexpr = row_ptrs.shape[0]
+        ok = tl.reshape(row_ok, (1, BN, 1))
+        block_bytes: tl.constexpr = 34 if KIND == 1 else 18 if KIND == 2 else 14
+        blocks = tl.reshape(row_ptrs, (1, BN, 1)) + tl.arange(0, D // 32)[:, None, None] * block_bytes
+        halfwords: tl.constexpr = 16 if KIND == 1 else 8 if KIND == 2 else 6
+        fields = (_halfword(blocks, ok),)
+        for i in tl.static_range(halfwords):
+            fields = fields + (_halfword(blocks + 2 + 2 * i, ok),)
+        return fields
 
     @triton.jit
     def _halfword(ptrs, ok):
@@ -140,34 +165,42 @@ if triton is not None:
         return tl.load(ptrs.to(tl.pointer_type(tl.uint16)), mask=ok, other=0).to(tl.int32)
 
     @triton.jit
-    def _decode_fields(row_ptrs, row_ok, BN: tl.constexpr, D: tl.constexpr, KIND: tl.constexpr):
-        """Each block's fields loaded as [blocks, rows, 1] halfwords (every field of a 34-, 18- or 14-byte block
-        starts at an even byte), so that the block's 32 values, broadcast along the last axis, sit in the
-        thread that loaded them: the scale is converted once per block, and the choice of halfword, shift and
-        mask for each value is a constant of its register. Blocks lead so that a warp's lanes run along a row's
-        blocks: the values then reach shared memory 16 bytes per store."""
+    def row_values(fields, D: tl.constexpr, KIND: tl.constexpr, OP: tl.constexpr):
+        """[BLOCK_N, D] values in OP of the rows whose `row_fields` these are."""
+        if KIND == 0:
+            row_ptrs, row_ok = fields
+            x = tl.load(row_ptrs + tl.arange(0, D)[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+        elif KIND == 3:
+            x = _block_values(fields, D, KIND)
+        else:
+            row_ptrs, row_ok = fields
+            x = _block_values(_block_halfwords(row_ptrs, row_ok, D, KIND), D, KIND)
+        return x.to(OP)
+
+    @triton.jit
+    def _block_values(fields, D: tl.constexpr, KIND: tl.constexpr):
+        """float32 [BLOCK_N, D] of quantized rows' `_block_halfwords`. A block's 32 values, broadcast along the
+        fields' last axis, sit in the thread that loaded the block: the scale is converted once per block, and
+        the choice of halfword, shift and mask for each value is a constant of its register."""
         NB: tl.constexpr = D // 32
-        ok = tl.reshape(row_ok, (1, BN, 1))
-        block_bytes: tl.constexpr = 34 if KIND == 1 else 18 if KIND == 2 else 14
-        blocks = tl.reshape(row_ptrs, (1, BN, 1)) + tl.arange(0, NB)[:, None, None] * block_bytes
-        scale = _halfword(blocks, ok).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)  # [NB, rows, 1]
+        BN: tl.constexpr = fields[0].shape[1]
+        scale = fields[0].to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)  # [NB, rows, 1]
         j = tl.arange(0, 32)[None, None, :]
         if KIND == 1:  # value j: byte j % 2 of halfword j // 2, signed
             hw = tl.zeros((NB, BN, 32), tl.int32)
             for i in tl.static_range(16):
-                hw = tl.where(j // 2 == i, _halfword(blocks + 2 + 2 * i, ok), hw)
-            q = (hw << (24 - 8 * (j % 2))) >> 24
-            x = q.to(tl.float32) * scale
+                hw = tl.where(j // 2 == i, fields[1 + i], hw)
+            x = ((hw << (24 - 8 * (j % 2))) >> 24).to(tl.float32) * scale
         elif KIND == 2:  # value j: nibble j // 16 of byte j % 16, i.e. of halfword (j % 16) // 2 at bit 8 (j % 2)
             hw = tl.zeros((NB, BN, 32), tl.int32)
             for i in tl.static_range(8):
-                hw = tl.where((j % 16) // 2 == i, _halfword(blocks + 2 + 2 * i, ok), hw)
+                hw = tl.where((j % 16) // 2 == i, fields[1 + i], hw)
             x = (((hw >> (8 * (j % 2) + 4 * (j // 16))) & 15).to(tl.float32) - 8.0) * scale
         else:  # value j: index bits 2 (j % 8) of qs halfword j // 8, sign bit j % 16 of sign halfword j // 16
             qs = tl.zeros((NB, BN, 32), tl.int32)
             for i in tl.static_range(4):
-                qs = tl.where(j // 8 == i, _halfword(blocks + 2 + 2 * i, ok), qs)
-            sg = tl.where(j < 16, _halfword(blocks + 10, ok), _halfword(blocks + 12, ok))
+                qs = tl.where(j // 8 == i, fields[1 + i], qs)
+            sg = tl.where(j < 16, fields[5], fields[6])
             x = _tq3_values((qs >> (2 * (j % 8))) & 3, (sg >> (j % 16)) & 1) * scale
         return tl.reshape(tl.permute(x, (1, 0, 2)), (BN, D))
 
@@ -201,21 +234,29 @@ if triton is not None:
         return _softmax_update(tl.where(ok, s, float("-inf")), v, m_i, l_i, acc, OP, PRECISION)
 
     @triton.jit
-    def _committed_chunk(q, k_base, v_base, r0, window, qpos, m_i, l_i, acc, stride_kr, stride_vr, scale_log2,
-                         D: tl.constexpr, KIND_K: tl.constexpr, KIND_V: tl.constexpr, OP: tl.constexpr,
-                         PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
-        """`_chunk` for a whole chunk of committed rows (all below start and inside the split): every query
-        sees every row, so no tree-mask gather (a [BLOCK_M, BLOCK_N] byte load whose layout conversions
-        went through shared memory with several barriers per chunk) and no row bounds; only a window, whose
-        mask comes from positions already in registers. Query rows past the tile's end get finite scores
-        (q is zero there) and are never stored."""
+    def _committed_fields(k_base, v_base, r0, committed_hi, stride_kr, stride_vr, D: tl.constexpr,
+                          KIND_K: tl.constexpr, KIND_V: tl.constexpr, BLOCK_N: tl.constexpr):
+        """`row_fields` of the K and V rows of the committed chunk at r0 (none past committed_hi)."""
         rows = r0 + tl.arange(0, BLOCK_N)
-        every_row = rows >= r0  # all true: load_rows takes a row mask
-        k = load_rows(k_base, rows, every_row, stride_kr, D, KIND_K, OP)
+        live = rows < committed_hi
+        return (row_fields(k_base, rows, live, stride_kr, D, KIND_K),
+                row_fields(v_base, rows, live, stride_vr, D, KIND_V))
+
+    @triton.jit
+    def _committed_chunk(q, k_fields, v_fields, r0, window, qpos, m_i, l_i, acc, scale_log2, D: tl.constexpr,
+                         KIND_K: tl.constexpr, KIND_V: tl.constexpr, OP: tl.constexpr, PRECISION: tl.constexpr,
+                         HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+        """`_chunk` for a whole chunk of committed rows (all below start and inside the split), from its K/V
+        `row_fields` (loaded one chunk ahead, `_committed_fields`): every query sees every row, so no tree-mask
+        gather (a [BLOCK_M, BLOCK_N] byte load whose layout conversions went through shared memory with
+        several barriers per chunk) and no row bounds; only a window, whose mask comes from positions already
+        in registers. Query rows past the tile's end get finite scores (q is zero there) and are never stored."""
+        k = row_values(k_fields, D, KIND_K, OP)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         if HAS_WINDOW:
+            rows = r0 + tl.arange(0, BLOCK_N)
             s = tl.where((qpos[:, None] - rows[None, :]) < window, s, float("-inf"))
-        v = load_rows(v_base, rows, every_row, stride_vr, D, KIND_V, OP)
+        v = row_values(v_fields, D, KIND_V, OP)
         return _softmax_update(s, v, m_i, l_i, acc, OP, PRECISION)
 
     @triton.jit
@@ -274,13 +315,19 @@ if triton is not None:
         # whole chunks of committed rows first (no tree mask), then the rest: at most the chunk straddling
         # start and the new rows, ceil(T / BLOCK_N) + 1 chunks
         committed_hi = my_lo + tl.maximum(tl.minimum(start, my_hi) - my_lo, 0) // BLOCK_N * BLOCK_N
+        # each committed chunk's `row_fields` are taken while the chunk before it is decoded (TQ3_0 rows go
+        # through registers, out of reach of Triton's pipeliner)
+        k_fields, v_fields = _committed_fields(k_base, v_base, my_lo, committed_hi, stride_kr, stride_vr, D, KIND_K,
+                                               KIND_V, BLOCK_N)
         if FIXED_TRIPS:  # the interpreter cannot loop to a loaded bound: walk the longest range, skip the rest
             for i in range(0, TRIPS):
                 r0 = my_lo + i * BLOCK_N
                 if r0 < committed_hi:
-                    m_i, l_i, acc = _committed_chunk(q, k_base, v_base, r0, window, qpos, m_i, l_i, acc, stride_kr,
-                                                     stride_vr, scale_log2, D, KIND_K, KIND_V, OP, PRECISION,
-                                                     HAS_WINDOW, BLOCK_N)
+                    next_k, next_v = _committed_fields(k_base, v_base, r0 + BLOCK_N, committed_hi, stride_kr,
+                                                       stride_vr, D, KIND_K, KIND_V, BLOCK_N)
+                    m_i, l_i, acc = _committed_chunk(q, k_fields, v_fields, r0, window, qpos, m_i, l_i, acc,
+                                                     scale_log2, D, KIND_K, KIND_V, OP, PRECISION, HAS_WINDOW, BLOCK_N)
+                    k_fields, v_fields = next_k, next_v
             for i in range(0, TAIL_TRIPS):
                 r0 = committed_hi + i * BLOCK_N
                 if r0 < my_hi:
@@ -289,9 +336,11 @@ if triton is not None:
                                            OP, PRECISION, HAS_WINDOW, BLOCK_N)
         else:
             for r0 in range(my_lo, committed_hi, BLOCK_N):
-                m_i, l_i, acc = _committed_chunk(q, k_base, v_base, r0, window, qpos, m_i, l_i, acc, stride_kr,
-                                                 stride_vr, scale_log2, D, KIND_K, KIND_V, OP, PRECISION, HAS_WINDOW,
-                                                 BLOCK_N)
+                next_k, next_v = _committed_fields(k_base, v_base, r0 + BLOCK_N, committed_hi, stride_kr, stride_vr, D,
+                                                   KIND_K, KIND_V, BLOCK_N)
+                m_i, l_i, acc = _committed_chunk(q, k_fields, v_fields, r0, window, qpos, m_i, l_i, acc, scale_log2,
+                                                 D, KIND_K, KIND_V, OP, PRECISION, HAS_WINDOW, BLOCK_N)
+                k_fields, v_fields = next_k, next_v
             for r0 in range(committed_hi, my_hi, BLOCK_N):
                 m_i, l_i, acc = _chunk(q, k_base, v_base, vis_ptr, pos_ptr, r0, my_hi, start, T, window, tok, qpos,
                                        m_ok, m_i, l_i, acc, stride_kr, stride_vr, scale_log2, D, KIND_K, KIND_V,
@@ -428,35 +477,41 @@ def _check(q, k_cache, v_cache, tk, tv, start_t, visible, positions, kv_end):
         raise FlashtreeError(f"visible must be [T, T], positions [T] and start_t [1] (T={n})")
 
 
-def _launch_defaults(query_rows: int, d: int, quantized: bool) -> tuple[int, int, int, int | None]:
-    """(BLOCK_M, BLOCK_N, warps, stages or None for Triton's) for a KV head's `query_rows` (GQA group x T).
-    Float rows: head_dim 256 with a full query tile takes short row chunks and 4 warps, which keep the
-    [64, 256] accumulator out of local memory (H200 sweep, benchmarks/sweep_tree_attention.py: 545 -> 332 us
-    for 23 tokens at 64K rows). Quantized rows: `_decode_fields` gives each thread one block of 32 values,
-    so a chunk is as many rows as the CTA's threads cover (1024 / d per warp; a longer chunk repeats rows in
-    a thread's registers, and the values then reach shared memory 2 bytes per store); past one 64-row query
-    tile, 128-row tiles of 8 warps decode each K/V row for fewer tiles (H200 sweep at 262K TQ3_0 rows,
-    2026-12-02: 23 tokens 1345 us against 1546 with 64-row tiles)."""
+def _launch_defaults(query_rows: int, d: int, quantized: bool, windowed: bool = False
+                     ) -> tuple[int, int, int, int | None, int | None]:
+    """(BLOCK_M, BLOCK_N, warps, stages or None for Triton's, register cap or None) for a KV head's
+    `query_rows` (GQA group x T). Float rows: head_dim 256 with a full query tile takes short row chunks and
+    4 warps, which keep the [64, 256] accumulator out of local memory (H200 sweep,
+    benchmarks/sweep_tree_attention.py: 545 -> 332 us for 23 tokens at 64K rows). Quantized rows:
+    `_block_values` gives each thread one block of 32 values, so a chunk is as many rows as the CTA's threads
+    cover (1024 / d per warp; a longer chunk repeats rows in a thread's registers, and the values then reach
+    shared memory 2 bytes per store); past one 64-row query tile, 128-row tiles of 8 warps decode each K/V row
+    for fewer tiles (H200 sweep at 262K TQ3_0 rows, 2026-12-02: 23 tokens 1345 us against 1546 with 64-row
+    tiles); a 16-row query tile (a decode) is capped at 128 registers a thread, for the 4 programs an SM
+    `tree_attention` splits one tile for (TQ3_0 fields held a chunk ahead took 168: 1 token over 262K rows
+    774 us, 440 capped; a 32- or 64-row tile cannot compile in 128, and a window's mask spilled in 128)."""
     block_m = min(64, max(16, triton.next_power_of_2(query_rows)))
     if quantized:
         wide = query_rows > 64
         warps = 8 if wide else 4
         rows = max(16, warps * max(1, 1024 // d))  # tl.dot takes 16 rows at least (head_dim 512 and up repeat rows)
-        return 128 if wide else block_m, rows, warps, 2 if wide else None
+        return (128, rows, warps, 2, None) if wide else (block_m, rows, warps, None,
+                                                                 128 if block_m == 16 and not windowed else None)
     wide = d >= 256 and block_m >= 64
-    return block_m, 64 if d <= 128 else 16 if wide else 32, 4 if block_m * d <= 16 * 256 or wide else 8, None
+    return block_m, 64 if d <= 128 else 16 if wide else 32, 4 if block_m * d <= 16 * 256 or wide else 8, None, None
 
 
 def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, positions, kv_end, scale,
                    window=0, split=None, *, gate=None, q_norm=None, block_rows=None, block_m=None, num_warps=None,
-                   num_stages=None, operands=None):
+                   num_stages=None, operands=None, max_registers=None):
     """Attention of q [heads, T, D] (after RoPE) over cache rows [0, kv_end) of a graphed step; see the
     module docstring for the mask. -> [heads, T, D] in q.dtype; with `gate` [T, heads, D] (any strides, the
     last unit) `activations.gated_heads(result, gate)` instead, [T, heads * D], the gate applied at the store.
     With `q_norm` = (weight, eps, cos, sin), q is the raw projection (any strides, the last unit) and gets
     `qk_norm_rope(q, weight, eps, cos, sin)` at its load. `split` forces the number of splits,
     `block_rows` (BLOCK_N, K/V rows per step), `block_m` (query rows per program), `num_warps` and
-    `num_stages` (software pipelining of the row loop) override the launch defaults; `operands`
+    `num_stages` (software pipelining of the row loop) and `max_registers` (a thread's register cap, for more
+    programs an SM) override the launch defaults; `operands`
     (torch.bfloat16 / torch.float16) overrides the tensor-core operand type, q's by default (a sweep
     candidate: f16 operands over an f16 cache feed the K/V rows to the MMAs straight from shared memory,
     where bf16 ones convert them in registers and store them back first, 104 fewer instructions and two
@@ -479,9 +534,10 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise FlashtreeError("tree_attention needs unit stride along head_dim (q and both caches)")
     quantized = KV_KINDS[tk.name] > 0 or KV_KINDS[tv.name] > 0
-    defaults = _launch_defaults(group * n, d, quantized)
+    defaults = _launch_defaults(group * n, d, quantized, window > 0)
     block_m, block_n = block_m or defaults[0], block_rows or defaults[1]
     num_warps, num_stages = num_warps or defaults[2], num_stages or defaults[3]
+    max_registers = max_registers or defaults[4]
     m_tiles = triton.cdiv(group * n, block_m)
     # a decode over quantized rows (128 registers a thread) fits 4 programs an SM: 132 splits instead of 66
     # took 462 instead of 648 us over 262K TQ3_0 rows (H200, 2026-12-02, sweep_tree_attention.py)
@@ -512,7 +568,8 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
         FIXED_TRIPS=interpreter, TRIPS=triton.cdiv(triton.cdiv(kv_end, splits), block_n) if interpreter else 0,
         TAIL_TRIPS=triton.cdiv(n, block_n) + 1 if interpreter else 0,
         GATED=gated, NORM_Q=q_norm is not None, ROT=max(rot, 2),
-        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}))
+        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
+        **({} if max_registers is None else {"maxnreg": max_registers}))
     if splits > 1:
         _combine_kernel[(heads * n,)](part, lse, out, heads * n, *gate_args, n, heads, D=d, SPLITS=splits,
                                       SPLITS_P2=triton.next_power_of_2(splits), GATED=gated,
