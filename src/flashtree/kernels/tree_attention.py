@@ -23,14 +23,15 @@ committed rows first, unmasked but for a window (`_committed_chunk`), then the a
 chunks holding start and the new rows with the tree mask (`_chunk`). Each BLOCK_N chunk of K/V rows is
 loaded once, dequantized in registers (Q8_0: int8 * fp16 d; Q4_0: (nibble - 8) * d; TQ3_0: fp16 group
 norm * one of 8 centroids picked by 2 low bits + 1 sign bit, in the rotated domain; each thread decodes whole
-32-value blocks from their halfword fields, `_decode_fields`), scores go through
+32-value blocks from their halfword fields, `_block_values`; a committed chunk's TQ3_0 fields are loaded
+while the chunk before it is decoded, `row_fields`), scores go through
 tl.dot in float32 (bf16/f16 operands for bf16/f16 queries on GPU), masked, and an online softmax (base 2,
 float32 max / sum) accumulates P @ V. Each split writes its normalized partial output and log-sum-exp;
 a second kernel combines the splits per (head, token). With one split the first kernel writes the
 output directly. No host reads of device tensors: every shape and launch parameter depends only on the
 Python arguments (T, kv_end, heads, D, dtypes), so the calls can be captured in a CUDA graph. (Under
 TRITON_INTERPRET=1 the chunk loop runs a fixed trip count with a per-chunk skip instead, since the
-interpreter cannot loop to a bound loaded from memory; the loop body is the same `_chunk`.)
+interpreter cannot loop to a bound loaded from memory; the loop bodies are the same.)
 
 TQ3_0 values are decoded exactly as `TQ3_0.dequantize` does, in the rotated domain: as in attention.py,
 callers with TQ3_0 keys pass the rotated query (`rotate`), and callers with TQ3_0 values unrotate the
