@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from flashtree.bench.kernels import time_graph  # noqa: E402
 from flashtree.kernels.kv_quant import kv_type  # noqa: E402
 from flashtree.kernels.qk_norm_rope import rope_tables  # noqa: E402
-from flashtree.kernels.tree_attention import _launch_defaults, choose_splits, tree_attention  # noqa: E402
+from flashtree.kernels.tree_attention import (  # noqa: E402
+    KV_KINDS, _launch_defaults, choose_splits, programs_per_sm, tree_attention)
 
 HEADS, KV_HEADS, HEAD_DIM = 24, 4, 256
 CASES = [  # (tokens per call, committed rows, cache type)
@@ -79,6 +80,7 @@ def sweep_case(n: int, committed: int, cache: str, deadline: float) -> dict:
     reference = tree_attention(**args)
     default_us = timed(lambda: tree_attention(**args))
     group_rows = HEADS // KV_HEADS * n
+    quantized = KV_KINDS[kv_type(cache).name] > 0
     points = []
     grid = list(itertools.product(*GRID.values()))
     random.Random(0).shuffle(grid)  # a budget cut short still samples the whole space
@@ -89,7 +91,8 @@ def sweep_case(n: int, committed: int, cache: str, deadline: float) -> dict:
         if time.time() > deadline:
             break
         m_tiles = -(-group_rows // block_m)
-        splits = max(1, round(scale * choose_splits(committed + n, KV_HEADS, m_tiles, block_rows=rows)))
+        splits = max(1, round(scale * choose_splits(committed + n, KV_HEADS, m_tiles, block_rows=rows,
+                                                    programs_per_sm=programs_per_sm(quantized, m_tiles))))
         launch = dict(block_m=block_m, block_rows=rows, num_warps=warps, num_stages=stages, split=splits)
         try:
             out = tree_attention(**args, **launch)
@@ -151,7 +154,7 @@ def compared_launch(n: int, committed: int, cache: str, overrides: dict, split_s
     """The launch overrides of one COMPARED entry at (n, committed, cache), the default's tile and chunk unless
     overridden; None where a query-tile or register-cap candidate does not apply."""
     group_rows = HEADS // KV_HEADS * n
-    quantized = kv_type(cache).name not in ("f32", "f16", "bf16")
+    quantized = KV_KINDS[kv_type(cache).name] > 0
     default_m, default_rows, *_ = _launch_defaults(group_rows, HEAD_DIM, quantized)
     if ("block_m" in overrides and default_m < 64) or ("max_registers" in overrides and group_rows > default_m):
         return None
@@ -159,10 +162,9 @@ def compared_launch(n: int, committed: int, cache: str, overrides: dict, split_s
     if split_scale != 1:
         block_m = launch.get("block_m", default_m)
         m_tiles = -(-group_rows // block_m)
-        per_sm = 4 if quantized and m_tiles == 1 else 2  # tree_attention's choice
         launch["split"] = max(1, round(split_scale * choose_splits(committed + n, KV_HEADS, m_tiles,
                                                                    block_rows=launch.get("block_rows", default_rows),
-                                                                   programs_per_sm=per_sm)))
+                                                                   programs_per_sm=programs_per_sm(quantized, m_tiles))))
     return launch
 
 

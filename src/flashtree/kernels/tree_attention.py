@@ -432,6 +432,13 @@ def _sm_count(device: torch.device) -> int:
     return _H200_SMS
 
 
+def programs_per_sm(quantized: bool, m_tiles: int) -> int:
+    """Resident programs an SM that the split count aims for. A decode over quantized rows (one query tile
+    capped at 128 registers a thread) fits 4: 132 splits instead of 66 took 462 instead of 648 us over 262K
+    TQ3_0 rows (H200, 2026-12-02, sweep_tree_attention.py)."""
+    return 4 if quantized and m_tiles == 1 else _PROGRAMS_PER_SM
+
+
 def choose_splits(kv_end: int, kv_heads: int, m_tiles: int, sms: int = _H200_SMS, block_rows: int = 64,
                   programs_per_sm: int = _PROGRAMS_PER_SM) -> int:
     """Splits of the row range: enough programs (kv_heads * m_tiles * splits) for ~`programs_per_sm` per SM,
@@ -540,10 +547,8 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
     num_warps, num_stages = num_warps or defaults[2], num_stages or defaults[3]
     max_registers = max_registers or defaults[4]
     m_tiles = triton.cdiv(group * n, block_m)
-    # a decode over quantized rows (128 registers a thread) fits 4 programs an SM: 132 splits instead of 66
-    # took 462 instead of 648 us over 262K TQ3_0 rows (H200, 2026-12-02, sweep_tree_attention.py)
-    per_sm = 4 if quantized and m_tiles == 1 else _PROGRAMS_PER_SM
-    splits = split or choose_splits(kv_end, kv_heads, m_tiles, _sm_count(q.device), block_n, per_sm)
+    splits = split or choose_splits(kv_end, kv_heads, m_tiles, _sm_count(q.device), block_n,
+                                    programs_per_sm(quantized, m_tiles))
     interpreter = interpreted()
     low_precision = q.dtype in (torch.bfloat16, torch.float16) and not interpreter
     op = _TL_TYPES[operands or q.dtype] if low_precision else tl.float32
