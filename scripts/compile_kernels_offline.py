@@ -33,7 +33,7 @@ TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
           torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
           torch.bool: "i1"}
-OPTIONS = ("num_warps", "num_stages", "maxnreg")
+OPTIONS = ("num_warps", "num_stages", "maxnreg", "enable_fp_fusion")
 results: dict[tuple, dict] = {}
 
 
@@ -272,6 +272,15 @@ def kv_dequant() -> None:
         dequantize_kv(kv_type(cache).quantize(torch.zeros(4, 64, 256)), cache, torch.bfloat16)
 
 
+def kv_write() -> None:
+    from flashtree.kernels.kv_quant import kv_type
+    from flashtree.kernels.kv_write import write_rows
+
+    for cache in ("q8_0", "q4_0", "tq3_0"):
+        t = kv_type(cache)
+        write_rows(torch.zeros(23, 4, 256, dtype=torch.bfloat16), t.allocate(4, 64, 256, "cpu"), torch.arange(23), t)
+
+
 def norms_and_conv() -> None:
     from flashtree.kernels.deltanet_conv import conv_qkv
     from flashtree.kernels.deltanet_gates import GateInputs
@@ -348,7 +357,7 @@ def gated_delta() -> None:
 
 PARTS = {"quant_matmul": quant_matmul, "decode_issue_bound": decode_issue_bound, "mma": mma,
          "tree_attention": tree_attention,
-         "kv_dequant": kv_dequant,
+         "kv_dequant": kv_dequant, "kv_write": kv_write,
          "norms_and_conv": norms_and_conv, "fusion": fusion, "draft": draft, "gated_delta": gated_delta}
 
 

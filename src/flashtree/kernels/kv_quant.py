@@ -156,7 +156,7 @@ TQ3_S1, TQ3_S2, TQ3_ROTATION = _tq3_constants()
 _ROTATIONS: dict[torch.device, torch.Tensor] = {}
 
 
-def _rotation(device) -> torch.Tensor:
+def rotation_matrix(device) -> torch.Tensor:
     device = torch.device(device)
     if device not in _ROTATIONS:
         _ROTATIONS[device] = TQ3_ROTATION.to(device)
@@ -166,13 +166,13 @@ def _rotation(device) -> torch.Tensor:
 def rotate(x: torch.Tensor) -> torch.Tensor:
     """R x per 128-value group of the last dim (R = diag(s2) H diag(s1)); float32 math, input dtype out."""
     g = x.float().reshape(*x.shape[:-1], -1, TQ3_GROUP)
-    return (g @ _rotation(x.device).T).reshape(x.shape).to(x.dtype)
+    return (g @ rotation_matrix(x.device).T).reshape(x.shape).to(x.dtype)
 
 
 def unrotate(y: torch.Tensor) -> torch.Tensor:
     """R^T y per 128-value group: the inverse of `rotate` (s2, then H, then s1)."""
     g = y.float().reshape(*y.shape[:-1], -1, TQ3_GROUP)
-    return (g @ _rotation(y.device)).reshape(y.shape).to(y.dtype)
+    return (g @ rotation_matrix(y.device)).reshape(y.shape).to(y.dtype)
 
 
 class TQ3_0(KVType):
@@ -192,7 +192,7 @@ class TQ3_0(KVType):
         g = x.float().reshape(*x.shape[:-1], -1, TQ3_GROUP)
         n = g.norm(dim=-1, keepdim=True)
         u = torch.where(n > 1e-30, g / n.clamp_min(1e-30), torch.zeros_like(g))
-        r = u @ _rotation(x.device).T
+        r = u @ rotation_matrix(x.device).T
         thresholds = device_constant(tuple(TQ3_THRESHOLDS), torch.float32, x.device)
         level = torch.bucketize(r.abs(), thresholds)
         negative = (r < 0).long()

@@ -31,6 +31,7 @@ from flashtree.kernels import triton_runs_on
 from flashtree.kernels.activations import gated_heads
 from flashtree.kernels.kv_dequant import dequantize_kv
 from flashtree.kernels.kv_quant import FloatKV, rotate, unrotate
+from flashtree.kernels.kv_write import write_rows
 from flashtree.kernels.qk_norm_rope import norm_rope_into_cache, qk_norm_rope
 from flashtree.kernels.tree_attention import MAX_TREE_QUERIES, tree_attention
 from flashtree.models.layers import Linear, Projections, load_weight
@@ -80,9 +81,8 @@ class GatedAttention:
             # (the exact type: a subclass may store something else than the cast, e.g. the tests' round trips)
             norm_rope_into_cache(k, v, self.k_norm, c.rms_eps, cos, sin, kv.k, kv.v, step.slots)
         else:
-            k = qk_norm_rope(k, self.k_norm, c.rms_eps, cos, sin)
-            kv.k.index_copy_(1, step.slots, kv.type_k.quantize(k.transpose(0, 1)))
-            kv.v.index_copy_(1, step.slots, kv.type_v.quantize(v.transpose(0, 1)))
+            write_rows(qk_norm_rope(k, self.k_norm, c.rms_eps, cos, sin), kv.k, step.slots, kv.type_k)
+            write_rows(v, kv.v, step.slots, kv.type_v)
         if _reads_cache_in_place(step, kv, raw_q.transpose(0, 1)):
             # one launch: q's norm and RoPE at the kernel's load (not for TQ3_0 keys, whose q is rotated after
             # them), the output gate at its store (not for TQ3_0 values, whose output is rotated back first)
