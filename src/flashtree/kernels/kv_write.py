@@ -5,11 +5,14 @@ does, for x [T, kv_heads, D] float rows and slots [T] (int64, on the device). In
 15-30 small kernels per cache (TQ3_0: norm, rotation, bucketing, centroid norm, bit packing, byte concat) and
 runs in every attention layer of every decode and verify step. Here one program quantizes one (token, head)
 row with the same float32 arithmetic as `kv_quant` (IEEE divisions, round half away, the first largest
-magnitude for Q4_0), so Q8_0 and Q4_0 rows are byte-identical to the torch form. TQ3_0 sums its norms and
-the rotation's dot products in another order than torch's reductions: a value within float32 rounding of a
-level threshold can take the neighbouring level, and the stored fp16 norm can differ by one unit in the last
-place. Float caches (and subclasses of the types, which may store something else), head dims the kernel cannot
-tile, and tensors where Triton does not run take the torch form. The launch depends only on shapes, so it can be captured in a CUDA graph.
+magnitude for Q4_0), so Q8_0 and Q4_0 rows are byte-identical to the torch form on the CPU (on CUDA, torch
+divides by a Python scalar as a multiply by its reciprocal, so there its Q8_0 scale amax / 127 can differ by
+one bit from llama.cpp's and this kernel's division). TQ3_0 sums its norms and the rotation's dot products
+in another order than torch's reductions: a value within float32 rounding of a level threshold (or of zero,
+for its sign) can take the neighbouring code, and the stored fp16 norm can differ by one unit in the last
+place. Float caches (and subclasses of the types, which may store something else), head dims the kernel
+cannot tile, and tensors where Triton does not run take the torch form. The launch depends only on shapes,
+so it can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
