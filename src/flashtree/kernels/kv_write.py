@@ -4,7 +4,8 @@
 does, for x [T, kv_heads, D] float rows and slots [T] (int64, on the device). In torch a quantized write is
 15-30 small kernels per cache (TQ3_0: norm, rotation, bucketing, centroid norm, bit packing, byte concat) and
 runs in every attention layer of every decode and verify step. Here one program quantizes one (token, head)
-row with the same float32 arithmetic as `kv_quant` (IEEE divisions, round half away, the first largest
+row with the same float32 arithmetic as `kv_quant` (IEEE divisions `div_rn`: Triton's `/` and `fdiv` are
+approximate on the GPU, round half away, the first largest
 magnitude for Q4_0), so Q8_0 and Q4_0 rows are byte-identical to the torch form on the CPU (on CUDA, torch
 divides by a Python scalar as a multiply by its reciprocal, so there its Q8_0 scale amax / 127 can differ by
 one bit from llama.cpp's and this kernel's division). TQ3_0 sums its norms and the rotation's dot products
@@ -80,8 +81,8 @@ if triton is not None:
             block_bytes: tl.constexpr = 34 if KIND == 1 else 18
             base = row + tl.arange(0, NB) * block_bytes  # [NB]
             if KIND == 1:
-                d = tl.fdiv(tl.max(tl.abs(blocks), axis=1), 127.0, ieee_rounding=True)
-                inv = tl.where(d > 0, tl.fdiv(tl.full(d.shape, 1.0, tl.float32), d, ieee_rounding=True), 0.0)
+                d = tl.div_rn(tl.max(tl.abs(blocks), axis=1), 127.0)
+                inv = tl.where(d > 0, tl.div_rn(tl.full(d.shape, 1.0, tl.float32), d), 0.0)
                 v = blocks * inv[:, None]
                 q = tl.minimum(tl.maximum(_round_away(v), -127.0), 127.0).to(tl.int8)
                 tl.store(base[:, None] + 2 + j[None, :], q.to(tl.uint8, bitcast=True))
@@ -89,8 +90,8 @@ if triton is not None:
                 big = tl.argmax(tl.abs(blocks), axis=1, tie_break_left=True)
                 # the block's value of largest magnitude, sign included (a max keeps -0.0, a sum would not)
                 pick = tl.max(tl.where(j[None, :] == big[:, None], blocks, float("-inf")), axis=1)
-                d = tl.fdiv(pick, -8.0, ieee_rounding=True)
-                inv = tl.where(d != 0, tl.fdiv(tl.full(d.shape, 1.0, tl.float32), d, ieee_rounding=True), 0.0)
+                d = tl.div_rn(pick, -8.0)
+                inv = tl.where(d != 0, tl.div_rn(tl.full(d.shape, 1.0, tl.float32), d), 0.0)
                 q = tl.minimum(tl.maximum(tl.floor(blocks * inv[:, None] + 8.5), 0.0), 15.0).to(tl.int32)
                 lo_hi = tl.reshape(q, (NB, 2, 16))  # values j and j + 16 share byte j
                 low, high = tl.split(tl.permute(lo_hi, (0, 2, 1)))
@@ -116,7 +117,7 @@ if triton is not None:
         i = tl.arange(0, 128)
         g = tl.load(src + i).to(tl.float32)
         n = tl.sqrt_rn(tl.sum(g * g, axis=0))
-        u = tl.where(n > 1e-30, tl.fdiv(g, tl.maximum(n, 1e-30), ieee_rounding=True), 0.0)
+        u = tl.where(n > 1e-30, tl.div_rn(g, tl.maximum(n, 1e-30)), 0.0)
         j = tl.arange(0, 32)
         centroid_sq = 0.0
         for b in tl.static_range(4):
@@ -131,5 +132,5 @@ if triton is not None:
             block = dst + b * 14
             tl.store(block + 2 + tl.arange(0, 8), qs.to(tl.uint8))
             tl.store(block + 10 + tl.arange(0, 4), signs.to(tl.uint8))
-        stored = tl.fdiv(n, tl.sqrt_rn(centroid_sq), ieee_rounding=True)
+        stored = tl.div_rn(n, tl.sqrt_rn(centroid_sq))
         _store_half(dst + tl.arange(0, 4) * 14, tl.full((4,), 1.0, tl.float32) * stored)
