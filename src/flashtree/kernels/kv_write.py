@@ -22,8 +22,8 @@ import torch
 
 from flashtree.errors import FlashtreeError
 from flashtree.kernels import triton_runs_on
-from flashtree.kernels.kv_quant import (KV_TYPES, TQ3_GROUP, TQ3_LEVELS, TQ3_THRESHOLDS, KVType, kv_type,
-                                       rotation_matrix)
+from flashtree.kernels.kv_quant import KV_TYPES, TQ3_LEVELS, TQ3_THRESHOLDS, KVType, kv_type, rotation_matrix
+from flashtree.kernels.tree_attention import supported_head_dim
 
 try:  # the kernel needs triton; the torch form does not
     import triton
@@ -35,7 +35,8 @@ _KINDS = {"q8_0": 1, "q4_0": 2, "tq3_0": 3}  # the kernel's KIND per cache type
 
 
 def write_rows(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, kv_type_: KVType | str) -> None:
-    """cache[:, slots[t]] = kv_type_.quantize(x[t]) for every token t (x [T, kv_heads, D])."""
+    """cache[:, slots[t]] = kv_type_.quantize(x[t]) for every token t (x [T, kv_heads, D]). The slots must be
+    rows of the cache: the kernel does not check them (a graphed step cannot read them back), torch's form does."""
     t = kv_type(kv_type_)
     if x.dim() != 3 or slots.shape != (x.shape[0],) or cache.shape[0] != x.shape[1]:
         raise FlashtreeError(f"write_rows takes x [T, kv_heads, D], slots [T] and a [kv_heads, capacity, row] cache; "
@@ -52,10 +53,8 @@ def write_rows(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, kv_typ
 
 
 def _kernel_applies(x: torch.Tensor, cache: torch.Tensor, t: KVType) -> bool:
-    d = x.shape[-1]
-    tileable = d >= 32 and d & (d - 1) == 0 and (t.name != "tq3_0" or d % TQ3_GROUP == 0)
     builtin = t.name in _KINDS and type(t) is type(KV_TYPES[t.name])  # a subclass may store something else
-    return (triton is not None and builtin and tileable and triton_runs_on(x.device)
+    return (triton is not None and builtin and supported_head_dim(x.shape[-1], t) and triton_runs_on(x.device)
             and x.stride(-1) == 1 and cache.is_contiguous() and cache.dtype == torch.uint8)
 
 
