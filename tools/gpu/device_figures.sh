@@ -67,6 +67,10 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
     # where a step's time goes: the AR step eager and replayed, the draft step, the verify, verify + commit
     steps-profile) TAIL=120 bench steps-profile 200 --steps -n 16 --repeat 5 --replay-al 0 --prefill-lengths 1024 \
                        --profile ;;
+    # the same over 64K rows of TQ3_0 cache (issue #20: what the step spends outside the attention kernel)
+    steps-profile-64k-tq3) ECHO= TAIL=120 bench steps-profile-64k-tq3 "${LIMIT_64K:-200}" --steps -n 16 --repeat 3 \
+                       --replay-al 0 --context 65536 --prefill-chunk 2048 --prefill-lengths 1024 -ctk tq3_0 -ctv tq3_0 \
+                       --profile ;;
     # the demo pair on HumanEval (speculative against AR) and the GPU fidelity rows beside transformers
     demo) timeout 170 python3 -m flashtree.cli.main bench --device cuda --dataset humaneval --prompts 20 -n 256 \
               --out "$OUT/demo.json" > "$OUT/demo.txt" 2>&1; echo "== demo (rc $?)"; tail -12 "$OUT/demo.txt" ;;
