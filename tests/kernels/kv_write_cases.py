@@ -39,15 +39,6 @@ def rows(kind: str, d: int, seed: int) -> torch.Tensor:
     return x.to(torch.bfloat16)
 
 
-def tq3_index(t, cache: torch.Tensor) -> torch.Tensor:
-    """The 3-bit index of every value of TQ3_0 rows (the same unpacking as `TQ3_0.dequantize`)."""
-    blocks = cache.reshape(*cache.shape[:-1], -1, 14)
-    qs, signs = blocks[..., 2:10], blocks[..., 10:14]
-    low = (qs[..., :, None] >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)) & 3
-    hi = (signs[..., :, None] >> torch.arange(8, dtype=torch.uint8)) & 1
-    return low.reshape(*low.shape[:-2], 32) | (hi.reshape(*hi.shape[:-2], 32) << 2)
-
-
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     results = {}
@@ -63,7 +54,7 @@ def main() -> None:
         error = (t.dequantize(got) - t.dequantize(want)).abs().max().item() / scale
         codes = far = 0
         if name == "tq3_0":
-            a, b = tq3_index(t, got), tq3_index(t, want)
+            a, b = t.indices(got), t.indices(want)
             differ = a != b
             neighbour = ((a >> 2) == (b >> 2)) & (((a & 3) - (b & 3)).abs() == 1) | (((a & 3) == 0) & ((b & 3) == 0))
             codes, far = int(differ.sum()), int((differ & ~neighbour).sum())

@@ -219,14 +219,17 @@ class TQ3_0(KVType):
 
     def dequantize(self, rows, dtype=torch.float32):
         """Values in the rotated domain: C[idx] * norm. `unrotate` gives the original domain."""
+        norm = _f16_from_bytes(rows.reshape(*rows.shape[:-1], -1, self.block_bytes)[..., :2])
+        values = self._centroids(rows.device)[self.indices(rows)] * norm[..., None]
+        return values.reshape(*rows.shape[:-1], -1).to(dtype)
+
+    def indices(self, rows: torch.Tensor) -> torch.Tensor:
+        """int64 [..., blocks, 32]: each value's 3-bit index (low | hi << 2) from the rows' qs and sign bytes."""
         blocks = rows.reshape(*rows.shape[:-1], -1, self.block_bytes)
-        norm = _f16_from_bytes(blocks[..., :2])
         qs, signs = blocks[..., 2:10], blocks[..., 10:14]
         low = (qs[..., :, None] >> device_constant((0, 2, 4, 6), torch.uint8, rows.device)) & 3
         hi = (signs[..., :, None] >> torch.arange(8, dtype=torch.uint8, device=rows.device)) & 1
-        index = low.reshape(*low.shape[:-2], 32).long() | (hi.reshape(*hi.shape[:-2], 32).long() << 2)
-        values = self._centroids(rows.device)[index] * norm[..., None]
-        return values.reshape(*rows.shape[:-1], -1).to(dtype)
+        return low.reshape(*low.shape[:-2], 32).long() | (hi.reshape(*hi.shape[:-2], 32).long() << 2)
 
 
 def _round_away(x: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch
 
 from flashtree.errors import FlashtreeError
 from flashtree.kernels import triton_runs_on
-from flashtree.kernels.kv_quant import KV_TYPES, TQ3_LEVELS, TQ3_THRESHOLDS, KVType, kv_type, rotation_matrix
+from flashtree.kernels.kv_quant import KV_TYPES, TQ3_THRESHOLDS, KVType, kv_type, rotation_matrix
 from flashtree.kernels.tree_attention import supported_head_dim
 
 try:  # the kernel needs triton; the torch form does not
@@ -59,9 +59,9 @@ def _kernel_applies(x: torch.Tensor, cache: torch.Tensor, t: KVType) -> bool:
 
 
 if triton is not None:
+    from flashtree.kernels.tree_attention import TQ3_C0, TQ3_C1, TQ3_C2, TQ3_C3  # (defined where triton is)
 
     T0, T1, T2 = (tl.constexpr(t) for t in TQ3_THRESHOLDS)
-    L0, L1, L2, L3 = (tl.constexpr(level) for level in TQ3_LEVELS)
 
     @triton.jit
     def _write_rows_kernel(x_ptr, cache_ptr, slot_ptr, rot_ptr, stride_xt, stride_xh, stride_ch, stride_cr,
@@ -123,7 +123,7 @@ if triton is not None:
             r = tl.sum(tl.load(rot_ptr + (b * 32 + j)[:, None] * 128 + i[None, :]) * u[None, :], axis=1)  # [32]
             a = tl.abs(r)
             level = (a > T0).to(tl.int32) + (a > T1).to(tl.int32) + (a > T2).to(tl.int32)
-            c = tl.where(level == 0, L0, tl.where(level == 1, L1, tl.where(level == 2, L2, L3)))
+            c = tl.where(level < 2, tl.where(level == 0, TQ3_C0, TQ3_C1), tl.where(level == 2, TQ3_C2, TQ3_C3))
             centroid_sq += tl.sum(c * c, axis=0)
             negative = (r < 0).to(tl.int32)
             qs = tl.sum(tl.reshape(level, (8, 4)) << (2 * tl.arange(0, 4))[None, :], axis=1)  # byte k: values 4k..
