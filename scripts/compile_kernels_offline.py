@@ -243,6 +243,10 @@ def tree_attention() -> None:
                        torch.ones(1, 1, dtype=torch.bool), torch.arange(1), 9, 0.0625, split=split,
                        gate=torch.zeros(1, 24, 2, 256, dtype=torch.bfloat16)[:, :, 1],
                        q_norm=(torch.ones(256), 1e-6, torch.zeros(1, 64), torch.zeros(1, 64)))
+        if cache == "tq3_0":  # the values rotated back and gated in the combine
+            attend(torch.zeros(24, 1, 256, dtype=torch.bfloat16), *caches, cache, cache, torch.tensor([8]),
+                   torch.ones(1, 1, dtype=torch.bool), torch.arange(1), 9, 0.0625, split=4,
+                   gate=torch.zeros(1, 24, 2, 256, dtype=torch.bfloat16)[:, :, 1], unrotate_values=True)
     _tree_attention_model_path()
 
 
@@ -274,11 +278,13 @@ def kv_dequant() -> None:
 
 def kv_write() -> None:
     from flashtree.kernels.kv_quant import kv_type
-    from flashtree.kernels.kv_write import write_rows
+    from flashtree.kernels.kv_write import write_kv
 
-    for cache in ("q8_0", "q4_0", "tq3_0"):
+    for cache in ("q8_0", "q4_0", "tq3_0"):  # a layer's keys (normed and roped in the launch) and values
         t = kv_type(cache)
-        write_rows(torch.zeros(23, 4, 256, dtype=torch.bfloat16), t.allocate(4, 64, 256, "cpu"), torch.arange(23), t)
+        rows = torch.zeros(23, 4, 2, 256, dtype=torch.bfloat16)
+        write_kv(rows[:, :, 0], rows[:, :, 1], t.allocate(4, 64, 256, "cpu"), t.allocate(4, 64, 256, "cpu"),
+                 torch.arange(23), t, t, k_norm=(torch.ones(256), 1e-6, torch.zeros(23, 64), torch.zeros(23, 64)))
 
 
 def norms_and_conv() -> None:

@@ -12,14 +12,15 @@ import torch
 from flashtree.kernels.activations import gated_heads, gated_heads_reference, silu_mul, silu_mul_reference
 from flashtree.kernels.qk_norm_rope import (norm_rope_into_cache, qk_norm_rope, qk_norm_rope_reference, rope_tables,
                                             rope_tables_reference)
+from flashtree.kernels.kv_quant import rotate
 from flashtree.kernels.rms_norm import add_rms_norm, add_rms_norm_reference
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def case_ids() -> list[str]:
-    return [f"{kernel}-{d}" for kernel in ("rope_tables", "qk_norm_rope", "norm_rope_into_cache", "gated_heads",
-                                           "silu_mul", "add_rms_norm")
+    return [f"{kernel}-{d}" for kernel in ("rope_tables", "qk_norm_rope", "qk_norm_rope_rotated", "norm_rope_into_cache",
+                                           "gated_heads", "silu_mul", "add_rms_norm")
             for d in DTYPES]
 
 
@@ -40,6 +41,10 @@ def main() -> None:
         cos, sin = rope_tables(torch.tensor([0, 1, 7, 300, 4096]), 32, 1e7)
         result[f"qk_norm_rope-{name}"] = error(qk_norm_rope(q, w, 1e-6, cos, sin),
                                                qk_norm_rope_reference(q, w, 1e-6, cos, sin))
+        # a query for TQ3_0 keys (head_dim 256: two 128-value groups), rotated in the same launch
+        q256, w256 = (torch.randn(5, 4, 256, generator=gen) * 3).to(dtype), 1 + 0.1 * torch.randn(256, generator=gen)
+        result[f"qk_norm_rope_rotated-{name}"] = error(qk_norm_rope(q256, w256, 1e-6, cos, sin, rotated=True),
+                                                       rotate(qk_norm_rope_reference(q256, w256, 1e-6, cos, sin)))
 
         # K and V of 5 tokens into rows 9, 2, 7, 3, 11 of the caches (bf16 activations: float16 caches, -ctk f16)
         kv = torch.randn(5, 2, 2, 64, generator=gen).to(dtype) * 3  # [T, (k ; v), kv heads, head_dim]

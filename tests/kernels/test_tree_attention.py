@@ -212,6 +212,21 @@ def test_output_gate_at_the_store_on_gpu(n, split):
     assert cases.relative_error(normed, want) <= 2e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("split", [1, None])  # rotated back in torch, and in the combine launch
+@pytest.mark.parametrize("n", [1, 23])
+def test_tq3_0_values_rotated_back_in_the_call_on_gpu(n, split):
+    """`unrotate_values=True` with the gate gives `gated_heads(unrotate(.))` of the rotated output, at the 27B
+    attention shape over TQ3_0 keys and values."""
+    args = _real_inputs("tq3_0", n, 4096)
+    gate = torch.randn(n, 24, 2, 256, device="cuda").to(torch.bfloat16)[:, :, 1]
+    got = tree_attention(**args, split=split, gate=gate, unrotate_values=True)
+    want = gated_heads(unrotate(tree_attention(**args, split=split)), gate)
+    assert got.shape == want.shape == (n, 24 * 256)
+    assert cases.relative_error(got, want) <= 1e-2
+
+
 @pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -104,7 +104,8 @@ def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def _cases():
-    """case id -> (inputs kwargs, window, launch overrides, expected: "reference", "model" or "rotated")."""
+    """case id -> (inputs kwargs, window, launch overrides, expected: "reference", "model", "rotated",
+    "unrotated", "gated" or "normed")."""
     forced = dict(split=SPLIT, block_rows=BLOCK_ROWS)
     cases = {}
     for cache in CACHES:
@@ -133,6 +134,15 @@ def _cases():
     for cache, cache_v in (("tq3_0", "tq3_0"),) + TQ3_MIXED:
         cases[f"rotated-k_{cache}-v_{cache_v}-t23-g4-w{WINDOW}"] = (
             dict(cache=cache, cache_v=cache_v, n=23, group=4, garbage="finite"), WINDOW, forced, "rotated")
+    # TQ3_0 values rotated back by the kernel (`unrotate_values`), the gate after: in the combine (splits) and
+    # in torch (one split); values of another type are not rotated
+    for cache, cache_v, n, launch in (("tq3_0", "tq3_0", 23, forced), ("tq3_0", "tq3_0", 5, {"split": 1}),
+                                      ("f32", "tq3_0", 1, forced), ("tq3_0", "f32", 5, forced)):
+        cases[f"unrotated-k_{cache}-v_{cache_v}-t{n}-g4-w{WINDOW}-split{launch['split']}"] = (
+            dict(cache=cache, cache_v=cache_v, n=n, group=4, garbage="finite"), WINDOW, launch, "unrotated")
+    cases["unrotated-k_tq3_0-v_tq3_0-d256-t5-g4-w0-split2"] = (
+        dict(cache="tq3_0", n=5, group=4, head_dim=256, garbage="finite"), 0, dict(split=2, block_rows=32),
+        "unrotated")
     cases["k_tq3_0-v_q4_0-t5-g4-w0-float32-onesplit"] = (dict(cache="tq3_0", cache_v="q4_0", n=5, group=4), 0, {},
                                                          "reference")
     cases["tq3_0-d256-t5-g4-w0-float32"] = (dict(cache="tq3_0", n=5, group=4, head_dim=256), 0,
@@ -188,6 +198,16 @@ def main() -> None:
             out = tree_attention(**{**args, "q": rotate(args["q"]) if rot_k else args["q"]}, window=window, **launch)
             out = unrotate(out) if rot_v else out
             want = model_path(args, window, unrotated=True)
+        elif expected == "unrotated":  # the rotation back and the gate in the call, as attention.py asks
+            heads, n, d = args["q"].shape
+            gate = (torch.randn(n, heads, 2, d, generator=torch.Generator().manual_seed(n)) * 3)[:, :, 1]
+            rot_k = kv_type(args["kv_type_k"]).rotated
+            out = tree_attention(**{**args, "q": rotate(args["q"]) if rot_k else args["q"]}, window=window, gate=gate,
+                                 unrotate_values=True, **launch)
+            want = gated_heads_reference(model_path(args, window, unrotated=True), gate)
+            errors[case] = relative_error(out, want)
+            assert out.shape == (n, heads * d) and out.dtype == args["q"].dtype, case
+            continue
         elif expected == "normed":  # raw q and the gate as attention.py passes them: [query ; gate] projection rows
             heads, n, d = args["q"].shape
             rows = (torch.randn(n, heads, 2, d, generator=torch.Generator().manual_seed(n)) * 3).to(args["q"].dtype)

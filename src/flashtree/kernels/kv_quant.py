@@ -163,6 +163,18 @@ def rotation_matrix(device) -> torch.Tensor:
     return _ROTATIONS[device]
 
 
+_SIGNS: dict[torch.device, torch.Tensor] = {}
+
+
+def rotation_signs(device) -> torch.Tensor:
+    """float32 [2, 128]: s1 and s2 of R = diag(s2) H diag(s1) (H normalized), for kernels that apply R as a
+    fast Walsh-Hadamard transform."""
+    device = torch.device(device)
+    if device not in _SIGNS:
+        _SIGNS[device] = torch.stack([TQ3_S1, TQ3_S2]).to(device)
+    return _SIGNS[device]
+
+
 def rotate(x: torch.Tensor) -> torch.Tensor:
     """R x per 128-value group of the last dim (R = diag(s2) H diag(s1)); float32 math, input dtype out."""
     g = x.float().reshape(*x.shape[:-1], -1, TQ3_GROUP)

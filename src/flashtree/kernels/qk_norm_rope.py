@@ -13,6 +13,7 @@ import functools
 import torch
 
 from flashtree.kernels import triton_runs_on
+from flashtree.kernels.kv_quant import TQ3_GROUP, rotate, rotation_signs
 from flashtree.kernels.rms_norm import rms_norm_reference
 
 try:  # the kernel needs triton; the reference does not
@@ -66,17 +67,20 @@ def qk_norm_rope_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, co
 
 
 def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
-                 sin: torch.Tensor) -> torch.Tensor:
-    """`qk_norm_rope_reference` in one launch where Triton runs (power-of-two head size, even rot_dim)."""
+                 sin: torch.Tensor, rotated: bool = False) -> torch.Tensor:
+    """`qk_norm_rope_reference` in one launch where Triton runs (power-of-two head size, even rot_dim); with
+    `rotated` (a query for TQ3_0 keys) also `kv_quant.rotate`d, in the same launch."""
     t, heads, dim = x.shape
     rot = cos.shape[-1]
     if (triton is None or not triton_runs_on(x.device) or t == 0 or x.stride(-1) != 1 or dim & (dim - 1)
-            or rot % 2 or rot > dim):
-        return qk_norm_rope_reference(x, weight, eps, cos, sin)
+            or rot % 2 or rot > dim or (rotated and dim % TQ3_GROUP)):
+        out = qk_norm_rope_reference(x, weight, eps, cos, sin)
+        return rotate(out) if rotated else out
     out = torch.empty(t, heads, dim, dtype=x.dtype, device=x.device)
+    signs = rotation_signs(x.device) if rotated else out  # unused unless ROTATE
     _qk_norm_rope_kernel[(t, heads)](x, weight, cos.contiguous(), sin.contiguous(), out, x.stride(0), x.stride(1),
-                                     eps, x, out, out, 0, 0, 0, 0, 0, 0, D=dim, ROT=rot, INTO_CACHE=False,
-                                     num_warps=1 if dim <= 128 else 2)
+                                     eps, x, out, out, 0, 0, 0, 0, 0, 0, signs, D=dim, ROT=rot, INTO_CACHE=False,
+                                     ROTATE=rotated, num_warps=1 if dim <= 128 else 2)
     return out
 
 
@@ -96,11 +100,12 @@ def norm_rope_into_cache(k: torch.Tensor, v: torch.Tensor, weight: torch.Tensor,
         return
     _qk_norm_rope_kernel[(t, heads)](k, weight, cos.contiguous(), sin.contiguous(), k_cache, k.stride(0), k.stride(1),
                                      eps, v, v_cache, slots, v.stride(0), v.stride(1), k_cache.stride(0),
-                                     k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), D=dim, ROT=rot,
-                                     INTO_CACHE=True, num_warps=1 if dim <= 128 else 2)
+                                     k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), k, D=dim, ROT=rot,
+                                     INTO_CACHE=True, ROTATE=False, num_warps=1 if dim <= 128 else 2)
 
 
 if triton is not None:
+    from flashtree.kernels.hadamard import rotate_row  # (defined where triton is)
 
     @triton.jit
     def _rope_tables_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, HALF: tl.constexpr, BLOCK: tl.constexpr):
@@ -125,8 +130,8 @@ if triton is not None:
     @triton.jit
     def _qk_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, token_stride, head_stride, eps,
                              v_ptr, v_out_ptr, slots_ptr, v_token_stride, v_head_stride, out_head_stride,
-                             out_row_stride, v_out_head_stride, v_out_row_stride,
-                             D: tl.constexpr, ROT: tl.constexpr, INTO_CACHE: tl.constexpr):
+                             out_row_stride, v_out_head_stride, v_out_row_stride, signs_ptr,
+                             D: tl.constexpr, ROT: tl.constexpr, INTO_CACHE: tl.constexpr, ROTATE: tl.constexpr):
         """INTO_CACHE: `out` is the K cache (row slots[token] of head `head`), and V's row goes to its cache
         too; otherwise `out` is a contiguous [T, H, D] (the v and cache arguments unused)."""
         token = tl.program_id(0).to(tl.int64)
@@ -151,4 +156,26 @@ if triton is not None:
             tl.store(v_out_ptr + head * v_out_head_stride + slot * v_out_row_stride + offs,
                      value.to(v_out_ptr.dtype.element_ty))
         else:
+            if ROTATE:  # in float32 from the normed row rounded to the dtype, as `rotate` of the reference's result
+                out = rotate_row(out.to(x_ptr.dtype.element_ty).to(tl.float32), signs_ptr, D, False)
             tl.store(out_ptr + (token * tl.num_programs(1) + head) * D + offs, out.to(out_ptr.dtype.element_ty))
+
+    @triton.jit
+    def norm_rope_tile(rows, w_ptr, cos_ptr, sin_ptr, tok, d, ok, eps, D: tl.constexpr, ROT: tl.constexpr):
+        """`qk_norm_rope` of a [rows, D] tile inside another kernel (rows: one pointer a row, tok: its token):
+        RMSNorm over each row in float32, rounded to the input dtype as the model does, then NeoX RoPE on the
+        first ROT dims (cos/sin rows of the tokens), rounded again."""
+        dtype = rows.dtype.element_ty
+        x = tl.load(rows + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        inv = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
+        y = (x * inv[:, None] * tl.load(w_ptr + d).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
+        rotating = d < ROT
+        first_half = d < ROT // 2
+        partner_d = tl.where(first_half, d + ROT // 2, tl.where(rotating, d - ROT // 2, d))
+        xp = tl.load(rows + partner_d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        partner = (xp * inv[:, None] * tl.load(w_ptr + partner_d).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
+        table = tok.to(tl.int64)[:, None] * ROT + d[None, :]
+        cos = tl.load(cos_ptr + table, mask=ok[:, None] & rotating[None, :], other=1.0)
+        sin = tl.load(sin_ptr + table, mask=ok[:, None] & rotating[None, :], other=0.0)
+        rotated = y * cos + tl.where(first_half[None, :], -partner, partner) * sin
+        return tl.where(rotating[None, :], rotated, y).to(dtype)

@@ -33,9 +33,9 @@ Python arguments (T, kv_end, heads, D, dtypes), so the calls can be captured in 
 TRITON_INTERPRET=1 the chunk loop runs a fixed trip count with a per-chunk skip instead, since the
 interpreter cannot loop to a bound loaded from memory; the loop bodies are the same.)
 
-TQ3_0 values are decoded exactly as `TQ3_0.dequantize` does, in the rotated domain: as in attention.py,
-callers with TQ3_0 keys pass the rotated query (`rotate`), and callers with TQ3_0 values unrotate the
-output (`unrotate`); the kernel itself never rotates. Head dims the kernel cannot tile (not a power of two
+TQ3_0 values are decoded exactly as `TQ3_0.dequantize` does, in the rotated domain: callers with TQ3_0
+keys pass the rotated query (`rotate`); the output stays rotated for TQ3_0 values unless the caller asks
+for `unrotate_values`, which the combine launch does (`hadamard`) before the output gate. Head dims the kernel cannot tile (not a power of two
 >= 32; for TQ3_0 also not a multiple of 128) use `tree_attention_reference`, which is plain torch and also
 graph-safe (but dequantizes all of [0, kv_end) per call). Without CUDA (and without TRITON_INTERPRET=1)
 the reference runs too.
@@ -52,7 +52,7 @@ from flashtree.errors import FlashtreeError
 from flashtree.kernels import interpreted, triton_runs_on
 from flashtree.kernels.activations import gated_heads
 from flashtree.kernels.qk_norm_rope import qk_norm_rope
-from flashtree.kernels.kv_quant import TQ3_GROUP, TQ3_LEVELS, KVType, kv_type
+from flashtree.kernels.kv_quant import TQ3_GROUP, TQ3_LEVELS, KVType, kv_type, rotation_signs, unrotate
 
 try:
     import triton
@@ -116,6 +116,8 @@ def tree_attention_reference(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t,
 # Triton kernels
 
 if triton is not None:
+    from flashtree.kernels.hadamard import rotate_row  # (defined where triton is)
+    from flashtree.kernels.qk_norm_rope import norm_rope_tile
 
     # TQ3_0 centroid magnitudes (index & 3), as float32 constants exactly as `TQ3_0._centroids` builds them
     TQ3_C0, TQ3_C1, TQ3_C2, TQ3_C3 = (tl.constexpr(level) for level in TQ3_LEVELS)
@@ -293,7 +295,7 @@ if triton is not None:
         d = tl.arange(0, D)
         q_rows = q_ptr + head.to(tl.int64)[:, None] * stride_qh + tok[:, None] * stride_qt
         if NORM_Q:  # q arrives raw from its projection: per-head RMSNorm and RoPE here (`qk_norm_rope`)
-            q = _query_operand(_norm_rope_rows(q_rows, qn_w_ptr, cos_ptr, sin_ptr, tok, d, m_ok, qn_eps, D, ROT), OP)
+            q = _query_operand(norm_rope_tile(q_rows, qn_w_ptr, cos_ptr, sin_ptr, tok, d, m_ok, qn_eps, D, ROT), OP)
         else:
             q = _query_operand(tl.load(q_rows + d[None, :], mask=m_ok[:, None], other=0.0), OP)
 
@@ -372,25 +374,6 @@ if triton is not None:
         return q.to(OP)
 
     @triton.jit
-    def _norm_rope_rows(rows, w_ptr, cos_ptr, sin_ptr, tok, d, ok, eps, D: tl.constexpr, ROT: tl.constexpr):
-        """`qk_norm_rope` of a [rows, D] tile: RMSNorm over each row in float32, rounded to the input dtype as
-        the model does, then NeoX RoPE on the first ROT dims (cos/sin rows of the tokens), rounded again."""
-        dtype = rows.dtype.element_ty
-        x = tl.load(rows + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        inv = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
-        y = (x * inv[:, None] * tl.load(w_ptr + d).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
-        rotating = d < ROT
-        first_half = d < ROT // 2
-        partner_d = tl.where(first_half, d + ROT // 2, tl.where(rotating, d - ROT // 2, d))
-        xp = tl.load(rows + partner_d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        partner = (xp * inv[:, None] * tl.load(w_ptr + partner_d).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
-        table = tok.to(tl.int64)[:, None] * ROT + d[None, :]
-        cos = tl.load(cos_ptr + table, mask=ok[:, None] & rotating[None, :], other=1.0)
-        sin = tl.load(sin_ptr + table, mask=ok[:, None] & rotating[None, :], other=0.0)
-        rotated = y * cos + tl.where(first_half[None, :], -partner, partner) * sin
-        return tl.where(rotating[None, :], rotated, y).to(dtype)
-
-    @triton.jit
     def _store_gated(out_ptr, gate_ptr, out_offs, gate_offs, o, mask):
         """Attention's output gate at the store (`activations.gated_heads`), at token-major offsets of
         [T, heads * D]: the output rounded to its dtype, times sigmoid(gate) rounded to it, rounded again."""
@@ -400,8 +383,11 @@ if triton is not None:
         tl.store(out_ptr + out_offs, gated.to(dtype), mask=mask)
 
     @triton.jit
-    def _combine_kernel(part_ptr, lse_ptr, out_ptr, rows_total, gate_ptr, stride_gt, stride_gh, T, heads,
-                        D: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, GATED: tl.constexpr):
+    def _combine_kernel(part_ptr, lse_ptr, out_ptr, rows_total, gate_ptr, stride_gt, stride_gh, signs_ptr, T, heads,
+                        D: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, GATED: tl.constexpr,
+                        UNROTATE: tl.constexpr):
+        """The splits' partial rows merged by their log-sum-exps; with UNROTATE (TQ3_0 values) the row, rounded
+        to the output dtype as `unrotate` of the kernel's output would take it, rotated back (R^T) first."""
         row = tl.program_id(0).to(tl.int64)
         sp = tl.arange(0, SPLITS_P2)
         lse = tl.load(lse_ptr + sp * rows_total + row, mask=sp < SPLITS, other=float("-inf"))
@@ -414,6 +400,8 @@ if triton is not None:
             w = tl.exp2(tl.load(lse_ptr + s * rows_total + row) - mx)
             acc += w * tl.load(part_ptr + (s * rows_total + row) * D + d)
         o = acc / tl.where(den > 0, den, 1.0)
+        if UNROTATE:
+            o = rotate_row(o.to(out_ptr.dtype.element_ty).to(tl.float32), signs_ptr, D, True)
         if GATED:  # row = head * T + token
             head, tok = row // T, row % T
             _store_gated(out_ptr, gate_ptr, (tok * heads + head) * D + d, tok * stride_gt + head * stride_gh + d, o,
@@ -510,13 +498,15 @@ def _launch_defaults(query_rows: int, d: int, quantized: bool, windowed: bool = 
 
 
 def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, positions, kv_end, scale,
-                   window=0, split=None, *, gate=None, q_norm=None, block_rows=None, block_m=None, num_warps=None,
-                   num_stages=None, operands=None, max_registers=None):
+                   window=0, split=None, *, gate=None, q_norm=None, unrotate_values=False, block_rows=None,
+                   block_m=None, num_warps=None, num_stages=None, operands=None, max_registers=None):
     """Attention of q [heads, T, D] (after RoPE) over cache rows [0, kv_end) of a graphed step; see the
     module docstring for the mask. -> [heads, T, D] in q.dtype; with `gate` [T, heads, D] (any strides, the
     last unit) `activations.gated_heads(result, gate)` instead, [T, heads * D], the gate applied at the store.
     With `q_norm` = (weight, eps, cos, sin), q is the raw projection (any strides, the last unit) and gets
-    `qk_norm_rope(q, weight, eps, cos, sin)` at its load. `split` forces the number of splits,
+    `qk_norm_rope(q, weight, eps, cos, sin)` at its load. With `unrotate_values` and TQ3_0 values the result
+    is in the values' original domain (`unrotate` of the rotated one, before the gate): in the splits' combine
+    launch, or in torch when one split runs. `split` forces the number of splits,
     `block_rows` (BLOCK_N, K/V rows per step), `block_m` (query rows per program), `num_warps` and
     `num_stages` (software pipelining of the row loop) and `max_registers` (a thread's register cap, for more
     programs an SM) override the launch defaults; `operands`
@@ -528,6 +518,7 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
     query is clamped to f16's range, `_query_operand`). Falls back to `tree_attention_reference` where the Triton path does not apply."""
     tk, tv = kv_type(kv_type_k), kv_type(kv_type_v)
     _check(q, k_cache, v_cache, tk, tv, start_t, visible, positions, kv_end)
+    unrotating = unrotate_values and tv.rotated
     rot = q_norm[2].shape[-1] if q_norm is not None else 0
     if (not _triton_supports(q, tk, tv) or (gate is not None and gate.stride(-1) != 1)
             or (q_norm is not None and (rot % 2 or rot > q.shape[-1]))):
@@ -535,6 +526,7 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
             q = qk_norm_rope(q.transpose(0, 1), *q_norm).transpose(0, 1)
         out = tree_attention_reference(q, k_cache, v_cache, tk, tv, start_t, visible, positions, kv_end, scale,
                                        window)
+        out = unrotate(out) if unrotating else out
         return out if gate is None else gated_heads(out, gate)
     heads, n, d = q.shape
     kv_heads = k_cache.shape[0]
@@ -553,7 +545,8 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
     low_precision = q.dtype in (torch.bfloat16, torch.float16) and not interpreter
     op = _TL_TYPES[operands or q.dtype] if low_precision else tl.float32
 
-    gated = gate is not None
+    in_combine = unrotating and splits > 1  # one split: the kernel stores the rotated rows, torch unrotates
+    gated = gate is not None and (in_combine or not unrotating)
     out = torch.empty(*((n, heads * d) if gated else (heads, n, d)), dtype=q.dtype, device=q.device)
     gate_args = (gate, gate.stride(0), gate.stride(1)) if gated else (out, 0, 0)
     weight, eps, cos, sin = q_norm if q_norm is not None else (out, 0.0, out, out)  # unused without NORM_Q
@@ -577,7 +570,11 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
         **({} if max_registers is None else {"maxnreg": max_registers}))
     if splits > 1:
-        _combine_kernel[(heads * n,)](part, lse, out, heads * n, *gate_args, n, heads, D=d, SPLITS=splits,
-                                      SPLITS_P2=triton.next_power_of_2(splits), GATED=gated,
+        signs = rotation_signs(q.device) if in_combine else out  # unused unless UNROTATE
+        _combine_kernel[(heads * n,)](part, lse, out, heads * n, *gate_args, signs, n, heads, D=d, SPLITS=splits,
+                                      SPLITS_P2=triton.next_power_of_2(splits), GATED=gated, UNROTATE=in_combine,
                                       num_warps=4 if d >= 128 else 1)
+    if unrotating and not in_combine:
+        out = unrotate(out)
+        return out if gate is None else gated_heads(out, gate)
     return out

@@ -30,8 +30,8 @@ from flashtree.formats.gguf_file import GGUFFile
 from flashtree.kernels import triton_runs_on
 from flashtree.kernels.activations import gated_heads
 from flashtree.kernels.kv_dequant import dequantize_kv
-from flashtree.kernels.kv_quant import FloatKV, rotate, unrotate
-from flashtree.kernels.kv_write import write_rows
+from flashtree.kernels.kv_quant import FloatKV, unrotate
+from flashtree.kernels.kv_write import write_kv
 from flashtree.kernels.qk_norm_rope import norm_rope_into_cache, qk_norm_rope
 from flashtree.kernels.tree_attention import MAX_TREE_QUERIES, tree_attention
 from flashtree.models.layers import Linear, Projections, load_weight
@@ -80,26 +80,21 @@ class GatedAttention:
         if type(kv.type_k) is FloatKV and type(kv.type_v) is FloatKV:  # written as cast values: one launch
             # (the exact type: a subclass may store something else than the cast, e.g. the tests' round trips)
             norm_rope_into_cache(k, v, self.k_norm, c.rms_eps, cos, sin, kv.k, kv.v, step.slots)
-        else:
-            write_rows(qk_norm_rope(k, self.k_norm, c.rms_eps, cos, sin), kv.k, step.slots, kv.type_k)
-            write_rows(v, kv.v, step.slots, kv.type_v)
+        else:  # quantized: one launch quantizes both, k's norm and RoPE included
+            write_kv(k, v, kv.k, kv.v, step.slots, kv.type_k, kv.type_v, k_norm=(self.k_norm, c.rms_eps, cos, sin))
         if _reads_cache_in_place(step, kv, raw_q.transpose(0, 1)):
-            # one launch: q's norm and RoPE at the kernel's load (not for TQ3_0 keys, whose q is rotated after
-            # them), the output gate at its store (not for TQ3_0 values, whose output is rotated back first)
-            fused_q, fused_gate = not kv.type_k.rotated, not kv.type_v.rotated
-            q = raw_q.transpose(0, 1) if fused_q else rotate(qk_norm_rope(raw_q, self.q_norm, c.rms_eps, cos,
-                                                                          sin).transpose(0, 1))
-            out = tree_attention(q, kv.k, kv.v, kv.type_k, kv.type_v,
-                                 step.start_tensor(), step.visible, step.positions, step.kv_end, c.attention_scale,
-                                 kv.window, gate=gate if fused_gate else None,
-                                 q_norm=(self.q_norm, c.rms_eps, cos, sin) if fused_q else None)
-            if fused_gate:
-                return self.out(out)
-        else:
-            q = qk_norm_rope(raw_q, self.q_norm, c.rms_eps, cos, sin).transpose(0, 1)
-            if kv.type_k.rotated:  # R orthogonal: (Rq).(Rk) = q.k, so K is used as stored
-                q = rotate(q)
-            out = self._attend_dequantized(q, step, kv)  # [heads, n, hd]
+            # one launch: q's norm and RoPE at the kernel's load (not for TQ3_0 keys: one `qk_norm_rope` launch
+            # norms, ropes and rotates their q), TQ3_0 values rotated back and the output gate at its store
+            fused_q = not kv.type_k.rotated
+            q = raw_q.transpose(0, 1) if fused_q else qk_norm_rope(raw_q, self.q_norm, c.rms_eps, cos, sin,
+                                                                   rotated=True).transpose(0, 1)
+            return self.out(tree_attention(q, kv.k, kv.v, kv.type_k, kv.type_v, step.start_tensor(), step.visible,
+                                           step.positions, step.kv_end, c.attention_scale, kv.window, gate=gate,
+                                           q_norm=(self.q_norm, c.rms_eps, cos, sin) if fused_q else None,
+                                           unrotate_values=True))
+        # TQ3_0 keys: R orthogonal, (Rq).(Rk) = q.k, so K is used as stored
+        q = qk_norm_rope(raw_q, self.q_norm, c.rms_eps, cos, sin, rotated=kv.type_k.rotated).transpose(0, 1)
+        out = self._attend_dequantized(q, step, kv)  # [heads, n, hd]
         if kv.type_v.rotated:  # softmax(.) @ (R v) = R (softmax(.) @ v): rotate the output back
             out = unrotate(out)
         return self.out(gated_heads(out, gate))
