@@ -9,6 +9,8 @@ from safetensors.torch import load_file, save_file
 
 from flashtree.errors import FlashtreeError
 from flashtree.models.dflash import DFlashDraft, DraftConfig, build_target_layer_ids
+from tests.kernels.interpreter import run_cases
+from tests.models import dflash_kernel_cases as kernel_cases
 
 dflash_ref = pytest.importorskip("dflash.model")
 from transformers import DynamicCache  # noqa: E402
@@ -323,3 +325,17 @@ def test_q8_0_draft_layers_match_the_dequantized_draft():
     assert torch.allclose(outs[0], outs[1], atol=1e-5)
     with pytest.raises(FlashtreeError, match="q8_0 only"):
         quantized.quantize_layers("q4_k")
+
+
+@pytest.fixture(scope="module")
+def kernel_pass_errors():
+    return run_cases("tests.models.dflash_kernel_cases")
+
+
+@pytest.mark.slow  # the Triton interpreter: about 20 s on 2 cores
+@pytest.mark.parametrize("case", kernel_cases.case_ids())
+def test_block_pass_attending_in_the_kernel_matches_the_sdpa_pass(kernel_pass_errors, case):
+    """`BlockRows` (the block written right after the valid context, read by `tree_attention`) gives the
+    SDPA pass's hidden states (block after the rows read, unfilled slots masked), eager and graph-ready,
+    in a ring that wrapped or not, for non-causal and causal layers."""
+    assert kernel_pass_errors[case] < 1e-5

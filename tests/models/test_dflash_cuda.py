@@ -14,19 +14,21 @@ from flashtree.models.dflash import DFlashDraft, DraftConfig
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 LAYER_TYPES = ("full_attention", "sliding_attention", "full_attention")  # sliding layers: causal, windowed
+FULL_LAYERS = ("full_attention",) * 3
 CONTEXT = 60  # committed positions, appended in the chunks below
 CHUNKS = (23, 1, 36)
 START = CONTEXT  # the block's first position
 
 
-def random_draft() -> DFlashDraft:
+def random_draft(layer_types=LAYER_TYPES) -> DFlashDraft:
     """Float32 weights that bf16 holds exactly (so CPU and GPU differ only in activation rounding), scaled
-    so that attention is peaked, with the 27B draft's heads of 128."""
+    so that attention is peaked, with the 27B draft's heads of 128. Full-attention layers only: the block
+    pass attends in `tree_attention` (`BlockRows`); with windowed layers, through SDPA."""
     config = DraftConfig.from_json({
-        "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": len(LAYER_TYPES),
+        "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": len(layer_types),
         "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128, "rms_norm_eps": 1e-6,
         "rope_theta": 1e7, "block_size": 16, "vocab_size": 64, "num_target_layers": 8,
-        "layer_types": list(LAYER_TYPES), "sliding_window": 24, "use_sliding_window": True,
+        "layer_types": list(layer_types), "sliding_window": 24, "use_sliding_window": True,
         "dflash_config": {"mask_token_id": 1, "target_layer_ids": [1, 3, 5]}})
     torch.manual_seed(0)
     draft = DFlashDraft(config).eval()
@@ -65,9 +67,10 @@ def captured_block(draft: DFlashDraft, cache, embeddings: torch.Tensor, rows: in
     return graph, out
 
 
+@pytest.mark.parametrize("layer_types", [LAYER_TYPES, FULL_LAYERS])
 @pytest.mark.parametrize("ring, rows", [(128, 64), (48, 48)])  # bucketed rows past the context; a wrapped ring
-def test_cuda_block_pass_matches_the_float32_cpu_one(ring, rows):
-    cpu = random_draft()
+def test_cuda_block_pass_matches_the_float32_cpu_one(ring, rows, layer_types):
+    cpu = random_draft(layer_types)
     gpu = copy.deepcopy(cpu).to("cuda", torch.bfloat16)
     features, embeddings = inputs(cpu.config)
     want = cpu.forward_block(filled_cache(cpu, features, ring), embeddings, START)
@@ -95,8 +98,9 @@ MATMULS_PER_LAYER = 7
 LAUNCHES_PER_PASS = 3 + 1 + 1 + 1 + 3 + 2 + 6 + 1
 
 
-def test_a_captured_block_pass_launches_a_bounded_number_of_kernels():
-    draft = random_draft().to("cuda", torch.bfloat16)
+@pytest.mark.parametrize("layer_types", [LAYER_TYPES, FULL_LAYERS])  # SDPA; tree_attention (fewer launches)
+def test_a_captured_block_pass_launches_a_bounded_number_of_kernels(layer_types):
+    draft = random_draft(layer_types).to("cuda", torch.bfloat16)
     features, embeddings = inputs(draft.config)
     cache = filled_cache(draft, features, 128)
     graph, _ = captured_block(draft, cache, embeddings.to("cuda", torch.bfloat16), 64)

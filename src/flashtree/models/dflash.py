@@ -14,9 +14,10 @@ context only ever grows by committed positions; the block's own K/V are never pe
 
 The modules' `forward`s are the differentiable torch reference (train/draft.py trains through them).
 `forward_block` and `append_context` run the same arithmetic through the project's fused kernels
-(one launch per norm, residual add + norm, q/k norm + RoPE, K/V write, SiLU * up; fused SDPA in the
-compute dtype), about 85 launches for a 5-layer block pass instead of about 400 small ones; where
-Triton does not run (the CPU) those kernels fall back to the same torch arithmetic.
+(one launch per norm, residual add + norm, q/k norm + RoPE, K/V write, SiLU * up; the attention in
+`tree_attention`'s launch with q's norm and RoPE at its load, or fused SDPA in the compute dtype), about
+80 launches for a 5-layer block pass instead of about 400 small ones; where Triton does not run (the CPU)
+those kernels fall back to the same torch arithmetic.
 """
 
 from __future__ import annotations
@@ -34,10 +35,12 @@ from torch import Tensor, nn
 
 from flashtree.errors import FlashtreeError
 from flashtree.formats.quants import quantize_q8_0
+from flashtree.kernels import triton_runs_on
 from flashtree.kernels.activations import silu_mul
 from flashtree.kernels.qk_norm_rope import norm_rope_into_cache, qk_norm_rope, rope_tables
 from flashtree.kernels.quant_matmul import QuantWeight, quant_matmul
 from flashtree.kernels.rms_norm import add_rms_norm, rms_norm
+from flashtree.kernels.tree_attention import tree_attention
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 CONFIG_FILE = "config.json"
@@ -248,16 +251,32 @@ class _Attention(nn.Module):
                              self.k_norm.weight, self.k_norm.eps, *rope, keys, values, slots)
 
     def forward(self, x: Tensor, keys: Tensor, values: Tensor, rope: tuple[Tensor, Tensor], slots: Tensor,
-                mask: Tensor | None) -> Tensor:
+                mask: Tensor | BlockRows | None) -> Tensor:
         """The block x [n, D] attends to keys/values [kv_heads, L, head_dim] after writing its own K/V into
-        their rows `slots` (the last n), so context and block are one run of rows: no concatenation.
-        `mask`: `_additive_mask`'s, or None."""
+        their rows `slots` (the last n, or with `BlockRows` the n after the valid context), so context and
+        block are one run of rows: no concatenation. `mask`: `_additive_mask`'s for SDPA, or None, or the
+        `BlockRows` that `tree_attention` reads the rows by."""
         n, kv_heads = x.shape[0], keys.shape[0]
         self.write_key_value(x, rope, keys, values, slots)
+        if isinstance(mask, BlockRows):  # one launch, q's norm and RoPE at its load
+            q = self.q_proj(x).view(n, -1, self.head_dim).transpose(0, 1)
+            out = tree_attention(q, keys, values, keys.dtype, values.dtype, mask.start, mask.visible, mask.positions,
+                                 keys.shape[1], self.head_dim**-0.5,
+                                 q_norm=(self.q_norm.weight, self.q_norm.eps, *rope))
+            return self.o_proj(out.transpose(0, 1).reshape(n, -1))
         q = qk_norm_rope(self.q_proj(x).view(n, -1, self.head_dim), self.q_norm.weight, self.q_norm.eps, *rope)
         out = F.scaled_dot_product_attention(_fold_groups(q, kv_heads), keys[None], values[None], attn_mask=mask,
                                              scale=self.head_dim**-0.5)
         return self.o_proj(_unfold_groups(out, n))
+
+
+@dataclass(frozen=True)
+class BlockRows:
+    """How `tree_attention` reads a block pass's rows: the valid context [0, start) (a device int64 [1]),
+    seen by every query, then the block's own rows at start.. with `visible` [n, n] (all, or causal)."""
+    start: Tensor
+    visible: Tensor
+    positions: Tensor  # [n] the block's positions (the kernel's window rule; no window here)
 
 
 class _Q8Linear(nn.Module):
@@ -298,7 +317,7 @@ class _Layer(nn.Module):
         self.mlp = _MLP(c)
 
     def forward(self, h: Tensor, delta: Tensor | None, keys: Tensor, values: Tensor, rope: tuple[Tensor, Tensor],
-                slots: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+                slots: Tensor, mask: Tensor | BlockRows | None) -> tuple[Tensor, Tensor]:
         """(h, delta) -> (h', delta'): the residual stream arrives with the previous layer's MLP output not
         yet added (`delta`; None for the first layer), so that each add runs in the launch of the norm
         after it (as in qwen35). The layer's output is h' + delta'."""
@@ -542,7 +561,8 @@ class DFlashDraft(nn.Module):
         per layer by `layer_is_causal` / `layer_window` (see `_hidden_keys`). A graph-ready call
         (engine/cuda_graphs.py) gives `start_position` as a device tensor, reads a fixed number of
         context slots `rows` (at least the valid ones) and masks those at or past `context_length`
-        (a device int64 [1]). The block's K/V go to the cache rows after those read (`DraftContextCache`)."""
+        (a device int64 [1]). The block's K/V go to the cache rows after those read (`DraftContextCache`), or,
+        where the attention reads the rows in its kernel (`BlockRows`), right after the valid context."""
         c = self.config
         shape = block_embeddings.shape
         if block_embeddings.dim() != 2 or shape[1] != c.hidden_size or shape[0] > cache.block_rows:
@@ -555,13 +575,28 @@ class DFlashDraft(nn.Module):
         device = cache.positions.device
         q_pos = start_position + torch.arange(n, device=device)
         rope = self._rope(q_pos)
-        slots = torch.arange(ctx_len, ctx_len + n, device=device)
-        masks = self._masks(q_pos, cache.positions[:ctx_len], context_length)
+        if self._reads_rows_in_kernel(device):  # the block right after the valid context
+            start = context_length if context_length is not None else torch.tensor([ctx_len], device=device)
+            slots = start + torch.arange(n, device=device)
+            ones = torch.ones(n, n, dtype=torch.bool, device=device)  # made in the call: a graph fills its own
+            rules = {causal: BlockRows(start, ones.tril() if causal else ones, q_pos)
+                     for causal in {c.layer_is_causal(i) for i in range(c.num_hidden_layers)}}
+            masks = [rules[c.layer_is_causal(i)] for i in range(c.num_hidden_layers)]
+        else:  # after all ctx_len rows read, the unfilled ones masked
+            slots = torch.arange(ctx_len, ctx_len + n, device=device)
+            masks = self._masks(q_pos, cache.positions[:ctx_len], context_length)
         h, delta = block_embeddings.to(self._dtype), None
         for i, layer in enumerate(self.layers):
             h, delta = layer(h, delta, cache.keys[i, :, : ctx_len + n], cache.values[i, :, : ctx_len + n], rope, slots,
                              masks[i])
         return add_rms_norm(h, delta, self.norm.weight, self.norm.eps)[1]
+
+    def _reads_rows_in_kernel(self, device: torch.device) -> bool:
+        """Whether the block pass attends through `tree_attention` (`BlockRows`): where Triton runs and no
+        layer has a window (the kernel's window counts committed rows as positions, and a ring's slots are
+        not positions)."""
+        c = self.config
+        return triton_runs_on(device) and all(c.layer_window(i) is None for i in range(c.num_hidden_layers))
 
     def _masks(self, q_pos: Tensor, ctx_pos: Tensor, context_length: Tensor | None) -> list[Tensor | None]:
         """Each layer's `_additive_mask` over [context slots ; block] for the folded queries (`_fold_groups`),
