@@ -10,6 +10,7 @@ import sys
 import torch
 
 from flashtree.models.dflash import DFlashDraft, DraftConfig
+from tests.models import peaked_weights
 
 CONTEXT, CHUNKS = 40, (17, 1, 22)
 
@@ -20,13 +21,7 @@ def draft(causal: bool) -> DFlashDraft:
         "num_key_value_heads": 2, "head_dim": 32, "rms_norm_eps": 1e-6, "rope_theta": 1e7, "block_size": 8,
         "vocab_size": 32, "num_target_layers": 4, "is_causal": causal,
         "dflash_config": {"mask_token_id": 1, "target_layer_ids": [1, 3]}})
-    torch.manual_seed(0)
-    model = DFlashDraft(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.3 * torch.randn_like(p) if name.endswith("norm.weight")
-                    else torch.randn_like(p) / p.shape[1] ** 0.5)
-    return model
+    return peaked_weights(lambda: DFlashDraft(config))
 
 
 def block_pass(model: DFlashDraft, ring: int, graph_ready: bool, in_kernel: bool) -> torch.Tensor:

@@ -10,6 +10,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from flashtree.models.dflash import DFlashDraft, DraftConfig
+from tests.models import peaked_weights
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -30,13 +31,7 @@ def random_draft(layer_types=LAYER_TYPES) -> DFlashDraft:
         "rope_theta": 1e7, "block_size": 16, "vocab_size": 64, "num_target_layers": 8,
         "layer_types": list(layer_types), "sliding_window": 24, "use_sliding_window": True,
         "dflash_config": {"mask_token_id": 1, "target_layer_ids": [1, 3, 5]}})
-    torch.manual_seed(0)
-    draft = DFlashDraft(config).eval()
-    with torch.no_grad():
-        for name, p in draft.named_parameters():
-            p.copy_(1 + 0.3 * torch.randn_like(p) if name.endswith("norm.weight")
-                    else torch.randn_like(p) / p.shape[1] ** 0.5)
-    return draft.bfloat16().float()
+    return peaked_weights(lambda: DFlashDraft(config)).bfloat16().float()
 
 
 def inputs(config: DraftConfig) -> tuple[torch.Tensor, torch.Tensor]:
