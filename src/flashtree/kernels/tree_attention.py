@@ -35,8 +35,8 @@ interpreter cannot loop to a bound loaded from memory; the loop bodies are the s
 
 TQ3_0 values are decoded exactly as `TQ3_0.dequantize` does, in the rotated domain: callers with TQ3_0
 keys pass the rotated query (`rotate`); the output stays rotated for TQ3_0 values unless the caller asks
-for `unrotate_values`, which the combine launch does (`hadamard`) before the output gate. Head dims the kernel cannot tile (not a power of two
->= 32; for TQ3_0 also not a multiple of 128) use `tree_attention_reference`, which is plain torch and also
+for `unrotate_values`, which the combine launch does (`hadamard`) before the output gate. Head dims the
+kernel cannot tile (not a power of two >= 32; for TQ3_0 also not a multiple of 128) use `tree_attention_reference`, which is plain torch and also
 graph-safe (but dequantizes all of [0, kv_end) per call). Without CUDA (and without TRITON_INTERPRET=1)
 the reference runs too.
 """
