@@ -248,6 +248,19 @@ def tree_attention() -> None:
                    torch.ones(1, 1, dtype=torch.bool), torch.arange(1), 9, 0.0625, split=4,
                    gate=torch.zeros(1, 24, 2, 256, dtype=torch.bfloat16)[:, :, 1], unrotate_values=True)
     _tree_attention_model_path()
+    _draft_block_attention()
+
+
+def _draft_block_attention() -> None:
+    """As the 27B draft's block pass launches it (`dflash.BlockRows`): 16 queries of 40 heads over 10 bf16
+    KV heads of 128, the query's norm and RoPE at the load, over 1K and 4K context rows."""
+    from flashtree.kernels.tree_attention import tree_attention as attend
+
+    for rows in (1040, 4112):
+        caches = [torch.zeros(10, rows, 128, dtype=torch.bfloat16) for _ in range(2)]
+        attend(torch.zeros(16, 40, 128, dtype=torch.bfloat16).transpose(0, 1), *caches, "bf16", "bf16",
+               torch.tensor([rows - 16]), torch.ones(16, 16, dtype=torch.bool), torch.arange(16), rows, 128 ** -0.5,
+               q_norm=(torch.ones(128), 1e-6, torch.zeros(16, 128), torch.zeros(16, 128)))
 
 
 def _tree_attention_model_path() -> None:
