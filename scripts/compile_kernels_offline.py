@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import os
 import re
 import subprocess
@@ -197,15 +198,18 @@ def mma() -> None:
         for n, k in MMA_SHAPES:
             if n == 248320 and qtype.name != "Q6_K":
                 continue
-            for m in (1, 8, 16, 23, 32):
+            for m, dtype in itertools.product((1, 8, 16, 23, 32), (torch.float32, torch.bfloat16)):
+                # float32 x and out: a bf16 model's activations (docs/FIDELITY.md); bf16: the draft's and the sweeps'
                 c = kernels.choose_config(qtype, m, n, k, 132)
                 tg = kernels.token_groups(m)
                 kernel = kernels.kernel_for(qtype, tg, n, k)
-                name = kernels._instance(qtype, c, tg, kernel)
+                name = kernels._instance(qtype, c, tg, kernel, dtype, dtype)
                 key = (name, (("rows", m),), (("shape", f"{n}x{k}"),))
+                if key in results:  # qmh's x is prep_x's float16 either way: one instance per out type
+                    continue
                 try:
-                    cubin = kernels.compile_cubin(kernels._SOURCE.read_text() + kernels._wrapper(name, qtype, c, tg, kernel),
-                                                  "sm_90")
+                    wrapper = kernels._wrapper(name, qtype, c, tg, kernel, dtype, dtype)
+                    cubin = kernels.compile_cubin(kernels._SOURCE.read_text() + wrapper, "sm_90")
                     results[key] = _machine_code_facts(cubin)
                 except Exception as e:  # noqa: BLE001 - report and go on
                     results[key] = {"error": str(e).splitlines()[-1]}

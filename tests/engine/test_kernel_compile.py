@@ -26,11 +26,11 @@ def test_load_compiles_only_the_missing_fragment_ordered_shapes(monkeypatch):
     asked = {}
     monkeypatch.setattr(loader.mma, "arch_of", lambda device: "sm_90")
     monkeypatch.setattr(loader.mma, "sm_count", lambda device: 132)
-    monkeypatch.setattr(loader.mma, "instances_for", lambda shapes, sms: asked.setdefault("shapes", shapes) and
+    monkeypatch.setattr(loader.mma, "instances_for", lambda shapes, sms, dtype: asked.setdefault("shapes", shapes) and
                         [("a", "x"), ("b", "y")])
     monkeypatch.setattr(loader.mma, "uncompiled", lambda jobs, arch: jobs[1:])
     monkeypatch.setattr(loader.mma, "precompile", lambda jobs, arch, progress: asked.setdefault("jobs", jobs))
-    loader.compile_tensor_core_kernels(model)
+    loader.compile_tensor_core_kernels(model, torch.float32)
     assert asked == {"shapes": {(QType.Q4_K, 32, 256), (QType.Q4_K, 64, 512)}, "jobs": [("b", "y")]}
 
 

@@ -17,7 +17,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
 
 from flashtree.errors import FlashtreeError
 from flashtree.formats import quants
-from flashtree.kernels.quant_matmul import QuantWeight, mma, quant_matmul, quant_matmul_reference, random_quant_weight
+from flashtree.kernels.quant_matmul import (DENSE_MIN_M, QuantWeight, mma, quant_matmul, quant_matmul_reference, quant_matmul_rounded,
+                                            random_quant_weight)
 
 TYPES = [QType.Q4_K, QType.Q6_K]
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -275,6 +276,12 @@ def test_load_time_compile_covers_every_launch_and_caches(monkeypatch, tmp_path)
         assert mma._instance(QType.Q4_K, config, tg, mma.kernel_for(QType.Q4_K, tg, 1024, 512)) in names
     big = [name for name, _ in mma.instances_for({(QType.Q4_K, 17408, 5120)}, 132)]
     assert "prep_x_f16" in big and sum(name.startswith("qmh_q4_k") for name in big) == 4  # its x conversion too
+    # a bf16 model's float32 activations: float32 x and out, prefill's dense weight in float16
+    float32 = [name for name, _ in mma.instances_for({(QType.Q4_K, 17408, 5120)}, 132, torch.float32)]
+    assert float32[0].endswith("_xf32_of32") and "prep_x_f16_xf32" in float32 and "dequant_q4_k_o1" in float32
+    assert all(name.endswith("_of32") for name in float32 if name.startswith("qmh"))
+    with pytest.raises(FlashtreeError, match="bf16 or float32"):
+        mma.instances_for({(QType.Q4_K, 1024, 512)}, 132, torch.float16)
     assert mma.uncompiled(jobs, "sm_90") == jobs
     done = []
     mma.precompile(jobs, "sm_90", workers=2, progress=done.append)
@@ -471,6 +478,34 @@ def test_every_row_count_matches_the_float32_reference(qtype, shape):
     for m in (1, 2, 7, 8, 9, 16, 23, 32, 33, 100):
         x = torch.randn(m, shape[1], generator=gen, device="cuda", dtype=torch.bfloat16)
         _check_close(quant_matmul(x, weight), x.float() @ dense.T)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("shape", [(64, 512), (17408, 5120), (5120, 17408)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_float32_rows_in_and_out(qtype, shape):
+    """A bf16 model's float32 activations (docs/FIDELITY.md, design D): the kernels read float32 x and write
+    float32. Given bf16-exact x they compute what the bf16 kernels compute, bit for bit before the output's
+    rounding; on any float32 x they are within the rounding of x to bf16 (one row, small matrices) or to float16
+    (qmh; prefill's dense float16 weight), whose bound is that rounding times |x| |W|."""
+    weight = QuantWeight.from_gguf_bytes(_random_rows(qtype, *shape).cuda().reshape(-1), qtype, shape)
+    n, k = shape
+    dense = quants.dequantize(weight.gguf_bytes(), qtype, shape, torch.float32)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for m in (1, 2, 9, 23, 32, 33, 600):
+        x = torch.randn(m, k, generator=gen, device="cuda") * torch.logspace(-3, 3, m, device="cuda")[:, None]
+        y = quant_matmul_rounded(x, weight)
+        assert y.dtype == torch.float32 and y.shape == (m, n)
+        bf16_x = m == 1 or mma.kernel_for(qtype, mma.token_groups(min(m, mma.MAX_M)), n, k) == "qmm"
+        rounding = 2.0**-8 if bf16_x else 2.0**-9 if m >= DENSE_MIN_M else 2.0**-10  # dense: weights in float16 too
+        magnitude = x.abs() @ dense.abs().T
+        bound = rounding * magnitude + 1e-6 * magnitude.max(-1, keepdim=True).values
+        assert bool(((y - x @ dense.T).abs() <= bound).all()), (m, ((y - x @ dense.T).abs() / bound).max().item())
+        if m <= mma.MAX_M:
+            exact = x.bfloat16()
+            assert torch.equal(mma.matmul(exact.float(), weight.raw, qtype, n, k, out_dtype=torch.float32).bfloat16(),
+                               mma.matmul(exact, weight.raw, qtype, n, k)), m
 
 
 @pytest.mark.gpu

@@ -83,6 +83,17 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
     fidelity) timeout 120 python3 -m flashtree.cli.main bench --fidelity --device cuda --dtypes float32,bfloat16 \
                   --prompts 4 --peers --out "$OUT/fidelity.json" > "$OUT/fidelity.txt" 2>&1
               echo "== fidelity (rc $?)"; tail -8 "$OUT/fidelity.txt" ;;
+    # issue #19's test models: the GPU suite's random targets (tests/models/test_qwen35.py VARIANTS: Q8_0 at the tiny
+    # shape, Q4_K_M and every other type at K = 256, where the tensor-core kernels run); the demo target is `fidelity`
+    fidelity-tiny) for variant in q8_0 q4_k_m mixed-types; do
+                       model="$OUT/$variant.gguf"
+                       python3 -c "import sys; from tests.models.test_qwen35 import VARIANTS; from flashtree.models.synthetic import write_synthetic_gguf as w; w(sys.argv[1], **VARIANTS[sys.argv[2]])" "$model" "$variant"
+                       timeout 100 python3 -m flashtree.cli.main bench --fidelity --model "$model" --device cuda \
+                           --dtypes float32,bfloat16 --prompts 4 --out "$OUT/fidelity-$variant.json" \
+                           > "$OUT/fidelity-$variant.txt" 2>&1
+                       echo "== fidelity $variant (rc $?)"; tail -5 "$OUT/fidelity-$variant.txt"
+                       rm -f "$model"
+                   done ;;
     multi-turn) TAIL=12 bench multi-turn 300 --multi-turn -n 32 ;;  # an untimed session, then 5 per setting
     steps-64k) bench steps-64k "${LIMIT_64K:-200}" --steps -n 32 --repeat 10 --replay-al 0 --context 65536 \
                    --prefill-chunk 2048 --prefill-lengths "${PREFILL_64K:-131072}" ;;

@@ -6,6 +6,7 @@ same inputs) go through the CPU float32 model (the reference) and through the de
 dtype asked for. Per dtype it reports:
 - the max relative logit error: max |logit - reference| over all positions / the largest |reference logit|;
 - argmax agreement at the positions whose reference margin (top-1 minus top-2 logit) is above 0.1;
+- the same once more with the tokens fed one a forward (the decode path: one-row kernels);
 - per layer, the relative error of the hidden state (||h - h_ref|| / ||h_ref||, over all positions) and
   the layer that adds the most to it (the largest step from one layer's error to the next).
 With `peers`, transformers' Qwen3.5 holding the same dequantized weights runs the same sequences in each
@@ -42,6 +43,17 @@ def teacher_forced(target: Target, ids: list[int]) -> Run:
     out = model.forward(torch.tensor(ids), model.new_cache(len(ids)), capture=layers)
     hidden = out.features.float().cpu().reshape(len(ids), len(layers), -1).transpose(0, 1)
     return Run(out.logits.float().cpu(), hidden)
+
+
+def decoded(target: Target, ids: list[int]) -> Run:
+    """The same figures with one token a forward, as decoding runs them (the one-row matmul kernels)."""
+    model = target.model
+    layers = list(range(model.config.num_layers))
+    cache = model.new_cache(len(ids))
+    outs = [model.forward(torch.tensor([token]), cache, capture=layers) for token in ids]
+    logits = torch.cat([out.logits.float().cpu().reshape(1, -1) for out in outs])
+    hidden = torch.cat([out.features.float().cpu().reshape(1, len(layers), -1) for out in outs]).transpose(0, 1)
+    return Run(logits, hidden)
 
 
 def compare(run: Run, ref: Run) -> dict:
@@ -81,6 +93,8 @@ def run_fidelity(reference: Target, device: str, dtypes: list[str], sequences: l
         target = load_target(model_path, device=device, dtype=DTYPES[name])
         rows = [compare(teacher_forced(target, ids), ref) for ids, ref in zip(sequences, refs)]
         report["dtypes"][name] = _combine(rows, attention)
+        rows = [compare(decoded(target, ids), ref) for ids, ref in zip(sequences, refs)]
+        report["dtypes"][name]["decode"] = _combine(rows, attention)
         del target
     if peers:
         report["transformers"] = _peer_rows(model_path, device, dtypes, sequences, refs)
@@ -125,10 +139,11 @@ def _print(report: dict) -> None:
     print(f"{'dtype':9} {'max rel logit err':>17} {'argmax (margin > 0.1)':>22} {'argmax (all)':>13} "
           f"{'last layer err':>14}  largest contributor")
     for name, r in report["dtypes"].items():
-        print(f"{name:9} {100 * r['max_rel_logit_error']:16.3f}% "
-              f"{r['argmax_agree_decided']:>10}/{r['decided_positions']:<11} "
-              f"{r['argmax_agree_all']:>6}/{r['positions']:<6} {r['layer_rel_error'][-1]:14.2e}  "
-              f"layer {r['largest_contributor']} ({r['largest_contributor_kind']})")
+        for label, row in ((name, r), ("  decode", r["decode"])):
+            print(f"{label:9} {100 * row['max_rel_logit_error']:16.3f}% "
+                  f"{row['argmax_agree_decided']:>10}/{row['decided_positions']:<11} "
+                  f"{row['argmax_agree_all']:>6}/{row['positions']:<6} {row['layer_rel_error'][-1]:14.2e}  "
+                  f"layer {row['largest_contributor']} ({row['largest_contributor_kind']})")
     for name, r in report.get("transformers", {}).items():
         print(f"{'hf ' + name:9} {100 * r['max_rel_logit_error']:16.3f}% "
               f"{r['argmax_agree_decided']:>10}/{r['decided_positions']:<11} "

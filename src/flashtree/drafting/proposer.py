@@ -78,7 +78,7 @@ class DFlashProposer:
             self._block_hidden(bonus, position)
         head = self.target.lm_head  # on the target's last device: the hidden states go there, the logits come back
         with on_device(head.device):
-            return head(hidden[1:].to(head.device, self.target.dtype)).float().to(self.target.device)
+            return head(hidden[1:].to(head.device, self.target.act_dtype)).float().to(self.target.device)
 
     @torch.inference_mode()
     def prefetch(self, bonus: int, position: int) -> None:
@@ -101,4 +101,4 @@ class DFlashProposer:
         first = torch.arange(self.block_size, device=self.device) == 0
         block = torch.where(first, packed[0], self.draft.config.mask_token_id)
         hidden = self.draft.forward_block(self.cache, self.target.embed_tokens(block), packed[1:2], rows, packed[2:3])
-        return self.target.lm_head(hidden[1:].to(self.target.dtype)).float()
+        return self.target.lm_head(hidden[1:].to(self.target.act_dtype)).float()

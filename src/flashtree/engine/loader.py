@@ -192,7 +192,7 @@ def engine_from_target(target: Target, args: EngineArgs = EngineArgs()):
     given; the mode defaults to ddtree with a draft, else ar. `args.enforce_eager` turns CUDA graphs off."""
     _check_spec_has_draft(args)
     ar_defaults = _default_config(args, "ar")
-    compile_tensor_core_kernels(target.model, args.progress)
+    compile_tensor_core_kernels(target.model, target.model.act_dtype, args.progress)
     if args.tensor_parallel == 1:  # under tensor parallel a dry chunk would run the ranks' collectives too
         compile_triton_kernels(target.model, ar_defaults, args.progress)
     draft_model = (load_draft(args.draft, target, args.draft_device, args.draft_type) if args.draft is not None
@@ -207,9 +207,10 @@ def engine_from_target(target: Target, args: EngineArgs = EngineArgs()):
                   parse_special=args.parse_special, prefix_cache=prefix_cache)
 
 
-def compile_tensor_core_kernels(model, progress: bool = False) -> None:
+def compile_tensor_core_kernels(model, activations: torch.dtype, progress: bool = False) -> None:
     """Compile, at load and in parallel processes, every tensor-core kernel instance the model's
-    fragment-ordered weights can launch (decode, verify, prefill), into the on-disk cache: otherwise
+    fragment-ordered weights can launch (decode, verify, prefill) on its `activations` (the dtype of x and out),
+    into the on-disk cache: otherwise
     NVRTC compiles them one by one, a second each, inside the first requests. A cached instance costs
     nothing, so a second start compiles none. Says what it compiled (a bar with `progress`)."""
     weights = [w for w in quant_weights(model) if w.mma_layout]
@@ -217,7 +218,8 @@ def compile_tensor_core_kernels(model, progress: bool = False) -> None:
         return
     device = weights[0].device
     arch = mma.arch_of(device)
-    jobs = mma.uncompiled(mma.instances_for({(w.qtype, *w.shape) for w in weights}, mma.sm_count(device)), arch)
+    shapes = {(w.qtype, *w.shape) for w in weights}
+    jobs = mma.uncompiled(mma.instances_for(shapes, mma.sm_count(device), activations), arch)
     if not jobs:
         return
     bar = tqdm(total=len(jobs), desc="compiling tensor-core kernels (NVRTC)", unit="kernel", disable=not progress)

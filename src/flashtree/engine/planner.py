@@ -51,6 +51,7 @@ from flashtree.kernels.tree_attention import MAX_TREE_QUERIES
 from flashtree.models.attention import PREFILL_DEQUANT_BYTES
 from flashtree.models.dflash import DFlashDraft, DraftConfig
 from flashtree.models.gguf_config import read_config
+from flashtree.models.layers import activation_dtype
 from flashtree.models.qwen35_config import Qwen35Config
 from flashtree.models.synthetic import tensor_shapes
 
@@ -59,6 +60,13 @@ GIB = 1024**3
 PREFIX_CACHE_LINE = "prefix cache snapshots"
 MIB = 1024**2
 DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+_TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+def activation_bytes(dtype: str) -> int:
+    """Bytes of one activation between kernels (residual stream, matmul outputs, the DeltaNet conv path) in a
+    model of `dtype`: float32 in a bf16/f16 one (`models.layers.activation_dtype`, docs/FIDELITY.md)."""
+    return activation_dtype(_TORCH_DTYPES[dtype]).itemsize
 _DRAFT_QTYPES = {"q8_0": GGMLQuantizationType.Q8_0}  # --draft-type -> the blocks its layer matrices take
 CUDA_OVERHEAD_LINE = "CUDA context + libraries"  # every GPU holds its own (per_device, per_rank)
 
@@ -172,7 +180,7 @@ def plan(req: PlanRequest) -> MemoryPlan:
         raise FlashtreeError(f"ctx must be >= 2 tokens, got {req.ctx}")
     if req.dtype not in DTYPE_BYTES:
         raise FlashtreeError(f"unknown dtype {req.dtype!r}; choose one of {', '.join(DTYPE_BYTES)}")
-    b = DTYPE_BYTES[req.dtype]
+    b, a = DTYPE_BYTES[req.dtype], activation_bytes(req.dtype)
     tk, tv = kv_type(req.cache_type_k), kv_type(req.cache_type_v)
     rows = cache_rows(req.ctx, req.budget)
     nodes = req.budget + 1
@@ -187,19 +195,19 @@ def plan(req: PlanRequest) -> MemoryPlan:
     add(("KV cache", per_token * rows,
          f"K {tk.name} / V {tv.name}: {per_token} B/token x {rows} rows ({n_attn} layers x {c.num_kv_heads} kv heads)"))
     ssm = c.gdn_v_heads * c.gdn_head_dim**2 * 4
-    conv = (c.conv_kernel - 1) * c.conv_dim * b
+    conv = (c.conv_kernel - 1) * c.conv_dim * a
     add(("DeltaNet state", n_gdn * (ssm + conv), f"{n_gdn} layers x (f32 state {_mib(ssm)} + conv {_mib(conv)})"))
     if req.draft is not None:
-        scratch = nodes * (c.conv_dim * b + c.gdn_v_heads * (3 * c.gdn_head_dim + 2) * 4)
+        scratch = nodes * (c.conv_dim * a + c.gdn_v_heads * (3 * c.gdn_head_dim + 2) * 4)
         add(("tree buffers", n_gdn * scratch, f"verify scratch of {nodes} nodes x {n_gdn} DeltaNet layers"))
         d = req.draft
         window = min(req.draft_window, req.ctx)
         ring = d.layers * 2 * d.kv_heads * window * d.head_dim * b + window * 8
         add(("draft context ring", ring, f"{d.layers} layers x K+V x {d.kv_heads} heads x {window} positions"))
         chunk = min(req.prefill_chunk, req.ctx)
-        add(("prefill feature capture", chunk * d.feature_size * b,
+        add(("prefill feature capture", chunk * d.feature_size * a,
              f"{chunk} tokens (one prefill chunk) x {d.feature_size} features, streamed into the ring"))
-    add(("activations (estimate)", _activations(req, rows, b), _activation_note(req)))
+    add(("activations (estimate)", sum(_activation_parts(req, rows).values()), _activation_note(req)))
     if req.prefix_cache_device_bytes:
         add((PREFIX_CACHE_LINE, req.prefix_cache_device_bytes,
              "device budget of the prefix cache (least recently used snapshots past it go to host RAM)"))
@@ -208,18 +216,16 @@ def plan(req: PlanRequest) -> MemoryPlan:
     return out
 
 
-def _activations(req: PlanRequest, rows: int, b: int) -> int:
-    return sum(_activation_parts(req, rows, b).values())
-
-
-def _activation_parts(req: PlanRequest, rows: int, b: int) -> dict[str, int]:
-    """forward: hidden, MLP and projection intermediates of the largest forward; logits; dequant: one
-    attention layer's K/V in the compute dtype; dense: one FFN weight dequantized for a long chunk."""
+def _activation_parts(req: PlanRequest, rows: int) -> dict[str, int]:
+    """forward: hidden, MLP and projection intermediates of the largest forward (`activation_bytes` each);
+    logits; dequant: one attention layer's K/V in the compute dtype; dense: one FFN weight dequantized for a
+    long chunk (in float16 for the float32 activations of a bf16/f16 model)."""
     c = req.config
+    b, a = DTYPE_BYTES[req.dtype], activation_bytes(req.dtype)
     m = max(min(req.prefill_chunk, req.ctx), req.budget + 1)  # largest forward
     logit_rows = req.budget + 1  # a prefill chunk computes the last token's logits only
     per_token = (6 * c.hidden_size + 3 * c.intermediate_size + 3 * c.num_heads * c.head_dim
-                 + 3 * c.conv_dim + c.gdn_value_dim) * b + 4 * c.gdn_value_dim * 3
+                 + 3 * c.conv_dim + c.gdn_value_dim) * a + 4 * c.gdn_value_dim * 3
     per_row = _dequantized_row_bytes(req)
     held, merge = _dequantized_rows(req, rows, per_row), 0
     if held < rows:  # a prefill chunk attends in pieces, merged into float32 [heads, chunk, head_dim] (2 buffers)
@@ -312,7 +318,7 @@ def per_device(result: MemoryPlan, counts: Sequence[int], draft_device: int = 0)
             devices[draft_device][name] = result.bytes_of(name)
     for device in devices:
         device[CUDA_OVERHEAD_LINE] = req.cuda_overhead
-    parts = _activation_parts(req, cache_rows(req.ctx, req.budget), DTYPE_BYTES[req.dtype])
+    parts = _activation_parts(req, cache_rows(req.ctx, req.budget))
     attention_owners = {stage[i] for i in c.attention_layers}
     for d in range(len(counts)):
         devices[d]["activations (estimate)"] = (parts["forward"] + parts["dense"]

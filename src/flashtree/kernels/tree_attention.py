@@ -366,10 +366,10 @@ if triton is not None:
 
     @triton.jit
     def _query_operand(q, OP: tl.constexpr):
-        """q as the score dot's operand. A bf16 query for f16 operands (`tree_attention(operands=)`) is clamped to +-65280,
+        """q as the score dot's operand. A bf16 or float32 query for f16 operands is clamped to +-65280,
         the largest bf16 value f16 holds: a query beyond it would turn inf and the scores NaN. (Clamped in
         bf16: a float32 copy of the [BLOCK_M, D] tile spilled registers.)"""
-        if OP == tl.float16 and q.dtype == tl.bfloat16:
+        if OP == tl.float16 and q.dtype != tl.float16:
             q = tl.minimum(tl.maximum(q, -65280.0), 65280.0)
         return q.to(OP)
 
@@ -510,7 +510,8 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
     `block_rows` (BLOCK_N, K/V rows per step), `block_m` (query rows per program), `num_warps` and
     `num_stages` (software pipelining of the row loop) and `max_registers` (a thread's register cap, for more
     programs an SM) override the launch defaults; `operands`
-    (torch.bfloat16 / torch.float16) overrides the tensor-core operand type, q's by default (a sweep
+    (torch.bfloat16 / torch.float16) overrides the tensor-core operand type, q's by default (a bf16 model's float32
+    q takes its model's type; and a sweep
     candidate: f16 operands over an f16 cache feed the K/V rows to the MMAs straight from shared memory,
     where bf16 ones convert them in registers and store them back first, 104 fewer instructions and two
     fewer barriers per chunk in the offline SASS; but the fused q norm's prologue then spills 960 bytes per
@@ -542,8 +543,9 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
     splits = split or choose_splits(kv_end, kv_heads, m_tiles, _sm_count(q.device), block_n,
                                     programs_per_sm(quantized, m_tiles))
     interpreter = interpreted()
-    low_precision = q.dtype in (torch.bfloat16, torch.float16) and not interpreter
-    op = _TL_TYPES[operands or q.dtype] if low_precision else tl.float32
+    operands = operands or q.dtype  # a float32 q (a bf16 model's activations) may feed bf16 operands
+    low_precision = operands in (torch.bfloat16, torch.float16) and not interpreter
+    op = _TL_TYPES[operands] if low_precision else tl.float32
 
     in_combine = unrotating and splits > 1  # one split: the kernel stores the rotated rows, torch unrotates
     gated = gate is not None and (in_combine or not unrotating)

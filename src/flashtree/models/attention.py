@@ -46,8 +46,12 @@ PREFILL_DEQUANT_BYTES = 256 * 2**20
 
 class GatedAttention:
     def __init__(self, config: Qwen35Config, q: Linear, k: Linear, v: Linear, out: Linear, q_norm, k_norm,
-                 dequant_bytes: int = PREFILL_DEQUANT_BYTES):
+                 dequant_bytes: int = PREFILL_DEQUANT_BYTES, dtype: torch.dtype | None = None):
         self.config = config
+        # the attention operands' dtype, the model's (None: the projections' output dtype). In a bf16 model the
+        # activations are float32 and attention alone stays bf16: q and the gate are cast to it at the attention
+        # kernel (K/V on their write to the cache), its output cast back (docs/FIDELITY.md, design D)
+        self.dtype = dtype
         self.dequant_bytes = dequant_bytes  # dequantized K+V a prefill chunk holds at once (see the module doc)
         self.inputs = Projections.separate([q, k, v])  # one matmul once `fuse`d
         self.out = out
@@ -67,12 +71,14 @@ class GatedAttention:
             Linear.load(gguf, f"{prefix}.attn_output.weight", c.hidden_size, c.num_heads * hd, dtype, device),
             load_weight(gguf, f"{prefix}.attn_q_norm.weight", (hd,), torch.float32, device),
             load_weight(gguf, f"{prefix}.attn_k_norm.weight", (hd,), torch.float32, device),
+            dtype=dtype,
         )
 
     def __call__(self, x: torch.Tensor, step: Step, kv: AttentionKV) -> torch.Tensor:
         c = self.config
         n = x.shape[0]
         qg, k, v = self.inputs(x)
+        activations, operands = qg.dtype, self.dtype or qg.dtype
         qg = qg.reshape(n, c.num_heads, 2, c.head_dim)
         raw_q, gate = qg[:, :, 0], qg[:, :, 1]
         cos, sin = step.rope(c.rope_dim, c.rope_theta)
@@ -88,13 +94,14 @@ class GatedAttention:
             fused_q = not kv.type_k.rotated
             q = raw_q.transpose(0, 1) if fused_q else qk_norm_rope(raw_q, self.q_norm, c.rms_eps, cos, sin,
                                                                    rotated=True).transpose(0, 1)
+            # q and the gate in the activations' dtype, the MMAs' operands in the model's; the output in q's
             return self.out(tree_attention(q, kv.k, kv.v, kv.type_k, kv.type_v, step.start_tensor(), step.visible,
                                            step.positions, step.kv_end, c.attention_scale, kv.window, gate=gate,
                                            q_norm=(self.q_norm, c.rms_eps, cos, sin) if fused_q else None,
-                                           unrotate_values=True))
+                                           unrotate_values=True, operands=operands))
         # TQ3_0 keys: R orthogonal, (Rq).(Rk) = q.k, so K is used as stored
         q = qk_norm_rope(raw_q, self.q_norm, c.rms_eps, cos, sin, rotated=kv.type_k.rotated).transpose(0, 1)
-        out = self._attend_dequantized(q, step, kv)  # [heads, n, hd]
+        out = self._attend_dequantized(q.to(operands), step, kv).to(activations)  # [heads, n, hd]
         if kv.type_v.rotated:  # softmax(.) @ (R v) = R (softmax(.) @ v): rotate the output back
             out = unrotate(out)
         return self.out(gated_heads(out, gate))

@@ -14,6 +14,7 @@ import torch
 
 from flashtree.errors import FlashtreeError
 from flashtree.kernels.kv_quant import KVType, kv_type
+from flashtree.models.layers import activation_dtype
 from flashtree.models.qwen35_config import Qwen35Config
 
 
@@ -36,7 +37,7 @@ class AttentionKV:
 
 @dataclass
 class DeltaNetState:
-    conv: torch.Tensor  # [conv_kernel - 1, conv_dim]: the last pre-conv inputs, oldest first
+    conv: torch.Tensor  # [conv_kernel - 1, conv_dim]: the last pre-conv inputs, oldest first (activation dtype)
     ssm: torch.Tensor  # [v_heads, head_dim, head_dim] float32
 
 
@@ -70,7 +71,8 @@ class TargetCache:
     # request): normal tensors, so that code outside inference mode may still update them in place
     def allocate(cls, config: Qwen35Config, capacity: int, device, dtype: torch.dtype,
                  cache_type_k=None, cache_type_v=None, attn_window: int = 0) -> "TargetCache":
-        """`cache_type_k/v`: a KV type name (f32, f16, bf16, q8_0, q4_0, tq3_0); None = `dtype`."""
+        """`cache_type_k/v`: a KV type name (f32, f16, bf16, q8_0, q4_0, tq3_0); None = `dtype`, the model's.
+        The DeltaNet conv state holds activations: float32 in a bf16/f16 model (`activation_dtype`)."""
         type_k = kv_type(cache_type_k if cache_type_k is not None else dtype)
         type_v = kv_type(cache_type_v if cache_type_v is not None else dtype)
         if attn_window < 0:
@@ -86,7 +88,7 @@ class TargetCache:
         d = config.gdn_head_dim
         deltanet = {
             i: DeltaNetState(
-                torch.zeros(config.conv_kernel - 1, config.conv_dim, device=devices[i], dtype=dtype),
+                torch.zeros(config.conv_kernel - 1, config.conv_dim, device=devices[i], dtype=activation_dtype(dtype)),
                 torch.zeros(config.gdn_v_heads, d, d, device=devices[i], dtype=torch.float32),
             )
             for i in config.deltanet_layers

@@ -22,8 +22,11 @@ from flashtree.models.step import Step
 
 
 class GatedDeltaNet:
-    def __init__(self, config: Qwen35Config, weights: dict[str, object]):
+    def __init__(self, config: Qwen35Config, weights: dict[str, object], dtype: torch.dtype | None = None):
         self.config = config
+        # the model's dtype (None: the activations'). It picks the GPU recurrence's dot precision: a float32
+        # model never rounds to TF32, a bf16/f16 one (float32 activations, docs/FIDELITY.md design D) may
+        self.dtype = dtype
         # qkv (the conv's input), z (the output gate), beta, alpha: one matmul once `fuse`d
         self.inputs = Projections.separate([weights["qkv"], weights["z"], weights["beta"], weights["alpha"]])
         self.out = weights["out"]
@@ -46,7 +49,7 @@ class GatedDeltaNet:
             "a": load_weight(gguf, f"{prefix}.ssm_a", (hv,), f32, device),
             "dt_bias": load_weight(gguf, f"{prefix}.ssm_dt.bias", (hv,), f32, device),
             "norm": load_weight(gguf, f"{prefix}.ssm_norm.weight", (c.gdn_head_dim,), f32, device),
-        })
+        }, dtype)
 
     def fuse(self) -> None:
         self.inputs = self.inputs.fused()
@@ -54,6 +57,7 @@ class GatedDeltaNet:
     def __call__(self, x: torch.Tensor, step: Step, state: DeltaNetState) -> tuple[torch.Tensor, TreeScratch | None]:
         c = self.config
         n = x.shape[0]
+        exact = (self.dtype or x.dtype) == torch.float32  # a float32 model: no TF32 dots anywhere
         conv_inputs, z, b, a = self.inputs(x)
         # a run shifts the conv state by its inputs here (a decode token inside the conv's launch); a tree
         # leaves it to the commit of the accepted path
@@ -68,7 +72,7 @@ class GatedDeltaNet:
             if fused:
                 # a float32 model keeps float32 FMA dots (no TF32 anywhere unless asked); tf32x3 is as
                 # accurate in practice (2026-12-01 sweep: 4e-7 against 2e-7) and about 1.5x faster
-                precision = "ieee" if x.dtype == torch.float32 else "tf32x3"
+                precision = "ieee" if exact else "tf32x3"
                 o = gated_delta_triton.tree_verify(q, k, v, g, beta, state.ssm, step.parents, precision=precision)
                 scratch = TreeScratch(conv_inputs, q, k, v, g, beta)
             else:
@@ -81,7 +85,7 @@ class GatedDeltaNet:
                 run = gated_delta.recurrent if n == 1 else gated_delta.chunked
                 # prefill: fla-core's fused chunk kernels, whose float32 dots are TF32: a float32 run keeps
                 # the exact torch form (a float32 run must not round to TF32 anywhere)
-                if x.is_cuda and n > 1 and x.dtype != torch.float32 and gated_delta_fla.available():
+                if x.is_cuda and n > 1 and not exact and gated_delta_fla.available():
                     run = gated_delta_fla.chunked
                 o, ssm = run(q, k, v, g, beta, state.ssm)
                 state.ssm.copy_(ssm)  # in place: a captured CUDA graph keeps reading these buffers

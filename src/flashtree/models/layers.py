@@ -13,7 +13,29 @@ from flashtree.formats.gguf_file import GGUFFile
 from flashtree.formats.quants import dequantize
 from flashtree.kernels import triton_runs_on
 from flashtree.kernels.quant_matmul import KERNELS as QUANT_KERNELS
-from flashtree.kernels.quant_matmul import QuantWeight, quant_matmul
+from flashtree.kernels.quant_matmul import QuantWeight, f16_rows, quant_matmul, quant_matmul_rounded, round_rows_f16
+
+
+def activation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a model's activations between kernels (embedding rows, residual stream, norm and matmul
+    outputs, the DeltaNet conv path and state): float32 in a bf16/f16 model, whose `dtype` then only stores
+    the KV cache and feeds attention (issue #19, docs/FIDELITY.md design D: each bf16 rounding of an
+    activation added 1-5 % to the logits); else `dtype` itself."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def rounds_inputs(dtype: torch.dtype) -> bool:
+    """Whether a model of `dtype` has float32 activations that each matmul rounds at its input to the 16-bit
+    type its kernel multiplies in (design D: `quant_matmul_rounded`), writing float32."""
+    return activation_dtype(dtype) != dtype
+
+
+def dense_weight_dtype(dtype: torch.dtype, device) -> torch.dtype:
+    """The dtype of a weight dequantized at load in a model of `dtype`. A bf16/f16 model never rounds a
+    weight below float16: float32 on the CPU (exact), float16 on the GPU (the size of bf16, 8x finer)."""
+    if not rounds_inputs(dtype):
+        return dtype
+    return torch.float32 if torch.device(device).type == "cpu" else torch.float16
 
 
 def load_weight(gguf: GGUFFile, name: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
@@ -26,10 +48,13 @@ def load_weight(gguf: GGUFFile, name: str, shape: tuple[int, ...], dtype: torch.
 
 
 class Linear:
-    """y = x W^T with W dequantized at load (the CPU path, and types without a GPU kernel)."""
+    """y = x W^T with W dequantized at load (the CPU path, and types without a GPU kernel). With
+    `rounded_input` (a bf16/f16 model) x is rounded to float16 (scaled by a power of two per row) and y is
+    float32 (`rounds_inputs`)."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, rounded_input: bool = False):
         self.weight = weight
+        self.rounded_input = rounded_input
 
     @classmethod
     def load(cls, gguf: GGUFFile, name: str, out_features: int, in_features: int, dtype, device):
@@ -39,8 +64,10 @@ class Linear:
             if tuple(info.shape) != (out_features, in_features):
                 raise FlashtreeError(f"{gguf.path}: tensor {name} has shape {tuple(info.shape)}, "
                                      f"expected {(out_features, in_features)}")
-            return QuantLinear(QuantWeight.from_gguf_bytes(gguf.raw(name).to(device), info.qtype, info.shape))
-        return cls(load_weight(gguf, name, (out_features, in_features), dtype, device))
+            return QuantLinear(QuantWeight.from_gguf_bytes(gguf.raw(name).to(device), info.qtype, info.shape),
+                               rounds_inputs(dtype))
+        return cls(load_weight(gguf, name, (out_features, in_features), dense_weight_dtype(dtype, device), device),
+                   rounds_inputs(dtype))
 
     @property
     def device(self) -> torch.device:
@@ -57,7 +84,12 @@ class Linear:
         return self
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        if not self.rounded_input:
+            return F.linear(x, self.weight)
+        if self.weight.dtype == torch.float32:  # the CPU: exact weights, float32 products of the rounded x
+            return F.linear(round_rows_f16(x), self.weight)
+        scaled, unscale = f16_rows(x)  # float16 weights (the GPU): a float16 GEMM, its output unscaled in float32
+        return F.linear(scaled, self.weight).float() * unscale
 
 
 def keeps_quantized(qtype: GGMLQuantizationType, device: torch.device) -> bool:
@@ -70,8 +102,9 @@ class QuantLinear:
     """y = x W^T with W kept as GGUF blocks on the GPU (kernels/quant_matmul): a 27B Q4_K_M model reads
     ~16 GB per token instead of the ~54 GB of its bf16 expansion."""
 
-    def __init__(self, weight: QuantWeight):
+    def __init__(self, weight: QuantWeight, rounded_input: bool = False):
         self.quant = weight
+        self.rounded_input = rounded_input  # a bf16/f16 model: float32 x, float32 y (`quant_matmul_rounded`)
 
     @property
     def device(self) -> torch.device:
@@ -92,7 +125,8 @@ class QuantLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        return quant_matmul(rows, self.quant).reshape(*x.shape[:-1], self.quant.shape[0])
+        y = quant_matmul_rounded(rows, self.quant) if self.rounded_input else quant_matmul(rows, self.quant)
+        return y.reshape(*x.shape[:-1], self.quant.shape[0])
 
 
 def out_features(linear: Linear | QuantLinear) -> int:
@@ -102,7 +136,7 @@ def out_features(linear: Linear | QuantLinear) -> int:
 def _joinable(a: Linear | QuantLinear, b: Linear | QuantLinear) -> bool:
     """Whether two projections of one input can share one matrix: same class (not a tensor-parallel
     subclass), device, and encoding (GGUF type, or dtype) and K."""
-    if type(a) is not type(b) or a.device != b.device:
+    if type(a) is not type(b) or a.device != b.device or a.rounded_input != b.rounded_input:
         return False
     if type(a) is QuantLinear:
         return a.quant.qtype == b.quant.qtype and a.quant.shape[1] == b.quant.shape[1]
@@ -117,8 +151,8 @@ def _concatenated(linears: list[Linear | QuantLinear]) -> Linear | QuantLinear:
         q = linears[0].quant
         rows = torch.cat([linear.quant.gguf_bytes().reshape(-1) for linear in linears])
         n = sum(linear.quant.shape[0] for linear in linears)
-        return QuantLinear(QuantWeight.from_gguf_bytes(rows, q.qtype, (n, q.shape[1])))
-    return Linear(torch.cat([linear.weight for linear in linears]))
+        return QuantLinear(QuantWeight.from_gguf_bytes(rows, q.qtype, (n, q.shape[1])), linears[0].rounded_input)
+    return Linear(torch.cat([linear.weight for linear in linears]), linears[0].rounded_input)
 
 
 def quant_weights(root) -> list[QuantWeight]:

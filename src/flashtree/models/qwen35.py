@@ -26,7 +26,7 @@ from flashtree.kernels.commit_rows import move_rows
 from flashtree.kernels.rms_norm import add_rms_norm, rms_norm
 from flashtree.models.attention import GatedAttention
 from flashtree.models.deltanet import GatedDeltaNet, commit_layers
-from flashtree.models.layers import Linear, Projections, QuantizedEmbedding, load_weight
+from flashtree.models.layers import Linear, Projections, QuantizedEmbedding, activation_dtype, load_weight
 from flashtree.models.qwen35_config import Qwen35Config
 from flashtree.models.step import Step, padded_offsets
 
@@ -129,6 +129,9 @@ class Qwen35Model:
         self.config, self.embed, self.layers = config, embed, layers
         self.output_norm, self.lm_head = output_norm, lm_head
         self.device, self.dtype = device, dtype  # `device`: where the embedding, inputs and outputs live
+        # `dtype` stores the KV cache and feeds attention; the activations between kernels are `act_dtype`
+        # (float32 in a bf16/f16 model: `activation_dtype`)
+        self.act_dtype = activation_dtype(dtype)
         self.boundaries: dict[int, torch.device] = {}  # layer split (flashtree.parallel): layer index -> its device
 
     @classmethod
@@ -140,7 +143,7 @@ class Qwen35Model:
         device = indexed(device)
         local = shard.local_config(config) if shard is not None else config
         d, vocab = config.hidden_size, config.vocab_size
-        embed = QuantizedEmbedding.load(gguf, "token_embd.weight", vocab, d, dtype, device)
+        embed = QuantizedEmbedding.load(gguf, "token_embd.weight", vocab, d, activation_dtype(dtype), device)
         head_name = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
         lm_head = Linear.load(gguf, head_name, vocab, d, dtype, device)
         if shard is not None:

@@ -39,7 +39,7 @@ from flashtree.errors import FlashtreeError
 from flashtree.formats.quants import GGML_QUANT_SIZES
 from flashtree.kernels.quant_matmul import QuantWeight
 from flashtree.models.deltanet import GatedDeltaNet
-from flashtree.models.layers import Linear, Projections, QuantLinear
+from flashtree.models.layers import Linear, Projections, QuantLinear, dense_weight_dtype
 
 
 class _AllReduced:
@@ -133,15 +133,16 @@ def shard(linear: Linear | QuantLinear, heads: torch.Tensor, size: int, dim: int
     """The output rows (dim 0) or input columns (dim 1) of the given heads, each `size` consecutive ones,
     in the given order. A QuantLinear stays quantized -- its GGUF blocks selected as stored, bit for bit --
     where every selected run of columns is made of whole blocks; otherwise the dense sub-matrix (in
-    `dtype`, the model's compute dtype, for a QuantLinear)."""
+    `dtype`, the model's dtype, for a QuantLinear: `dense_weight_dtype`). The shard keeps the matmul's
+    input rounding (`rounded_input`)."""
     index = _index(heads, size)
     if isinstance(linear, QuantLinear):
         quant = _select_blocks(linear.quant, index, dim)
         if quant is not None:
-            return QuantLinear(quant)
-        linear = Linear(linear.quant.dequantize(dtype))
+            return QuantLinear(quant, linear.rounded_input)
+        linear = Linear(linear.quant.dequantize(dense_weight_dtype(dtype, linear.device)), linear.rounded_input)
     weight = linear.weight
-    return Linear(weight.index_select(dim, index.to(weight.device)).contiguous())
+    return Linear(weight.index_select(dim, index.to(weight.device)).contiguous(), linear.rounded_input)
 
 
 def _select_blocks(quant: QuantWeight, index: torch.Tensor, dim: int) -> QuantWeight | None:
@@ -203,9 +204,11 @@ def shard_head(head: Linear | QuantLinear, vocab: int, rank: int, world: int, gr
         if isinstance(part, QuantLinear):
             zeros = torch.zeros(missing, part.quant.gguf_bytes().shape[1], dtype=torch.uint8, device=part.device)
             raw = torch.cat([part.quant.gguf_bytes(), zeros]).reshape(-1)
-            part = QuantLinear(QuantWeight.from_gguf_bytes(raw, part.quant.qtype, (per, part.quant.shape[1])))
+            part = QuantLinear(QuantWeight.from_gguf_bytes(raw, part.quant.qtype, (per, part.quant.shape[1])),
+                               part.rounded_input)
         else:
-            part = Linear(torch.cat([part.weight, part.weight.new_zeros(missing, part.weight.shape[1])]))
+            part = Linear(torch.cat([part.weight, part.weight.new_zeros(missing, part.weight.shape[1])]),
+                          part.rounded_input)
     return VocabParallelHead(part, vocab, group)
 
 

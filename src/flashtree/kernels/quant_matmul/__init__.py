@@ -234,6 +234,57 @@ def _mma_matmul(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
     return x @ weight.dequantize(x.dtype).T
 
 
+def f16_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (x 2^e [M, K] float16, 2^-e [M, 1] float32): each row scaled by a power of two (exact) so
+    that its largest |x| lies in [1, 2), then rounded to float16. Whatever the row's magnitude, float16 then
+    neither overflows nor loses precision to subnormals (but for values 2^-14 below the row's largest), and
+    x W^T of the scaled row stays far below float16's range. mma.cu's `prep_x` scales the same way (into
+    [256, 512)), so the rounding is the one its tensor-core kernels apply."""
+    largest = x.abs().amax(dim=-1, keepdim=True).float()
+    _, exponent = torch.frexp(torch.where(torch.isfinite(largest), largest, torch.ones_like(largest)))
+    return torch.ldexp(x.float(), 1 - exponent).half(), torch.ldexp(torch.ones_like(largest), exponent - 1)
+
+
+def round_rows_f16(x: torch.Tensor) -> torch.Tensor:
+    """`f16_rows`' rounding as float32 values: what a matmul of float16 x sees."""
+    scaled, unscale = f16_rows(x)
+    return scaled.float() * unscale
+
+
+def quant_matmul_rounded(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
+    """A bf16/f16 model's matmul (docs/FIDELITY.md, design D): x [M, K] (float32 activations; bf16 from a draft)
+    -> float32 [M, N], the weights never rounded below float16, x rounded as the weight's fastest kernel takes it.
+
+    - Q4_K/Q6_K in fragment order (`mma`): the kernels read x as it is and write float32; qmh rounds x to
+      float16 (scaled by a power of two per row, `prep_x`), the one-row and small-matrix kernels (qmv, qmm) to
+      bf16 at their load. Prefill chunks of DENSE_MIN_M rows and more: `f16_rows` x times the float16 dense
+      weight (cuBLAS), unscaled in float32.
+    - The Triton kernels' types take float32 x: float32 weights and products (tf32x3 dots at 2-64 rows).
+    - Plain weights and the CPU: `f16_rows`-rounded x times the weight in its own precision."""
+    x = _check_x(x, weight)
+    n, k = weight.shape
+    if weight.mma_layout:
+        if x.shape[0] < DENSE_MIN_M or n * k * 2 > DENSE_MAX_BYTES:
+            return mma.matmul(x, weight.raw, weight.qtype, n, k, out_dtype=torch.float32)
+        return _f16_rows_matmul(x, weight.dequantize(torch.float16))
+    if weight.qtype in PLAIN_TYPES:
+        w = weight.raw.view(PLAIN_TYPES[weight.qtype]).reshape(n, k)
+        if x.is_cuda and w.dtype == torch.bfloat16:  # x rounded to bf16 as the weight is: a bf16 GEMM
+            return (x.bfloat16() @ w.T).float()
+        if x.is_cuda and w.dtype == torch.float16:
+            return _f16_rows_matmul(x, w)
+        return round_rows_f16(x) @ w.float().T
+    if not _triton_runs(x):
+        return round_rows_f16(x) @ weight.dequantize(torch.float32).T
+    return KERNELS[weight.qtype].load().matmul(x.float(), weight.fields(), n, k, None)
+
+
+def _f16_rows_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`f16_rows` x [M, K] times a float16 weight [N, K] (cuBLAS), unscaled in float32."""
+    scaled, unscale = f16_rows(x)
+    return (scaled @ w.T).float() * unscale
+
+
 def quant_matmul_reference(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
     """float32 dequantization of the GGUF bytes, float32 matmul, result in x.dtype."""
     x = _check_x(x, weight)

@@ -1,12 +1,13 @@
-// Quantized matmul on tensor cores: out[M, N] = x[M, K] @ W[N, K]^T for 1 <= M <= 32 bf16 rows of x,
-// W kept as Q4_K or Q6_K blocks re-laid at load in mma.sync fragment order (see mma.py for the layout).
+// Quantized matmul on tensor cores: out[M, N] = x[M, K] @ W[N, K]^T for 1 <= M <= 32 rows of x (bf16 or float32;
+// out in bf16 or float32), W kept as Q4_K or Q6_K blocks re-laid at load in mma.sync fragment order (see mma.py
+// for the layout).
 //
 // One m16n8k16 MMA multiplies 16 weight rows (the MMA's M) by 8 tokens (its N) over 16 values of K.
 // The quantized integers go into the A fragment exactly: a nibble q is OR-ed into the mantissa of
 // bf16 128.0 (0x4300 | q = 128 + q; one LOP3 per two values, no conversion instructions). Each
 // sub-block's MMA partial is then scaled in float32 by the sub-block's scale, and the constant part
 // (128 and Q4_K's min) is removed with the sub-block's sum of x, itself an MMA against ones. So the
-// weights are never rounded; only x (already bf16) and the float32 accumulation round.
+// weights are never rounded; only x (to bf16) and the float32 accumulation round.
 //
 // A warp owns RT tiles of 16 rows and walks a share of the 256-value super-blocks (K); the CTA's
 // warps split K and are summed in a fixed order through shared memory; with SPLITS > 1 CTAs of one
@@ -66,6 +67,38 @@ __device__ __forceinline__ u16 float_to_half(float f) {
     asm("cvt.rn.f16.f32 %0, %1;\n" : "=h"(h) : "f"(f));
     return h;
 }
+
+// x comes as bf16 (u16) or float32 rows, and the output goes out as either: a bf16 model's activations are
+// float32 between kernels (docs/FIDELITY.md, design D), so these kernels read and write them without a cast
+// launch. The bf16 MMAs take float32 x rounded to nearest bf16 at the load.
+__device__ __forceinline__ u32 bf16x2_of(float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+__device__ __forceinline__ uint4 x8_bf16(const u16* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+__device__ __forceinline__ uint4 x8_bf16(const float* p) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(p)), b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+    return make_uint4(bf16x2_of(a.x, a.y), bf16x2_of(a.z, a.w), bf16x2_of(b.x, b.y), bf16x2_of(b.z, b.w));
+}
+__device__ __forceinline__ uint2 x4_bf16(const u16* p) { return __ldg(reinterpret_cast<const uint2*>(p)); }
+__device__ __forceinline__ uint2 x4_bf16(const float* p) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(p));
+    return make_uint2(bf16x2_of(a.x, a.y), bf16x2_of(a.z, a.w));
+}
+// eight consecutive values as float32
+__device__ __forceinline__ void x8_f32(const u16* p, float (&f)[8]) {
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+    const u32 words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) f[2 * q] = __uint_as_float(words[q] << 16), f[2 * q + 1] = __uint_as_float(words[q] & 0xFFFF0000u);
+}
+__device__ __forceinline__ void x8_f32(const float* p, float (&f)[8]) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(p)), b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+}
+__device__ __forceinline__ void store_out(u16* out, long i, float v) { out[i] = float_to_bf16(v); }
+__device__ __forceinline__ void store_out(float* out, long i, float v) { out[i] = v; }
 
 // Constants the hot loop ORs and permutes with, made once into registers the compiler cannot see
 // through: otherwise it rematerializes them (a MOV per use) because LOP3/PRMT take one immediate.
@@ -262,19 +295,19 @@ __device__ __forceinline__ void walk_k(const unsigned char* quants, const unsign
 
 // B fragments of scaled sub-block j for one token group: lane t's values are contiguous (mma.py's
 // `_lane_columns`): Q4_K one 16-byte load for both steps, Q6_K one 8-byte load.
-template <int QT>
-__device__ __forceinline__ void load_x(const u16* row, int sb, int j, u32 (&bx)[Type<QT>::SUB][2]) {
+template <int QT, typename XT>
+__device__ __forceinline__ void load_x(const XT* row, int sb, int j, u32 (&bx)[Type<QT>::SUB][2]) {
     if constexpr (QT == Q4_K) {
-        const uint4 v = __ldg(reinterpret_cast<const uint4*>(row + (sb << 8) + 32 * j));
+        const uint4 v = x8_bf16(row + (sb << 8) + 32 * j);
         bx[0][0] = v.x; bx[0][1] = v.y; bx[1][0] = v.z; bx[1][1] = v.w;
     } else {
-        const uint2 v = __ldg(reinterpret_cast<const uint2*>(row + (sb << 8) + 16 * j));
+        const uint2 v = x4_bf16(row + (sb << 8) + 16 * j);
         bx[0][0] = v.x; bx[0][1] = v.y;
     }
 }
 
-template <int QT, int RT, int TG>
-__device__ __forceinline__ void multiply(const Weights<QT, RT>& w, const u16* const (&xrow)[TG], int sb,
+template <int QT, int RT, int TG, typename XT>
+__device__ __forceinline__ void multiply(const Weights<QT, RT>& w, const XT* const (&xrow)[TG], int sb,
                                          const Consts& k, float (&acc)[RT][TG][4]) {
     typedef Type<QT> T;
 #pragma unroll
@@ -328,18 +361,18 @@ __device__ __forceinline__ void multiply(const Weights<QT, RT>& w, const u16* co
 
 // A finished sum of (token, row) over this CTA's K range: the output itself with one split, else this
 // split's float32 partial.
-template <int SPLITS>
-__device__ __forceinline__ void store_sum(float v, int tok, int row, u16* __restrict__ out,
+template <int SPLITS, typename OT>
+__device__ __forceinline__ void store_sum(float v, int tok, int row, OT* __restrict__ out,
                                           float* __restrict__ partial, int M, int N) {
-    if (SPLITS == 1) out[(long)tok * N + row] = float_to_bf16(v);
+    if (SPLITS == 1) store_out(out, (long)tok * N + row, v);
     else partial[(long)blockIdx.y * M * N + (long)tok * N + row] = v;
 }
 
 // With several splits, the last CTA of a row group to arrive (an atomic ticket, reset for the next
 // call) adds the splits' partials of rows [row0, row0 + rows) in split order, so the result does not
 // depend on timing.
-template <int SPLITS, int THREADS>
-__device__ __forceinline__ void finish_splits(u16* __restrict__ out, const float* __restrict__ partial,
+template <int SPLITS, int THREADS, typename OT>
+__device__ __forceinline__ void finish_splits(OT* __restrict__ out, const float* __restrict__ partial,
                                               int* __restrict__ tickets, int row0, int rows, int M, int N) {
     __threadfence();
     __syncthreads();
@@ -354,15 +387,15 @@ __device__ __forceinline__ void finish_splits(u16* __restrict__ out, const float
         const volatile float* src = partial + (long)tok * N + row;
         float total = 0.0f;
         for (int s = 0; s < SPLITS; ++s) total += src[s * stride];
-        out[(long)tok * N + row] = float_to_bf16(total);
+        store_out(out, (long)tok * N + row, total);
     }
     if (threadIdx.x == 0) tickets[blockIdx.x] = 0;
 }
 
 // The end of a CTA: its warps' partial sums of the CTA's RT tiles meet in shared memory, added in warp order
 // (and multiplied by the token's `scale`, when x was scaled: qmh).
-template <int RT, int TG, int WARPS, int SPLITS>
-__device__ __forceinline__ void epilogue(const float (&acc)[RT][TG][4], int tile0, u16* __restrict__ out,
+template <int RT, int TG, int WARPS, int SPLITS, typename OT>
+__device__ __forceinline__ void epilogue(const float (&acc)[RT][TG][4], int tile0, OT* __restrict__ out,
                                          float* __restrict__ partial, int* __restrict__ tickets, int M, int N,
                                          const float* __restrict__ scale = nullptr) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -389,10 +422,10 @@ __device__ __forceinline__ void epilogue(const float (&acc)[RT][TG][4], int tile
     if constexpr (SPLITS > 1) finish_splits<SPLITS, WARPS * 32>(out, partial, tickets, 16 * tile0, 16 * RT, M, N);
 }
 
-template <int QT, int RT, int TG, int WARPS, int SPLITS>
-__device__ __forceinline__ void qmm(const u16* __restrict__ x, const unsigned char* __restrict__ quants,
+template <int QT, int RT, int TG, int WARPS, int SPLITS, typename XT, typename OT>
+__device__ __forceinline__ void qmm(const XT* __restrict__ x, const unsigned char* __restrict__ quants,
                                     const unsigned char* __restrict__ high, const unsigned char* __restrict__ scales,
-                                    const u16* __restrict__ dvals, u16* __restrict__ out, float* __restrict__ partial,
+                                    const u16* __restrict__ dvals, OT* __restrict__ out, float* __restrict__ partial,
                                     int* __restrict__ tickets, int M, int N, int K) {
     typedef Type<QT> T;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -405,7 +438,7 @@ __device__ __forceinline__ void qmm(const u16* __restrict__ x, const unsigned ch
 
     // x rows of this lane's B fragments: token 8 tg + g; past M, token 0 again (those output columns
     // are computed and never stored: cheaper than zeroing)
-    const u16* xrow[TG];
+    const XT* xrow[TG];
 #pragma unroll
     for (int tg = 0; tg < TG; ++tg) {
         const int tok = 8 * tg + g;
@@ -431,8 +464,9 @@ __device__ __forceinline__ void qmm(const u16* __restrict__ x, const unsigned ch
 template <int QT> struct VectorX;
 template <> struct VectorX<Q4_K> {
     uint4 v;
-    __device__ __forceinline__ void load(const u16* row, int sb, int g, int t) {
-        v = __ldg(reinterpret_cast<const uint4*>(row + (sb << 8) + 32 * g + 8 * t));
+    template <typename XT>
+    __device__ __forceinline__ void load(const XT* row, int sb, int g, int t) {
+        v = x8_bf16(row + (sb << 8) + 32 * g + 8 * t);
     }
     // B registers of step s, zero unless the step belongs to this lane's sub-block
     __device__ __forceinline__ void fragment(int s, int g, u32& b0, u32& b1) const {
@@ -443,9 +477,10 @@ template <> struct VectorX<Q4_K> {
 };
 template <> struct VectorX<Q6_K> {
     uint2 v[2];
-    __device__ __forceinline__ void load(const u16* row, int sb, int g, int t) {
-        v[0] = __ldg(reinterpret_cast<const uint2*>(row + (sb << 8) + 16 * g + 4 * t));
-        v[1] = __ldg(reinterpret_cast<const uint2*>(row + (sb << 8) + 16 * (g + 8) + 4 * t));
+    template <typename XT>
+    __device__ __forceinline__ void load(const XT* row, int sb, int g, int t) {
+        v[0] = x4_bf16(row + (sb << 8) + 16 * g + 4 * t);
+        v[1] = x4_bf16(row + (sb << 8) + 16 * (g + 8) + 4 * t);
     }
     __device__ __forceinline__ void fragment(int s, int g, u32& b0, u32& b1) const {
         const bool mine = (s & 7) == g;
@@ -459,8 +494,8 @@ template <int QT> __device__ constexpr int column_sets() { return QT == Q4_K ? 1
 
 // CH: accumulator chains (MMA step s adds to chain s % CH; each column's sub-block has its steps in different
 // chains, summed at the end), so that the 16 MMAs of a super-block are not one chain of dependent latencies
-template <int QT, int RT, int CH>
-__device__ __forceinline__ void multiply_vector(const Weights<QT, RT>& w, const u16* row, int sb, int g, int t,
+template <int QT, int RT, int CH, typename XT>
+__device__ __forceinline__ void multiply_vector(const Weights<QT, RT>& w, const XT* row, int sb, int g, int t,
                                                 const Consts& k, float (&acc)[RT][2]) {
     typedef Type<QT> T;
     constexpr int SETS = column_sets<QT>();
@@ -512,10 +547,10 @@ __device__ __forceinline__ void multiply_vector(const Weights<QT, RT>& w, const 
     }
 }
 
-template <int QT, int RT, int WARPS, int SPLITS, int CH>
-__device__ __forceinline__ void qmv(const u16* __restrict__ x, const unsigned char* __restrict__ quants,
+template <int QT, int RT, int WARPS, int SPLITS, int CH, typename XT, typename OT>
+__device__ __forceinline__ void qmv(const XT* __restrict__ x, const unsigned char* __restrict__ quants,
                                     const unsigned char* __restrict__ high, const unsigned char* __restrict__ scales,
-                                    const u16* __restrict__ dvals, u16* __restrict__ out, float* __restrict__ partial,
+                                    const u16* __restrict__ dvals, OT* __restrict__ out, float* __restrict__ partial,
                                     int* __restrict__ tickets, int M, int N, int K) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -893,8 +928,8 @@ __device__ __forceinline__ void multiply_half(const Weights<Q6_K, RT>& w, XSourc
 }
 
 // qmh's end when its warps own tiles (OWN): each warp stores its own rows, no sum across warps.
-template <int RT, int TG, int WARPS, int SPLITS>
-__device__ __forceinline__ void epilogue_own(const float (&acc)[RT][TG][4], int tile0, u16* __restrict__ out,
+template <int RT, int TG, int WARPS, int SPLITS, typename OT>
+__device__ __forceinline__ void epilogue_own(const float (&acc)[RT][TG][4], int tile0, OT* __restrict__ out,
                                              float* __restrict__ partial, int* __restrict__ tickets, int M, int N,
                                              const float* __restrict__ scale) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -932,11 +967,11 @@ __device__ __forceinline__ void walk_half(XSource& x, const unsigned char* quant
 // all of x: at 23 rows 5.3 bytes of x per byte of weights); splits fill the GPU instead. OWN 2: the same with x
 // staged in shared memory (SharedX), the choice on wide matrices at 17-32 rows (2026-12-01, eighth session:
 // gate/up 23 rows 41.6 -> 36.1 us; OWN 1 and the second session's per-CTA double-buffered copy were slower).
-template <int QT, int RT, int TG, int WARPS, int SPLITS, int CH, int XA, int OWN>
+template <int QT, int RT, int TG, int WARPS, int SPLITS, int CH, int XA, int OWN, typename OT>
 __device__ __forceinline__ void qmh(const u16* __restrict__ xh, const u16* __restrict__ xsum,
                                     const float* __restrict__ scale, const unsigned char* __restrict__ quants,
                                     const unsigned char* __restrict__ high, const unsigned char* __restrict__ scales,
-                                    const u16* __restrict__ dvals, u16* __restrict__ out, float* __restrict__ partial,
+                                    const u16* __restrict__ dvals, OT* __restrict__ out, float* __restrict__ partial,
                                     int* __restrict__ tickets, int M, int N, int K) {
     const int warp = threadIdx.x >> 5;
     const int SB = K >> 8;
@@ -987,21 +1022,20 @@ __device__ __forceinline__ void store_in_step_pairs(const u32 (&h)[4], int i, u1
     *reinterpret_cast<uint2*>(at + 8) = make_uint2(h[2], h[3]);
 }
 
-// x [M, K] bf16 -> xh [M, K] f16 = x 2^e (per row, max |x 2^e| in [256, 512)) in the order QT's qmh reads it
+// x [M, K] bf16 or float32 -> xh [M, K] f16 = x 2^e (per row, max |x 2^e| in [256, 512)) in the order QT's qmh reads it
 // (Q4_K: as it is; Q6_K: store_in_step_pairs), scale [M] = 2^-e, and Q4_K's xsum. One CTA of 256 threads per row.
-template <int QT>
-__device__ __forceinline__ void prep_x(const u16* __restrict__ x, u16* __restrict__ xh, u16* __restrict__ xsum,
+template <int QT, typename XT>
+__device__ __forceinline__ void prep_x(const XT* __restrict__ x, u16* __restrict__ xh, u16* __restrict__ xsum,
                                        float* __restrict__ scale, int K) {
     const int tok = blockIdx.x;
-    const u16* row = x + (long)tok * K;
+    const XT* row = x + (long)tok * K;
     __shared__ float warp_max[8];
     float amax = 0.0f;
     for (int i = threadIdx.x * 8; i < K; i += 256 * 8) {
-        const uint4 v = __ldg(reinterpret_cast<const uint4*>(row + i));
-        const u32 words[4] = {v.x, v.y, v.z, v.w};
+        float f[8];
+        x8_f32(row + i, f);
 #pragma unroll
-        for (int q = 0; q < 4; ++q)
-            amax = fmaxf(amax, fmaxf(fabsf(__uint_as_float(words[q] << 16)), fabsf(__uint_as_float(words[q] & 0xFFFF0000u))));
+        for (int q = 0; q < 8; ++q) amax = fmaxf(amax, fabsf(f[q]));
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
@@ -1016,15 +1050,11 @@ __device__ __forceinline__ void prep_x(const u16* __restrict__ x, u16* __restric
     if (threadIdx.x == 0) scale[tok] = __uint_as_float((u32)(127 - e) << 23);
     u16* hrow = xh + (long)tok * K;
     for (int i = threadIdx.x * 8; i < K; i += 256 * 8) {
-        const uint4 v = __ldg(reinterpret_cast<const uint4*>(row + i));
-        const u32 words[4] = {v.x, v.y, v.z, v.w};
+        float f[8];
+        x8_f32(row + i, f);
         u32 h[4];
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            const u32 lo = float_to_half(__uint_as_float(words[q] << 16) * up);
-            const u32 hi = float_to_half(__uint_as_float(words[q] & 0xFFFF0000u) * up);
-            h[q] = lo | (hi << 16);
-        }
+        for (int q = 0; q < 4; ++q) h[q] = (u32)float_to_half(f[2 * q] * up) | ((u32)float_to_half(f[2 * q + 1] * up) << 16);
         if constexpr (QT == Q4_K) {
             *reinterpret_cast<uint4*>(hrow + i) = make_uint4(h[0], h[1], h[2], h[3]);
             store_sub_block_sum(h, i, tok, K, xsum);

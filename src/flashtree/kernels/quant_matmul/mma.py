@@ -393,16 +393,33 @@ def kernel_for(qtype: QType, tg: int, n: int, k: int) -> str:
     return "qmh" if n * k >= QMH_MIN_WEIGHTS else "qmm"
 
 
-def _instance(qtype: QType, config: MMAConfig, tg: int, kernel: str) -> str:
+# x and output element types a kernel instance takes: bf16 (u16 in mma.cu) or float32 (a bf16 model's
+# activations, docs/FIDELITY.md design D); qmh's x is prep_x's float16 either way
+_C_TYPES = {torch.bfloat16: "u16", torch.float32: "float"}
+
+
+def _check_dtypes(*dtypes: torch.dtype) -> None:
+    for dtype in dtypes:
+        if dtype not in _C_TYPES:
+            raise FlashtreeError(f"the MMA kernels take and write bf16 or float32 rows, not {dtype}")
+
+
+def _dtype_suffix(x_dtype: torch.dtype, out_dtype: torch.dtype) -> str:
+    return ("_xf32" if x_dtype == torch.float32 else "") + ("_of32" if out_dtype == torch.float32 else "")
+
+
+def _instance(qtype: QType, config: MMAConfig, tg: int, kernel: str, x_dtype: torch.dtype = torch.bfloat16,
+              out_dtype: torch.dtype = torch.bfloat16) -> str:
     c = config
     blocks = f"_b{c.min_blocks}" if c.min_blocks else ""
+    types = _dtype_suffix(torch.bfloat16 if kernel == "qmh" else x_dtype, out_dtype)
     if kernel == "qmv":
         chains = f"_c{c.chains}" if c.chains > 1 else ""
-        return f"qmv_{qtype.name.lower()}_r{c.rt}_w{c.warps}_s{c.splits}{chains}{blocks}"
+        return f"qmv_{qtype.name.lower()}_r{c.rt}_w{c.warps}_s{c.splits}{chains}{blocks}{types}"
     chains = f"_c{c.chains}" if kernel == "qmh" else ""
     ahead = f"_x{c.x_ahead}" if kernel == "qmh" and c.x_ahead else ""
     own = f"_own{c.own_tiles}" if kernel == "qmh" and c.own_tiles else ""
-    return f"{kernel}_{qtype.name.lower()}_r{c.rt}_t{tg}_w{c.warps}_s{c.splits}{chains}{blocks}{ahead}{own}"
+    return f"{kernel}_{qtype.name.lower()}_r{c.rt}_t{tg}_w{c.warps}_s{c.splits}{chains}{blocks}{ahead}{own}{types}"
 
 
 def _dequant_instance(qtype: QType, out: int) -> str:
@@ -414,13 +431,15 @@ _OUT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _DEQUANT_WARPS = {torch.bfloat16: 4, torch.float16: 4, torch.float32: 2}
 
 
-def _wrapper(name: str, qtype: QType, config: MMAConfig, tg: int, kernel: str) -> str:
+def _wrapper(name: str, qtype: QType, config: MMAConfig, tg: int, kernel: str, x_dtype: torch.dtype = torch.bfloat16,
+             out_dtype: torch.dtype = torch.bfloat16) -> str:
     c = config
     bounds = f"{c.warps * 32}, {c.min_blocks}" if c.min_blocks else f"{c.warps * 32}"
     head = f'extern "C" __global__ void __launch_bounds__({bounds}) {name}'
+    xt, ot = _C_TYPES[x_dtype], _C_TYPES[out_dtype]
     if kernel == "qmh":
         call = f"qmh<{qtype.name}, {c.rt}, {tg}, {c.warps}, {c.splits}, {c.chains}, {c.x_ahead}, {c.own_tiles}>"
-        tail = "u16* out, float* part, int* tickets, int M, int N, int K"
+        tail = f"{ot}* out, float* part, int* tickets, int M, int N, int K"
         if qtype == QType.Q4_K:  # x's sums for the min term; no top bits, d inside the scale records
             return (f"{head}(const u16* xh, const u16* xs, const float* scale, const unsigned char* q, "
                     f"const unsigned char* s, {tail}) {{ {call}(xh, xs, scale, q, nullptr, s, nullptr, out, part, "
@@ -430,18 +449,20 @@ def _wrapper(name: str, qtype: QType, config: MMAConfig, tg: int, kernel: str) -
                 f"part, tickets, M, N, K); }}\n")
     call = (f"qmv<{qtype.name}, {c.rt}, {c.warps}, {c.splits}, {c.chains}>" if kernel == "qmv"
             else f"qmm<{qtype.name}, {c.rt}, {tg}, {c.warps}, {c.splits}>")
-    return (f"{head}(const u16* x, const unsigned char* q, const unsigned char* h, const unsigned char* s, "
-            f"const u16* d, u16* out, float* part, int* tickets, int M, int N, int K) {{ "
+    return (f"{head}(const {xt}* x, const unsigned char* q, const unsigned char* h, const unsigned char* s, "
+            f"const u16* d, {ot}* out, float* part, int* tickets, int M, int N, int K) {{ "
             f"{call}(x, q, h, s, d, out, part, tickets, M, N, K); }}\n")
 
 
-def _prep_x_instance(qtype: QType) -> str:
-    return "prep_x_f16" if qtype == QType.Q4_K else f"prep_x_f16_{qtype.name.lower()}"
+def _prep_x_instance(qtype: QType, x_dtype: torch.dtype = torch.bfloat16) -> str:
+    types = _dtype_suffix(x_dtype, torch.bfloat16)
+    return f"prep_x_f16{types}" if qtype == QType.Q4_K else f"prep_x_f16_{qtype.name.lower()}{types}"
 
 
-def _prep_x_wrapper(qtype: QType) -> str:
+def _prep_x_wrapper(qtype: QType, x_dtype: torch.dtype = torch.bfloat16) -> str:
     """x's conversion for qmh: Q4_K's also writes the sub-block sums of x (its min term), Q6_K's has none."""
-    head = f'extern "C" __global__ void __launch_bounds__(256) {_prep_x_instance(qtype)}(const u16* x, u16* xh, '
+    head = (f'extern "C" __global__ void __launch_bounds__(256) {_prep_x_instance(qtype, x_dtype)}'
+            f"(const {_C_TYPES[x_dtype]}* x, u16* xh, ")
     if qtype == QType.Q4_K:
         return f"{head}u16* xs, float* scale, int K) {{ prep_x<Q4_K>(x, xh, xs, scale, K); }}\n"
     return f"{head}float* scale, int K) {{ prep_x<{qtype.name}>(x, xh, nullptr, scale, K); }}\n"
@@ -607,14 +628,17 @@ def choose_config(qtype: QType, m: int, n: int, k: int, sms: int = _H200_SMS, ke
 
 
 def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: QType, n: int, k: int,
-           config: MMAConfig | None = None, kernel: str | None = None) -> torch.Tensor:
-    """x [M, K] bf16 @ W^T -> [M, N] bf16, W in the fragment layout; 32 rows of x per launch (the float16
-    kernel converts all of x once first). `kernel` overrides `kernel_for` (the sweeps time qmm where qmh runs)."""
+           config: MMAConfig | None = None, kernel: str | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K] bf16 or float32 @ W^T -> [M, N] in `out_dtype` (bf16 or float32; default x's), W in the fragment
+    layout; 32 rows of x per launch (the float16 kernel converts all of x once first). `kernel` overrides
+    `kernel_for` (the sweeps time qmm where qmh runs)."""
     m = x.shape[0]
-    if m < 1 or x.dtype != torch.bfloat16:
-        raise FlashtreeError(f"the MMA kernel takes bf16 rows, got {m} of {x.dtype}")
+    out_dtype = out_dtype or x.dtype
+    _check_dtypes(x.dtype, out_dtype)
+    if m < 1:
+        raise FlashtreeError("the MMA kernel takes at least one row of x")
     kernel = kernel or kernel_for(qtype, token_groups(min(m, MAX_M)), n, k)
-    out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     inputs = prepare_x(x, qtype) if kernel == "qmh" else (x,)  # row-major, so a launch takes the same rows of each
     for start in range(0, m, MAX_M):
         part = slice(start, start + MAX_M)
@@ -623,12 +647,12 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: QType, n: int, k: int,
 
 
 def prepare_x(x: torch.Tensor, qtype: QType) -> tuple[torch.Tensor, ...]:
-    """bf16 x [M, K] -> the inputs of `qtype`'s float16 kernel (mma.cu `prep_x`), one launch for all rows:
+    """x [M, K] (bf16 or float32) -> the inputs of `qtype`'s float16 kernel (mma.cu `prep_x`), one launch for all rows:
     Q4_K (float16 x 2^e per row, its sub-block sums [M, K/256, 16] as float16 hi/lo, 2^-e [M]); Q6_K (float16
     x 2^e with each 32 values in the kernel's order, `q6_k_x_order`, and 2^-e)."""
     m, k = x.shape
-    name = _prep_x_instance(qtype)
-    fn = _program(x.device).function(name, _prep_x_wrapper(qtype))
+    name = _prep_x_instance(qtype, x.dtype)
+    fn = _program(x.device).function(name, _prep_x_wrapper(qtype, x.dtype))
     xh = torch.empty(m, k, dtype=torch.float16, device=x.device)
     sums = (torch.empty(m, k // SUPER, 16, dtype=torch.float16, device=x.device),) if qtype == QType.Q4_K else ()
     scale = torch.empty(m, dtype=torch.float32, device=x.device)
@@ -653,8 +677,9 @@ def _launch_matmul(out: torch.Tensor, xs: list[torch.Tensor], raw: torch.Tensor,
     config = config or choose_config(qtype, m if kernel == "qmv" else max(m, 2), n, k, sm_count(out.device))
     if n % config.rows_per_cta:
         raise FlashtreeError(f"{config} needs N % {config.rows_per_cta} == 0, N = {n}")
-    name = _instance(qtype, config, tg, kernel)
-    fn = _program(out.device).function(name, _wrapper(name, qtype, config, tg, kernel))
+    x_dtype = xs[0].dtype if kernel != "qmh" else torch.bfloat16
+    name = _instance(qtype, config, tg, kernel, x_dtype, out.dtype)
+    fn = _program(out.device).function(name, _wrapper(name, qtype, config, tg, kernel, x_dtype, out.dtype))
     p = pieces_of(raw, qtype, n, k)
     partial = (torch.empty(config.splits, m, n, dtype=torch.float32, device=out.device) if config.splits > 1
                else out)
@@ -683,21 +708,23 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def instances_for(shapes, sms: int) -> list[tuple[str, str]]:
-    """(name, wrapper) of every launch fragment-ordered weights of these (qtype, n, k) shapes can take: one
-    row (decode), each count of 8-token groups (verify, short chunks; `choose_config` depends on the
-    matrix and the group count only), and the dense bf16 dequantization (prefill)."""
+def instances_for(shapes, sms: int, dtype: torch.dtype = torch.bfloat16) -> list[tuple[str, str]]:
+    """(name, wrapper) of every launch fragment-ordered weights of these (qtype, n, k) shapes can take in a model
+    whose activations are `dtype` (x and out: bf16, or float32 in a bf16 model, docs/FIDELITY.md): one row
+    (decode), each count of 8-token groups (verify, short chunks; `choose_config` depends on the matrix and the
+    group count only), and the dense dequantization of prefill (bf16 for bf16 x, float16 for float32 x)."""
+    _check_dtypes(dtype)
     jobs = {}
     for qtype, n, k in shapes:
         for m in (1, 8, 16, 24, 32):
             config, tg = choose_config(qtype, m, n, k, sms), token_groups(m)
             kernel = kernel_for(qtype, tg, n, k)
-            name = _instance(qtype, config, tg, kernel)
-            jobs[name] = _wrapper(name, qtype, config, tg, kernel)
+            name = _instance(qtype, config, tg, kernel, dtype, dtype)
+            jobs[name] = _wrapper(name, qtype, config, tg, kernel, dtype, dtype)
             if kernel == "qmh":
-                jobs[_prep_x_instance(qtype)] = _prep_x_wrapper(qtype)
-        name = _dequant_instance(qtype, _OUT_CODES[torch.bfloat16])
-        jobs[name] = _dequant_wrapper(name, qtype, _OUT_CODES[torch.bfloat16])
+                jobs[_prep_x_instance(qtype, dtype)] = _prep_x_wrapper(qtype, dtype)
+        out = _OUT_CODES[torch.bfloat16 if dtype == torch.bfloat16 else torch.float16]
+        jobs[_dequant_instance(qtype, out)] = _dequant_wrapper(_dequant_instance(qtype, out), qtype, out)
     return list(jobs.items())
 
 
