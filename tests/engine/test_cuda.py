@@ -21,7 +21,7 @@ def gguf_path(make_gguf):
     return make_gguf("cuda-q4km", config=CONFIG, scheme="q4_k_m")
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.05)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.03)])
 def test_cuda_logits_match_cpu(gguf_path, dtype, tol):
     ids = torch.randint(0, 300, (100,), generator=torch.Generator().manual_seed(0))
     cpu = load_target(gguf_path, device="cpu")
@@ -35,33 +35,30 @@ def test_cuda_logits_match_cpu(gguf_path, dtype, tol):
 
 
 @pytest.mark.parametrize("variant", ["q8_0", "q4_k_m", "mixed-types"])
-def test_bf16_logits_stay_as_close_as_transformers_bf16(make_gguf, variant):
-    """bf16 on the GPU against the CPU's float32 logits on the test models (every quant type among them):
-    within 3 % of the largest logit (issue #19's bar) or, where bf16 itself cannot hold that on random
-    weights, within 1.5x of transformers' bf16 error on the same weights; and the same argmax on 97 % of the
-    positions whose float32 top two are more than 0.1 apart. Measured 2026-12-01 (q8_0, q4_k_m, mixed-types):
-    ours on an H200 4.1 %, 12.8 %, 3.1 %; transformers' bf16 on the CPU 7.8 %, 10.9 %, 2.3 % (this form of
-    the test, with the peer on the GPU, has not yet run on one)."""
-    pytest.importorskip("transformers")  # the peer: the test extra
-    from flashtree.bench.fidelity import peer_logits
-    from flashtree.train.convert import hf_model_from_gguf
-
+def test_bf16_logits_stay_within_3_percent_of_float32(make_gguf, variant):
+    """bf16 on the GPU against the CPU's float32 logits on the test models (every quant type among them), in a
+    prefill and one token a forward (the decode kernels): within 3 % of the largest logit and the same argmax at
+    every position whose float32 top two are more than 0.1 apart (issue #19's bar). bf16 means float32 activations
+    with bf16 attention and KV cache (docs/FIDELITY.md, design D). Measured on the H200 2026-12-03 with `bench
+    --fidelity` (other sequences): 0.36 / 1.25 / 0.38 % prefill, 0.06 / 1.93 / 0.37 % decode; bf16 activations
+    were 4.1 / 12.8 / 3.1 %, and transformers' bf16 is 7.8 / 10.9 / 2.3 % on the same weights (CPU)."""
     path = make_gguf(variant, **VARIANTS[variant])
     ids = torch.randint(0, 300, (100,), generator=torch.Generator().manual_seed(1))
     cpu = load_target(path, device="cpu")
     gpu = load_target(path, device="cuda", dtype=torch.bfloat16)
     ref = cpu.model.forward(ids, cpu.model.new_cache(128)).logits
-    out = gpu.model.forward(ids, gpu.model.new_cache(128)).logits.float().cpu()
-    hf, _ = hf_model_from_gguf(path)
-    # on the GPU too: where fla-core is installed, transformers' DeltaNet runs its Triton kernels, CUDA only
-    peer = peer_logits(hf.to("cuda", torch.bfloat16).eval(), ids.tolist())
+    prefill = gpu.model.forward(ids, gpu.model.new_cache(128)).logits.float().cpu()
+    cache = gpu.model.new_cache(128)
+    decode = torch.cat([gpu.model.forward(ids[i:i + 1], cache).logits.float().cpu().reshape(1, -1) for i in range(48)])
     scale = ref.abs().max().item()
-    error, peer_error = (out - ref).abs().max().item() / scale, (peer - ref).abs().max().item() / scale
-    assert error <= max(0.03, 1.5 * peer_error), f"bf16 error {error:.2%}, transformers' {peer_error:.2%}"
     top2 = ref.topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) > 0.1
-    agree = (out.argmax(-1)[clear] == ref.argmax(-1)[clear]).float().mean().item()
-    assert agree >= 0.97, f"argmax agrees on {agree:.1%} of {int(clear.sum())} clear positions"
+    for name, out in (("prefill", prefill), ("decode", decode)):
+        rows = out.shape[0]
+        error = (out - ref[:rows]).abs().max().item() / scale
+        assert error <= 0.03, f"{name}: bf16 error {error:.2%} of the largest logit"
+        agree = out.argmax(-1)[clear[:rows]] == ref[:rows].argmax(-1)[clear[:rows]]
+        assert bool(agree.all()), f"{name}: argmax differs at {int((~agree).sum())} of {int(clear[:rows].sum())} clear positions"
 
 
 @pytest.mark.parametrize("mode", ["chain", "ddtree"])
