@@ -112,3 +112,34 @@ def test_quant_matmul_rounded_on_the_cpu():
     y = quant_matmul_rounded(x, weight)
     assert y.dtype == torch.float32
     assert torch.equal(y, round_rows_f16(x) @ weight.dequantize(torch.float32).T)
+
+
+def test_long_prefill_chunks_keep_the_model_dtype(tiny_gguf):
+    """Chunks of DENSE_MIN_M tokens and more run in bf16 activations (`Qwen35Model.forward_dtype`: their GEMMs
+    are compute-bound and float32 activations cost the 27B prefill 30 %), and the forward after one continues
+    in float32 on the state it left: within bf16's error of the float32 model."""
+    from flashtree.kernels.quant_matmul import DENSE_MIN_M
+
+    model = load_target(tiny_gguf, device="cpu", dtype=torch.bfloat16).model
+    reference = load_target(tiny_gguf, device="cpu", dtype=torch.float32).model
+    assert model.forward_dtype(DENSE_MIN_M) == torch.bfloat16 and model.forward_dtype(DENSE_MIN_M - 1) == torch.float32
+    assert reference.forward_dtype(DENSE_MIN_M) == torch.float32
+    ids = torch.randint(0, model.config.vocab_size, (DENSE_MIN_M + 8,), generator=torch.Generator().manual_seed(0))
+    seen = []
+    original = DecoderLayer.__call__
+
+    def recorded(self, h, delta, step, cache):
+        seen.append(h.dtype)
+        return original(self, h, delta, step, cache)
+
+    outs = []
+    for m in (model, reference):
+        cache = m.new_cache(len(ids))
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(DecoderLayer, "__call__", recorded)
+            m.forward(ids[:DENSE_MIN_M], cache)
+        outs.append(m.forward(ids[DENSE_MIN_M:], cache).logits)  # 8 tokens: float32 activations again
+    assert seen[:model.config.num_layers] == [torch.bfloat16] * model.config.num_layers
+    assert outs[0].dtype == torch.float32
+    error = ((outs[0] - outs[1]).abs().max() / outs[1].abs().max()).item()
+    assert 0 < error < 0.1

@@ -100,6 +100,9 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
     # memory: the plain model (the echo model's tied head is a second 0.31 GiB copy); chunks of 512 rows
     # take the dequantize + cuBLAS prefill path (384 would go through the slower skinny kernels)
     # the 1K reference of the long-context rows (issue #20: their step times over these, same run, same model)
+    # the 27B AR step, verify and the 13K prefill without the replay (issue #17's prefill bar after a change)
+    steps-1k-prefill) bench steps-1k-prefill 150 --steps -n 32 --repeat 5 --replay-al 0 --context 1024 --prefill-chunk 2048 \
+                          --prefill-lengths 13000 ;;
     steps-1k-short) ECHO= bench steps-1k-short "${LIMIT_1K:-150}" --steps -n 32 --repeat 5 --replay-al 0 --context 1024 \
                         --prefill-lengths 1024 ;;
     steps-64k-q8) ECHO= bench steps-64k-q8 "${LIMIT_64K:-200}" --steps -n 32 --repeat 5 --replay-al 0 --context 65536 \

@@ -217,12 +217,13 @@ def plan(req: PlanRequest) -> MemoryPlan:
 
 
 def _activation_parts(req: PlanRequest, rows: int) -> dict[str, int]:
-    """forward: hidden, MLP and projection intermediates of the largest forward (`activation_bytes` each);
-    logits; dequant: one attention layer's K/V in the compute dtype; dense: one FFN weight dequantized for a
-    long chunk (in float16 for the float32 activations of a bf16/f16 model)."""
+    """forward: hidden, MLP and projection intermediates of the largest forward (`activation_bytes` each, the
+    model's dtype in a chunk of DENSE_MIN_M tokens or more: `Qwen35Model.forward_dtype`); logits; dequant: one
+    attention layer's K/V in the compute dtype; dense: one FFN weight dequantized for a long chunk."""
     c = req.config
-    b, a = DTYPE_BYTES[req.dtype], activation_bytes(req.dtype)
+    b = DTYPE_BYTES[req.dtype]
     m = max(min(req.prefill_chunk, req.ctx), req.budget + 1)  # largest forward
+    a = b if m >= DENSE_MIN_M else activation_bytes(req.dtype)
     logit_rows = req.budget + 1  # a prefill chunk computes the last token's logits only
     per_token = (6 * c.hidden_size + 3 * c.intermediate_size + 3 * c.num_heads * c.head_dim
                  + 3 * c.conv_dim + c.gdn_value_dim) * a + 4 * c.gdn_value_dim * 3

@@ -87,9 +87,11 @@ class Linear:
         if not self.rounded_input:
             return F.linear(x, self.weight)
         if self.weight.dtype == torch.float32:  # the CPU: exact weights, float32 products of the rounded x
-            return F.linear(round_rows_f16(x), self.weight)
-        scaled, unscale = f16_rows(x)  # float16 weights (the GPU): a float16 GEMM, its output unscaled in float32
-        return F.linear(scaled, self.weight).float() * unscale
+            y = F.linear(round_rows_f16(x), self.weight)
+        else:  # float16 weights (the GPU): a float16 GEMM, its output unscaled in float32
+            scaled, unscale = f16_rows(x)
+            y = F.linear(scaled, self.weight).float() * unscale
+        return y.to(x.dtype)  # float32 activations, or a long prefill chunk's (`Qwen35Model.forward_dtype`)
 
 
 def keeps_quantized(qtype: GGMLQuantizationType, device: torch.device) -> bool:
@@ -125,7 +127,10 @@ class QuantLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        y = quant_matmul_rounded(rows, self.quant) if self.rounded_input else quant_matmul(rows, self.quant)
+        # float32 activations; a long prefill chunk's x in the model's dtype (`Qwen35Model.forward_dtype`) goes
+        # the way it goes in a model of float activations
+        rounded = self.rounded_input and rows.dtype == torch.float32
+        y = quant_matmul_rounded(rows, self.quant) if rounded else quant_matmul(rows, self.quant)
         return y.reshape(*x.shape[:-1], self.quant.shape[0])
 
 

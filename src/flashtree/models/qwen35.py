@@ -23,6 +23,7 @@ from flashtree.formats.gguf_file import GGUFFile
 from flashtree.kernels import indexed, on_device
 from flashtree.kernels.activations import silu_mul
 from flashtree.kernels.commit_rows import move_rows
+from flashtree.kernels.quant_matmul import DENSE_MIN_M
 from flashtree.kernels.rms_norm import add_rms_norm, rms_norm
 from flashtree.models.attention import GatedAttention
 from flashtree.models.deltanet import GatedDeltaNet, commit_layers
@@ -180,6 +181,13 @@ class Qwen35Model:
                 normed = add_rms_norm(hidden, delta.to(hidden.device), self.output_norm, self.config.rms_eps)[1]
             return self.lm_head(normed).float().to(self.device)
 
+    def forward_dtype(self, rows: int) -> torch.dtype:
+        """The activations' dtype in a forward of `rows` tokens: `act_dtype`, except in a bf16/f16 model's prefill
+        chunks of DENSE_MIN_M tokens and more, which keep the model's dtype. Their matmuls are compute-bound GEMMs
+        over a dense temporary, and float32 activations cost the 27B shape's 13K prefill 30 % on the H200
+        (8176 -> 5774 tok/s, 2026-12-03; docs/FIDELITY.md): decode, verify and shorter chunks run in float32."""
+        return self.dtype if rows >= DENSE_MIN_M else self.act_dtype
+
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: TargetCache, step: Step | None = None,
                 capture: Sequence[int] = (), last_only: bool = False) -> ForwardOutput:
@@ -201,7 +209,7 @@ class Qwen35Model:
         """The device work of `forward`, without checks, syncs or the cache length update: what a CUDA
         graph captures (engine/cuda_graphs.py)."""
         cache.pending.clear()
-        h, delta = self.embed(tokens), None
+        h, delta = self.embed(tokens).to(self.forward_dtype(tokens.shape[0])), None
         captured = {}
         wanted = set(capture)
         for layer in self.layers:
