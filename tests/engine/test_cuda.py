@@ -58,7 +58,8 @@ def test_bf16_logits_stay_within_3_percent_of_float32(make_gguf, variant):
         error = (out - ref[:rows]).abs().max().item() / scale
         assert error <= 0.03, f"{name}: bf16 error {error:.2%} of the largest logit"
         agree = out.argmax(-1)[clear[:rows]] == ref[:rows].argmax(-1)[clear[:rows]]
-        assert bool(agree.all()), f"{name}: argmax differs at {int((~agree).sum())} of {int(clear[:rows].sum())} clear positions"
+        assert bool(agree.all()), (f"{name}: argmax differs at {int((~agree).sum())} of "
+                                   f"{int(clear[:rows].sum())} clear positions")
 
 
 @pytest.mark.parametrize("mode", ["chain", "ddtree"])

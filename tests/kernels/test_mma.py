@@ -17,8 +17,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
 
 from flashtree.errors import FlashtreeError
 from flashtree.formats import quants
-from flashtree.kernels.quant_matmul import (DENSE_MIN_M, QuantWeight, mma, quant_matmul, quant_matmul_reference, quant_matmul_rounded,
-                                            random_quant_weight)
+from flashtree.kernels.quant_matmul import (DENSE_MIN_M, QuantWeight, mma, quant_matmul, quant_matmul_reference,
+                                            quant_matmul_rounded, random_quant_weight)
 
 TYPES = [QType.Q4_K, QType.Q6_K]
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -242,7 +242,12 @@ def test_cuda_source_compiles_for_sm90():
                 + mma._wrapper("i", QType.Q6_K, mma.MMAConfig(2, 2, 1, 1), 2, "qmh")
                 + mma._prep_x_wrapper(QType.Q6_K)
                 + mma._dequant_wrapper("c", QType.Q4_K, 0) + mma._dequant_wrapper("d", QType.Q6_K, 2)
-                + dict(mma.instances_for({(QType.Q4_K, 17408, 5120)}, 132))["prep_x_f16"])
+                + dict(mma.instances_for({(QType.Q4_K, 17408, 5120)}, 132))["prep_x_f16"]
+                # float32 x and out (a bf16 model's activations): split K's sums, qmh's store, prep_x's loads
+                + mma._wrapper("j", QType.Q4_K, mma.MMAConfig(2, 4, 2), mma.ONE_ROW, "qmv", torch.float32, torch.float32)
+                + mma._wrapper("k", QType.Q6_K, mma.MMAConfig(2, 4, 2), 3, "qmm", torch.float32, torch.float32)
+                + mma._wrapper("l", QType.Q4_K, mma.MMAConfig(1, 8, 2, 2), 1, "qmh", torch.bfloat16, torch.float32)
+                + mma._prep_x_wrapper(QType.Q4_K, torch.float32) + mma._prep_x_wrapper(QType.Q6_K, torch.float32))
     cubin = mma.compile_cubin(mma._SOURCE.read_text() + wrappers, "sm_90")
     assert cubin[:4] == b"\x7fELF"
 

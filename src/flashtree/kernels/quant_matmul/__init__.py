@@ -252,8 +252,8 @@ def round_rows_f16(x: torch.Tensor) -> torch.Tensor:
 
 
 def quant_matmul_rounded(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
-    """A bf16/f16 model's matmul (docs/FIDELITY.md, design D): x [M, K] (float32 activations; bf16 from a draft)
-    -> float32 [M, N], the weights never rounded below float16, x rounded as the weight's fastest kernel takes it.
+    """A bf16/f16 model's matmul (docs/FIDELITY.md, design D): x [M, K] (its float32 activations) -> float32
+    [M, N], the weights never rounded below float16, x rounded as the weight's fastest kernel takes it.
 
     - Q4_K/Q6_K in fragment order (`mma`): the kernels read x as it is and write float32; qmh rounds x to
       float16 (scaled by a power of two per row, `prep_x`), the one-row and small-matrix kernels (qmv, qmm) to

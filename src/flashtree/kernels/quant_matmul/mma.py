@@ -628,7 +628,8 @@ def choose_config(qtype: QType, m: int, n: int, k: int, sms: int = _H200_SMS, ke
 
 
 def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: QType, n: int, k: int,
-           config: MMAConfig | None = None, kernel: str | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+           config: MMAConfig | None = None, kernel: str | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [M, K] bf16 or float32 @ W^T -> [M, N] in `out_dtype` (bf16 or float32; default x's), W in the fragment
     layout; 32 rows of x per launch (the float16 kernel converts all of x once first). `kernel` overrides
     `kernel_for` (the sweeps time qmm where qmh runs)."""
