@@ -49,8 +49,9 @@ class GatedAttention:
                  dequant_bytes: int = PREFILL_DEQUANT_BYTES, dtype: torch.dtype | None = None):
         self.config = config
         # the attention operands' dtype, the model's (None: the projections' output dtype). In a bf16 model the
-        # activations are float32 and attention alone stays bf16: q and the gate are cast to it at the attention
-        # kernel (K/V on their write to the cache), its output cast back (docs/FIDELITY.md, design D)
+        # activations are float32 and attention alone stays bf16: the kernel takes float32 q and gate and
+        # multiplies in bf16 (`operands`), K/V are rounded on their write to the cache, the output is float32
+        # (docs/FIDELITY.md, design D); the dequantized prefill path casts q and its output
         self.dtype = dtype
         self.dequant_bytes = dequant_bytes  # dequantized K+V a prefill chunk holds at once (see the module doc)
         self.inputs = Projections.separate([q, k, v])  # one matmul once `fuse`d
