@@ -8,26 +8,12 @@ from flashtree.bench.fidelity import compare, teacher_forced
 from flashtree.engine.loader import load_target
 from flashtree.kernels.quant_matmul import f16_rows, round_rows_f16
 from flashtree.models.qwen35 import DecoderLayer
-from flashtree.models.layers import Linear, QuantLinear, activation_dtype, quant_weights
+from flashtree.models.layers import Linear, QuantLinear, activation_dtype, quant_weights, reachable
 from flashtree.models.synthetic import tiny_config, write_synthetic_gguf
 
 
 def _linears(model):
-    found, seen, stack = [], set(), [model]
-    while stack:
-        item = stack.pop()
-        if id(item) in seen or isinstance(item, (torch.Tensor, str, int, float, bool, type(None))):
-            continue
-        seen.add(id(item))
-        if isinstance(item, (Linear, QuantLinear)):
-            found.append(item)
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-        elif hasattr(item, "__dict__") and type(item).__module__.startswith("flashtree."):
-            stack.extend(vars(item).values())
-    return found
+    return reachable(model, (Linear, QuantLinear))
 
 
 @pytest.fixture(scope="module", params=["q8_0", "q4_k_m"])

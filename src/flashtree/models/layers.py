@@ -13,7 +13,8 @@ from flashtree.formats.gguf_file import GGUFFile
 from flashtree.formats.quants import dequantize
 from flashtree.kernels import triton_runs_on
 from flashtree.kernels.quant_matmul import KERNELS as QUANT_KERNELS
-from flashtree.kernels.quant_matmul import QuantWeight, f16_rows, quant_matmul, quant_matmul_rounded, round_rows_f16
+from flashtree.kernels.quant_matmul import (QuantWeight, f16_rows_matmul, quant_matmul, quant_matmul_rounded,
+                                            round_rows_f16)
 
 
 def activation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -89,8 +90,7 @@ class Linear:
         if self.weight.dtype == torch.float32:  # the CPU: exact weights, float32 products of the rounded x
             y = F.linear(round_rows_f16(x), self.weight)
         else:  # float16 weights (the GPU): a float16 GEMM, its output unscaled in float32
-            scaled, unscale = f16_rows(x)
-            y = F.linear(scaled, self.weight).float() * unscale
+            y = f16_rows_matmul(x, self.weight)
         return y.to(x.dtype)  # float32 activations, or a long prefill chunk's (`Qwen35Model.forward_dtype`)
 
 
@@ -162,13 +162,19 @@ def _concatenated(linears: list[Linear | QuantLinear]) -> Linear | QuantLinear:
 
 def quant_weights(root) -> list[QuantWeight]:
     """Every QuantWeight reachable from `root` (a model: its layers, projections, head), each once."""
+    return reachable(root, QuantWeight)
+
+
+def reachable(root, kind) -> list:
+    """Every object of `kind` (a class or a tuple of them) reachable from `root` through lists, tuples, sets,
+    dicts and flashtree objects' attributes, each once (not looked into further)."""
     found, seen, stack = [], set(), [root]
     while stack:
         item = stack.pop()
         if id(item) in seen or isinstance(item, (torch.Tensor, str, int, float, bool, type(None))):
             continue
         seen.add(id(item))
-        if isinstance(item, QuantWeight):
+        if isinstance(item, kind):
             found.append(item)
         elif isinstance(item, (list, tuple, set)):
             stack.extend(item)

@@ -266,20 +266,20 @@ def quant_matmul_rounded(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
     if weight.mma_layout:
         if x.shape[0] < DENSE_MIN_M or n * k * 2 > DENSE_MAX_BYTES:
             return mma.matmul(x, weight.raw, weight.qtype, n, k, out_dtype=torch.float32)
-        return _f16_rows_matmul(x, weight.dequantize(torch.float16))
+        return f16_rows_matmul(x, weight.dequantize(torch.float16))
     if weight.qtype in PLAIN_TYPES:
         w = weight.raw.view(PLAIN_TYPES[weight.qtype]).reshape(n, k)
         if x.is_cuda and w.dtype == torch.bfloat16:  # x rounded to bf16 as the weight is: a bf16 GEMM
             return (x.bfloat16() @ w.T).float()
         if x.is_cuda and w.dtype == torch.float16:
-            return _f16_rows_matmul(x, w)
+            return f16_rows_matmul(x, w)
         return round_rows_f16(x) @ w.float().T
     if not _triton_runs(x):
         return round_rows_f16(x) @ weight.dequantize(torch.float32).T
     return KERNELS[weight.qtype].load().matmul(x.float(), weight.fields(), n, k, None)
 
 
-def _f16_rows_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def f16_rows_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """`f16_rows` x [M, K] times a float16 weight [N, K] (cuBLAS), unscaled in float32."""
     scaled, unscale = f16_rows(x)
     return (scaled @ w.T).float() * unscale
