@@ -516,18 +516,19 @@ def test_float32_rows_in_and_out(qtype, shape):
 @pytest.mark.gpu
 @pytest.mark.slow  # 24 configurations x 3 kernels: the full GPU suite; the default ones are in the fast subset
 @gpu
+# one test per kernel (24 NVRTC compiles each), so that the GPU suite's workers share them
+@pytest.mark.parametrize("rows, kernel", [(1, "qmv"), (23, "qmm"), (23, "qmh")])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_every_launch_configuration_is_right(qtype):
+def test_every_launch_configuration_is_right(qtype, rows, kernel):
     n, k = 1024, 4096
     weight = random_quant_weight(qtype, n, k, "cuda")
-    for rows, kernel in ((1, "qmv"), (23, "qmm"), (23, "qmh")):
-        x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
-        ref = quant_matmul_reference(x.float(), weight)
-        for rt, warps, splits in itertools.product((1, 2), (1, 2, 4, 8), (1, 2, 4)):
-            config = mma.MMAConfig(rt, warps, splits, 2 if kernel == "qmh" and rt == 1 else 1)
-            y = mma.matmul(x, weight.raw, qtype, n, k, config, kernel)
-            _check_close(y, ref)
-            assert torch.equal(y, mma.matmul(x, weight.raw, qtype, n, k, config, kernel)), (rows, kernel, config)
+    x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
+    ref = quant_matmul_reference(x.float(), weight)
+    for rt, warps, splits in itertools.product((1, 2), (1, 2, 4, 8), (1, 2, 4)):
+        config = mma.MMAConfig(rt, warps, splits, 2 if kernel == "qmh" and rt == 1 else 1)
+        y = mma.matmul(x, weight.raw, qtype, n, k, config, kernel)
+        _check_close(y, ref)
+        assert torch.equal(y, mma.matmul(x, weight.raw, qtype, n, k, config, kernel)), (rows, kernel, config)
 
 
 @pytest.mark.gpu

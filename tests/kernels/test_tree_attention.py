@@ -97,6 +97,16 @@ def test_quantized_rows_launch_a_chunk_tl_dot_takes(d, query_rows):
     assert _launch_defaults(query_rows, d, quantized=True, windowed=True)[4] is None  # a window's mask spilled
 
 
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("query_rows", [6, 138])
+def test_float32_operands_take_small_tiles(query_rows, quantized):
+    """A float32 model's dots are FMA loops: a 16-row query tile of 4 warps over short chunks (the 128-row
+    tile of quantized rows compiled to 57K instructions and 10 KB of stack a thread, in 26 s)."""
+    pytest.importorskip("triton")
+    block_m, block_n, warps, _, max_registers = _launch_defaults(query_rows, 256, quantized, exact=True)
+    assert (block_m, block_n, warps, max_registers) == (16, 16, 4, None)
+
+
 def test_split_choice():
     assert choose_splits(96, 2, 1) == 1
     assert choose_splits(65536, 4, 1) * 4 >= 2 * 132  # a long decode fills the H200

@@ -24,8 +24,14 @@ for pair in openai:tests/serve/test_live.py openai:tests/serve/test_responses.py
 done
 # WORKERS processes share the GPU (pytest-xdist, where installed): the suite is mostly Triton and NVRTC compiles
 # and small launches, so 4 workers ran the whole of it in 231 s on an H200 (2026-12-01); WORKERS=0: one process
+# (worksteal, where this xdist has it: an idle worker takes queued tests from a busy one, so that a few long tests
+# at the end of one worker's share do not set the end)
 workers=()
-if [ "${WORKERS:-4}" != 0 ] && python3 -c "import xdist" 2>/dev/null; then workers=(-n "${WORKERS:-4}"); fi
+if [ "${WORKERS:-4}" != 0 ] && python3 -c "import xdist" 2>/dev/null; then
+    workers=(-n "${WORKERS:-4}")
+    python3 -c "import sys, xdist; sys.exit(tuple(map(int, xdist.__version__.split('.')[:2])) < (3, 2))" 2>/dev/null \
+        && workers+=(--dist worksteal)
+fi
 python3 -m pytest -o addopts="" -p no:cacheprovider -p no:warnings -m "$marker" --timeout "${TEST_TIMEOUT:-120}" \
     -v -rfE --tb=short --durations=15 "${workers[@]}" "${ignore[@]}" ${@:-tests} > "$log" 2>&1
 status=$?

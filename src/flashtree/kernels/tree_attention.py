@@ -473,7 +473,7 @@ def _check(q, k_cache, v_cache, tk, tv, start_t, visible, positions, kv_end):
         raise FlashtreeError(f"visible must be [T, T], positions [T] and start_t [1] (T={n})")
 
 
-def _launch_defaults(query_rows: int, d: int, quantized: bool, windowed: bool = False
+def _launch_defaults(query_rows: int, d: int, quantized: bool, windowed: bool = False, exact: bool = False
                      ) -> tuple[int, int, int, int | None, int | None]:
     """(BLOCK_M, BLOCK_N, warps, stages or None for Triton's, register cap or None) for a KV head's
     `query_rows` (GQA group x T). Float rows: head_dim 256 with a full query tile takes short row chunks and
@@ -485,7 +485,12 @@ def _launch_defaults(query_rows: int, d: int, quantized: bool, windowed: bool = 
     for fewer tiles (H200 sweep at 262K TQ3_0 rows, 2026-12-02: 23 tokens 1345 us against 1546 with 64-row
     tiles); a 16-row query tile (a decode) is capped at 128 registers a thread, for the 4 programs an SM
     `tree_attention` splits one tile for (TQ3_0 fields held a chunk ahead took 168: 1 token over 262K rows
-    774 us, 440 capped; a 32- or 64-row tile cannot compile in 128, and a window's mask spilled in 128)."""
+    774 us, 440 capped; a 32- or 64-row tile cannot compile in 128, and a window's mask spilled in 128).
+    `exact` (float32 operands: a float32 model) takes 16-row query tiles of 4 warps and the shortest chunks:
+    its dots are FMA loops, and the quantized rows' 128-row tile compiled to 57K instructions with 10 KB of
+    stack a thread in 26 s (offline sm_90, 2026-12-04), the small tile to 5K in 4-6 s."""
+    if exact:
+        return 16, max(16, 4 * 1024 // d) if quantized else 16, 4, None, None
     block_m = min(64, max(16, triton.next_power_of_2(query_rows)))
     if quantized:
         wide = query_rows > 64
@@ -535,17 +540,17 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise FlashtreeError("tree_attention needs unit stride along head_dim (q and both caches)")
     quantized = KV_KINDS[tk.name] > 0 or KV_KINDS[tv.name] > 0
-    defaults = _launch_defaults(group * n, d, quantized, window > 0)
+    interpreter = interpreted()
+    operands = operands or q.dtype  # a float32 q (a bf16 model's activations) may feed bf16 operands
+    low_precision = operands in (torch.bfloat16, torch.float16) and not interpreter
+    op = _TL_TYPES[operands] if low_precision else tl.float32
+    defaults = _launch_defaults(group * n, d, quantized, window > 0, exact=operands == torch.float32)
     block_m, block_n = block_m or defaults[0], block_rows or defaults[1]
     num_warps, num_stages = num_warps or defaults[2], num_stages or defaults[3]
     max_registers = max_registers or defaults[4]
     m_tiles = triton.cdiv(group * n, block_m)
     splits = split or choose_splits(kv_end, kv_heads, m_tiles, _sm_count(q.device), block_n,
                                     programs_per_sm(quantized, m_tiles))
-    interpreter = interpreted()
-    operands = operands or q.dtype  # a float32 q (a bf16 model's activations) may feed bf16 operands
-    low_precision = operands in (torch.bfloat16, torch.float16) and not interpreter
-    op = _TL_TYPES[operands] if low_precision else tl.float32
 
     in_combine = unrotating and splits > 1  # one split: the kernel stores the rotated rows, torch unrotates
     gated = gate is not None and (in_combine or not unrotating)
