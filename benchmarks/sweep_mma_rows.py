@@ -12,6 +12,7 @@ L2) and checked against the float32 dequantization (max |error| / max |reference
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -34,6 +35,8 @@ SHAPES = {
     QType.Q6_K: {"down 5120x17408": (5120, 17408, ROWS), "v 1024x5120": (1024, 5120, ROWS),
                  "head 248320x5120": (248320, 5120, (16, 23))},
     QType.Q4_K: {"gate/up 17408x5120": (17408, 5120, ROWS), "down 5120x17408": (5120, 17408, ROWS),
+                 # the model's fused matrices: the FFN's gate and up, a DeltaNet layer's qkv, z, beta and alpha
+                 "gate+up 34816x5120": (34816, 5120, ROWS), "qkvz 16480x5120": (16480, 5120, ROWS),
                  "q+gate 12288x5120": (12288, 5120, ROWS), "kv 1024x5120": (1024, 5120, ROWS),
                  "out 5120x6144": (5120, 6144, ROWS)},
 }
@@ -56,19 +59,50 @@ OWN_ALTERNATIVES = ((1, 4, 2, 2, 3, 1, 1), (1, 4, 4, 2, 3, 1, 1), (1, 4, 2, 1, 3
 # qmv's: accumulator chains, CTAs per SM asked of ptxas
 QMV_ALTERNATIVES = ((2, 0), (4, 0), (2, 5), (1, 6))
 
+# `--ring`, in place of the alternatives above: qmh with the weights through a shared-memory ring, whose freed
+# registers let a warp take two row tiles (x's fragments used twice): rt, chains, CTAs per SM asked of ptxas, own,
+# splits as a multiple of the default's, ring stages, x ahead (None: the default's); qmv at ring stages (CTAs per SM
+# asked: 0 the default's)
+RING_ALTERNATIVES = ((1, 2, 3, None, 1, 2, None), (2, 1, 3, 0, 1, 2, 0), (2, 1, 3, 0, 1, 2, 1), (2, 1, 0, 0, 1, 2, 0),
+                     (2, 1, 0, 0, 1, 2, 1), (2, 1, 0, 2, 1, 2, None))
+QMV_RING_ALTERNATIVES = ((2, 0), (3, 0))
+# and what `choose_config` took on these matrices before the ring (by token groups): the register-buffered qmh
+PRE_RING = {2: mma.MMAConfig(1, 4, 1, 2), 3: mma.MMAConfig(1, 4, 1, 2, min_blocks=3, own_tiles=2),
+            4: mma.MMAConfig(1, 4, 1, 2, min_blocks=3, own_tiles=2)}
+
 
 def _label(kernel: str, c: mma.MMAConfig) -> str:
     return (f"{kernel} r{c.rt}w{c.warps}s{c.splits}c{c.chains}" + (f"b{c.min_blocks}" if c.min_blocks else "")
-            + (f"x{c.x_ahead}" if c.x_ahead else "") + (f"own{c.own_tiles}" if c.own_tiles else ""))
+            + (f"x{c.x_ahead}" if c.x_ahead else "") + (f"own{c.own_tiles}" if c.own_tiles else "")
+            + (f"g{c.ring}" if c.ring else ""))
 
 
-def variants(qtype: QType, m: int, n: int, k: int) -> list[tuple[str, str, mma.MMAConfig]]:
+def ring_variants(default: mma.MMAConfig, kernel: str, n: int, k: int, rows: int) -> list[tuple[str, str, mma.MMAConfig]]:
+    if kernel == "qmv":
+        configs = [dataclasses.replace(default, ring=ring, min_blocks=blocks or default.min_blocks)
+                   for ring, blocks in QMV_RING_ALTERNATIVES]
+    else:
+        configs = [dataclasses.replace(default, rt=rt, chains=chains, min_blocks=blocks,
+                                       own_tiles=default.own_tiles if own is None else own,
+                                       splits=splits * default.splits, ring=ring,
+                                       x_ahead=default.x_ahead if ahead is None else ahead)
+                   for rt, chains, blocks, own, splits, ring, ahead in RING_ALTERNATIVES]
+        if default.ring:
+            configs.append(PRE_RING[mma.token_groups(rows)])
+    return [(_label(kernel, c), kernel, c) for c in configs
+            if c != default and n % c.rows_per_cta == 0 and (k // 256) >= 2 * c.splits]
+
+
+def variants(qtype: QType, m: int, n: int, k: int, ring: bool = False) -> list[tuple[str, str, mma.MMAConfig]]:
     """qmm and qmh in their own launch shapes (marked *), and qmh at the other shapes that fit the matrix; one
-    row: qmv in its own shape and at the other chain counts and CTA targets."""
+    row: qmv in its own shape and at the other chain counts and CTA targets. `ring`: the defaults' weight-ring
+    forms instead of the other shapes."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     if m == 1:  # decode: the one-row kernel, at more accumulator chains and CTAs per SM
         c = mma.choose_config(qtype, 1, n, k, sms)
         out = [(_label("qmv", c) + "*", "qmv", c)]
+        if ring:
+            return out + ring_variants(c, "qmv", n, k, m)
         for chains, min_blocks in QMV_ALTERNATIVES:
             alt = mma.MMAConfig(c.rt, c.warps, c.splits, chains, min_blocks)
             if alt != c:
@@ -80,6 +114,8 @@ def variants(qtype: QType, m: int, n: int, k: int) -> list[tuple[str, str, mma.M
         c = mma.choose_config(qtype, rows, n, k, sms, kernel=kernel)
         out.append((_label(kernel, c) + "*", kernel, c))
     default = out[-1][2]
+    if ring:
+        return out + ring_variants(default, "qmh", n, k, m)
     for rt, warps, split, chains, min_blocks, x_ahead in QMH_ALTERNATIVES:
         c = mma.MMAConfig(rt, warps, split * default.splits, chains, min_blocks, x_ahead)
         if c != default and n % (16 * rt) == 0 and (k // 256) >= warps * c.splits:
@@ -91,7 +127,7 @@ def variants(qtype: QType, m: int, n: int, k: int) -> list[tuple[str, str, mma.M
     return out
 
 
-def precompile(types: list[QType], arch: str) -> None:
+def precompile(types: list[QType], arch: str, ring: bool) -> None:
     """Every instance the sweep launches, and qmh's x conversions, compiled in parallel into the on-disk cache."""
     jobs = {}
     for qtype in types:
@@ -99,14 +135,14 @@ def precompile(types: list[QType], arch: str) -> None:
         for n, k, rows in SHAPES[qtype].values():
             for m in rows:
                 tg = mma.token_groups(min(m, mma.MAX_M))
-                for _, kernel, c in variants(qtype, m, n, k):
+                for _, kernel, c in variants(qtype, m, n, k, ring):
                     name = mma._instance(qtype, c, tg, kernel)
                     jobs[name] = mma._wrapper(name, qtype, c, tg, kernel)
     mma.precompile(list(jobs.items()), arch)
 
 
 def sweep_shape(qtype: QType, label: str, n: int, k: int, rows, read_bps: float, deadline: float,
-                results: dict) -> None:
+                results: dict, ring: bool) -> None:
     first = random_quant_weight(qtype, n, k, "cuda", seed=0)
     weights = [first] + [random_quant_weight(qtype, n, k, "cuda", seed=i) for i in range(1, rotation(first.nbytes))]
     dense = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(rotation(n * k * 2))]
@@ -121,7 +157,7 @@ def sweep_shape(qtype: QType, label: str, n: int, k: int, rows, read_bps: float,
         us = time_graph([lambda w=w: F.linear(x, w) for w in dense]) * 1e6
         cells.append(f"bf16 {us:.1f}")
         results["points"].append({"type": qtype.name, "matrix": label, "rows": m, "variant": "dense bf16", "us": us})
-        for name, kernel, config in variants(qtype, m, n, k):
+        for name, kernel, config in variants(qtype, m, n, k, ring):
             try:
                 out = mma.matmul(x, first.raw, qtype, n, k, config, kernel).float()
             except Exception as e:  # noqa: BLE001 - a variant that fails is reported, the sweep goes on
@@ -144,6 +180,7 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=360)
     parser.add_argument("--rows", default=None, help="comma-separated row counts (default: each shape's own)")
     parser.add_argument("--matrices", default=None, help="comma-separated matrix labels' first words (gate/up, down, ...)")
+    parser.add_argument("--ring", action="store_true", help="the defaults against their weight-ring forms only")
     args = parser.parse_args()
     types = [QType[name] for name in args.types.split(",")]
     for qtype in types:
@@ -152,16 +189,38 @@ def main() -> int:
                   if args.matrices is None or label.split()[0] in args.matrices.split(",")}
         SHAPES[qtype] = chosen
     t0 = time.time()
-    precompile(types, mma.arch_of(torch.device("cuda")))
+    precompile(types, mma.arch_of(torch.device("cuda")), args.ring)
     print(f"compiled in {time.time() - t0:.0f} s; * = the kernel's own launch shape", flush=True)
     read_bps = read_bandwidth(torch.device("cuda"))
     print(f"read bandwidth {read_bps / 1e12:.2f} TB/s", flush=True)
     results = {"read_tbs": read_bps / 1e12, "points": []}
     for qtype in types:
         for label, (n, k, rows) in SHAPES[qtype].items():
-            sweep_shape(qtype, label, n, k, rows, read_bps, t0 + args.budget_s, results)
+            sweep_shape(qtype, label, n, k, rows, read_bps, t0 + args.budget_s, results, args.ring)
             Path(args.out).write_text(json.dumps(results, indent=2))
+    print_summary(results["points"])
     return 0
+
+
+def print_summary(points: list[dict]) -> None:
+    """Per matrix and row count: the default (the qmh or qmv marked *) and the fastest other variant, us (% of
+    the bandwidth)."""
+    print("\nsummary: default* against the fastest other variant")
+    cells: dict[tuple, list[dict]] = {}
+    for p in points:
+        if p["variant"] != "dense bf16":
+            cells.setdefault((p["type"], p["matrix"], p["rows"]), []).append(p)
+    for (qtype, matrix, rows), group in cells.items():
+        marked = [p for p in group if p["variant"].endswith("*") and not p["variant"].startswith("qmm")]
+        if not marked:
+            continue
+        default = marked[0]
+        others = [p for p in group if p is not default and not p["variant"].startswith("qmm")]
+        best = min(others, key=lambda p: p["us"], default=None)
+        line = f"{qtype} {matrix:20} {rows:3d}  {default['variant']:28} {default['us']:7.1f} ({100 * default['of_bw']:.0f}%)"
+        if best:
+            line += f"  | {best['variant']:28} {best['us']:7.1f} ({100 * best['of_bw']:.0f}%) {default['us'] / best['us']:.2f}x"
+        print(line)
 
 
 if __name__ == "__main__":

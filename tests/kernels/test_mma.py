@@ -8,6 +8,7 @@ float32 reference, bit-identical rows whatever M, CUDA-graph capture, the dense 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import itertools
 
@@ -86,15 +87,29 @@ def test_configurations_follow_the_sweep():
     one-row kernel on two accumulator chains, Q6_K's bf16 kernel pairs row tiles from 17 rows, Q4_K's bf16
     kernel at 9-16 and 25-32; Q4_K's float16 kernel at 17-32 rows runs 3 CTAs per SM, its warps owning a tile
     each (x shared in shared memory) where the matrix has a 64-row group per SM, else x a sub-block ahead (one
-    chain at 25-32 rows)."""
+    chain at 25-32 rows); on the wide Q4_K matrices (at least 5 row tiles per SM) from 9 rows two tiles a warp,
+    the weights through a shared-memory ring, at the CTAs per SM whose waves are fullest."""
     assert mma.choose_config(QType.Q6_K, 1, 248320, 5120) == mma.MMAConfig(1, 2, 1)
     assert mma.choose_config(QType.Q6_K, 23, 248320, 5120, kernel="qmm") == mma.MMAConfig(2, 2, 1)
     assert mma.choose_config(QType.Q4_K, 1, 5120, 17408) == mma.MMAConfig(1, 4, 1, chains=2)
     assert mma.choose_config(QType.Q4_K, 1, 1024, 5120) == mma.MMAConfig(1, 4, 4, chains=2)
     assert mma.choose_config(QType.Q4_K, 32, 1024, 5120).rt == 1  # too few tiles to pair
-    assert [mma.choose_config(QType.Q4_K, m, 17408, 5120) for m in (8, 16, 23, 32)] == [
+    assert [mma.choose_config(QType.Q4_K, m, 10240, 5120) for m in (8, 16, 23, 32)] == [
         mma.MMAConfig(1, 4, 1, 2), mma.MMAConfig(1, 4, 1, 2), mma.MMAConfig(1, 4, 1, 2, min_blocks=3, own_tiles=2),
         mma.MMAConfig(1, 4, 1, 2, min_blocks=3, own_tiles=2)]
+    ring = mma.MMAConfig(2, 4, 1, 1, min_blocks=3, ring=2)
+    # the fused gate + up (1088 CTAs of 32 rows: 2.75 waves at 3 per SM) and q + gate (384: 0.97)
+    for n in (34816, 12288):
+        assert [mma.choose_config(QType.Q4_K, m, n, 5120) for m in (8, 9, 16, 23, 32)] == [
+            mma.MMAConfig(1, 4, 1, 2), ring, ring, ring, ring], n
+    # a DeltaNet layer's qkv + z + beta + alpha (515 CTAs): 4 per SM at 2 token groups (0.98 of a wave), 2 at 3 and 4
+    assert [mma.choose_config(QType.Q4_K, m, 16480, 5120) for m in (16, 23, 32)] == [
+        dataclasses.replace(ring, min_blocks=4), dataclasses.replace(ring, min_blocks=0),
+        dataclasses.replace(ring, min_blocks=0)]
+    assert mma._wave_fill(515, 528) == 515 / 528 and mma._wave_fill(1088, 396) == 1088 / 1188
+    # an unfused gate or up (544 CTAs: 0.69 of their waves at 2, 3 or 4 per SM) keeps the register-buffered qmh
+    assert [mma.choose_config(QType.Q4_K, m, 17408, 5120) for m in (16, 23)] == [
+        mma.MMAConfig(1, 4, 1, 2), mma.MMAConfig(1, 4, 1, 2, min_blocks=3, own_tiles=2)]
     # the FFN down projection: too few 64-row groups to own tiles
     assert [mma.choose_config(QType.Q4_K, m, 5120, 17408) for m in (16, 23, 32)] == [
         mma.MMAConfig(1, 4, 1, 2), mma.MMAConfig(1, 4, 1, 2, min_blocks=3, x_ahead=1),
@@ -145,7 +160,7 @@ def test_load_time_compile_plans_the_q6_k_float16_kernel_and_its_x_conversion():
     assert sorted(name for name in jobs if name.startswith("qmh")) == [
         "qmh_q6_k_r1_t1_w4_s1_c2", "qmh_q6_k_r1_t2_w4_s1_c2", "qmh_q6_k_r1_t3_w4_s1_c1_b3_x1",
         "qmh_q6_k_r1_t4_w4_s1_c1_b3_x1"]
-    assert "qmh<Q6_K, 1, 3, 4, 1, 1, 1, 0>(xh, nullptr, scale, q, h, s, d," in jobs["qmh_q6_k_r1_t3_w4_s1_c1_b3_x1"]
+    assert "qmh<Q6_K, 1, 3, 4, 1, 1, 1, 0, 0>(xh, nullptr, scale, q, h, s, d," in jobs["qmh_q6_k_r1_t3_w4_s1_c1_b3_x1"]
     assert "prep_x<Q6_K>(x, xh, nullptr, scale, K)" in jobs["prep_x_f16_q6_k"]
     small = [name for name, _ in mma.instances_for({(QType.Q6_K, 1024, 5120)}, 132)]
     assert not any(name.startswith(("qmh", "prep_x")) for name in small)
@@ -247,7 +262,12 @@ def test_cuda_source_compiles_for_sm90():
                 + mma._wrapper("j", QType.Q4_K, mma.MMAConfig(2, 4, 2), mma.ONE_ROW, "qmv", torch.float32, torch.float32)
                 + mma._wrapper("k", QType.Q6_K, mma.MMAConfig(2, 4, 2), 3, "qmm", torch.float32, torch.float32)
                 + mma._wrapper("l", QType.Q4_K, mma.MMAConfig(1, 8, 2, 2), 1, "qmh", torch.bfloat16, torch.float32)
-                + mma._prep_x_wrapper(QType.Q4_K, torch.float32) + mma._prep_x_wrapper(QType.Q6_K, torch.float32))
+                + mma._prep_x_wrapper(QType.Q4_K, torch.float32) + mma._prep_x_wrapper(QType.Q6_K, torch.float32)
+                # the weights through a shared-memory ring: qmv, qmh splitting K, qmh with x in shared memory too
+                + mma._wrapper("m", QType.Q6_K, mma.MMAConfig(2, 2, 1, ring=3), mma.ONE_ROW, "qmv")
+                + mma._wrapper("n", QType.Q4_K, mma.MMAConfig(1, 4, 2, 2, ring=2), 2, "qmh")
+                + mma._wrapper("o", QType.Q4_K, mma.MMAConfig(1, 4, 1, 2, 3, own_tiles=2, ring=4), 3, "qmh")
+                + mma._wrapper("p", QType.Q6_K, mma.MMAConfig(1, 4, 1, 1, 3, own_tiles=2, ring=3), 4, "qmh"))
     cubin = mma.compile_cubin(mma._SOURCE.read_text() + wrappers, "sm_90")
     assert cubin[:4] == b"\x7fELF"
 
@@ -417,6 +437,34 @@ def test_warps_owning_tiles_match_the_reference(qtype):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("qtype", TYPES)
+def test_weight_ring_gives_the_register_kernels_bits(qtype):
+    """The weights through a shared-memory ring change no arithmetic: qmv and qmh (warps splitting K, and warps
+    owning tiles with x staged in shared memory too) give the bits of their register-buffered forms, at ring depths
+    longer than some warps' share of K (10 super-blocks over 4 warps and up to 3 splits), and stay right."""
+    n, k = 1024, 2560
+    weight = random_quant_weight(qtype, n, k, "cuda")
+    x = torch.randn(32, k, device="cuda", dtype=torch.bfloat16)
+    cases = [("qmv", 1, mma.MMAConfig(1, 4, splits, 2)) for splits in (1, 3)]
+    cases += [("qmh", m, mma.MMAConfig(1, 4, splits, 2)) for m in (2, 16) for splits in (1, 2)]
+    cases += [("qmh", m, mma.MMAConfig(1, 4, splits, 2, min_blocks=3, own_tiles=2)) for m in (23, 32) for splits in (1, 3)]
+    for kernel, m, config in cases:
+        plain = mma.matmul(x[:m], weight.raw, qtype, n, k, config, kernel)
+        _check_close(plain, quant_matmul_reference(x[:m].float(), weight))
+        for ring in (2, 3, 4):
+            ringed = mma.matmul(x[:m], weight.raw, qtype, n, k, dataclasses.replace(config, ring=ring), kernel)
+            assert torch.equal(ringed, plain), (kernel, m, config, ring)
+
+
+def test_a_weight_ring_of_one_stage_is_refused():
+    with pytest.raises(FlashtreeError, match="at least 2 stages"):
+        mma.MMAConfig(1, 4, 1, ring=1)
+    assert mma.MMAConfig(1, 4, 1, ring=3).ring_bytes(QType.Q4_K) == 4 * 3 * 2304
+    assert mma.MMAConfig(2, 2, 1, ring=2).ring_bytes(QType.Q6_K) == 2 * 2 * 2 * 3360
+
+
+@pytest.mark.gpu
+@gpu
 def test_q6_k_takes_the_float16_kernel_and_a_row_keeps_its_bits():
     """The down projection's verify rows go through qmh (quant_matmul gives the same bits as asking for it), and
     a row's bits do not depend on the other rows within a class of row counts (2-16, and 17-32 with the
@@ -437,22 +485,24 @@ def test_q6_k_takes_the_float16_kernel_and_a_row_keeps_its_bits():
 
 @pytest.mark.gpu
 @gpu
-def test_q4_k_float16_kernel_gives_a_row_the_same_bits_within_a_class_of_row_counts():
-    """Q4_K's qmh sums a row in one order at 2-16 rows and in another at 17-32, where the CTA's warps own a tile
-    each and sum all of K (3 CTAs per SM change the registers, not the order): a verify of 23 rows and one of 32
-    give a shared row the same bits, one of 16 within a rounding."""
-    n, k = 17408, 5120
+@pytest.mark.parametrize("n, classes", [(10240, ((17, 23, 24, 25), (2, 9))), (16480, ((9, 16, 17, 23, 25), (2, 8)))])
+def test_q4_k_float16_kernel_gives_a_row_the_same_bits_within_a_class_of_row_counts(n, classes):
+    """Q4_K's qmh sums a row in one order per class of row counts (the CTAs per SM and the weight ring change the
+    registers, not the order): on a 10240-row matrix 2-16 and 17-32 (there the CTA's warps own a tile each and sum
+    all of K), on a wide one (two tiles a warp from 9 rows) 2-8 and 9-32. A verify of 32 rows and one of any
+    count of its class give a shared row the same bits; the other class is within a rounding."""
+    k = 5120
     weight = random_quant_weight(QType.Q4_K, n, k, "cuda")
     x = torch.randn(32, k, device="cuda", dtype=torch.bfloat16)
     assert mma.kernel_for(QType.Q4_K, mma.token_groups(32), n, k) == "qmh"
-    assert mma.choose_config(QType.Q4_K, 32, n, k).own_tiles == 2
     y = quant_matmul(x, weight)
     _check_close(y, quant_matmul_reference(x.float(), weight))
-    for m in (17, 23, 24, 25):
+    same, other = classes
+    for m in same:
         assert torch.equal(quant_matmul(x[:m], weight), y[:m]), m
-    few = quant_matmul(x[:16], weight)
-    _check_close(few, quant_matmul_reference(x[:16].float(), weight))
-    for m in (2, 9):
+    few = quant_matmul(x[:other[-1]], weight)
+    _check_close(few, quant_matmul_reference(x[:other[-1]].float(), weight))
+    for m in other:
         assert torch.equal(quant_matmul(x[:m], weight), few[:m]), m
 
 

@@ -269,27 +269,140 @@ __device__ __forceinline__ void zero(float (&acc)[RT][TG][4]) {
             for (int c = 0; c < 4; ++c) acc[rt][tg][c] = 0.0f;
 }
 
-// The K loop of every kernel: this warp's super-blocks sb, sb + WARPS, ... below `end`, double-buffered: the next
-// super-block's weights are requested before this one is multiplied (`multiply(weights, sb, next)`, next: the warp's
-// following super-block, or sb again at the end), so each warp keeps a
-// super-block of loads in flight while it computes. Two named buffers (unrolled by two): an indexed pair would go
-// to local memory. (Three or four buffers, the weights two or three super-blocks ahead, were no faster in qmh at
-// 16-32 rows, 2026-12-02: gate/up 23 rows 35.9 -> 40.6 / 41.3 us; its time follows its CTAs per SM instead, see
-// benchmarks/probe_waves.py.)
-template <int QT, int RT, int WARPS, typename Multiply>
+// cp.async: global -> shared memory without registers (16 bytes, around L1), in commit groups
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void copy_async16(unsigned shared, const void* global) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared), "l"(global) : "memory");
+}
+__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int PENDING>
+__device__ __forceinline__ void copy_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory"); }
+
+
+// The K loop of every kernel: this warp's super-blocks sb, sb + STRIDE, ... below `end`, each handed to
+// `multiply(weights, sb, next)` (next: the warp's following super-block, or sb again at the end).
+// RING 0: double-buffered in registers: the next super-block's weights are requested before this one is
+// multiplied, so each warp keeps one super-block of loads in flight while it computes. Two named buffers (unrolled
+// by two): an indexed pair would go to local memory. (Three or four register buffers were no faster in qmh at
+// 16-32 rows, 2026-12-02: their registers cost CTAs per SM, see benchmarks/probe_waves.py.)
+// RING > 1: through a ring of RING super-blocks in shared memory (`WeightRing`), RING - 1 of them in flight while
+// one is multiplied, without the registers. SHARED_X 1: `multiply` also commits one cp.async group per super-block
+// (qmh's SharedX, after this loop's), which the waits count.
+template <int QT, int RT, int STRIDE, int RING = 0, int SHARED_X = 0, typename Multiply>
+__device__ __forceinline__ void walk_k(const unsigned char* quants, const unsigned char* high, const unsigned char* scales,
+                                       const u16* dvals, int tile0, int SB, int sb, int end, int lane, int g,
+                                       Multiply&& multiply);
+
+// A warp's weights of one super-block in shared memory, each 16-byte chunk where the lane that copies it (with
+// cp.async) reads it back: chunk c of every lane at 512 c + 16 lane (RT x 4 of low nibbles, then Q6_K's RT x 2 of
+// top bits), then the RT x 16 scale records (copied by lanes 0-15, read by rows g and g + 8 after a __syncwarp),
+// then Q6_K's RT x 16 float16 d (lanes 16, 17).
+template <int QT, int RT>
+struct RingStage {
+    typedef Type<QT> T;
+    static constexpr int Q_CHUNKS = 4 * RT, H_CHUNKS = T::HIGH_BYTES > 0 ? 2 * RT : 0;
+    static constexpr int SCALES_AT = 512 * (Q_CHUNKS + H_CHUNKS), D_AT = SCALES_AT + 256 * RT;
+    static constexpr int BYTES = D_AT + (QT == Q6_K ? 32 * RT : 0);
+};
+
+template <int QT, int RT, int STAGES>
+struct WeightRing {
+    static_assert(STAGES >= 2, "a ring holds the super-block multiplied and at least one in flight");
+    typedef RingStage<QT, RT> L;
+    typedef Type<QT> T;
+    unsigned base;  // this warp's ring (shared address)
+    const unsigned char* ring;
+    int lane, g;
+    __device__ __forceinline__ WeightRing(unsigned char* warp_ring, int lane_, int g_)
+        : base(shared_address(warp_ring)), ring(warp_ring), lane(lane_), g(g_) {}
+    // super-block sb of tiles tile0.. into stage s (nothing past the end), as one commit group: the waits count groups
+    __device__ __forceinline__ void copy(const unsigned char* quants, const unsigned char* high, const unsigned char* scales,
+                                         const u16* dvals, int tile0, int SB, int sb, int end, int s) const {
+        if (sb < end) {
+            const unsigned at = base + s * L::BYTES;
+#pragma unroll
+            for (int rt = 0; rt < RT; ++rt) {
+                const long tsb = (long)(tile0 + rt) * SB + sb;
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+                    copy_async16(at + 512 * (4 * rt + j) + 16 * lane, quants + tsb * T::QUANT_BYTES + 512 * j + 16 * lane);
+                if constexpr (T::HIGH_BYTES > 0) {
+#pragma unroll
+                    for (int j = 0; j < 2; ++j)
+                        copy_async16(at + 512 * (L::Q_CHUNKS + 2 * rt + j) + 16 * lane,
+                                     high + tsb * T::HIGH_BYTES + 512 * j + 16 * lane);
+                }
+                if (lane < 16) copy_async16(at + L::SCALES_AT + 256 * rt + 16 * lane, scales + tsb * 256 + 16 * lane);
+                if constexpr (QT == Q6_K) {
+                    if (lane >= 16 && lane < 18)
+                        copy_async16(at + L::D_AT + 32 * rt + 16 * (lane - 16),
+                                     reinterpret_cast<const unsigned char*>(dvals + tsb * 16) + 16 * (lane - 16));
+                }
+            }
+        }
+        copy_commit();
+    }
+    __device__ __forceinline__ void read(int s, Weights<QT, RT>& w) const {
+        const unsigned char* at = ring + s * L::BYTES;
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) w.q[rt][j] = *reinterpret_cast<const uint4*>(at + 512 * (4 * rt + j) + 16 * lane);
+            if constexpr (T::HIGH_BYTES > 0) {
+#pragma unroll
+                for (int j = 0; j < 2; ++j)
+                    w.qh[rt][j] = *reinterpret_cast<const uint4*>(at + 512 * (L::Q_CHUNKS + 2 * rt + j) + 16 * lane);
+            }
+            const uint4* rec = reinterpret_cast<const uint4*>(at + L::SCALES_AT + 256 * rt);
+            w.sc[rt].row[0] = rec[g];
+            w.sc[rt].row[1] = rec[g + 8];
+            if constexpr (QT == Q6_K) {
+                const u16* d = reinterpret_cast<const u16*>(at + L::D_AT + 32 * rt);
+                w.sc[rt].d[0] = half_to_float(d[g]);
+                w.sc[rt].d[1] = half_to_float(d[g + 8]);
+            }
+        }
+    }
+};
+
+// the dynamic shared memory of kernels with a weight ring (mma.py `ring_bytes` sizes the launch)
+extern __shared__ __align__(16) unsigned char dynamic_shared[];
+
+template <int QT, int RT, int STRIDE, int RING, int SHARED_X, typename Multiply>
 __device__ __forceinline__ void walk_k(const unsigned char* quants, const unsigned char* high, const unsigned char* scales,
                                        const u16* dvals, int tile0, int SB, int sb, int end, int lane, int g,
                                        Multiply&& multiply) {
-    Weights<QT, RT> w0, w1;
-    if (sb < end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb, lane, g, w0);
-    while (sb < end) {
-        if (sb + WARPS < end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb + WARPS, lane, g, w1);
-        multiply(w0, sb, sb + WARPS < end ? sb + WARPS : sb);
-        sb += WARPS;
-        if (sb >= end) break;
-        if (sb + WARPS < end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb + WARPS, lane, g, w0);
-        multiply(w1, sb, sb + WARPS < end ? sb + WARPS : sb);
-        sb += WARPS;
+    if constexpr (RING == 0) {
+        Weights<QT, RT> w0, w1;
+        if (sb < end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb, lane, g, w0);
+        while (sb < end) {
+            if (sb + STRIDE < end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb + STRIDE, lane, g, w1);
+            multiply(w0, sb, sb + STRIDE < end ? sb + STRIDE : sb);
+            sb += STRIDE;
+            if (sb >= end) break;
+            if (sb + STRIDE < end) load_weights<QT, RT>(quants, high, scales, dvals, tile0, SB, sb + STRIDE, lane, g, w0);
+            multiply(w1, sb, sb + STRIDE < end ? sb + STRIDE : sb);
+            sb += STRIDE;
+        }
+    } else {
+        const WeightRing<QT, RT, RING> ring(dynamic_shared + (threadIdx.x >> 5) * RING * RingStage<QT, RT>::BYTES, lane, g);
+#pragma unroll
+        for (int s = 0; s < RING - 1; ++s) ring.copy(quants, high, scales, dvals, tile0, SB, sb + s * STRIDE, end, s);
+        for (int i = 0, stage = 0; sb < end; ++i, sb += STRIDE, stage = stage == RING - 1 ? 0 : stage + 1) {
+            // this super-block's group is done: RING - 2 later ones may still fly, and with SHARED_X as many of x's
+            // plus the one x committed after it (in the first RING - 1 super-blocks fewer: wait as without)
+            if (SHARED_X == 0 || i < RING - 1) copy_wait<RING - 2>();
+            else copy_wait<2 * RING - 3>();
+            __syncwarp();  // and the scale records other lanes copied are visible
+            // the stage multiplied last (every lane has read it: it went into MMAs) takes the super-block RING - 1 on
+            ring.copy(quants, high, scales, dvals, tile0, SB, sb + (RING - 1) * STRIDE, end,
+                      stage == 0 ? RING - 1 : stage - 1);
+            Weights<QT, RT> w;
+            ring.read(stage, w);
+            multiply(w, sb, sb + STRIDE < end ? sb + STRIDE : sb);
+        }
     }
 }
 
@@ -547,7 +660,7 @@ __device__ __forceinline__ void multiply_vector(const Weights<QT, RT>& w, const 
     }
 }
 
-template <int QT, int RT, int WARPS, int SPLITS, int CH, typename XT, typename OT>
+template <int QT, int RT, int WARPS, int SPLITS, int CH, int RING, typename XT, typename OT>
 __device__ __forceinline__ void qmv(const XT* __restrict__ x, const unsigned char* __restrict__ quants,
                                     const unsigned char* __restrict__ high, const unsigned char* __restrict__ scales,
                                     const u16* __restrict__ dvals, OT* __restrict__ out, float* __restrict__ partial,
@@ -562,8 +675,8 @@ __device__ __forceinline__ void qmv(const XT* __restrict__ x, const unsigned cha
     for (int rt = 0; rt < RT; ++rt) acc[rt][0] = acc[rt][1] = 0.0f;
 
     const Consts k = make_consts();
-    walk_k<QT, RT, WARPS>(quants, high, scales, dvals, tile0, SB, ks.begin + warp, ks.end, lane, g,
-                          [&](const Weights<QT, RT>& w, int sb, int) { multiply_vector<QT, RT, CH>(w, x, sb, g, t, k, acc); });
+    walk_k<QT, RT, WARPS, RING>(quants, high, scales, dvals, tile0, SB, ks.begin + warp, ks.end, lane, g,
+                                [&](const Weights<QT, RT>& w, int sb, int) { multiply_vector<QT, RT, CH>(w, x, sb, g, t, k, acc); });
     // the 4 lanes of a row hold its columns' shares: add them (every lane ends with the row's sum), then
     // hand them to qmm's epilogue as token 0 (column 0: lane t = 0, accumulators 0 and 2)
     float sums[RT][1][4];
@@ -709,19 +822,11 @@ struct GlobalX {
 // and each warp reads its fragments from there. For qmh's OWN kernels, whose warps walk the same super-blocks:
 // `start` waits at a CTA barrier for the super-block's stage (and for every warp to be done with the stage the
 // next copy overwrites).
-__device__ __forceinline__ unsigned shared_address(const void* p) {
-    return (unsigned)__cvta_generic_to_shared(p);
-}
-__device__ __forceinline__ void copy_async16(unsigned shared, const void* global) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared), "l"(global) : "memory");
-}
-__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int PENDING>
-__device__ __forceinline__ void copy_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory"); }
-
 constexpr int X_PITCH = 576;  // bytes per row of x in a stage: 512 of values + 64, so that rows alternate bank halves
 
-template <int TG, int THREADS>
+// WEIGHT_RING 1: walk_k's WeightRing commits one group per super-block too (before this one's), so the wait lets as
+// many more fly.
+template <int TG, int THREADS, int WEIGHT_RING = 0>
 struct SharedX {
     static constexpr int ROWS = 8 * TG;
     static constexpr int STAGES = TG <= 3 ? 3 : 2;  // within 48 KB of static shared memory
@@ -764,7 +869,7 @@ struct SharedX {
         copy_commit();
     }
     __device__ __forceinline__ void start(int at, int) {
-        copy_wait<STAGES - 2>();
+        copy_wait<(STAGES - 2) * (1 + WEIGHT_RING) + WEIGHT_RING>();
         __syncthreads();
         copy(at + STAGES - 1, stage == 0 ? STAGES - 1 : stage - 1);
         const int lane = threadIdx.x & 31;
@@ -947,15 +1052,15 @@ __device__ __forceinline__ void epilogue_own(const float (&acc)[RT][TG][4], int 
     if constexpr (SPLITS > 1) finish_splits<SPLITS, WARPS * 32>(out, partial, tickets, 16 * RT * WARPS * blockIdx.x, 16 * RT * WARPS, M, N);
 }
 
-// qmh's K loop with x from `x` (GlobalX or SharedX)
-template <int QT, int RT, int TG, int STRIDE, int CH, typename XSource>
+// qmh's K loop with x from `x` (GlobalX or SharedX: SHARED_X 1), the weights through a ring of RING stages (0: none)
+template <int QT, int RT, int TG, int STRIDE, int CH, int RING, int SHARED_X, typename XSource>
 __device__ __forceinline__ void walk_half(XSource& x, const unsigned char* quants, const unsigned char* high,
                                           const unsigned char* scales, const u16* dvals, int tile0, int SB, int first,
                                           int end, float (&acc)[RT][TG][4]) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const Consts k = make_consts();
-    walk_k<QT, RT, STRIDE>(quants, high, scales, dvals, tile0, SB, first, end, lane, g,
-                           [&](const Weights<QT, RT>& w, int sb, int next) {
+    walk_k<QT, RT, STRIDE, RING, SHARED_X>(quants, high, scales, dvals, tile0, SB, first, end, lane, g,
+                                           [&](const Weights<QT, RT>& w, int sb, int next) {
                                if constexpr (QT == Q4_K) multiply_half<RT, TG, CH>(w, x, sb, next, t, k, acc);
                                else multiply_half<RT, TG, CH>(w, x, sb, next, k, acc);
                            });
@@ -967,7 +1072,7 @@ __device__ __forceinline__ void walk_half(XSource& x, const unsigned char* quant
 // all of x: at 23 rows 5.3 bytes of x per byte of weights); splits fill the GPU instead. OWN 2: the same with x
 // staged in shared memory (SharedX), the choice on wide matrices at 17-32 rows (2026-12-01, eighth session:
 // gate/up 23 rows 41.6 -> 36.1 us; OWN 1 and the second session's per-CTA double-buffered copy were slower).
-template <int QT, int RT, int TG, int WARPS, int SPLITS, int CH, int XA, int OWN, typename OT>
+template <int QT, int RT, int TG, int WARPS, int SPLITS, int CH, int XA, int OWN, int RING, typename OT>
 __device__ __forceinline__ void qmh(const u16* __restrict__ xh, const u16* __restrict__ xsum,
                                     const float* __restrict__ scale, const unsigned char* __restrict__ quants,
                                     const unsigned char* __restrict__ high, const unsigned char* __restrict__ scales,
@@ -982,13 +1087,13 @@ __device__ __forceinline__ void qmh(const u16* __restrict__ xh, const u16* __res
     float acc[RT][TG][4];
     zero(acc);
     if constexpr (OWN == 2) {  // x through shared memory
-        typedef SharedX<TG, WARPS * 32> Source;
+        typedef SharedX<TG, WARPS * 32, RING ? 1 : 0> Source;
         __shared__ __align__(16) unsigned char ring[Source::STAGES * Source::STAGE_BYTES];
         Source x(ring, xh, xsum, M, K, first, ks.end);
-        walk_half<QT, RT, TG, STRIDE, CH>(x, quants, high, scales, dvals, tile0, SB, first, ks.end, acc);
+        walk_half<QT, RT, TG, STRIDE, CH, RING, 1>(x, quants, high, scales, dvals, tile0, SB, first, ks.end, acc);
     } else {
         GlobalX<TG, XA> x(xh, xsum, M, K, first);
-        walk_half<QT, RT, TG, STRIDE, CH>(x, quants, high, scales, dvals, tile0, SB, first, ks.end, acc);
+        walk_half<QT, RT, TG, STRIDE, CH, RING, 0>(x, quants, high, scales, dvals, tile0, SB, first, ks.end, acc);
     }
     if constexpr (OWN) epilogue_own<RT, TG, WARPS, SPLITS>(acc, tile0, out, partial, tickets, M, N, scale);
     else epilogue<RT, TG, WARPS, SPLITS>(acc, tile0, out, partial, tickets, M, N, scale);

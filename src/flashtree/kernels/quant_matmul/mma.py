@@ -19,12 +19,9 @@ dependency, imported on first use) and cached on disk per GPU architecture.
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
 import multiprocessing
 import os
-import threading
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +30,9 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
 
 from flashtree.errors import FlashtreeError
-from flashtree.nvrtc import bindings, check, compile_cubin, compile_to, store
+# arch_of, cache_dir and compile_cubin: the loader and the benchmarks take them from here with the instances
+from flashtree.kernels.cuda_functions import arch_of, cache_dir, cubin_path, functions, launch, nvrtc_loads  # noqa: F401
+from flashtree.nvrtc import bindings, check, compile_cubin, compile_to  # noqa: F401
 
 TILE_ROWS = 16
 SUPER = 256
@@ -355,7 +354,9 @@ class MMAConfig:
     min_blocks: CTAs per SM asked of ptxas (`__launch_bounds__`'s second value; 0: none), which caps the
     registers to fit them (sm_90, 4 warps: 3 -> 168, 4 -> 128) at the price of spills; x_ahead: qmh loads x a
     sub-block ahead of its MMAs (1) or just before them (0); own_tiles: qmh's warps own row tiles of their own
-    and walk the same super-blocks (x read from L2 once per CTA) instead of splitting K (0)."""
+    and walk the same super-blocks (x read from L2 once per CTA) instead of splitting K (0); ring: qmv and qmh
+    stage the weights through a shared-memory ring of that many super-blocks per warp (cp.async, ring - 1 in
+    flight) instead of two register buffers (0)."""
 
     rt: int
     warps: int
@@ -364,11 +365,21 @@ class MMAConfig:
     min_blocks: int = 0
     x_ahead: int = 0
     own_tiles: int = 0
+    ring: int = 0
+
+    def __post_init__(self):
+        if self.ring == 1 or self.ring < 0:
+            raise FlashtreeError(f"a weight ring needs at least 2 stages (or 0 for none), not {self.ring}")
 
     @property
     def rows_per_cta(self) -> int:
         """Output rows one CTA computes: its warps split K (16 rt), or with own_tiles each has rt tiles."""
         return 16 * self.rt * (self.warps if self.own_tiles else 1)
+
+    def ring_bytes(self, qtype: QType) -> int:
+        """Dynamic shared memory of the weight ring (mma.cu `RingStage`): per warp and stage the tile super-blocks'
+        bytes (Q6_K's d included)."""
+        return self.warps * self.ring * self.rt * sum(size for _, size in PIECES[qtype])
 
 
 ONE_ROW = 0  # `token_groups` of one row of x: the qmv kernel (sub-blocks in the MMA's columns), not qmm
@@ -412,14 +423,15 @@ def _instance(qtype: QType, config: MMAConfig, tg: int, kernel: str, x_dtype: to
               out_dtype: torch.dtype = torch.bfloat16) -> str:
     c = config
     blocks = f"_b{c.min_blocks}" if c.min_blocks else ""
+    ring = f"_g{c.ring}" if c.ring and kernel in ("qmv", "qmh") else ""
     types = _dtype_suffix(torch.bfloat16 if kernel == "qmh" else x_dtype, out_dtype)
     if kernel == "qmv":
         chains = f"_c{c.chains}" if c.chains > 1 else ""
-        return f"qmv_{qtype.name.lower()}_r{c.rt}_w{c.warps}_s{c.splits}{chains}{blocks}{types}"
+        return f"qmv_{qtype.name.lower()}_r{c.rt}_w{c.warps}_s{c.splits}{chains}{blocks}{ring}{types}"
     chains = f"_c{c.chains}" if kernel == "qmh" else ""
     ahead = f"_x{c.x_ahead}" if kernel == "qmh" and c.x_ahead else ""
     own = f"_own{c.own_tiles}" if kernel == "qmh" and c.own_tiles else ""
-    return f"{kernel}_{qtype.name.lower()}_r{c.rt}_t{tg}_w{c.warps}_s{c.splits}{chains}{blocks}{ahead}{own}{types}"
+    return f"{kernel}_{qtype.name.lower()}_r{c.rt}_t{tg}_w{c.warps}_s{c.splits}{chains}{blocks}{ahead}{own}{ring}{types}"
 
 
 def _dequant_instance(qtype: QType, out: int) -> str:
@@ -438,7 +450,8 @@ def _wrapper(name: str, qtype: QType, config: MMAConfig, tg: int, kernel: str, x
     head = f'extern "C" __global__ void __launch_bounds__({bounds}) {name}'
     xt, ot = _C_TYPES[x_dtype], _C_TYPES[out_dtype]
     if kernel == "qmh":
-        call = f"qmh<{qtype.name}, {c.rt}, {tg}, {c.warps}, {c.splits}, {c.chains}, {c.x_ahead}, {c.own_tiles}>"
+        call = (f"qmh<{qtype.name}, {c.rt}, {tg}, {c.warps}, {c.splits}, {c.chains}, {c.x_ahead}, {c.own_tiles}, "
+                f"{c.ring}>")
         tail = f"{ot}* out, float* part, int* tickets, int M, int N, int K"
         if qtype == QType.Q4_K:  # x's sums for the min term; no top bits, d inside the scale records
             return (f"{head}(const u16* xh, const u16* xs, const float* scale, const unsigned char* q, "
@@ -447,7 +460,7 @@ def _wrapper(name: str, qtype: QType, config: MMAConfig, tg: int, kernel: str, x
         return (f"{head}(const u16* xh, const float* scale, const unsigned char* q, const unsigned char* h, "
                 f"const unsigned char* s, const u16* d, {tail}) {{ {call}(xh, nullptr, scale, q, h, s, d, out, "
                 f"part, tickets, M, N, K); }}\n")
-    call = (f"qmv<{qtype.name}, {c.rt}, {c.warps}, {c.splits}, {c.chains}>" if kernel == "qmv"
+    call = (f"qmv<{qtype.name}, {c.rt}, {c.warps}, {c.splits}, {c.chains}, {c.ring}>" if kernel == "qmv"
             else f"qmm<{qtype.name}, {c.rt}, {tg}, {c.warps}, {c.splits}>")
     return (f"{head}(const {xt}* x, const unsigned char* q, const unsigned char* h, const unsigned char* s, "
             f"const u16* d, {ot}* out, float* part, int* tickets, int M, int N, int K) {{ "
@@ -473,28 +486,9 @@ def _dequant_wrapper(name: str, qtype: QType, out: int) -> str:
             f"const u16* d, void* dense, int N, int K) {{ dequant<{qtype.name}, {out}>(q, h, s, d, dense, N, K); }}\n")
 
 
-class _Program:
-    """One NVRTC program holding the instances asked for so far on one device (compiled once per set,
-    the cubin cached on disk under ~/.cache/flashtree/mma)."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.functions: dict[str, object] = {}
-        self.lock = threading.Lock()
-
-    def function(self, name: str, source: str):
-        fn = self.functions.get(name)
-        if fn is None:
-            with self.lock:
-                fn = self.functions.get(name)
-                if fn is None:
-                    fn = self.functions[name] = _load_function(self.device, name, source)
-        return fn
-
-
-@functools.cache
-def _program(device: torch.device) -> _Program:
-    return _Program(device)
+def _function(device: torch.device, name: str, wrapper: str):
+    """Instance `name` (mma.cu with its `wrapper`) on `device`."""
+    return functions(device).function(name, lambda: _SOURCE.read_text() + wrapper)
 
 
 @functools.cache
@@ -503,46 +497,7 @@ def available() -> bool:
     kernels; otherwise, or with FLASHTREE_MMA=0, the Triton kernels)."""
     if os.environ.get("FLASHTREE_MMA", "1") == "0":
         return False
-    try:
-        _, nvrtc = bindings()
-        check(nvrtc.nvrtcVersion(), "nvrtcVersion")
-    except Exception:  # noqa: BLE001 - no cuda-python, or it cannot find libnvrtc: the Triton kernels serve
-        return False
-    return True
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("FLASHTREE_CACHE", Path.home() / ".cache" / "flashtree")) / "mma"
-
-
-def arch_of(device: torch.device) -> str:
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm_{major}{minor}"
-
-
-def _cubin_path(name: str, source: str, arch: str) -> Path:
-    key = hashlib.sha256(f"{arch}\n{source}".encode()).hexdigest()[:24]
-    return cache_dir() / f"{name}-{key}.cubin"
-
-
-def _load_function(device: torch.device, name: str, wrapper: str):
-    driver, _ = bindings()
-    source = _SOURCE.read_text() + wrapper
-    arch = arch_of(device)
-    path = _cubin_path(name, source, arch)
-    if path.exists():
-        cubin = path.read_bytes()
-    else:
-        cubin = compile_cubin(source, arch)
-        store(path, cubin)
-    with torch.cuda.device(device):
-        check(driver.cuInit(0), "cuInit")
-        # torch allocates in the device's primary context: load the module there
-        context = check(driver.cuDevicePrimaryCtxRetain(check(driver.cuDeviceGet(device.index or 0), "cuDeviceGet")),
-                         "cuDevicePrimaryCtxRetain")
-        check(driver.cuCtxSetCurrent(context), "cuCtxSetCurrent")
-        module = check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
-        return check(driver.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction")
+    return nvrtc_loads()
 
 
 @functools.cache
@@ -550,22 +505,6 @@ def _tickets(device: torch.device, stream: int) -> torch.Tensor:
     """Per-row-group arrival counters of split-K launches, one set per stream (launches on one stream
     run one after another; every launch leaves its counters at zero)."""
     return torch.zeros(1 << 16, dtype=torch.int32, device=device)
-
-
-def _launch(fn, grid: tuple[int, int], threads: int, args: list, device: torch.device) -> None:
-    driver, _ = bindings()
-    stream = driver.CUstream(torch.cuda.current_stream(device).cuda_stream)
-    values, types = [], []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            values.append(a.data_ptr())
-            types.append(ctypes.c_void_p)
-        else:
-            values.append(a)
-            types.append(ctypes.c_int)
-    with torch.cuda.device(device):
-        check(driver.cuLaunchKernel(fn, grid[0], grid[1], 1, threads, 1, 1, 0, stream,
-                                     (tuple(values), tuple(types)), 0), "cuLaunchKernel")
 
 
 _H200_SMS = 132
@@ -598,6 +537,10 @@ def choose_config(qtype: QType, m: int, n: int, k: int, sms: int = _H200_SMS, ke
     tg = token_groups(m)
     half = (kernel or kernel_for(qtype, tg, n, k)) == "qmh"  # `kernel`: the config another kernel would take
     warps = 2 if tiles >= 32 * sms else 4
+    ring = _two_tiles_through_a_ring(tiles // 2, tg, warps, sms) if (
+        half and qtype == QType.Q4_K and tg >= 2 and n % 32 == 0 and tiles >= 5 * sms) else None
+    if ring is not None:
+        return ring
     # Q6_K's qmh at 17-32 rows on 4-warp matrices (the FFN down projections) and at 17-24 on the LM head (there
     # on 4 warps too): one tile and one chain at 3 CTAs per SM, x a sub-block ahead (eighth session's sweeps: down
     # 5120x17408 at 23 rows 70.0 -> 49.3 us, at 32 rows 123.4 -> 59.1 us; the head at 23 rows 645.6 -> 569.1 us)
@@ -627,6 +570,36 @@ def choose_config(qtype: QType, m: int, n: int, k: int, sms: int = _H200_SMS, ke
     return MMAConfig(rt, warps, splits, chains=chains, min_blocks=min_blocks, x_ahead=x_ahead, own_tiles=own_tiles)
 
 
+# CTAs per SM the two-tile Q4_K qmh may take per token-group count: its registers allow 4 at 2 groups (126), 3 at
+# 3 (162) and 4 (168 with `min_blocks` 3; 2 without, ~200), and its 36 KB weight ring fits 4
+_RING_CTAS_PER_SM = {2: (4, 3), 3: (3, 2), 4: (3, 2)}
+
+
+def _wave_fill(ctas: int, slots: int) -> float:
+    """How full the launch's waves are: ctas over whole waves of `slots` resident CTAs (1.0: no partial wave)."""
+    return ctas / (slots * -(-ctas // slots))
+
+
+# The ring pays only where its CTAs fill their waves: the twentieth session's sweep (docs/PERFORMANCE.md,
+# 2026-12-04, call 1) found it 7-17 % slower than the register-buffered qmh on the unfused gate/up 17408x5120,
+# whose 544 CTAs fill 0.69 of two waves at 3 per SM, and faster or level where the fill is 0.92-0.98
+_RING_MIN_WAVE_FILL = 0.9
+
+
+def _two_tiles_through_a_ring(ctas: int, tg: int, warps: int, sms: int) -> MMAConfig | None:
+    """Q4_K's qmh at 9-32 rows on the wide matrices (at least 5 row tiles per SM: the fused gate + up, a DeltaNet
+    layer's qkv + z + beta + alpha, q + gate): the weights through a 2-stage shared-memory ring, whose freed
+    registers let each warp take two row tiles (x's fragments used twice), one chain, the CTA's warps splitting K;
+    the CTAs per SM whose waves are fullest. Sweeps against the register-buffered qmh, nineteenth and twentieth
+    sessions (docs/PERFORMANCE.md, 2026-12-04): at 23 rows gate + up 58.4 -> 55.8 us, q + gate 27.9 -> 23.5, qkvz
+    40.5 -> 36.5; at 16 rows 56.3 -> 48.8, 23.3 -> 21.2, 31.2 -> 25.1. One arithmetic from 9 to 32 rows: a row's
+    bits do not depend on the row count there. None where no CTA count fills its waves (`_RING_MIN_WAVE_FILL`)."""
+    per_sm = max(_RING_CTAS_PER_SM[tg], key=lambda c: _wave_fill(ctas, c * sms))
+    if _wave_fill(ctas, per_sm * sms) < _RING_MIN_WAVE_FILL:
+        return None
+    return MMAConfig(2, warps, 1, chains=1, min_blocks=per_sm if per_sm > 2 else 0, ring=2)
+
+
 def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: QType, n: int, k: int,
            config: MMAConfig | None = None, kernel: str | None = None,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -653,11 +626,11 @@ def prepare_x(x: torch.Tensor, qtype: QType) -> tuple[torch.Tensor, ...]:
     x 2^e with each 32 values in the kernel's order, `q6_k_x_order`, and 2^-e)."""
     m, k = x.shape
     name = _prep_x_instance(qtype, x.dtype)
-    fn = _program(x.device).function(name, _prep_x_wrapper(qtype, x.dtype))
+    fn = _function(x.device, name, _prep_x_wrapper(qtype, x.dtype))
     xh = torch.empty(m, k, dtype=torch.float16, device=x.device)
     sums = (torch.empty(m, k // SUPER, 16, dtype=torch.float16, device=x.device),) if qtype == QType.Q4_K else ()
     scale = torch.empty(m, dtype=torch.float32, device=x.device)
-    _launch(fn, (m, 1), 256, [x, xh, *sums, scale, k], x.device)
+    launch(fn, (m, 1), 256, [x, xh, *sums, scale, k], x.device)
     return (xh, *sums, scale)
 
 
@@ -680,26 +653,38 @@ def _launch_matmul(out: torch.Tensor, xs: list[torch.Tensor], raw: torch.Tensor,
         raise FlashtreeError(f"{config} needs N % {config.rows_per_cta} == 0, N = {n}")
     x_dtype = xs[0].dtype if kernel != "qmh" else torch.bfloat16
     name = _instance(qtype, config, tg, kernel, x_dtype, out.dtype)
-    fn = _program(out.device).function(name, _wrapper(name, qtype, config, tg, kernel, x_dtype, out.dtype))
+    fn = _function(out.device, name, _wrapper(name, qtype, config, tg, kernel, x_dtype, out.dtype))
     p = pieces_of(raw, qtype, n, k)
     partial = (torch.empty(config.splits, m, n, dtype=torch.float32, device=out.device) if config.splits > 1
                else out)
     weights = ([p["quants"], p["scales"]] if kernel == "qmh" and qtype == QType.Q4_K else
                [p["quants"], p.get("high", p["quants"]), p["scales"], p.get("d", p["scales"])])
     tickets = _tickets(out.device, torch.cuda.current_stream(out.device).cuda_stream)
-    _launch(fn, (n // config.rows_per_cta, config.splits), 32 * config.warps,
-            [*xs, *weights, out, partial, tickets, m, n, k], out.device)
+    shared = config.ring_bytes(qtype) if kernel in ("qmv", "qmh") else 0
+    if shared:
+        _allow_shared(out.device, name, shared)
+    launch(fn, (n // config.rows_per_cta, config.splits), 32 * config.warps,
+            [*xs, *weights, out, partial, tickets, m, n, k], out.device, shared)
+
+
+@functools.cache
+def _allow_shared(device: torch.device, name: str, size: int) -> None:
+    """Let kernel `name` take `size` bytes of dynamic shared memory (above 48 KB a function must opt in)."""
+    driver, _ = bindings()
+    fn = functions(device).loaded[name]
+    attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    check(driver.cuFuncSetAttribute(fn, attribute, size), "cuFuncSetAttribute")
 
 
 def dequantize(raw: torch.Tensor, qtype: QType, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
     """The dense [N, K] weight in `dtype` (bf16, f16, f32), written by the CUDA dequantization kernel."""
     name = _dequant_instance(qtype, _OUT_CODES[dtype])
-    fn = _program(raw.device).function(name, _dequant_wrapper(name, qtype, _OUT_CODES[dtype]))
+    fn = _function(raw.device, name, _dequant_wrapper(name, qtype, _OUT_CODES[dtype]))
     p = pieces_of(raw, qtype, n, k)
     dense = torch.empty(n, k, dtype=dtype, device=raw.device)
     tiles = (n // 16) * (k // SUPER)  # one warp each
     per_cta = _DEQUANT_WARPS[dtype]
-    _launch(fn, ((tiles + per_cta - 1) // per_cta, 1), 32 * per_cta,
+    launch(fn, ((tiles + per_cta - 1) // per_cta, 1), 32 * per_cta,
             [p["quants"], p.get("high", p["quants"]), p["scales"], p.get("d", p["scales"]), dense, n, k], raw.device)
     return dense
 
@@ -732,14 +717,14 @@ def instances_for(shapes, sms: int, dtype: torch.dtype = torch.bfloat16) -> list
 def uncompiled(jobs: list[tuple[str, str]], arch: str) -> list[tuple[str, str]]:
     """The jobs whose cubin is not in the on-disk cache yet."""
     source = _SOURCE.read_text()
-    return [(name, wrapper) for name, wrapper in jobs if not _cubin_path(name, source + wrapper, arch).exists()]
+    return [(name, wrapper) for name, wrapper in jobs if not cubin_path(name, source + wrapper, arch).exists()]
 
 
 def precompile(jobs: list[tuple[str, str]], arch: str, workers: int | None = None, progress=None) -> None:
     """Compile instances into the on-disk cache in parallel processes (NVRTC needs no GPU); `progress`
     is called with each finished name."""
     base = _SOURCE.read_text()
-    todo = [(name, base + wrapper, arch, _cubin_path(name, base + wrapper, arch))
+    todo = [(name, base + wrapper, arch, cubin_path(name, base + wrapper, arch))
             for name, wrapper in uncompiled(jobs, arch)]
     if not todo:
         return
