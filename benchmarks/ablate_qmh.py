@@ -96,7 +96,7 @@ def main() -> int:
 
                 def call(w, fn=fn):
                     p = mma.pieces_of(w.raw, QT, n, k)
-                    mma._launch(fn, (n // (16 * c.rt), c.splits), 32 * c.warps,
+                    mma.launch(fn, (n // (16 * c.rt), c.splits), 32 * c.warps,
                                 [xh, sums, scale, p["quants"], p["scales"], out, out, mma._tickets(x.device, 0), m, n, k],
                                 x.device)
 

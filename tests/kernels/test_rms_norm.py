@@ -1,9 +1,11 @@
-"""kernels/rms_norm: the Triton kernel against the torch reference (CPU interpreter, in a subprocess)."""
+"""kernels/rms_norm: the Triton kernel against the torch reference (CPU interpreter, in a subprocess); the cluster
+add + RMSNorm (add_rms_norm.cu) compiled offline and checked on a Hopper GPU."""
 
 import pytest
 import torch
 
-from flashtree.kernels.rms_norm import rms_norm, rms_norm_reference
+from flashtree.kernels import rms_norm as rms_norm_module
+from flashtree.kernels.rms_norm import add_rms_norm, rms_norm, rms_norm_reference
 from tests.kernels import rms_norm_cases as cases
 from tests.kernels.interpreter import run_cases
 
@@ -24,3 +26,62 @@ def test_torch_path_is_the_reference_on_cpu():
     x = torch.randn(3, 4, 128, dtype=torch.bfloat16)
     w = torch.rand(128)
     assert torch.equal(rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6))
+
+
+def test_cluster_kernel_compiles_for_sm90_without_a_gpu():
+    """add_rms_norm.cu through NVRTC (no GPU needed): Hopper's cluster barriers and distributed shared memory."""
+    pytest.importorskip("cuda.bindings")
+    from flashtree.nvrtc import compile_cubin
+
+    assert compile_cubin(rms_norm_module._CLUSTER_SOURCE.read_text(), "sm_90")[:4] == b"\x7fELF"
+
+
+def test_cluster_kernel_takes_only_few_float32_gpu_rows():
+    h, w = torch.zeros(1, 5120), torch.ones(5120)
+    assert not rms_norm_module._cluster_kernel_takes(h, w)  # a CPU tensor
+
+
+cuda_hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),
+                                 reason="needs a CUDA GPU with thread-block clusters (sm_90+)")
+
+
+@pytest.mark.gpu
+@cuda_hopper
+@pytest.mark.parametrize("dim", [5120, 2048, 256, 4096 + 32, 40960])
+def test_cluster_add_rms_norm_on_gpu(dim):
+    """The cluster kernel takes float32 rows: total is h + delta exactly, normed within float32 rounding of the
+    reference, each row's bits the same whatever rows are beside it (decode and verify rows agree), and the launch
+    replays in a CUDA graph."""
+    gen = torch.Generator(device="cuda").manual_seed(dim)
+    h = torch.randn(64, dim, device="cuda", generator=gen) * 4
+    delta = torch.randn(64, dim, device="cuda", generator=gen)
+    w = 1 + 0.1 * torch.randn(dim, device="cuda", generator=gen)
+    assert rms_norm_module._cluster_kernel_takes(h, w)
+    total, normed = add_rms_norm(h, delta, w, 1e-6)
+    assert torch.equal(total, h + delta)
+    want = rms_norm_reference(h + delta, w, 1e-6)
+    assert ((normed - want).abs().max() / want.abs().max()).item() < 1e-6
+    for rows in (1, 2, 23):
+        sub_total, sub_normed = add_rms_norm(h[:rows].contiguous(), delta[:rows].contiguous(), w, 1e-6)
+        assert torch.equal(sub_total, total[:rows]) and torch.equal(sub_normed, normed[:rows]), rows
+    x, d = h[:23].clone(), delta[:23].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed = add_rms_norm(x, d, w, 1e-6)
+    x.copy_(h[23:46])
+    d.copy_(delta[23:46])
+    graph.replay()
+    assert torch.equal(graphed[0], total[23:46]) and torch.equal(graphed[1], normed[23:46])
+
+
+@pytest.mark.gpu
+@cuda_hopper
+def test_rows_past_the_cluster_kernel_keep_the_triton_kernel_on_gpu():
+    h = torch.randn(rms_norm_module.CLUSTER_MAX_ROWS + 1, 5120, device="cuda")
+    w = torch.ones(5120, device="cuda")
+    assert not rms_norm_module._cluster_kernel_takes(h, w)
+    assert not rms_norm_module._cluster_kernel_takes(h[:4].bfloat16(), w)
+    total, normed = add_rms_norm(h, h, w, 1e-6)
+    assert torch.equal(total, h + h)
+    want = rms_norm_reference(h + h, w, 1e-6)
+    assert ((normed - want).abs().max() / want.abs().max()).item() < 1e-6

@@ -57,6 +57,19 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
                         > "$OUT/cold_start_$start.txt" 2>&1
                     echo "== $start start (rc $?): $(tail -1 "$OUT/cold_start_$start.txt")"
                 done ;;
+    # the residual add + RMSNorm: the Triton kernel against the cluster kernel (kernels/add_rms_norm.cu) and variants
+    norm) timeout 120 python3 benchmarks/bench_add_rms_norm.py --out "$OUT/add_rms_norm.json" > "$OUT/add_rms_norm.txt" 2>&1
+          echo "== norm (rc $?)"; tail -10 "$OUT/add_rms_norm.txt" ;;
+    # Q4_K's qmh on the wide matrices: the weight ring (the default from 9 rows) against the register-buffered
+    # configurations before it and the ring's other shapes
+    sweep-ring) timeout 170 python3 benchmarks/sweep_mma_rows.py --types Q4_K --ring --rows 9,16,23,32 \
+                    --matrices gate+up,qkvz,q+gate,gate/up --budget-s 130 --out "$OUT/ring.json" > "$OUT/ring.txt" 2>&1
+                echo "== sweep-ring (rc $?)"; grep -A40 "^summary" "$OUT/ring.txt" ;;
+    # the 1K step with the Triton add + RMSNorm, then with the cluster kernel (same model build each)
+    steps-norm-ab) for cluster in 0 1; do
+                       FLASHTREE_CLUSTER_NORM=$cluster bench "steps-norm-cluster$cluster" "${LIMIT_1K:-150}" --steps -n 32 \
+                           --repeat 5 --replay-al 0 --context 1024 --prefill-lengths 1024
+                   done ;;
     sweep-attention) timeout "${LIMIT_SWEEP_ATTN:-150}" python3 benchmarks/sweep_tree_attention.py --budget-s "${BUDGET_SWEEP_ATTN:-120}" \
                --out "$OUT/sweep_attention.json" > "$OUT/sweep_attention.txt" 2>&1
                echo "== sweep-attention (rc $?)"; tail -10 "$OUT/sweep_attention.txt" ;;

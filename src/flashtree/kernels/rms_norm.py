@@ -8,14 +8,23 @@ milliseconds even inside a CUDA graph.
 The Triton kernel is one launch, one program per row. `rms_norm` runs it where Triton runs (CUDA, or
 the CPU interpreter) and the torch reference elsewhere; both sum the squares in float32, so they
 differ only in summation order (within float32 rounding).
+
+`add_rms_norm` of a few float32 rows on a Hopper GPU (decode, verify: the residual stream of a bf16 model is
+float32, docs/FIDELITY.md) runs `add_rms_norm.cu` instead: a row per cluster of 8 CTAs, so that a row's 100 KB of
+loads and stores at the 27B shape go through 8 SMs rather than one (the Triton launch took 2.8 us there).
 """
 
 from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from flashtree.kernels import triton_runs_on
+from flashtree.kernels.cuda_functions import functions, launch, nvrtc_loads
 
 try:  # the kernel needs triton; the reference does not
     import triton
@@ -50,9 +59,39 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
         return add_rms_norm_reference(h, delta, weight, eps)
     total, normed = torch.empty_like(h), torch.empty_like(h)
     dim = h.shape[-1]
+    if _cluster_kernel_takes(h, weight):
+        threads = min(1024, -(-dim // (4 * CLUSTER * 32)) * 32)
+        launch(_cluster_function(h.device), (h.shape[0] * CLUSTER, 1), threads,
+               [h, delta, weight, total, normed, dim, float(eps)], h.device)
+        return total, normed
     _add_rms_norm_kernel[(h.shape[0],)](h, delta, weight, total, normed, dim, eps, BLOCK=triton.next_power_of_2(dim),
                                         num_warps=4 if dim <= 1024 else 8)
     return total, normed
+
+
+CLUSTER = 8  # CTAs a row takes in add_rms_norm.cu (its CLUSTER)
+_CLUSTER_MAX_VECS = 4  # and its MAX_VECS: float4s a thread holds
+CLUSTER_MAX_ROWS = 64  # decode, verify and short chunks; longer ones fill the GPU with one program a row
+_CLUSTER_SOURCE = Path(__file__).with_name("add_rms_norm.cu")
+
+
+def _cluster_kernel_takes(h: torch.Tensor, weight: torch.Tensor) -> bool:
+    """float32 rows (and weight) on a GPU with thread-block clusters (sm_90+), few enough rows, and columns that
+    split into whole float4s per CTA and fit its registers; FLASHTREE_CLUSTER_NORM=0 keeps the Triton kernel."""
+    dim = h.shape[-1]
+    return (h.is_cuda and h.dtype == torch.float32 and weight.dtype == torch.float32 and weight.is_contiguous()
+            and h.shape[0] <= CLUSTER_MAX_ROWS and dim % (4 * CLUSTER) == 0
+            and dim <= 4 * CLUSTER * _CLUSTER_MAX_VECS * 1024 and _clusters_available(h.device))
+
+
+@functools.cache
+def _clusters_available(device: torch.device) -> bool:
+    return (os.environ.get("FLASHTREE_CLUSTER_NORM", "1") != "0" and torch.cuda.get_device_capability(device)[0] >= 9
+            and nvrtc_loads())
+
+
+def _cluster_function(device: torch.device):
+    return functions(device).function("add_rms_norm_f32", _CLUSTER_SOURCE.read_text)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

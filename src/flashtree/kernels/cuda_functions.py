@@ -1,0 +1,106 @@
+"""CUDA C kernels compiled at run time (NVRTC, `flashtree.nvrtc`), cached on disk per GPU architecture, loaded
+into the device's primary context (where torch allocates) and launched on torch's current stream, so that they
+capture into CUDA graphs like torch's own kernels. The tensor-core matmuls (`quant_matmul/mma.py`) and the
+cluster add + RMSNorm (`rms_norm.py`) use it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import threading
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from flashtree.nvrtc import bindings, check, compile_cubin, store
+
+
+@functools.cache
+def nvrtc_loads() -> bool:
+    """cuda-python importable and NVRTC loadable (otherwise the Triton kernels serve)."""
+    try:
+        _, nvrtc = bindings()
+        check(nvrtc.nvrtcVersion(), "nvrtcVersion")
+    except Exception:  # noqa: BLE001 - no cuda-python, or it cannot find libnvrtc
+        return False
+    return True
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FLASHTREE_CACHE", Path.home() / ".cache" / "flashtree")) / "mma"
+
+
+def arch_of(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def cubin_path(name: str, source: str, arch: str) -> Path:
+    key = hashlib.sha256(f"{arch}\n{source}".encode()).hexdigest()[:24]
+    return cache_dir() / f"{name}-{key}.cubin"
+
+
+def load_function(device: torch.device, name: str, source: str):
+    """Function `name` of `source` (the whole CUDA C text) on `device`, compiled unless the disk cache has it."""
+    driver, _ = bindings()
+    arch = arch_of(device)
+    path = cubin_path(name, source, arch)
+    if path.exists():
+        cubin = path.read_bytes()
+    else:
+        cubin = compile_cubin(source, arch)
+        store(path, cubin)
+    with torch.cuda.device(device):
+        check(driver.cuInit(0), "cuInit")
+        # torch allocates in the device's primary context: load the module there
+        context = check(driver.cuDevicePrimaryCtxRetain(check(driver.cuDeviceGet(device.index or 0), "cuDeviceGet")),
+                         "cuDevicePrimaryCtxRetain")
+        check(driver.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+        module = check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
+        return check(driver.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction")
+
+
+class Functions:
+    """The functions loaded so far on one device (each compiled or read from the disk cache once)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.loaded: dict[str, object] = {}
+        self.lock = threading.Lock()
+
+    def function(self, name: str, source: Callable[[], str]):
+        """Function `name`, loaded on first use from `source()` (called then only: launches do not read files)."""
+        fn = self.loaded.get(name)
+        if fn is None:
+            with self.lock:
+                fn = self.loaded.get(name)
+                if fn is None:
+                    fn = self.loaded[name] = load_function(self.device, name, source())
+        return fn
+
+
+@functools.cache
+def functions(device: torch.device) -> Functions:
+    return Functions(device)
+
+
+def launch(fn, grid: tuple[int, int], threads: int, args: list, device: torch.device, shared: int = 0) -> None:
+    """One launch on torch's current stream: tensors go as pointers, Python floats as float, ints as int;
+    `shared`: dynamic shared memory bytes (the function allows them)."""
+    driver, _ = bindings()
+    stream = driver.CUstream(torch.cuda.current_stream(device).cuda_stream)
+    values, types = [], []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            values.append(a.data_ptr())
+            types.append(ctypes.c_void_p)
+        else:
+            values.append(a)
+            types.append(ctypes.c_float if isinstance(a, float) else ctypes.c_int)
+    with torch.cuda.device(device):
+        check(driver.cuLaunchKernel(fn, grid[0], grid[1], 1, threads, 1, 1, shared, stream,
+                                     (tuple(values), tuple(types)), 0), "cuLaunchKernel")
