@@ -70,6 +70,11 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
                        FLASHTREE_CLUSTER_NORM=$cluster bench "steps-norm-cluster$cluster" "${LIMIT_1K:-150}" --steps -n 32 \
                            --repeat 5 --replay-al 0 --context 1024 --prefill-lengths 1024
                    done ;;
+    # the 1K step without and with programmatic dependent launch (kernels/cuda_functions.py)
+    steps-pdl-ab) for pdl in 0 1; do
+                      FLASHTREE_PDL=$pdl bench "steps-pdl$pdl" "${LIMIT_1K:-150}" --steps -n 32 --repeat 5 --replay-al 0 \
+                          --context 1024 --prefill-lengths 1024
+                  done ;;
     sweep-attention) timeout "${LIMIT_SWEEP_ATTN:-150}" python3 benchmarks/sweep_tree_attention.py --budget-s "${BUDGET_SWEEP_ATTN:-120}" \
                --out "$OUT/sweep_attention.json" > "$OUT/sweep_attention.txt" 2>&1
                echo "== sweep-attention (rc $?)"; tail -10 "$OUT/sweep_attention.txt" ;;

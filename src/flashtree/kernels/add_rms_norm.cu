@@ -54,13 +54,21 @@ add_rms_norm_f32(const float* __restrict__ h, const float* __restrict__ delta, c
 
     const float4* w4 = reinterpret_cast<const float4*>(w) + (long)rank * vecs;
     float4 t[MAX_VECS], m[MAX_VECS];
+    // programmatic dependent launch (kernels/cuda_functions.py; quant_matmul/mma.cu says how): the next kernel may
+    // be placed now; the norm weight (constant) is read while the kernel before finishes, h and delta after it
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#pragma unroll
+    for (int i = 0; i < MAX_VECS; ++i) {
+        const int c = threadIdx.x + i * blockDim.x;
+        if (c < vecs) m[i] = w4[c];
+    }
+    asm volatile("griddepcontrol.wait;" ::: "memory");
     float sum = 0.0f;
 #pragma unroll
     for (int i = 0; i < MAX_VECS; ++i) {
         const int c = threadIdx.x + i * blockDim.x;
         if (c < vecs) {
             const float4 a = h4[c], b = d4[c];
-            m[i] = w4[c];  // loaded before the barrier, used after it
             t[i] = make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
             sum += squares(t[i]);
         }

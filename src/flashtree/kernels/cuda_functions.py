@@ -88,9 +88,32 @@ def functions(device: torch.device) -> Functions:
     return Functions(device)
 
 
+@functools.cache
+def dependent_launches(device: torch.device) -> bool:
+    """Launch with programmatic dependent launch (Hopper on): a kernel may start while the kernel before it on the
+    stream finishes, and waits for it inside (`griddepcontrol.wait`, which every kernel of ours runs before it
+    reads its inputs or writes). FLASHTREE_PDL=0 turns it off."""
+    return os.environ.get("FLASHTREE_PDL", "1") != "0" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _config(driver, grid: tuple[int, int], threads: int, shared: int, stream, dependent: bool):
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid[0], grid[1], 1
+    config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
+    config.sharedMemBytes = shared
+    config.hStream = stream
+    if dependent:
+        attribute = driver.CUlaunchAttribute()
+        attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attribute.value.programmaticStreamSerializationAllowed = 1
+        config.attrs = [attribute]
+        config.numAttrs = 1
+    return config
+
+
 def launch(fn, grid: tuple[int, int], threads: int, args: list, device: torch.device, shared: int = 0) -> None:
-    """One launch on torch's current stream: tensors go as pointers, Python floats as float, ints as int;
-    `shared`: dynamic shared memory bytes (the function allows them)."""
+    """One launch on torch's current stream (programmatic dependent launch where `dependent_launches`): tensors go as
+    pointers, Python floats as float, ints as int; `shared`: dynamic shared memory bytes (the function allows them)."""
     driver, _ = bindings()
     stream = driver.CUstream(torch.cuda.current_stream(device).cuda_stream)
     values, types = [], []
@@ -101,6 +124,6 @@ def launch(fn, grid: tuple[int, int], threads: int, args: list, device: torch.de
         else:
             values.append(a)
             types.append(ctypes.c_float if isinstance(a, float) else ctypes.c_int)
+    config = _config(driver, grid, threads, shared, stream, dependent_launches(device))
     with torch.cuda.device(device):
-        check(driver.cuLaunchKernel(fn, grid[0], grid[1], 1, threads, 1, 1, shared, stream,
-                                     (tuple(values), tuple(types)), 0), "cuLaunchKernel")
+        check(driver.cuLaunchKernelEx(config, fn, (tuple(values), tuple(types)), 0), "cuLaunchKernelEx")

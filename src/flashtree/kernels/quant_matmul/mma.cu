@@ -259,6 +259,19 @@ __device__ __forceinline__ KRange split_k(int SB) {
     return KRange{begin, min(SB, begin + per)};
 }
 
+// Programmatic dependent launch (sm_90; mma.py launches every kernel here with it on Hopper, kernels/cuda_functions.py):
+// a kernel may start while the kernel before it on the stream is still finishing. Each kernel first lets its own
+// dependents start (they are placed once all of its CTAs have run this), then waits for the kernels before it to
+// finish and their writes to show: nothing before `griddepcontrol.wait` reads x or writes anything. Launched without
+// the attribute (FLASHTREE_PDL=0) both instructions return at once. (Requesting the CTA's weights into L2 before
+// the wait, cp.async.bulk.prefetch.L2 of its whole share, cost the 27B AR step 6.63 -> 7.68 ms, 2026-12-04.)
+__device__ __forceinline__ void start_after_predecessors() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 template <int RT, int TG>
 __device__ __forceinline__ void zero(float (&acc)[RT][TG][4]) {
 #pragma unroll
@@ -546,6 +559,7 @@ __device__ __forceinline__ void qmm(const XT* __restrict__ x, const unsigned cha
     const int SB = K >> 8;  // super-blocks per row
     const int tile0 = blockIdx.x * RT;
     const KRange ks = split_k<SPLITS>(SB);
+    start_after_predecessors();
     float acc[RT][TG][4];
     zero(acc);
 
@@ -670,6 +684,7 @@ __device__ __forceinline__ void qmv(const XT* __restrict__ x, const unsigned cha
     const int SB = K >> 8;
     const int tile0 = blockIdx.x * RT;
     const KRange ks = split_k<SPLITS>(SB);
+    start_after_predecessors();
     float acc[RT][2];  // rows g and g + 8 of each tile: this lane's columns' share
 #pragma unroll
     for (int rt = 0; rt < RT; ++rt) acc[rt][0] = acc[rt][1] = 0.0f;
@@ -1083,6 +1098,7 @@ __device__ __forceinline__ void qmh(const u16* __restrict__ xh, const u16* __res
     const int tile0 = OWN ? (blockIdx.x * WARPS + warp) * RT : blockIdx.x * RT;
     constexpr int STRIDE = OWN ? 1 : WARPS;  // between a warp's super-blocks
     const KRange ks = split_k<SPLITS>(SB);
+    start_after_predecessors();
     const int first = OWN ? ks.begin : ks.begin + warp;
     float acc[RT][TG][4];
     zero(acc);
@@ -1132,6 +1148,7 @@ __device__ __forceinline__ void store_in_step_pairs(const u32 (&h)[4], int i, u1
 template <int QT, typename XT>
 __device__ __forceinline__ void prep_x(const XT* __restrict__ x, u16* __restrict__ xh, u16* __restrict__ xsum,
                                        float* __restrict__ scale, int K) {
+    start_after_predecessors();
     const int tok = blockIdx.x;
     const XT* row = x + (long)tok * K;
     __shared__ float warp_max[8];
@@ -1189,6 +1206,7 @@ __device__ __forceinline__ void dequant(const unsigned char* __restrict__ quants
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const long warp_id = (long)blockIdx.x * O::WARPS + warp;
     const int SB = K >> 8;
+    start_after_predecessors();  // the dense buffer may still be read by the kernel before
     if (warp_id >= (long)(N >> 4) * SB) return;
     const int tile = (int)(warp_id / SB), sb = (int)(warp_id % SB);
     const int g = lane >> 2, t = lane & 3;
