@@ -90,10 +90,12 @@ def functions(device: torch.device) -> Functions:
 
 @functools.cache
 def dependent_launches(device: torch.device) -> bool:
-    """Launch with programmatic dependent launch (Hopper on): a kernel may start while the kernel before it on the
-    stream finishes, and waits for it inside (`griddepcontrol.wait`, which every kernel of ours runs before it
-    reads its inputs or writes). FLASHTREE_PDL=0 turns it off."""
-    return os.environ.get("FLASHTREE_PDL", "1") != "0" and torch.cuda.get_device_capability(device)[0] >= 9
+    """Launch with programmatic dependent launch (FLASHTREE_PDL=1, Hopper): a kernel may start while the kernel before
+    it on the stream finishes, and waits for it inside (`griddepcontrol.wait`, which every kernel of ours runs before
+    it reads its inputs or writes). Off by default: at the 27B shape on the H200 it gave the verify-22 step 2 % and
+    the draft step 4 % but cost the AR step 2 % and the speculative step 0.7 %, with the Triton kernels between ours
+    launched plainly (twentieth session, docs/PERFORMANCE.md)."""
+    return os.environ.get("FLASHTREE_PDL", "0") == "1" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _config(driver, grid: tuple[int, int], threads: int, shared: int, stream, dependent: bool):

@@ -259,11 +259,11 @@ __device__ __forceinline__ KRange split_k(int SB) {
     return KRange{begin, min(SB, begin + per)};
 }
 
-// Programmatic dependent launch (sm_90; mma.py launches every kernel here with it on Hopper, kernels/cuda_functions.py):
-// a kernel may start while the kernel before it on the stream is still finishing. Each kernel first lets its own
-// dependents start (they are placed once all of its CTAs have run this), then waits for the kernels before it to
-// finish and their writes to show: nothing before `griddepcontrol.wait` reads x or writes anything. Launched without
-// the attribute (FLASHTREE_PDL=0) both instructions return at once. (Requesting the CTA's weights into L2 before
+// Programmatic dependent launch (sm_90, with FLASHTREE_PDL=1: kernels/cuda_functions.py): a kernel may start while
+// the kernel before it on the stream is still finishing. Each kernel first lets its own dependents start (they are
+// placed once all of its CTAs have run this), then waits for the kernels before it to finish and their writes to
+// show: nothing before `griddepcontrol.wait` reads x or writes anything. Launched without the attribute (the
+// default) both instructions return at once. (Requesting the CTA's weights into L2 before
 // the wait, cp.async.bulk.prefetch.L2 of its whole share, cost the 27B AR step 6.63 -> 7.68 ms, 2026-12-04.)
 __device__ __forceinline__ void start_after_predecessors() {
 #if __CUDA_ARCH__ >= 900
