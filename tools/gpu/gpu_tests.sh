@@ -23,7 +23,7 @@ for pair in openai:tests/serve/test_live.py openai:tests/serve/test_responses.py
     fi
 done
 # WORKERS processes share the GPU (pytest-xdist, where installed): the suite is mostly Triton and NVRTC compiles
-# and small launches, so 4 workers ran the whole of it in 231 s on an H200 (2026-12-01); WORKERS=0: one process
+# and small launches, so 4 workers ran the whole of it in 231 s on an H200 (2026-12-01; 268 s with 189 tests on 2026-12-04); WORKERS=0: one process
 # (worksteal, where this xdist has it: an idle worker takes queued tests from a busy one, so that a few long tests
 # at the end of one worker's share do not set the end)
 workers=()
