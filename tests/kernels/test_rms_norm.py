@@ -81,6 +81,8 @@ def test_rows_past_the_cluster_kernel_keep_the_triton_kernel_on_gpu():
     w = torch.ones(5120, device="cuda")
     assert not rms_norm_module._cluster_kernel_takes(h, w)
     assert not rms_norm_module._cluster_kernel_takes(h[:4].bfloat16(), w)
+    unaligned = h.view(-1)[1:5121].view(1, 5120)  # contiguous, 4 bytes past a 16-byte boundary
+    assert not rms_norm_module._cluster_kernel_takes(unaligned, w)
     total, normed = add_rms_norm(h, h, w, 1e-6)
     assert torch.equal(total, h + h)
     want = rms_norm_reference(h + h, w, 1e-6)

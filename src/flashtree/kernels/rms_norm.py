@@ -59,7 +59,7 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
         return add_rms_norm_reference(h, delta, weight, eps)
     total, normed = torch.empty_like(h), torch.empty_like(h)
     dim = h.shape[-1]
-    if _cluster_kernel_takes(h, weight):
+    if _cluster_kernel_takes(h, weight, delta):
         threads = min(1024, -(-dim // (4 * CLUSTER * 32)) * 32)
         launch(_cluster_function(h.device), (h.shape[0] * CLUSTER, 1), threads,
                [h, delta, weight, total, normed, dim, float(eps)], h.device)
@@ -75,12 +75,14 @@ CLUSTER_MAX_ROWS = 64  # decode, verify and short chunks; longer ones fill the G
 _CLUSTER_SOURCE = Path(__file__).with_name("add_rms_norm.cu")
 
 
-def _cluster_kernel_takes(h: torch.Tensor, weight: torch.Tensor) -> bool:
-    """float32 rows (and weight) on a GPU with thread-block clusters (sm_90+), few enough rows, and columns that
-    split into whole float4s per CTA and fit its registers; FLASHTREE_CLUSTER_NORM=0 keeps the Triton kernel."""
+def _cluster_kernel_takes(h: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor | None = None) -> bool:
+    """float32 rows (and weight) on a GPU with thread-block clusters (sm_90+), few enough rows, columns that split
+    into whole float4s per CTA and fit its registers, and 16-byte aligned inputs (its float4 loads);
+    FLASHTREE_CLUSTER_NORM=0 keeps the Triton kernel."""
     dim = h.shape[-1]
+    aligned = all(t.data_ptr() % 16 == 0 for t in (h, weight, h if delta is None else delta))
     return (h.is_cuda and h.dtype == torch.float32 and weight.dtype == torch.float32 and weight.is_contiguous()
-            and h.shape[0] <= CLUSTER_MAX_ROWS and dim % (4 * CLUSTER) == 0
+            and h.shape[0] <= CLUSTER_MAX_ROWS and dim % (4 * CLUSTER) == 0 and aligned
             and dim <= 4 * CLUSTER * _CLUSTER_MAX_VECS * 1024 and _clusters_available(h.device))
 
 
