@@ -1,11 +1,16 @@
-"""Load-time compilation of the tensor-core kernels: the weights it finds in a model and what it compiles."""
+"""Load-time compilation of the CUDA kernels: the weights it finds in a model and what it compiles (the tensor-core
+instances, the cluster add + RMSNorm)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 
 from flashtree.engine import loader
+from flashtree.kernels import cuda_functions, rms_norm
 from flashtree.kernels.quant_matmul import QuantWeight
 from flashtree.models.layers import Projections, QuantLinear, quant_weights
 
@@ -28,10 +33,41 @@ def test_load_compiles_only_the_missing_fragment_ordered_shapes(monkeypatch):
     monkeypatch.setattr(loader.mma, "sm_count", lambda device: 132)
     monkeypatch.setattr(loader.mma, "instances_for", lambda shapes, sms, dtype: asked.setdefault("shapes", shapes) and
                         [("a", "x"), ("b", "y")])
-    monkeypatch.setattr(loader.mma, "uncompiled", lambda jobs, arch: jobs[1:])
-    monkeypatch.setattr(loader.mma, "precompile", lambda jobs, arch, progress: asked.setdefault("jobs", jobs))
-    loader.compile_tensor_core_kernels(model, torch.float32)
-    assert asked == {"shapes": {(QType.Q4_K, 32, 256), (QType.Q4_K, 64, 512)}, "jobs": [("b", "y")]}
+    monkeypatch.setattr(loader.cuda_functions, "uncompiled", lambda jobs, arch: jobs[1:])
+    monkeypatch.setattr(loader.cuda_functions, "precompile",
+                        lambda jobs, arch, progress: asked.setdefault("jobs", [name for name, _ in jobs]))
+    loader.compile_cuda_kernels(model, torch.float32)  # CPU weights: no cluster norm job
+    assert asked == {"shapes": {(QType.Q4_K, 32, 256), (QType.Q4_K, 64, 512)}, "jobs": ["b"]}
+
+
+def test_load_compiles_the_cluster_norm_where_the_model_launches_it(monkeypatch):
+    """A model with no fragment-ordered weights still gets the cluster add + RMSNorm compiled at load when its
+    float32 activations take it, and only then."""
+    monkeypatch.setattr(rms_norm, "_clusters_available", lambda device: True)
+    cuda = torch.device("cuda", 0)
+    assert [name for name, _ in rms_norm.cuda_jobs(cuda, torch.float32)] == ["add_rms_norm_f32"]
+    assert rms_norm.cuda_jobs(cuda, torch.bfloat16) == [] and rms_norm.cuda_jobs("cpu", torch.float32) == []
+    asked = {}
+    monkeypatch.setattr(loader.mma, "arch_of", lambda device: "sm_90")
+    monkeypatch.setattr(loader.cuda_functions, "precompile",
+                        lambda jobs, arch, progress: asked.setdefault("jobs", [name for name, _ in jobs]))
+    model = SimpleNamespace(device=cuda)
+    monkeypatch.setattr(loader.cuda_functions, "uncompiled", lambda jobs, arch: jobs)
+    loader.compile_cuda_kernels(model, torch.float32)
+    assert asked == {"jobs": ["add_rms_norm_f32"]}
+
+
+def test_the_cluster_norm_compiles_where_its_launch_looks_for_it(tmp_path, monkeypatch):
+    """The load-time compile writes the cubin at the path `load_function` reads (NVRTC, no GPU needed)."""
+    pytest.importorskip("cuda.bindings")
+    monkeypatch.setenv("FLASHTREE_CACHE", str(tmp_path))
+    monkeypatch.setattr(rms_norm, "_clusters_available", lambda device: True)
+    jobs = rms_norm.cuda_jobs(torch.device("cuda", 0), torch.float32)
+    assert cuda_functions.uncompiled(jobs, "sm_90") == jobs
+    cuda_functions.precompile(jobs, "sm_90", workers=1)
+    name, source = jobs[0]
+    assert cuda_functions.cubin_path(name, rms_norm._CLUSTER_SOURCE.read_text(), "sm_90").read_bytes()[:4] == b"\x7fELF"
+    assert cuda_functions.uncompiled(jobs, "sm_90") == []
 
 
 def test_the_walk_ends_on_a_whole_model():

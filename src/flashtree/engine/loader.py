@@ -22,7 +22,7 @@ from flashtree.errors import FlashtreeError
 from flashtree.formats.chat_template import ChatTemplate
 from flashtree.formats.gguf_file import GGUFFile
 from flashtree.formats.tokenizer import Tokenizer, TokenizerSpec
-from flashtree.kernels import triton_ahead
+from flashtree.kernels import cuda_functions, rms_norm, triton_ahead
 from flashtree.kernels.quant_matmul import mma
 from flashtree.models.dflash import DFlashDraft
 from flashtree.models.gguf_config import check_tensor_types, read_config
@@ -192,7 +192,7 @@ def engine_from_target(target: Target, args: EngineArgs = EngineArgs()):
     given; the mode defaults to ddtree with a draft, else ar. `args.enforce_eager` turns CUDA graphs off."""
     _check_spec_has_draft(args)
     ar_defaults = _default_config(args, "ar")
-    compile_tensor_core_kernels(target.model, target.model.act_dtype, args.progress)
+    compile_cuda_kernels(target.model, target.model.act_dtype, args.progress)
     if args.tensor_parallel == 1:  # under tensor parallel a dry chunk would run the ranks' collectives too
         compile_triton_kernels(target.model, ar_defaults, args.progress)
     draft_model = (load_draft(args.draft, target, args.draft_device, args.draft_type) if args.draft is not None
@@ -207,27 +207,29 @@ def engine_from_target(target: Target, args: EngineArgs = EngineArgs()):
                   parse_special=args.parse_special, prefix_cache=prefix_cache)
 
 
-def compile_tensor_core_kernels(model, activations: torch.dtype, progress: bool = False) -> None:
-    """Compile, at load and in parallel processes, every tensor-core kernel instance the model's
-    fragment-ordered weights can launch (decode, verify, prefill) on its `activations` (the dtype of x and out),
-    into the on-disk cache: otherwise
-    NVRTC compiles them one by one, a second each, inside the first requests. A cached instance costs
-    nothing, so a second start compiles none. Says what it compiled (a bar with `progress`)."""
+def compile_cuda_kernels(model, activations: torch.dtype, progress: bool = False) -> None:
+    """Compile, at load and in parallel processes, every CUDA C kernel the model can launch on its `activations` (the
+    dtype of x and out) into the on-disk cache: each tensor-core instance its fragment-ordered weights can take
+    (decode, verify, prefill), and the cluster add + RMSNorm (kernels/add_rms_norm.cu) of float32 activations on
+    Hopper. Otherwise NVRTC compiles them one by one, a second each, inside the first requests. A cached kernel
+    costs nothing, so a second start compiles none. Says what it compiled (a bar with `progress`)."""
     weights = [w for w in quant_weights(model) if w.mma_layout]
-    if not weights:
-        return
-    device = weights[0].device
-    arch = mma.arch_of(device)
+    device = weights[0].device if weights else getattr(model, "device", torch.device("cpu"))
     shapes = {(w.qtype, *w.shape) for w in weights}
-    jobs = mma.uncompiled(mma.instances_for(shapes, mma.sm_count(device), activations), arch)
+    instances = mma.instances_for(shapes, mma.sm_count(device), activations) if weights else []
+    jobs = mma.with_source(instances) + rms_norm.cuda_jobs(device, activations)
     if not jobs:
         return
-    bar = tqdm(total=len(jobs), desc="compiling tensor-core kernels (NVRTC)", unit="kernel", disable=not progress)
+    arch = mma.arch_of(device)
+    jobs = cuda_functions.uncompiled(jobs, arch)
+    if not jobs:
+        return
+    bar = tqdm(total=len(jobs), desc="compiling CUDA kernels (NVRTC)", unit="kernel", disable=not progress)
     started = time.perf_counter()
-    mma.precompile(jobs, arch, progress=lambda name: bar.update())
+    cuda_functions.precompile(jobs, arch, progress=lambda name: bar.update())
     bar.close()
-    print(f"compiled {len(jobs)} tensor-core kernels for {arch} in {time.perf_counter() - started:.1f} s "
-          f"(cached in {mma.cache_dir()})", file=sys.stderr)
+    print(f"compiled {len(jobs)} CUDA kernels for {arch} in {time.perf_counter() - started:.1f} s "
+          f"(cached in {cuda_functions.cache_dir()})", file=sys.stderr)
 
 
 def compile_triton_kernels(model, config: GenerationConfig, progress: bool = False) -> None:

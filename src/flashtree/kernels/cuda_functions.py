@@ -9,14 +9,16 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import multiprocessing
 import os
 import threading
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from flashtree.nvrtc import bindings, check, compile_cubin, store
+from flashtree.nvrtc import bindings, check, compile_cubin, compile_to, store
 
 
 @functools.cache
@@ -42,6 +44,26 @@ def arch_of(device: torch.device) -> str:
 def cubin_path(name: str, source: str, arch: str) -> Path:
     key = hashlib.sha256(f"{arch}\n{source}".encode()).hexdigest()[:24]
     return cache_dir() / f"{name}-{key}.cubin"
+
+
+def uncompiled(jobs: list[tuple[str, str]], arch: str) -> list[tuple[str, str]]:
+    """The (name, whole CUDA C source) jobs whose cubin is not in the on-disk cache yet."""
+    return [(name, source) for name, source in jobs if not cubin_path(name, source, arch).exists()]
+
+
+def precompile(jobs: list[tuple[str, str]], arch: str, workers: int | None = None, progress=None) -> None:
+    """Compile (name, whole source) jobs into the on-disk cache in parallel processes (NVRTC needs no GPU), where
+    `load_function` finds them; `progress` is called with each finished name."""
+    todo = [(name, source, arch, cubin_path(name, source, arch)) for name, source in uncompiled(jobs, arch)]
+    if not todo:
+        return
+    workers = workers or max(1, min(len(todo), os.cpu_count() or 1))
+    context = multiprocessing.get_context("spawn")  # the parent may hold a CUDA context
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        # the workers import flashtree.nvrtc only (no torch): each starts in a fraction of a second
+        for name in pool.map(compile_to, todo):
+            if progress:
+                progress(name)
 
 
 def load_function(device: torch.device, name: str, source: str):

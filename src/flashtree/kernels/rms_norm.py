@@ -92,8 +92,19 @@ def _clusters_available(device: torch.device) -> bool:
             and nvrtc_loads())
 
 
+_CLUSTER_KERNEL = "add_rms_norm_f32"
+
+
 def _cluster_function(device: torch.device):
-    return functions(device).function("add_rms_norm_f32", _CLUSTER_SOURCE.read_text)
+    return functions(device).function(_CLUSTER_KERNEL, _CLUSTER_SOURCE.read_text)
+
+
+def cuda_jobs(device: torch.device, activations: torch.dtype) -> list[tuple[str, str]]:
+    """(name, CUDA C source) of the cluster kernel where a model whose activations are `activations` will launch it
+    on `device`, for the load-time compile (engine/loader.py); none elsewhere."""
+    if torch.device(device).type != "cuda" or activations != torch.float32 or not _clusters_available(device):
+        return []
+    return [(_CLUSTER_KERNEL, _CLUSTER_SOURCE.read_text())]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -20,9 +20,7 @@ dependency, imported on first use) and cached on disk per GPU architecture.
 from __future__ import annotations
 
 import functools
-import multiprocessing
 import os
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,9 +28,10 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
 
 from flashtree.errors import FlashtreeError
+from flashtree.kernels import cuda_functions
 # arch_of, cache_dir and compile_cubin: the loader and the benchmarks take them from here with the instances
-from flashtree.kernels.cuda_functions import arch_of, cache_dir, cubin_path, functions, launch, nvrtc_loads  # noqa: F401
-from flashtree.nvrtc import bindings, check, compile_cubin, compile_to  # noqa: F401
+from flashtree.kernels.cuda_functions import arch_of, cache_dir, functions, launch, nvrtc_loads  # noqa: F401
+from flashtree.nvrtc import bindings, check, compile_cubin  # noqa: F401
 
 TILE_ROWS = 16
 SUPER = 256
@@ -714,27 +713,22 @@ def instances_for(shapes, sms: int, dtype: torch.dtype = torch.bfloat16) -> list
     return list(jobs.items())
 
 
+def with_source(jobs: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """(name, wrapper) instances as (name, whole source): mma.cu with the wrapper, what `cuda_functions` compiles."""
+    base = _SOURCE.read_text()
+    return [(name, base + wrapper) for name, wrapper in jobs]
+
+
 def uncompiled(jobs: list[tuple[str, str]], arch: str) -> list[tuple[str, str]]:
-    """The jobs whose cubin is not in the on-disk cache yet."""
-    source = _SOURCE.read_text()
-    return [(name, wrapper) for name, wrapper in jobs if not cubin_path(name, source + wrapper, arch).exists()]
+    """The (name, wrapper) jobs whose cubin is not in the on-disk cache yet."""
+    missing = {name for name, _ in cuda_functions.uncompiled(with_source(jobs), arch)}
+    return [(name, wrapper) for name, wrapper in jobs if name in missing]
 
 
 def precompile(jobs: list[tuple[str, str]], arch: str, workers: int | None = None, progress=None) -> None:
-    """Compile instances into the on-disk cache in parallel processes (NVRTC needs no GPU); `progress`
-    is called with each finished name."""
-    base = _SOURCE.read_text()
-    todo = [(name, base + wrapper, arch, cubin_path(name, base + wrapper, arch))
-            for name, wrapper in uncompiled(jobs, arch)]
-    if not todo:
-        return
-    workers = workers or max(1, min(len(todo), os.cpu_count() or 1))
-    context = multiprocessing.get_context("spawn")  # the parent may hold a CUDA context
-    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-        # the workers import flashtree.nvrtc only (no torch): each starts in a fraction of a second
-        for name in pool.map(compile_to, todo):
-            if progress:
-                progress(name)
+    """Compile (name, wrapper) instances into the on-disk cache in parallel processes (NVRTC needs no GPU);
+    `progress` is called with each finished name."""
+    cuda_functions.precompile(with_source(jobs), arch, workers, progress)
 
 
 def check_shape(qtype: QType, n: int, k: int) -> None:
