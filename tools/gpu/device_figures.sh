@@ -65,6 +65,10 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
     sweep-ring) timeout 170 python3 benchmarks/sweep_mma_rows.py --types Q4_K --ring --rows 9,16,23,32 \
                     --matrices gate+up,qkvz,q+gate,gate/up --budget-s 130 --out "$OUT/ring.json" > "$OUT/ring.txt" 2>&1
                 echo "== sweep-ring (rc $?)"; grep -A40 "^summary" "$OUT/ring.txt" ;;
+    # Q6_K's qmh (FFN down, LM head) against its weight-ring forms (compiled offline without spills, 2026-12-04)
+    sweep-q6k-ring) timeout 170 python3 benchmarks/sweep_mma_rows.py --types Q6_K --ring --rows 16,23,32 \
+                        --matrices down,head --budget-s 130 --out "$OUT/ring_q6k.json" > "$OUT/ring_q6k.txt" 2>&1
+                    echo "== sweep-q6k-ring (rc $?)"; grep -A20 "^summary" "$OUT/ring_q6k.txt" ;;
     # the 1K step with the Triton add + RMSNorm, then with the cluster kernel (same model build each)
     steps-norm-ab) for cluster in 0 1; do
                        FLASHTREE_CLUSTER_NORM=$cluster bench "steps-norm-cluster$cluster" "${LIMIT_1K:-150}" --steps -n 32 \
