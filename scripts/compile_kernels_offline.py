@@ -374,8 +374,8 @@ def gated_delta() -> None:
         v, g, beta, state = torch.zeros(n, 48, 128), torch.zeros(n, 48), torch.zeros(n, 48), torch.zeros(48, 128, 128)
         if n < 64:
             gated_delta_triton.recurrent_step(q, k, v, g, beta, state)
-            gated_delta_triton.commit_path(q, k, v, g, beta, state, torch.arange(n), torch.tensor([n]))  # a commit
-        gated_delta_triton.tree_verify(q, k, v, g, beta, state, torch.arange(n) - 1)
+        _, u, gamma = gated_delta_triton.tree_verify_with_fold(q, k, v, g, beta, state, torch.arange(n) - 1)
+        gated_delta_triton.fold_path(k, u, gamma, state, torch.arange(n), torch.tensor([n]))  # a commit
 
 
 PARTS = {"quant_matmul": quant_matmul, "decode_issue_bound": decode_issue_bound, "mma": mma,

@@ -85,6 +85,19 @@ def test_profile_counts_a_steps_operators_by_family(tmp_path):
     assert draft["kernels"] > 0 and both["kernels"] > verify["kernels"] > 0
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_profile_on_the_gpu_splits_the_one_graph_step(tmp_path):
+    out = tmp_path / "steps.json"
+    assert main(["bench", "--synthetic", "tiny", "--steps", "--profile", "--device", "cuda", "-n", "8", "--repeat", "2",
+                 "--replay-al", "0", "--prefill-lengths", "16", "--context", "64", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    step, verify, draft = (report[k] for k in ("profile_speculative_step", "profile_verify", "profile_draft_step"))
+    # the one graph holds the draft's and the verify's kernels and the tree build's, the walk's and the commit's
+    assert step["kernels"] > verify["kernels"] + draft["kernels"]
+    assert report["profile_tree_walk_commit_ms"] == pytest.approx(step["ms"] - verify["ms"] - draft["ms"], abs=1e-3)
+
+
 def test_family_names():
     from flashtree.bench.profile import family
 

@@ -51,8 +51,9 @@ def case_ids() -> list[str]:
         for t in (1, 4, 17):
             ids.append(f"recurrent-d{d}-t{t}")
     ids += ["recurrent-d32-t17-gqa", "recurrent-d64-t4-bv32", "recurrent-d32-t5-strided",
-            "recurrent-d32-t6-strong", "recurrent-d32-three-calls", "recurrent-d64x32-t4",
-            "recurrent-d32-t9-rows", "recurrent-d64-t17-rows-gqa", "recurrent-d32-t9-rows-padded"]
+            "recurrent-d32-t6-strong", "recurrent-d32-three-calls", "recurrent-d64x32-t4"]
+    ids += ["fold-d32-small10", "fold-d64-random17-gqa", "fold-d32-random17-padded", "fold-d32-chain64",
+            "fold-d32-random17-empty", "fold-d64x32-binary31-strong"]
     ids += [f"tree-d32-{name}" for name in TREES]
     ids += ["tree-d64-random64", "tree-d64-chain64-strong", "tree-d32-random17-gqa",
             "tree-d64-random17-bv32-bk32", "tree-d32-random17-strided", "tree-d64x32-random17",
@@ -79,7 +80,7 @@ def strided(q, k, v, g, beta, state):
 
 
 def recurrent_case(case: str) -> dict:
-    from flashtree.kernels.gated_delta_triton import commit_path, recurrent_step, recurrent_step_reference
+    from flashtree.kernels.gated_delta_triton import recurrent_step, recurrent_step_reference
 
     parts = case.split("-")
     dk, dv = (int(x) for x in parts[1][1:].split("x")) if "x" in parts[1] else (int(parts[1][1:]),) * 2
@@ -90,15 +91,6 @@ def recurrent_case(case: str) -> dict:
     q, k, v, g, beta, state = args
     ref_state = state.clone()
     ref = recurrent_step_reference(q, k, v, g, beta, ref_state)
-    if "rows" in case:  # commit_path over rows read in place equals the recurrence over the gathered rows
-        path = torch.tensor([0, 2, 3, t - 1])
-        ref_state = state.clone()
-        recurrent_step_reference(q[path], k[path], v[path], g[path], beta[path], ref_state)
-        if "padded" in case:  # a commit graph's path: padded with the root, its length on the device
-            commit_path(q, k, v, g, beta, state, torch.tensor([0, 2, 3, t - 1, 0, 0, 0]), torch.tensor([4]))
-        else:
-            commit_path(q, k, v, g, beta, state, path)
-        return {"error": rel(state, ref_state), "state_changed": True}
     if "three" in case:  # three single-token calls equal one call over the sequence
         out = torch.cat([recurrent_step(q[i:i + 1], k[i:i + 1], v[i:i + 1], g[i:i + 1], beta[i:i + 1], state)
                          for i in range(t)])
@@ -134,12 +126,50 @@ def tree_case(case: str) -> dict:
     return {"error": rel(out, ref), "state_changed": not torch.equal(state, before)}
 
 
+def root_to_leaf(parents: torch.Tensor) -> torch.Tensor:
+    """The path from a root to the tree's deepest node."""
+    depth = [0] * len(parents)
+    for i, p in enumerate(parents.tolist()):
+        depth[i] = depth[p] + 1 if p >= 0 else 0
+    node, path = max(range(len(depth)), key=depth.__getitem__), []
+    while node >= 0:
+        path.append(node)
+        node = int(parents[node])
+    return torch.tensor(path[::-1])
+
+
+def fold_case(case: str) -> dict:
+    """A verified tree's u and gamma (`tree_verify_with_fold`) folded along a root-to-leaf path (`fold_path`) equal
+    the recurrence run over the path's tokens in order; an empty path leaves the state as it is."""
+    from flashtree.kernels.gated_delta_triton import fold_path, recurrent_step_reference, tree_verify_with_fold
+
+    parts = case.split("-")
+    dk, dv = (int(x) for x in parts[1][1:].split("x")) if "x" in parts[1] else (int(parts[1][1:]),) * 2
+    parents = TREES[parts[2]]()
+    t = parents.shape[0]
+    q, k, v, g, beta, state = inputs(t, hk=1 if "gqa" in case else None, dk=dk, dv=dv, seed=3 * t + dk,
+                                     strong_decay="strong" in case)
+    _, u, gamma = tree_verify_with_fold(q, k, v, g, beta, state, parents)
+    path = root_to_leaf(parents)
+    ref_state = state.clone()
+    if "empty" in case:
+        fold_path(k, u, gamma, state, torch.cat([path, path.new_zeros(3)]), torch.tensor([0]))
+        return {"error": rel(state, ref_state), "state_changed": True}
+    recurrent_step_reference(*(x[path] for x in (q, k, v, g, beta)), ref_state)
+    if "padded" in case:  # a commit graph's path: padded with the root, its length on the device
+        fold_path(k, u, gamma, state, torch.cat([path, path.new_zeros(5)]), torch.tensor([len(path)]))
+    else:
+        fold_path(k, u, gamma, state, path)
+    return {"error": rel(state, ref_state), "state_changed": True}
+
+
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     torch.set_num_threads(1)
     results = {}
     for case in case_ids():
-        results[case] = recurrent_case(case) if case.startswith("recurrent") else tree_case(case)
+        run = {"recurrent": recurrent_case, "fold": fold_case, "tree": tree_case}[case.split("-")[0]]
+        results[case] = run(case)
     json.dump(results, sys.stdout)
 
 

@@ -7,8 +7,9 @@ import torch
 
 from flashtree.errors import FlashtreeError
 from flashtree.kernels import gated_delta
-from flashtree.kernels.gated_delta_triton import (ancestors_from_parents, commit_path, recurrent_step,
-                                                  recurrent_step_reference, tree_verify, tree_verify_reference)
+from flashtree.kernels.gated_delta_triton import (ancestors_from_parents, fold_path, recurrent_step,
+                                                  recurrent_step_reference, tree_verify, tree_verify_reference,
+                                                  tree_verify_with_fold)
 
 from tests.kernels import gated_delta_triton_cases as cases
 from tests.kernels.interpreter import run_cases
@@ -102,7 +103,7 @@ def test_real_sizes_on_gpu(t):
         return ((x - ref).abs().max() / ref.abs().max()).item()
 
     before = state.clone()
-    parents = (cases.random_parents(t, 9) if t > 1 else torch.tensor([-1])).cuda()
+    parents = tree = (cases.random_parents(t, 9) if t > 1 else torch.tensor([-1])).cuda()
     out = tree_verify(q, k, v, g, beta, state, parents)
     assert torch.equal(state, before)
     assert rel(out, tree_verify_reference(q, k, v, g, beta, state, parents)) <= 1e-4
@@ -116,12 +117,14 @@ def test_real_sizes_on_gpu(t):
     out = recurrent_step(q, k, v, g, beta, state)
     assert rel(out, ref) <= 1e-4 and rel(state, ref_state) <= 1e-4
 
-    if t > 1:  # a verified path committed in place, padded to the tree's rows with its length on the device
-        path = torch.tensor([0, 2, 5, t - 1], device="cuda")
+    if t > 1:  # a verified root-to-leaf path folded in place, padded to the tree's rows, its length on the device
+        path = cases.root_to_leaf(tree.cpu()).cuda()
         padded = torch.cat([path, path.new_zeros(t - len(path))])
         ref_state, commit_state = before.clone(), before.clone()
         recurrent_step_reference(*(x[path] for x in (q, k, v, g, beta)), ref_state)
-        commit_path(q, k, v, g, beta, commit_state, padded, torch.tensor([len(path)], device="cuda"))
+        o, u, gamma = tree_verify_with_fold(q, k, v, g, beta, before, tree)
+        assert torch.equal(o, tree_verify(q, k, v, g, beta, before, tree))
+        fold_path(k, u, gamma, commit_state, padded, torch.tensor([len(path)], device="cuda"))
         assert rel(commit_state, ref_state) <= 1e-4
 
     graph_state = before.clone()  # one decode step captured in a CUDA graph replays in place

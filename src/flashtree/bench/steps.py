@@ -309,7 +309,7 @@ def run_steps(args, engine, device_name: str) -> int:
         if device.type == "cuda":
             report["profile_ar_step_graph"] = profile_call(lambda: engine.runner.step_forward(token, cache), device)
             print_profile("AR step (graph replay)", report["profile_ar_step_graph"], device)
-        _profile_speculative_step(engine, cache, proposer, tree, capture, bonus, report, device)
+        _profile_speculative_step(engine, cache, proposer, tree, capture, bonus, config.topk, report, device)
     if device.type == "cuda":
         report.update(cuda_memory_report())
     report["rows"] = rows
@@ -374,10 +374,13 @@ def _depth4_path(tree) -> list[int]:
     return tree.path_to(node)
 
 
-def _profile_speculative_step(engine, cache, proposer, tree, capture, bonus: int, report: dict, device) -> None:
+def _profile_speculative_step(engine, cache, proposer, tree, capture, bonus: int, topk: int, report: dict,
+                              device) -> None:
     """Where a speculative step's time goes (`--profile`): the draft step, the verify at the default budget,
-    and that verify followed by the commit of a depth-4 path (the commit's share is the difference), each as
-    the timed rows run them (graph replays where the engine captures them)."""
+    that verify followed by the commit of a depth-4 path (the commit's share is the difference), each as
+    the timed rows run them (graph replays where the engine captures them), and the one-graph step where the
+    engine runs one: its GPU time less the draft's and the verify's is what the tree build, walk and commit
+    cost inside it."""
     path = _depth4_path(tree)
 
     def verify():
@@ -386,11 +389,23 @@ def _profile_speculative_step(engine, cache, proposer, tree, capture, bonus: int
     def verify_and_commit():
         engine.runner.commit_step(cache, path, proposer, verify().features)
 
-    for key, name, call in (("profile_draft_step", "draft step", lambda: proposer.propose(bonus, cache.length)),
-                            ("profile_verify", f"verify (budget {DEFAULT_BUDGET})", verify),
-                            ("profile_verify_and_commit", "verify + commit (depth-4 path)", verify_and_commit)):
+    parts = [("profile_draft_step", "draft step", lambda: proposer.propose(bonus, cache.length)),
+             ("profile_verify", f"verify (budget {DEFAULT_BUDGET})", verify),
+             ("profile_verify_and_commit", "verify + commit (depth-4 path)", verify_and_commit)]
+    runner = engine.runner.graph_runner()
+    if runner is not None and hasattr(proposer, "static_block"):
+        parts.append(("profile_speculative_step", f"speculative step (one graph, budget {DEFAULT_BUDGET})",
+                      lambda: runner.speculative_step(cache, proposer, bonus, "ddtree", DEFAULT_BUDGET, topk)))
+    for key, name, call in parts:
         report[key] = profile_call(call, device)
         print_profile(name, report[key], device)
+    if "profile_speculative_step" in report:
+        # GPU time, not wall-clock differences of separately timed rows (those read -0.2 to +0.1 ms run to run)
+        inside = report["profile_speculative_step"]["ms"] - report["profile_verify"]["ms"] \
+            - report["profile_draft_step"]["ms"]
+        report["profile_tree_walk_commit_ms"] = round(inside, 3)
+        print(f"\ntree build + walk + commit inside the step graph: {inside:.3f} ms of GPU time "
+              f"(the step's kernels less the verify's and the draft step's)")
 
 
 def _device_step_rows(engine, cache, proposer, bonus: int, topk: int, device, repeat: int, ar: float, rows: list,

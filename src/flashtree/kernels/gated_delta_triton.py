@@ -9,8 +9,10 @@ program needs only S0[:, tile] (dk x BLOCK_V) and the whole of q/k for its head.
 - `recurrent_step`: T >= 1 tokens in sequence (decode: T = 1). The state tile lives in registers across the
   token loop and is written back in place, so one launch replaces the per-token torch ops and a captured
   CUDA graph keeps reading the same buffer.
-- `commit_path`: the same recurrence over an accepted path's rows (a verified tree's, read in place, its
-  length on the device), without outputs, every row loaded before the loop.
+- `fold_path`: the state after a verified tree's accepted path in one product, from the verify's own per-node
+  u and Gamma (`tree_verify_with_fold`): S = exp(Gamma_leaf) S0 + sum over the path of exp(Gamma_leaf - Gamma_j)
+  k_j u_j^T (`gated_delta.fold`, the CPU's commit): no token loop, the path's rows read in place, its length on
+  the device.
 - `tree_verify`: outputs of every node of a draft tree (T <= 64; parents[i] < i, -1 = attached to
   the current state), each node seeing the state reached along its own root-to-node path; the
   state is only read. It is the `ancestor_chunk` (WY) form evaluated in one program:
@@ -73,10 +75,13 @@ def recurrent_step_reference(q, k, v, g, beta, state):
 def tree_verify_reference(q, k, v, g, beta, state, parents):
     """`gated_delta.ancestor_chunk` with the ancestor mask built from `parents`; state untouched."""
     _check(q, k, v, g, beta, state, parents)
+    return _ancestor_chunk(q, k, v, g, beta, state, parents)[0]
+
+
+def _ancestor_chunk(q, k, v, g, beta, state, parents):
     h = v.shape[1]
-    o, _, _ = gated_delta.ancestor_chunk(_expand_heads(q, h), _expand_heads(k, h), v, g, beta, state,
-                                         ancestors_from_parents(parents))
-    return o
+    return gated_delta.ancestor_chunk(_expand_heads(q, h), _expand_heads(k, h), v, g, beta, state,
+                                      ancestors_from_parents(parents))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,33 +147,36 @@ def recurrent_step(q, k, v, g, beta, state, block_v: int | None = None, num_warp
     return out
 
 
-def commit_path(q, k, v, g, beta, state, rows: torch.Tensor, count: torch.Tensor | None = None,
-                block_v: int | None = None, num_warps: int = 4) -> None:
-    """The state after the recurrence over rows `rows` (int64 [T'] <= MAX_TREE_NODES, on the state's device) of
-    q, k, v, g, beta in that order, in place: a verified tree's accepted path, read where the verify left it.
-    `count` (int64 [1] on the device): only rows[:count] run (a path padded to a fixed length, so that one
-    CUDA graph commits any path of a verify). No outputs: the kernel loads every row of the path at once and
-    then runs the recurrence from registers, not one dependent round trip to memory per token (q is only
-    checked, the commit needs no outputs)."""
-    _check(q, k, v, g, beta, state)
+def fold_path(k, u, gamma, state, rows: torch.Tensor, count: torch.Tensor | None = None,
+              block_v: int | None = None, num_warps: int = 4) -> None:
+    """In place, the state after the rows `rows` (int64 [T'] <= MAX_TREE_NODES, root to leaf of one verified tree)
+    of a `tree_verify_with_fold`: k [T, Hk, dk], u [T, H, dv] and gamma [T, H] as it returned them. `count`
+    (int64 [1] on the device): only rows[:count] (a path padded to a fixed length, so that one CUDA graph commits
+    any path of a verify; 0 leaves the state as it is). The product runs in float32 FMA (`ieee`)."""
     if rows.dim() != 1 or rows.dtype not in (torch.int64, torch.int32) or rows.shape[0] > MAX_TREE_NODES:
         raise FlashtreeError(f"rows must be an int64 [T] index, T <= {MAX_TREE_NODES}, got {rows.dtype} "
                              f"{tuple(rows.shape)}")
+    h, dk, dv = state.shape
+    if u.dim() != 3 or u.shape[1:] != (h, dv) or gamma.shape != u.shape[:2] or k.shape[0] != u.shape[0]:
+        raise FlashtreeError(f"u must be [T, {h}, {dv}] and gamma [T, {h}] beside k {tuple(k.shape)}; got u "
+                             f"{tuple(u.shape)}, gamma {tuple(gamma.shape)}")
     if triton is None or not triton_runs_on(state.device):
         live = rows if count is None else rows[: int(count)]
-        recurrent_step_reference(*(x.index_select(0, live) for x in (q, k, v, g, beta)), state)
+        if len(live):
+            state.copy_(gated_delta.fold(state, _expand_heads(k, h), u, gamma, live))
         return
-    _pow2_dims(k.shape[-1], v.shape[-1])
-    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
-    t, (_, hk, dk), (_, h, dv) = rows.shape[0], k.shape, v.shape
+    _pow2_dims(dk, dv)
+    k, u = _last_dim_contiguous(k), u.contiguous()
+    gamma = gamma.contiguous()
+    t = rows.shape[0]
     if t == 0:
         return
     block_v = _block_v(block_v, h, dv)
-    _commit_path_kernel[(h, dv // block_v)](k, v, g, beta, state, rows, count if count is not None else rows, t, hk,
-                                            k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
-                                            g.stride(1), beta.stride(0), beta.stride(1), *state.stride(),
-                                            DK=dk, BLOCK_T=max(16, triton.next_power_of_2(t)), BLOCK_V=block_v,
-                                            HAS_COUNT=count is not None, num_warps=num_warps)
+    _fold_kernel[(h, dv // block_v)](k, u, gamma, state, rows, count if count is not None else rows, t, k.shape[1],
+                                     k.stride(0), k.stride(1), u.stride(0), u.stride(1), gamma.stride(0),
+                                     *state.stride(), DK=dk, BLOCK_T=max(16, triton.next_power_of_2(t)),
+                                     BLOCK_V=block_v, BLOCK_K=min(16, dk), HAS_COUNT=count is not None,
+                                     num_warps=num_warps)
 
 
 def _block_v(block_v: int | None, heads: int, dv: int) -> int:
@@ -187,14 +195,29 @@ def tree_verify(q, k, v, g, beta, state, parents, block_v: int = 32, block_k: in
     accuracy, or "ieee", float32 FMA). The defaults come from a sweep at the 27B shape
     (benchmarks/sweep_deltanet_tree.py, H200 2026-12-01): 32 columns and tf32x3 were each the faster choice
     (a 23-node tree 52 -> 35 and 28 us, the same error); the two together are not yet timed."""
+    return _tree_verify(q, k, v, g, beta, state, parents, block_v, block_k, num_warps, precision, fold=False)[0]
+
+
+def tree_verify_with_fold(q, k, v, g, beta, state, parents, block_v: int = 32, block_k: int = 16,
+                          num_warps: int | None = None,
+                          precision: str = "tf32x3") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`tree_verify`, and what `fold_path` commits a path from: (o [T, H, dv], u [T, H, dv], gamma [T, H]), all
+    float32, as `gated_delta.ancestor_chunk` returns them."""
+    return _tree_verify(q, k, v, g, beta, state, parents, block_v, block_k, num_warps, precision, fold=True)
+
+
+def _tree_verify(q, k, v, g, beta, state, parents, block_v, block_k, num_warps, precision, fold: bool):
     _check(q, k, v, g, beta, state, parents)
     if triton is None or not triton_runs_on(state.device):
-        return tree_verify_reference(q, k, v, g, beta, state, parents)
+        o, u, gamma = _ancestor_chunk(q, k, v, g, beta, state, parents)
+        return (o, u, gamma) if fold else (o,)
     q, k, v, out = _prepared(q, k, v)
     t, hk, dk = q.shape
     _, h, dv = v.shape
+    u = torch.empty_like(out) if fold else out  # written only with STORE_FOLD
+    gamma = torch.empty(t, h, dtype=torch.float32, device=out.device) if fold else out
     if t == 0:
-        return out
+        return (out, u, gamma) if fold else (out,)
     parents = parents.contiguous()
     block_t = max(16, triton.next_power_of_2(t))
     block_v, block_k = min(block_v, dv), min(block_k, dk)
@@ -203,11 +226,11 @@ def tree_verify(q, k, v, g, beta, state, parents, block_v: int = 32, block_k: in
     if num_warps is None:
         # sm_90 ptxas, dk = 128: T <= 32 at 4 warps, T <= 64 at 8 warps without spills
         num_warps = 8 if block_t >= 64 else 4
-    _tree_kernel[(h, dv // block_v)](q, k, v, g, beta, state, parents, out, t, hk,
-                                     *_strides(q, k, v, g, beta, state, out),
-                                     DK=dk, BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_K=block_k, PRECISION=precision,
-                                     num_warps=num_warps)
-    return out
+    _tree_kernel[(h, dv // block_v)](q, k, v, g, beta, state, parents, out, u, gamma, t, hk,
+                                     *_strides(q, k, v, g, beta, state, out), u.stride(0), u.stride(1),
+                                     gamma.stride(0), DK=dk, BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_K=block_k,
+                                     PRECISION=precision, STORE_FOLD=fold, num_warps=num_warps)
+    return (out, u, gamma) if fold else (out,)
 
 
 def _prepared(q, k, v) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -257,49 +280,38 @@ if triton is not None:
         tl.store(s_ptrs, s)
 
     @triton.jit
-    def _commit_path_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, rows_ptr, count_ptr, T, HK,
-                            sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, sb_t, sb_h, ss_h, ss_k, ss_v,
-                            DK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
-                            HAS_COUNT: tl.constexpr):
+    def _fold_kernel(k_ptr, u_ptr, gm_ptr, s_ptr, rows_ptr, count_ptr, T, HK,
+                     sk_t, sk_h, su_t, su_h, sgm_t, ss_h, ss_k, ss_v,
+                     DK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+                     HAS_COUNT: tl.constexpr):
         live = T
         if HAS_COUNT:  # a padded path: its live length is on the device
             live = tl.load(count_ptr)
         h = tl.program_id(0)
         hq = h % HK
         cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-        dk = tl.arange(0, DK)
         steps = tl.arange(0, BLOCK_T)
-        present = steps < T
-        rows = tl.load(rows_ptr + steps, mask=present, other=0)
-        # the whole path's inputs in one round of loads: the recurrence below then waits on no memory
-        k_all = tl.load(k_ptr + rows[:, None] * sk_t + hq * sk_h + dk[None, :], mask=present[:, None],
-                        other=0.0).to(tl.float32)
-        v_all = tl.load(v_ptr + rows[:, None] * sv_t + h * sv_h + cols[None, :], mask=present[:, None],
-                        other=0.0).to(tl.float32)
-        g_all = tl.load(g_ptr + rows * sg_t + h * sg_h, mask=present, other=0.0).to(tl.float32)
-        b_all = tl.load(beta_ptr + rows * sb_t + h * sb_h, mask=present, other=0.0).to(tl.float32)
-        s_ptrs = s_ptr + h * ss_h + dk[:, None] * ss_k + cols[None, :] * ss_v
-        s = tl.load(s_ptrs)  # [DK, BLOCK_V]
-        t = 0
-        while t < live:
-            pick = steps == t
-            kt = tl.sum(tl.where(pick[:, None], k_all, 0.0), axis=0)
-            vt = tl.sum(tl.where(pick[:, None], v_all, 0.0), axis=0)
-            gt = tl.sum(tl.where(pick, g_all, 0.0), axis=0)
-            bt = tl.sum(tl.where(pick, b_all, 0.0), axis=0)
-            s = s * tl.exp(gt)
-            predicted = tl.sum(s * kt[:, None], axis=0)
-            u = bt * (vt - predicted)
-            s = s + kt[:, None] * u[None, :]
-            t += 1
-        tl.store(s_ptrs, s)
+        used = (steps < T) & (steps < live)
+        rows = tl.load(rows_ptr + steps, mask=used, other=0)
+        u_all = tl.load(u_ptr + rows[:, None] * su_t + h * su_h + cols[None, :], mask=used[:, None], other=0.0)
+        gamma = tl.load(gm_ptr + rows * sgm_t + h, mask=used, other=0.0)
+        leaf = tl.sum(tl.where(steps == live - 1, gamma, 0.0), axis=0)  # 0 for an empty path: the state stays
+        wu = tl.where(used, tl.exp(leaf - gamma), 0.0)[:, None] * u_all  # [BLOCK_T, BLOCK_V]
+        # the state's rows BLOCK_K at a time: the whole of k [T, DK] at once spilled at T = 32 and 64 (sm_90)
+        for c in range(DK // BLOCK_K):
+            d = c * BLOCK_K + tl.arange(0, BLOCK_K)
+            kc = tl.load(k_ptr + rows[:, None] * sk_t + hq * sk_h + d[None, :], mask=used[:, None],
+                         other=0.0).to(tl.float32)
+            s_ptrs = s_ptr + h * ss_h + d[:, None] * ss_k + cols[None, :] * ss_v
+            s = tl.exp(leaf) * tl.load(s_ptrs)  # [BLOCK_K, BLOCK_V]
+            tl.store(s_ptrs, tl.dot(tl.trans(kc), wu, s, input_precision="ieee"))
 
     @triton.jit
-    def _tree_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, p_ptr, o_ptr, T, HK,
+    def _tree_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, p_ptr, o_ptr, u_ptr, gm_ptr, T, HK,
                      sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, sb_t, sb_h,
-                     ss_h, ss_k, ss_v, so_t, so_h,
+                     ss_h, ss_k, ss_v, so_t, so_h, su_t, su_h, sgm_t,
                      DK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PRECISION: tl.constexpr):
+                     PRECISION: tl.constexpr, STORE_FOLD: tl.constexpr):
         h = tl.program_id(0)
         hq = h % HK
         cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -363,3 +375,7 @@ if triton is not None:
         o = tl.exp(gamma)[:, None] * qs
         o = tl.dot(decay * qk, u, o, input_precision=PRECISION)
         tl.store(o_ptr + rows[:, None] * so_t + h * so_h + cols[None, :], o, mask=live[:, None])
+        if STORE_FOLD:  # what the commit of an accepted path folds into the state (`fold_path`)
+            tl.store(u_ptr + rows[:, None] * su_t + h * su_h + cols[None, :], u, mask=live[:, None])
+            if tl.program_id(1) == 0:
+                tl.store(gm_ptr + rows * sgm_t + h, gamma, mask=live)

@@ -51,10 +51,10 @@ class TreeScratch:
     v: torch.Tensor
     g: torch.Tensor
     beta: torch.Tensor
-    # the torch verify's (`gated_delta.ancestor_chunk`) per-node u and gamma: the commit folds the path's into the
-    # state (`gated_delta.fold`) instead of rerunning the recurrence over it; None after the Triton verify
-    u: torch.Tensor | None = None
-    gamma: torch.Tensor | None = None
+    # the verify's per-node u and gamma (`gated_delta.ancestor_chunk`, `tree_verify_with_fold`): the commit folds
+    # the path's into the state (`gated_delta.fold`, `fold_path`) instead of rerunning the recurrence over it
+    u: torch.Tensor
+    gamma: torch.Tensor
 
 
 @dataclass

@@ -73,8 +73,9 @@ class GatedDeltaNet:
                 # a float32 model keeps float32 FMA dots (no TF32 anywhere unless asked); tf32x3 is as
                 # accurate in practice (2026-12-01 sweep: 4e-7 against 2e-7) and about 1.5x faster
                 precision = "ieee" if exact else "tf32x3"
-                o = gated_delta_triton.tree_verify(q, k, v, g, beta, state.ssm, step.parents, precision=precision)
-                scratch = TreeScratch(conv_inputs, q, k, v, g, beta)
+                o, u, gamma = gated_delta_triton.tree_verify_with_fold(q, k, v, g, beta, state.ssm, step.parents,
+                                                                       precision=precision)
+                scratch = TreeScratch(conv_inputs, q, k, v, g, beta, u, gamma)
             else:
                 o, u, gamma = gated_delta.ancestor_chunk(q, k, v, g, beta, state.ssm, step.visible)
                 scratch = TreeScratch(conv_inputs, q, k, v, g, beta, u, gamma)
@@ -96,15 +97,14 @@ class GatedDeltaNet:
 def commit_layers(layers: list[tuple[GatedDeltaNet, DeltaNetState, TreeScratch]], path: torch.Tensor,
                   count: torch.Tensor | None = None) -> None:
     """Make each layer's state what it would be after decoding the accepted `path` of a verified tree
-    (`count`, int64 [1] on the device: only path[:count], a path padded to a fixed length).
-    One recurrence runs over all the layers' heads stacked (layers on one device): layers are
-    independent, so stacking only saves the per-layer token loops."""
+    (`count`, int64 [1] on the device: only path[:count], a path padded to a fixed length), folding the verify's
+    u and gamma along the path into it: one launch a layer with Triton (`fold_path`), else one product over all
+    the layers' heads stacked (layers on one device)."""
     for _, state, scratch in layers:
         shift_window(state.conv, scratch.conv_inputs, path, count)
     if triton_runs_on(path.device):  # one in-place launch per layer reading the path's rows where they are
         for _, state, scratch in layers:
-            gated_delta_triton.commit_path(scratch.q, scratch.k, scratch.v, scratch.g, scratch.beta, state.ssm,
-                                           path, count)
+            gated_delta_triton.fold_path(scratch.k, scratch.u, scratch.gamma, state.ssm, path, count)
         return
     if count is not None:
         path = path[: int(count)]
@@ -114,12 +114,8 @@ def commit_layers(layers: list[tuple[GatedDeltaNet, DeltaNetState, TreeScratch]]
         return torch.cat([getattr(scratch, name)[path] for _, _, scratch in layers], dim=1)
 
     initial = torch.cat([state.ssm for _, state, _ in layers])
-    if all(scratch.u is not None for _, _, scratch in layers):
-        # the verify's u along the path are the recurrence's own: one batched product for the whole path, where
-        # the token loop costs ~3 ms a commit on 2 CPU cores at the demo's shape (2026-12-02, docs/PERFORMANCE.md)
-        final = gated_delta.fold(initial, stacked("k"), stacked("u"), stacked("gamma"), torch.arange(len(path)))
-    else:
-        _, final = gated_delta.recurrent(stacked("q"), stacked("k"), stacked("v"), stacked("g"), stacked("beta"),
-                                         initial)
+    # the verify's u along the path are the recurrence's own: one batched product for the whole path, where
+    # the token loop costs ~3 ms a commit on 2 CPU cores at the demo's shape (2026-12-02, docs/PERFORMANCE.md)
+    final = gated_delta.fold(initial, stacked("k"), stacked("u"), stacked("gamma"), torch.arange(len(path)))
     for (_, state, _), ssm in zip(layers, final.split(heads)):
         state.ssm.copy_(ssm)
