@@ -110,6 +110,10 @@ def test_configurations_follow_the_sweep():
     # an unfused gate or up (544 CTAs: 0.69 of their waves at 2, 3 or 4 per SM) keeps the register-buffered qmh
     assert [mma.choose_config(QType.Q4_K, m, 17408, 5120) for m in (16, 23)] == [
         mma.MMAConfig(1, 4, 1, 2), mma.MMAConfig(1, 4, 1, 2, min_blocks=3, own_tiles=2)]
+    # Q6_K's LM head at 17-24 rows (the verify's) through the weight ring, its down projection not
+    assert [mma.choose_config(QType.Q6_K, m, 248320, 5120) for m in (16, 23, 32)] == [
+        mma.MMAConfig(1, 2, 1, 2), ring, mma.MMAConfig(1, 2, 1, 2)]
+    assert mma.choose_config(QType.Q6_K, 23, 5120, 17408) == mma.MMAConfig(1, 4, 1, 1, min_blocks=3, x_ahead=1)
     # the FFN down projection: too few 64-row groups to own tiles
     assert [mma.choose_config(QType.Q4_K, m, 5120, 17408) for m in (16, 23, 32)] == [
         mma.MMAConfig(1, 4, 1, 2), mma.MMAConfig(1, 4, 1, 2, min_blocks=3, x_ahead=1),
@@ -454,6 +458,21 @@ def test_weight_ring_gives_the_register_kernels_bits(qtype):
         for ring in (2, 3, 4):
             ringed = mma.matmul(x[:m], weight.raw, qtype, n, k, dataclasses.replace(config, ring=ring), kernel)
             assert torch.equal(ringed, plain), (kernel, m, config, ring)
+
+
+@pytest.mark.gpu
+@gpu
+def test_the_lm_heads_verify_shape_keeps_the_bits_of_its_class():
+    """Q6_K's LM head at 17-24 rows takes two tiles a warp through a weight ring (`_Q6_K_HEAD_VERIFY`): the K order
+    and the chain of the one-tile form it replaced, so a row keeps its bits (on a smaller matrix, same K)."""
+    n, k = 2048, 5120
+    weight = random_quant_weight(QType.Q6_K, n, k, "cuda")
+    x = torch.randn(24, k, device="cuda", dtype=torch.bfloat16)
+    one_tile = mma.MMAConfig(1, 4, 1, 1, min_blocks=3, x_ahead=1)
+    for m in (17, 23, 24):
+        ringed = mma.matmul(x[:m], weight.raw, QType.Q6_K, n, k, mma._Q6_K_HEAD_VERIFY, "qmh")
+        assert torch.equal(ringed, mma.matmul(x[:m], weight.raw, QType.Q6_K, n, k, one_tile, "qmh")), m
+    _check_close(ringed, quant_matmul_reference(x.float(), weight))
 
 
 def test_a_weight_ring_of_one_stage_is_refused():

@@ -187,7 +187,7 @@ def _block_v(block_v: int | None, heads: int, dv: int) -> int:
 
 
 def tree_verify(q, k, v, g, beta, state, parents, block_v: int = 32, block_k: int = 16,
-                num_warps: int | None = None, precision: str = "tf32x3") -> torch.Tensor:
+                num_warps: int | None = None, precision: str = "tf32x3", num_stages: int | None = None) -> torch.Tensor:
     """Outputs [T, H, dv] (float32) of every node of a draft tree of T <= 64 nodes, node i seeing the
     state reached along its root-to-node path. parents int64 [T]: parents[i] < i, -1 = child of the
     current state (values are not checked on the device: a parent >= i is treated as -1).
@@ -195,18 +195,20 @@ def tree_verify(q, k, v, g, beta, state, parents, block_v: int = 32, block_k: in
     accuracy, or "ieee", float32 FMA). The defaults come from a sweep at the 27B shape
     (benchmarks/sweep_deltanet_tree.py, H200 2026-12-01): 32 columns and tf32x3 were each the faster choice
     (a 23-node tree 52 -> 35 and 28 us, the same error); the two together are not yet timed."""
-    return _tree_verify(q, k, v, g, beta, state, parents, block_v, block_k, num_warps, precision, fold=False)[0]
+    return _tree_verify(q, k, v, g, beta, state, parents, block_v, block_k, num_warps, precision, num_stages,
+                        fold=False)[0]
 
 
 def tree_verify_with_fold(q, k, v, g, beta, state, parents, block_v: int = 32, block_k: int = 16,
-                          num_warps: int | None = None,
-                          precision: str = "tf32x3") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          num_warps: int | None = None, precision: str = "tf32x3",
+                          num_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`tree_verify`, and what `fold_path` commits a path from: (o [T, H, dv], u [T, H, dv], gamma [T, H]), all
     float32, as `gated_delta.ancestor_chunk` returns them."""
-    return _tree_verify(q, k, v, g, beta, state, parents, block_v, block_k, num_warps, precision, fold=True)
+    return _tree_verify(q, k, v, g, beta, state, parents, block_v, block_k, num_warps, precision, num_stages,
+                        fold=True)
 
 
-def _tree_verify(q, k, v, g, beta, state, parents, block_v, block_k, num_warps, precision, fold: bool):
+def _tree_verify(q, k, v, g, beta, state, parents, block_v, block_k, num_warps, precision, num_stages, fold: bool):
     _check(q, k, v, g, beta, state, parents)
     if triton is None or not triton_runs_on(state.device):
         o, u, gamma = _ancestor_chunk(q, k, v, g, beta, state, parents)
@@ -229,7 +231,8 @@ def _tree_verify(q, k, v, g, beta, state, parents, block_v, block_k, num_warps, 
     _tree_kernel[(h, dv // block_v)](q, k, v, g, beta, state, parents, out, u, gamma, t, hk,
                                      *_strides(q, k, v, g, beta, state, out), u.stride(0), u.stride(1),
                                      gamma.stride(0), DK=dk, BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_K=block_k,
-                                     PRECISION=precision, STORE_FOLD=fold, num_warps=num_warps)
+                                     PRECISION=precision, STORE_FOLD=fold, num_warps=num_warps,
+                                     **({} if num_stages is None else {"num_stages": num_stages}))
     return (out, u, gamma) if fold else (out,)
 
 

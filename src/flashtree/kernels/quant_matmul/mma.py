@@ -528,8 +528,8 @@ def choose_config(qtype: QType, m: int, n: int, k: int, sms: int = _H200_SMS, ke
     on matrices with fewer tiles than SMs. qmh splits a tile's 16 MMAs per super-block over two accumulator
     chains with one row tile (a single chain waits on each MMA's latency) and keeps one with two tiles
     (two chains there exceed 255 registers and spill). Q6_K's qmh pairs tiles at 17-24 rows on the LM head
-    only (not yet swept there; its double-buffered weights are larger: two tiles at 4 token groups spill 72
-    bytes, sm_90).
+    only, its weights through a shared-memory ring (`_Q6_K_HEAD_VERIFY`; double-buffered in registers two tiles at
+    4 token groups spill 72 bytes, sm_90).
     Q4_K's qmh keeps one tile, with 3 CTAs per SM from 17 rows (the sweep of 2026-12-01 08:08 UTC: at 23 rows
     8 % faster than two tiles, at 32 rows within 2 %)."""
     tiles, sb = n // 16, k // SUPER
@@ -544,6 +544,8 @@ def choose_config(qtype: QType, m: int, n: int, k: int, sms: int = _H200_SMS, ke
     # on 4 warps too): one tile and one chain at 3 CTAs per SM, x a sub-block ahead (eighth session's sweeps: down
     # 5120x17408 at 23 rows 70.0 -> 49.3 us, at 32 rows 123.4 -> 59.1 us; the head at 23 rows 645.6 -> 569.1 us)
     lean_q6_k = half and qtype == QType.Q6_K and (tg == 3 or (tg == 4 and warps == 4))
+    if lean_q6_k and warps == 2:  # the LM head at 17-24 rows: the same with two tiles a warp through a weight
+        return _Q6_K_HEAD_VERIFY  # ring, the same arithmetic (twenty-first session: 576.1 -> 482.6 us at 23 rows)
     if lean_q6_k:
         warps = 4
     if half:
@@ -568,6 +570,13 @@ def choose_config(qtype: QType, m: int, n: int, k: int, sms: int = _H200_SMS, ke
     x_ahead = 1 if lean_q6_k or (q4_k_many_rows and not own_tiles) else 0
     return MMAConfig(rt, warps, splits, chains=chains, min_blocks=min_blocks, x_ahead=x_ahead, own_tiles=own_tiles)
 
+
+# Q6_K's LM head (248320x5120) at 17-24 rows, the verify's: two row tiles a warp with the weights through a 2-stage
+# shared-memory ring, one chain, the 4 warps splitting K, 3 CTAs per SM. The twenty-first session's sweep (docs/
+# PERFORMANCE.md, 2026-12-04, call 1) against the one-tile register form (r1w4s1c1b3x1, whose K order and chain it
+# keeps, so a row's bits stay those of its class): 23 rows 576.1 -> 482.6 us; on the down projection it lost (49.9
+# against 63.6-65.8 us)
+_Q6_K_HEAD_VERIFY = MMAConfig(2, 4, 1, chains=1, min_blocks=3, ring=2)
 
 # CTAs per SM the two-tile Q4_K qmh may take per token-group count: its registers allow 4 at 2 groups (126), 3 at
 # 3 (162) and 4 (168 with `min_blocks` 3; 2 without, ~200), and its 36 KB weight ring fits 4
