@@ -142,15 +142,15 @@ def test_q6_k_takes_the_float16_kernel_where_q4_k_does():
 def test_q6_k_float16_kernel_has_two_classes_of_row_counts():
     """Each class gives a row the same bits whatever the other rows. On 4-warp matrices (the FFN down
     projections): one tile and two chains at 2-16 rows, one tile and one chain at 17-32 (3 CTAs per SM,
-    x a sub-block ahead; also attention V when qmh is asked for it). On the LM head (2 warps): the same on 4 warps
-    at 17-24 rows, one tile and two chains elsewhere."""
+    x a sub-block ahead; also attention V when qmh is asked for it). On the LM head (2 warps): 4 warps splitting K and
+    one chain at 17-24 rows (two tiles a warp through a weight ring), one tile and two chains elsewhere."""
     for n, k in Q6_K_SHAPES:
         head = n == 248320
         warps = 2 if head else 4
         classes = {m: mma.choose_config(QType.Q6_K, m, n, k, kernel="qmh") for m in range(2, 33)}
         splits = classes[2].splits
         if head:
-            assert {classes[m] for m in range(17, 25)} == {mma.MMAConfig(1, 4, splits, 1, min_blocks=3, x_ahead=1)}
+            assert {classes[m] for m in range(17, 25)} == {mma.MMAConfig(2, 4, splits, 1, min_blocks=3, ring=2)}
             assert {classes[m] for m in (*range(2, 17), *range(25, 33))} == {mma.MMAConfig(1, warps, splits, 2)}
         else:
             wide = mma.MMAConfig(1, warps, splits, 1, min_blocks=3, x_ahead=1)
