@@ -148,11 +148,14 @@ def recurrent_step(q, k, v, g, beta, state, block_v: int | None = None, num_warp
 
 
 def fold_path(k, u, gamma, state, rows: torch.Tensor, count: torch.Tensor | None = None,
-              block_v: int | None = None, num_warps: int = 4) -> None:
+              block_v: int = 32, block_k: int = 16, num_warps: int = 4) -> None:
     """In place, the state after the rows `rows` (int64 [T'] <= MAX_TREE_NODES, root to leaf of one verified tree)
     of a `tree_verify_with_fold`: k [T, Hk, dk], u [T, H, dv] and gamma [T, H] as it returned them. `count`
     (int64 [1] on the device): only rows[:count] (a path padded to a fixed length, so that one CUDA graph commits
-    any path of a verify; 0 leaves the state as it is). The product runs in float32 FMA (`ieee`)."""
+    any path of a verify; 0 leaves the state as it is). The product runs in float32 FMA (`ieee`). One program per
+    (head, block_k state rows, block_v state columns): each state element is read and written once, and the 1536
+    programs of a 27B layer (48 heads, 128 x 128) keep every SM busy (one per head and 32 columns, looping over the
+    rows, took 10 us a layer on the H200, twenty-first session)."""
     if rows.dim() != 1 or rows.dtype not in (torch.int64, torch.int32) or rows.shape[0] > MAX_TREE_NODES:
         raise FlashtreeError(f"rows must be an int64 [T] index, T <= {MAX_TREE_NODES}, got {rows.dtype} "
                              f"{tuple(rows.shape)}")
@@ -171,12 +174,12 @@ def fold_path(k, u, gamma, state, rows: torch.Tensor, count: torch.Tensor | None
     t = rows.shape[0]
     if t == 0:
         return
-    block_v = _block_v(block_v, h, dv)
-    _fold_kernel[(h, dv // block_v)](k, u, gamma, state, rows, count if count is not None else rows, t, k.shape[1],
-                                     k.stride(0), k.stride(1), u.stride(0), u.stride(1), gamma.stride(0),
-                                     *state.stride(), DK=dk, BLOCK_T=max(16, triton.next_power_of_2(t)),
-                                     BLOCK_V=block_v, BLOCK_K=min(16, dk), HAS_COUNT=count is not None,
-                                     num_warps=num_warps)
+    block_v, block_k = min(block_v, dv), min(block_k, dk)
+    _fold_kernel[(h, dv // block_v, dk // block_k)](k, u, gamma, state, rows, count if count is not None else rows, t,
+                                                    k.shape[1], k.stride(0), k.stride(1), u.stride(0), u.stride(1),
+                                                    gamma.stride(0), *state.stride(),
+                                                    BLOCK_T=max(16, triton.next_power_of_2(t)), BLOCK_V=block_v,
+                                                    BLOCK_K=block_k, HAS_COUNT=count is not None, num_warps=num_warps)
 
 
 def _block_v(block_v: int | None, heads: int, dv: int) -> int:
@@ -186,7 +189,7 @@ def _block_v(block_v: int | None, heads: int, dv: int) -> int:
     return block_v
 
 
-def tree_verify(q, k, v, g, beta, state, parents, block_v: int = 32, block_k: int = 16,
+def tree_verify(q, k, v, g, beta, state, parents, block_v: int = 32, block_k: int = 32,
                 num_warps: int | None = None, precision: str = "tf32x3", num_stages: int | None = None) -> torch.Tensor:
     """Outputs [T, H, dv] (float32) of every node of a draft tree of T <= 64 nodes, node i seeing the
     state reached along its root-to-node path. parents int64 [T]: parents[i] < i, -1 = child of the
@@ -194,12 +197,14 @@ def tree_verify(q, k, v, g, beta, state, parents, block_v: int = 32, block_k: in
     `state` is only read. `precision`: tl.dot input precision ("tf32x3", tensor cores at about float32
     accuracy, or "ieee", float32 FMA). The defaults come from a sweep at the 27B shape
     (benchmarks/sweep_deltanet_tree.py, H200 2026-12-01): 32 columns and tf32x3 were each the faster choice
-    (a 23-node tree 52 -> 35 and 28 us, the same error); the two together are not yet timed."""
+    (a 23-node tree 52 -> 35 and 28 us, the same error); dk 32 at a time, not 16: 40.0 -> 37.3 us on a 23-node chain,
+    29.4 -> 27.0 on a bushy tree (the twenty-first session, with the fold's stores; 8 warps and 16 columns were
+    slower)."""
     return _tree_verify(q, k, v, g, beta, state, parents, block_v, block_k, num_warps, precision, num_stages,
                         fold=False)[0]
 
 
-def tree_verify_with_fold(q, k, v, g, beta, state, parents, block_v: int = 32, block_k: int = 16,
+def tree_verify_with_fold(q, k, v, g, beta, state, parents, block_v: int = 32, block_k: int = 32,
                           num_warps: int | None = None, precision: str = "tf32x3",
                           num_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`tree_verify`, and what `fold_path` commits a path from: (o [T, H, dv], u [T, H, dv], gamma [T, H]), all
@@ -285,14 +290,14 @@ if triton is not None:
     @triton.jit
     def _fold_kernel(k_ptr, u_ptr, gm_ptr, s_ptr, rows_ptr, count_ptr, T, HK,
                      sk_t, sk_h, su_t, su_h, sgm_t, ss_h, ss_k, ss_v,
-                     DK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-                     HAS_COUNT: tl.constexpr):
+                     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, HAS_COUNT: tl.constexpr):
         live = T
         if HAS_COUNT:  # a padded path: its live length is on the device
             live = tl.load(count_ptr)
         h = tl.program_id(0)
         hq = h % HK
         cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        d = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
         steps = tl.arange(0, BLOCK_T)
         used = (steps < T) & (steps < live)
         rows = tl.load(rows_ptr + steps, mask=used, other=0)
@@ -300,14 +305,11 @@ if triton is not None:
         gamma = tl.load(gm_ptr + rows * sgm_t + h, mask=used, other=0.0)
         leaf = tl.sum(tl.where(steps == live - 1, gamma, 0.0), axis=0)  # 0 for an empty path: the state stays
         wu = tl.where(used, tl.exp(leaf - gamma), 0.0)[:, None] * u_all  # [BLOCK_T, BLOCK_V]
-        # the state's rows BLOCK_K at a time: the whole of k [T, DK] at once spilled at T = 32 and 64 (sm_90)
-        for c in range(DK // BLOCK_K):
-            d = c * BLOCK_K + tl.arange(0, BLOCK_K)
-            kc = tl.load(k_ptr + rows[:, None] * sk_t + hq * sk_h + d[None, :], mask=used[:, None],
-                         other=0.0).to(tl.float32)
-            s_ptrs = s_ptr + h * ss_h + d[:, None] * ss_k + cols[None, :] * ss_v
-            s = tl.exp(leaf) * tl.load(s_ptrs)  # [BLOCK_K, BLOCK_V]
-            tl.store(s_ptrs, tl.dot(tl.trans(kc), wu, s, input_precision="ieee"))
+        kc = tl.load(k_ptr + rows[:, None] * sk_t + hq * sk_h + d[None, :], mask=used[:, None],
+                     other=0.0).to(tl.float32)
+        s_ptrs = s_ptr + h * ss_h + d[:, None] * ss_k + cols[None, :] * ss_v
+        s = tl.exp(leaf) * tl.load(s_ptrs)  # [BLOCK_K, BLOCK_V]
+        tl.store(s_ptrs, tl.dot(tl.trans(kc), wu, s, input_precision="ieee"))
 
     @triton.jit
     def _tree_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, p_ptr, o_ptr, u_ptr, gm_ptr, T, HK,
