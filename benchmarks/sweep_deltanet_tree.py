@@ -41,6 +41,33 @@ def trees(rng: random.Random) -> dict[str, list[int]]:
             "star23": [-1] + [0] * 22}
 
 
+def commit_rows(parents: list[int], layers: int = 48) -> list[dict]:
+    """The commit of a depth-4 path of a 23-node verify into all 48 DeltaNet layers of the 27B shape: one
+    `fold_path` a layer (its launch shapes) against one `fold_layers` launch; both read the verify's rows from
+    `FoldBuffers` as the engine leaves them (the states, 151 MB, are past the L2 by their size)."""
+    t, path = len(parents), [0, 1, 2, 3, 4]
+    rows = torch.tensor(path + [0] * (t - len(path)), device="cuda")
+    count = torch.tensor([len(path)], device="cuda")
+    states = [torch.randn(H, D, D, device="cuda") * 0.1 for _ in range(layers)]
+    buffers = [gdt.FoldBuffers.allocate(H, D, HK, D, "cuda") for _ in range(layers)]
+    for b in buffers:
+        b.u.normal_()
+        b.gamma.uniform_(-3.0, 0.0)
+        b.k.copy_(F.normalize(torch.randn_like(b.k), dim=-1))
+    tables = gdt.FoldTables.of(states, buffers)
+    results = []
+    for label, call in [(f"fold_path x {layers}, v{bv}k{bk}w{w}", lambda bv=bv, bk=bk, w=w: [
+                            gdt.fold_path(b.k, b.u[:t], b.gamma[:t], s, rows, count, block_v=bv, block_k=bk, num_warps=w)
+                            for s, b in zip(states, buffers)]) for bv, bk, w in ((32, 16, 4), (64, 32, 4), (32, 32, 4))] + \
+            [(f"fold_layers, v{bv}k{bk}w{w}", lambda bv=bv, bk=bk, w=w: gdt.fold_layers(
+                tables, rows, count, block_v=bv, block_k=bk, num_warps=w)) for bv, bk, w in
+             ((32, 16, 4), (64, 32, 4), (32, 32, 4), (64, 16, 4), (128, 16, 8))]:
+        us = time_graph([call]) * 1e6
+        print(f"commit (23 nodes, path 5, {layers} layers): {label:32} {us:8.1f} us", flush=True)
+        results.append({"tree": "commit", "variant": label, "us": us})
+    return results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="tree.json")
@@ -69,6 +96,7 @@ def main() -> int:
             results.append({"tree": name, "variant": label, "us": us, "err": err})
             cells.append(f"{label} {us:.1f} {err:.0e}")
         print(f"{name:8} " + " | ".join(cells), flush=True)
+    results += commit_rows(trees(random.Random(0))["bushy23"])
     Path(args.out).write_text(json.dumps(results, indent=2))
     return 0
 

@@ -7,7 +7,8 @@ import torch
 
 from flashtree.errors import FlashtreeError
 from flashtree.kernels import gated_delta
-from flashtree.kernels.gated_delta_triton import (ancestors_from_parents, fold_path, recurrent_step,
+from flashtree.kernels.gated_delta_triton import (FoldBuffers, FoldTables, ancestors_from_parents, fold_layers,
+                                                  fold_path, recurrent_step,
                                                   recurrent_step_reference, tree_verify, tree_verify_reference,
                                                   tree_verify_with_fold)
 
@@ -126,6 +127,13 @@ def test_real_sizes_on_gpu(t):
         assert torch.equal(o, tree_verify(q, k, v, g, beta, before, tree))
         fold_path(k, u, gamma, commit_state, padded, torch.tensor([len(path)], device="cuda"))
         assert rel(commit_state, ref_state) <= 1e-4
+        # the same verify left in FoldBuffers and committed for two layers in one launch: fold_path's bits
+        into = [FoldBuffers.allocate(h, d, hk, d, "cuda") for _ in range(2)]
+        layers = [before.clone(), before.clone()]
+        for buffers in into:
+            assert torch.equal(tree_verify_with_fold(q, k, v, g, beta, before, tree, into=buffers)[1], u)
+        fold_layers(FoldTables.of(layers, into), padded, torch.tensor([len(path)], device="cuda"))
+        assert all(torch.equal(layer, commit_state) for layer in layers)
 
     graph_state = before.clone()  # one decode step captured in a CUDA graph replays in place
     q1, k1, v1, g1, b1 = (x[:1].clone() for x in (q, k, v, g, beta))
