@@ -5,7 +5,7 @@ themselves are checked in tests/kernels (interpreter cases and the GPU test); he
 import torch
 
 from flashtree.kernels import gated_delta_triton
-from flashtree.kernels.gated_delta_triton import MAX_TREE_NODES
+from flashtree.kernels.gated_delta_triton import FOLD_ROWS
 from flashtree.models import deltanet
 from flashtree.models.cache import TargetCache, TreeScratch
 from flashtree.models.synthetic import tiny_config
@@ -33,9 +33,10 @@ def test_one_launch_commits_every_layer_the_verify_left_in_the_fold_buffers(monk
     indices = sorted(cache.deltanet)
     heads, dk, dv = cache.deltanet[indices[0]].ssm.shape
     buffers = [cache.fold_buffers(i, 2, dk) for i in indices]
-    # made for every layer at the first call, at the kernel's largest tree, and listed in layer order
+    # made for every layer at the first call, for trees of up to FOLD_ROWS nodes, and listed in layer order
     assert set(cache.fold) == set(indices) and cache.fold_buffers(indices[-1], 2, dk) is buffers[-1]
-    assert buffers[0].u.shape == (MAX_TREE_NODES, heads, dv) and buffers[0].k.shape == (MAX_TREE_NODES, 2, dk)
+    assert buffers[0].u.shape == (FOLD_ROWS, heads, dv) and buffers[0].k.shape == (FOLD_ROWS, 2, dk)
+    assert buffers[0].takes(FOLD_ROWS) and not buffers[0].takes(FOLD_ROWS + 1)
     tables = cache.fold_tables[torch.device("cpu")]
     assert [t.data_ptr() for t in tables.states] == [cache.deltanet[i].ssm.data_ptr() for i in indices]
     assert tables.addresses.tolist()[1] == [b.u.data_ptr() for b in buffers]

@@ -48,6 +48,10 @@ except ImportError:  # pragma: no cover - triton is a dependency where kernels r
     triton = None
 
 MAX_TREE_NODES = 64
+# rows of `FoldBuffers`: the default budget's tree (23 nodes) and any up to 32; a larger verify leaves its u and
+# Gamma in tensors of its own and its commit takes a launch a layer (`fold_path`), so that the buffers, kept for the
+# cache's life, hold 50 MB at the 27B shape instead of 100
+FOLD_ROWS = 32
 _H200_SMS = 132
 
 
@@ -152,20 +156,23 @@ def recurrent_step(q, k, v, g, beta, state, block_v: int | None = None, num_warp
 
 @dataclass
 class FoldBuffers:
-    """Where a verify leaves what the commit of its accepted path folds into one layer's state (u, Gamma and k of
-    each node, float32), in buffers of MAX_TREE_NODES rows that outlive the verify: their addresses go into a
+    """Where a verify of up to FOLD_ROWS nodes leaves what the commit of its accepted path folds into one layer's
+    state (u, Gamma and k of each node, float32), in buffers that outlive the verify: their addresses go into a
     `FoldTables` once, so that one launch commits every layer, graphed or not."""
 
-    u: torch.Tensor  # [MAX_TREE_NODES, H, dv]
-    gamma: torch.Tensor  # [MAX_TREE_NODES, H]
-    k: torch.Tensor  # [MAX_TREE_NODES, Hk, dk]
+    u: torch.Tensor  # [FOLD_ROWS, H, dv]
+    gamma: torch.Tensor  # [FOLD_ROWS, H]
+    k: torch.Tensor  # [FOLD_ROWS, Hk, dk]
 
     @classmethod
     def allocate(cls, heads: int, dv: int, k_heads: int, dk: int, device) -> "FoldBuffers":
         f32 = torch.float32
-        return cls(torch.zeros(MAX_TREE_NODES, heads, dv, dtype=f32, device=device),
-                   torch.zeros(MAX_TREE_NODES, heads, dtype=f32, device=device),
-                   torch.zeros(MAX_TREE_NODES, k_heads, dk, dtype=f32, device=device))
+        return cls(torch.zeros(FOLD_ROWS, heads, dv, dtype=f32, device=device),
+                   torch.zeros(FOLD_ROWS, heads, dtype=f32, device=device),
+                   torch.zeros(FOLD_ROWS, k_heads, dk, dtype=f32, device=device))
+
+    def takes(self, nodes: int) -> bool:
+        return nodes <= self.u.shape[0]
 
 
 @dataclass
