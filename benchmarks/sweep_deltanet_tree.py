@@ -34,6 +34,11 @@ VARIANTS = ((32, 16, 4, "tf32x3", None), (32, 16, 4, "tf32x3", 1), (32, 16, 8, "
             (16, 16, 8, "tf32x3", None), (16, 32, 8, "tf32x3", None), (32, 16, 4, "ieee", None))
 
 
+# the commit's launch shapes (block_v, block_k, warps), each compiled without spills for sm_90 and checked on the GPU
+# (tests/kernels/test_gated_delta_triton.py FOLD_SHAPES): the default first
+FOLD_SHAPES = ((32, 16, 4), (64, 16, 4), (64, 32, 8), (32, 64, 8), (128, 16, 8), (128, 8, 4))
+
+
 def trees(rng: random.Random) -> dict[str, list[int]]:
     """Parent lists: chains (the chain mode), a bushy DDTree-like tree, and a star."""
     bushy = [-1] + [rng.randint(max(0, i - 4), i - 1) for i in range(1, 23)]
@@ -56,12 +61,12 @@ def commit_rows(parents: list[int], layers: int = 48) -> list[dict]:
         b.k.copy_(F.normalize(torch.randn_like(b.k), dim=-1))
     tables = gdt.FoldTables.of(states, buffers)
     results = []
-    for label, call in [(f"fold_path x {layers}, v{bv}k{bk}w{w}", lambda bv=bv, bk=bk, w=w: [
-                            gdt.fold_path(b.k, b.u[:t], b.gamma[:t], s, rows, count, block_v=bv, block_k=bk, num_warps=w)
-                            for s, b in zip(states, buffers)]) for bv, bk, w in ((32, 16, 4), (64, 32, 4), (32, 32, 4))] + \
-            [(f"fold_layers, v{bv}k{bk}w{w}", lambda bv=bv, bk=bk, w=w: gdt.fold_layers(
-                tables, rows, count, block_v=bv, block_k=bk, num_warps=w)) for bv, bk, w in
-             ((32, 16, 4), (64, 32, 4), (32, 32, 4), (64, 16, 4), (128, 16, 8))]:
+    calls = [(f"fold_path x {layers}, v{bv}k{bk}w{w}", lambda bv=bv, bk=bk, w=w: [
+        gdt.fold_path(b.k[:t], b.u[:t], b.gamma[:t], s, rows, count, block_v=bv, block_k=bk, num_warps=w)
+        for s, b in zip(states, buffers)]) for bv, bk, w in FOLD_SHAPES]
+    calls += [(f"fold_layers, v{bv}k{bk}w{w}", lambda bv=bv, bk=bk, w=w: gdt.fold_layers(
+        tables, rows, count, block_v=bv, block_k=bk, num_warps=w)) for bv, bk, w in FOLD_SHAPES]
+    for label, call in calls:
         us = time_graph([call]) * 1e6
         print(f"commit (23 nodes, path 5, {layers} layers): {label:32} {us:8.1f} us", flush=True)
         results.append({"tree": "commit", "variant": label, "us": us})
@@ -71,7 +76,11 @@ def commit_rows(parents: list[int], layers: int = 48) -> list[dict]:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="tree.json")
+    parser.add_argument("--commit-only", action="store_true", help="only the commit rows (fold_path, fold_layers)")
     args = parser.parse_args()
+    if args.commit_only:
+        Path(args.out).write_text(json.dumps(commit_rows(trees(random.Random(0))["bushy23"]), indent=2))
+        return 0
     torch.manual_seed(0)
     states = [torch.randn(H, D, D, device="cuda") * 0.1 for _ in range(rotation(H * D * D * 4))]
     results = []

@@ -194,9 +194,10 @@ class FoldTables:
             if (state.shape != first.shape or not state.is_contiguous() or state.dtype != torch.float32
                     or any(x.shape != y.shape for x, y in ((b.u, b0.u), (b.gamma, b0.gamma), (b.k, b0.k)))):
                 raise FlashtreeError("fold tables need contiguous float32 states and buffers of one shape per layer")
-        addresses = torch.tensor([[t.data_ptr() for t in column] for column in
-                                  (states, [b.u for b in buffers], [b.gamma for b in buffers], [b.k for b in buffers])],
-                                 dtype=torch.int64)
+        columns = (states, [b.u for b in buffers], [b.gamma for b in buffers], [b.k for b in buffers])
+        if any(t.data_ptr() % 16 for column in columns for t in column):
+            raise FlashtreeError("fold tables need 16-byte aligned tensors (whole allocations, not offset views)")
+        addresses = torch.tensor([[t.data_ptr() for t in column] for column in columns], dtype=torch.int64)
         return cls(states, buffers, addresses.to(first.device))
 
 
@@ -413,10 +414,11 @@ if triton is not None:
         # program_id(0) = layer x head; the layer's tensors from `FoldTables.addresses` (state, u, Gamma, k rows)
         layer, layers = tl.program_id(0) // H, tl.num_programs(0) // H
         h = tl.program_id(0) % H
-        s_ptr = tl.load(addr_ptr + layer).to(tl.pointer_type(tl.float32))
-        u_ptr = tl.load(addr_ptr + layers + layer).to(tl.pointer_type(tl.float32))
-        gm_ptr = tl.load(addr_ptr + 2 * layers + layer).to(tl.pointer_type(tl.float32))
-        k_ptr = tl.load(addr_ptr + 3 * layers + layer).to(tl.pointer_type(tl.float32))
+        # 16-byte aligned (`FoldTables.of` checks): said so, the loads through them vectorize as through arguments
+        s_ptr = tl.multiple_of(tl.load(addr_ptr + layer).to(tl.pointer_type(tl.float32)), 16)
+        u_ptr = tl.multiple_of(tl.load(addr_ptr + layers + layer).to(tl.pointer_type(tl.float32)), 16)
+        gm_ptr = tl.multiple_of(tl.load(addr_ptr + 2 * layers + layer).to(tl.pointer_type(tl.float32)), 16)
+        k_ptr = tl.multiple_of(tl.load(addr_ptr + 3 * layers + layer).to(tl.pointer_type(tl.float32)), 16)
         _fold_tile(k_ptr, u_ptr, gm_ptr, s_ptr, rows_ptr, count_ptr, T, h, h % HK, sk_t, sk_h, su_t, su_h, sgm_t,
                    ss_h, ss_k, ss_v, BLOCK_T, BLOCK_V, BLOCK_K, HAS_COUNT)
 
