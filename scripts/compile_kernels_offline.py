@@ -376,13 +376,6 @@ def gated_delta() -> None:
             gated_delta_triton.recurrent_step(q, k, v, g, beta, state)
         _, u, gamma = gated_delta_triton.tree_verify_with_fold(q, k, v, g, beta, state, torch.arange(n) - 1)
         gated_delta_triton.fold_path(k, u, gamma, state, torch.arange(n), torch.tensor([n]))  # a commit
-        if n > gated_delta_triton.FOLD_ROWS:
-            continue
-        into = gated_delta_triton.FoldBuffers.allocate(48, 128, 16, 128, "cpu")  # the engine's: all layers at once
-        gated_delta_triton.tree_verify_with_fold(q, k, v, g, beta, state, torch.arange(n) - 1, into=into)
-        tables = gated_delta_triton.FoldTables.of([state, state.clone()], [into, into])
-        for block_v, block_k, warps in ((32, 16, 4), (64, 32, 4), (32, 32, 4), (64, 16, 4), (128, 16, 8)):
-            gated_delta_triton.fold_layers(tables, torch.arange(n), torch.tensor([n]), block_v, block_k, warps)
 
 
 PARTS = {"quant_matmul": quant_matmul, "decode_issue_bound": decode_issue_bound, "mma": mma,

@@ -12,7 +12,6 @@ input are one matmul where their types allow, `Projections.fused`.)
 from __future__ import annotations
 
 import contextlib
-from functools import partial
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -97,7 +96,7 @@ class DecoderLayer:
         else:
             h, x = add_rms_norm(h, delta, self.attn_norm, self.eps)
         if self.is_recurrent:
-            mixed, scratch = self.mixer(x, step, cache.deltanet[self.index], partial(cache.fold_buffers, self.index))
+            mixed, scratch = self.mixer(x, step, cache.deltanet[self.index])
             if scratch is not None:
                 cache.pending[self.index] = scratch
         else:
@@ -258,8 +257,7 @@ class Qwen35Model:
                     move_rows(side, rows, source)
         for device, layers in recurrent.items():
             with on_device(device):
-                commit_layers(layers, path.to(device), None if count is None else count.to(device),
-                              cache.fold_tables.get(device))
+                commit_layers(layers, path.to(device), None if count is None else count.to(device))
 
     def _check_tokens(self, tokens: torch.Tensor) -> None:
         if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size):
