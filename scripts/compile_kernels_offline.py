@@ -376,12 +376,32 @@ def gated_delta() -> None:
             gated_delta_triton.recurrent_step(q, k, v, g, beta, state)
         _, u, gamma = gated_delta_triton.tree_verify_with_fold(q, k, v, g, beta, state, torch.arange(n) - 1)
         gated_delta_triton.fold_path(k, u, gamma, state, torch.arange(n), torch.tensor([n]))  # a commit
+        if n > gated_delta_triton.FOLD_ROWS:
+            continue
+        into = gated_delta_triton.FoldBuffers.allocate(48, 128, 16, 128, "cpu")  # the engine's: all layers at once
+        gated_delta_triton.tree_verify_with_fold(q, k, v, g, beta, state, torch.arange(n) - 1, into=into)
+        tables = gated_delta_triton.FoldTables.of([state, state.clone()], [into, into])
+        for block_v, block_k, warps in ((32, 16, 4), (64, 32, 4), (32, 32, 4), (64, 16, 4), (128, 16, 8)):
+            gated_delta_triton.fold_layers(tables, torch.arange(n), torch.tensor([n]), block_v, block_k, warps)
+
+
+def commit_rows() -> None:
+    """The commit's row moves at the 27B shape: one K or V cache (bf16 rows of 256; TQ3_0's 112 bytes) and all 32
+    of a device through their table, a path of 23 rows."""
+    from flashtree.kernels.commit_rows import RowTable, move_rows, move_rows_together
+
+    rows = torch.arange(23)
+    for dtype, width in ((torch.bfloat16, 256), (torch.uint8, 112)):
+        caches = [torch.zeros(4, 64, width, dtype=dtype) for _ in range(2)]
+        move_rows(caches[0], rows, rows)
+        move_rows_together(RowTable.group(caches)[0], rows, rows)
 
 
 PARTS = {"quant_matmul": quant_matmul, "decode_issue_bound": decode_issue_bound, "mma": mma,
          "tree_attention": tree_attention,
          "kv_dequant": kv_dequant, "kv_write": kv_write,
-         "norms_and_conv": norms_and_conv, "fusion": fusion, "draft": draft, "gated_delta": gated_delta}
+         "norms_and_conv": norms_and_conv, "fusion": fusion, "draft": draft, "gated_delta": gated_delta,
+         "commit_rows": commit_rows}
 
 
 def main() -> None:

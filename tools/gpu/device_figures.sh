@@ -44,6 +44,9 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
     sweep-draft-attention) timeout 120 python3 benchmarks/sweep_draft_attention.py --out "$OUT/draft_attention.json" ;;
     sweep-deltanet-tree) timeout 120 python3 benchmarks/sweep_deltanet_tree.py --out "$OUT/deltanet_tree.json" \
                    > "$OUT/deltanet_tree.txt" 2>&1; echo "== sweep-deltanet-tree (rc $?)"; tail -6 "$OUT/deltanet_tree.txt" ;;
+    # the commit's fold: 48 fold_path launches against one fold_layers launch, at each launch shape
+    sweep-commit) timeout 90 python3 benchmarks/sweep_deltanet_tree.py --commit-only --out "$OUT/commit.json" \
+                      > "$OUT/commit.txt" 2>&1; echo "== sweep-commit (rc $?)"; tail -12 "$OUT/commit.txt" ;;
     # fla's launch configurations tuned at the 27B prefill shapes, for src/flashtree/assets/fla-configs/
     # (a tarball: a call returns few files), and installed in this copy's assets for the parts after it
     fla-configs) timeout 200 python3 tools/gpu/extract_fla_configs.py --out "$OUT/fla-configs" > "$OUT/fla_configs.txt" 2>&1

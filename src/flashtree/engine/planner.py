@@ -12,7 +12,8 @@ Every line is bytes the engine allocates or a stated estimate:
 * KV cache: attention layers x kv_heads x rows x (K row bytes + V row bytes), rows = ctx + budget + 2
   (the engine's context size: committed tokens plus tree scratch rows).
 * DeltaNet state: per recurrent layer the float32 [v_heads, d, d] state + the conv tail.
-* tree buffers: what a verify keeps per DeltaNet layer for the commit (TreeScratch) for budget + 1 nodes.
+* tree buffers: what a verify keeps per DeltaNet layer for the commit (TreeScratch) for budget + 1 nodes, and
+  the GPU's fold buffers (u, Gamma and k of up to FOLD_ROWS nodes a layer, kept by the cache: `FoldBuffers`).
 * draft context ring: the draft's per-layer K/V of the last `draft_window` committed positions.
 * prefill feature capture: the captured target features of one prefill chunk (each chunk's features
   go straight into the draft's context ring, so they do not grow with the prompt).
@@ -45,6 +46,7 @@ from flashtree.errors import FlashtreeError
 from flashtree.formats.gguf_file import GGUFFile
 from flashtree.formats.quant_mix import quant_types
 from flashtree.formats.quants import bytes_for
+from flashtree.kernels.gated_delta_triton import FOLD_ROWS
 from flashtree.kernels.kv_quant import kv_type
 from flashtree.kernels.quant_matmul import DENSE_MIN_M
 from flashtree.kernels.tree_attention import MAX_TREE_QUERIES
@@ -198,8 +200,10 @@ def plan(req: PlanRequest) -> MemoryPlan:
     conv = (c.conv_kernel - 1) * c.conv_dim * a
     add(("DeltaNet state", n_gdn * (ssm + conv), f"{n_gdn} layers x (f32 state {_mib(ssm)} + conv {_mib(conv)})"))
     if req.draft is not None:
-        scratch = nodes * (c.conv_dim * a + c.gdn_v_heads * (3 * c.gdn_head_dim + 2) * 4)
-        add(("tree buffers", n_gdn * scratch, f"verify scratch of {nodes} nodes x {n_gdn} DeltaNet layers"))
+        scratch = nodes * (c.conv_dim * a + c.gdn_v_heads * (2 * c.gdn_head_dim + 1) * 4)
+        fold = FOLD_ROWS * (c.gdn_v_heads * (c.gdn_head_dim + 1) + c.gdn_qk_heads * c.gdn_head_dim) * 4
+        add(("tree buffers", n_gdn * (scratch + fold), f"verify scratch of {nodes} nodes + fold buffers of "
+             f"{FOLD_ROWS} x {n_gdn} DeltaNet layers"))
         d = req.draft
         window = min(req.draft_window, req.ctx)
         ring = d.layers * 2 * d.kv_heads * window * d.head_dim * b + window * 8

@@ -8,6 +8,9 @@ windows). Here each tensor is one launch:
   blocks of a quantized cache): for every head, row rows[i] gets what row source[i] held. A path's node i
   sits at tree row >= i, so a source row can be another node's destination: a program loads all its
   path rows, waits for its threads, then stores.
+* `move_rows_together(table, rows, source)`: `move_rows` for every cache of a `RowTable` (same shape and
+  dtype: a device's K and V caches of all attention layers) in one launch, through a device table of their
+  addresses built once when the cache is allocated.
 * `shift_window(window, inputs, path, count=None)`: the conv window [K-1, C] (oldest row first) becomes the
   last K-1 rows of [window; inputs[path[:count]]], cast to the window's dtype, the same wait between loads
   and stores.
@@ -19,6 +22,8 @@ torch forms run.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -52,6 +57,47 @@ def move_rows(cache: torch.Tensor, rows: torch.Tensor, source: torch.Tensor) -> 
         BLOCK_N=max(2, triton.next_power_of_2(n)), BLOCK_W=min(BLOCK_W, triton.next_power_of_2(width)))
 
 
+@dataclass
+class RowTable:
+    """Caches of one shape, dtype and strides whose rows a commit moves together, and their addresses (int64 [n] on
+    their device). Built outside CUDA graph capture; the caches must stay where they are (a cache is allocated once
+    and updated in place)."""
+
+    caches: list[torch.Tensor]
+    addresses: torch.Tensor
+
+    @classmethod
+    def group(cls, caches: list[torch.Tensor]) -> list["RowTable"]:
+        """One table per (device, dtype, shape, strides) among `caches` (K and V of different KV types differ)."""
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for cache in caches:
+            if cache.dim() != 3 or cache.data_ptr() % 16:
+                raise FlashtreeError(f"row tables take 16-byte aligned [H, capacity, W] caches, got "
+                                     f"{tuple(cache.shape)} at an offset of {cache.data_ptr() % 16} bytes")
+            groups.setdefault((cache.device, cache.dtype, tuple(cache.shape), cache.stride()), []).append(cache)
+        return [cls(members, torch.tensor([c.data_ptr() for c in members], dtype=torch.int64, device=members[0].device))
+                for members in groups.values()]
+
+
+def move_rows_together(table: RowTable, rows: torch.Tensor, source: torch.Tensor) -> None:
+    """`move_rows(cache, rows, source)` for every cache of `table`, in one launch where Triton runs."""
+    first = table.caches[0]
+    n = rows.shape[0]
+    if source.shape != (n,) or rows.dim() != 1 or n > MAX_PATH:
+        raise FlashtreeError(f"move_rows_together takes two index vectors of one length <= {MAX_PATH}; got "
+                             f"{tuple(rows.shape)}, {tuple(source.shape)}")
+    if n == 0:
+        return
+    if triton is None or not triton_runs_on(first.device) or first.stride(2) != 1:
+        for cache in table.caches:
+            move_rows(cache, rows, source)
+        return
+    heads, _, width = first.shape
+    _move_rows_together_kernel[(len(table.caches) * heads, triton.cdiv(width, BLOCK_W))](
+        table.addresses, first, rows, source, n, heads, width, first.stride(0), first.stride(1),
+        BLOCK_N=max(2, triton.next_power_of_2(n)), BLOCK_W=min(BLOCK_W, triton.next_power_of_2(width)))
+
+
 def shift_window(window: torch.Tensor, inputs: torch.Tensor, path: torch.Tensor,
                  count: torch.Tensor | None = None) -> None:
     """window[:] = last window.shape[0] rows of [window; inputs[path[:count]]], in the window's dtype.
@@ -76,15 +122,32 @@ if triton is not None:
     @triton.jit
     def _move_rows_kernel(cache_ptr, rows_ptr, source_ptr, n, width, stride_h, stride_r,
                           BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+        _move_head_rows(cache_ptr + tl.program_id(0) * stride_h, rows_ptr, source_ptr, n, width, stride_r, BLOCK_N,
+                        BLOCK_W)
+
+    @triton.jit
+    def _move_head_rows(head_ptr, rows_ptr, source_ptr, n, width, stride_r, BLOCK_N: tl.constexpr,
+                        BLOCK_W: tl.constexpr):
+        """Columns program_id(1) of one head's rows: row rows[i] <- row source[i], all read before any write."""
         i = tl.arange(0, BLOCK_N)
         cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
         ok = (i < n)[:, None] & (cols < width)[None, :]
-        base = cache_ptr + tl.program_id(0) * stride_h + cols[None, :]
+        base = head_ptr + cols[None, :]
         source = tl.load(source_ptr + i, mask=i < n, other=0)
         values = tl.load(base + source[:, None] * stride_r, mask=ok)
         tl.debug_barrier()  # every source row read before any destination row is written
         rows = tl.load(rows_ptr + i, mask=i < n, other=0)
         tl.store(base + rows[:, None] * stride_r, values, mask=ok)
+
+    @triton.jit
+    def _move_rows_together_kernel(addr_ptr, like_ptr, rows_ptr, source_ptr, n, heads, width, stride_h, stride_r,
+                                   BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+        # program_id(0) = cache x head; the cache's address from the table, 16-byte aligned (`RowTable.group`
+        # checks), said so that its loads vectorize as through an argument
+        cache = tl.load(addr_ptr + tl.program_id(0) // heads).to(tl.pointer_type(like_ptr.dtype.element_ty))
+        cache = tl.multiple_of(cache, 16)
+        _move_head_rows(cache + (tl.program_id(0) % heads) * stride_h, rows_ptr, source_ptr, n, width, stride_r,
+                        BLOCK_N, BLOCK_W)
 
     @triton.jit
     def _shift_window_kernel(window_ptr, inputs_ptr, path_ptr, n, count_ptr, keep, channels, stride_w, stride_in,

@@ -7,9 +7,12 @@ its parent chain, which makes a plain run (parent = previous token) and a draft 
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from flashtree.models.cache import DeltaNetState, TreeScratch
+from flashtree.kernels.gated_delta_triton import FoldBuffers, FoldTables
 from flashtree.formats.gguf_file import GGUFFile
 from flashtree.kernels import gated_delta, gated_delta_fla, gated_delta_triton, triton_runs_on
 from flashtree.kernels.commit_rows import shift_window
@@ -54,7 +57,11 @@ class GatedDeltaNet:
     def fuse(self) -> None:
         self.inputs = self.inputs.fused()
 
-    def __call__(self, x: torch.Tensor, step: Step, state: DeltaNetState) -> tuple[torch.Tensor, TreeScratch | None]:
+    def __call__(self, x: torch.Tensor, step: Step, state: DeltaNetState,
+                 fold_buffers: Callable[[int, int], FoldBuffers] | None = None
+                 ) -> tuple[torch.Tensor, TreeScratch | None]:
+        """`fold_buffers(k_heads, dk)`: where a GPU tree verify leaves what the commit folds (`TargetCache.fold_buffers`:
+        kept across steps, so that `commit_layers` commits every layer in one launch); None: fresh tensors."""
         c = self.config
         n = x.shape[0]
         exact = (self.dtype or x.dtype) == torch.float32  # a float32 model: no TF32 dots anywhere
@@ -73,8 +80,10 @@ class GatedDeltaNet:
                 # a float32 model keeps float32 FMA dots (no TF32 anywhere unless asked); tf32x3 is as
                 # accurate in practice (2026-12-01 sweep: 4e-7 against 2e-7) and about 1.5x faster
                 precision = "ieee" if exact else "tf32x3"
+                into = None if fold_buffers is None else fold_buffers(k.shape[1], k.shape[2])
+                into = into if into is not None and into.takes(n) else None  # a larger tree: tensors of its own
                 o, u, gamma = gated_delta_triton.tree_verify_with_fold(q, k, v, g, beta, state.ssm, step.parents,
-                                                                       precision=precision)
+                                                                       precision=precision, into=into)
                 scratch = TreeScratch(conv_inputs, q, k, v, g, beta, u, gamma)
             else:
                 o, u, gamma = gated_delta.ancestor_chunk(q, k, v, g, beta, state.ssm, step.visible)
@@ -95,14 +104,18 @@ class GatedDeltaNet:
 
 
 def commit_layers(layers: list[tuple[GatedDeltaNet, DeltaNetState, TreeScratch]], path: torch.Tensor,
-                  count: torch.Tensor | None = None) -> None:
+                  count: torch.Tensor | None = None, tables: FoldTables | None = None) -> None:
     """Make each layer's state what it would be after decoding the accepted `path` of a verified tree
     (`count`, int64 [1] on the device: only path[:count], a path padded to a fixed length), folding the verify's
-    u and gamma along the path into it: one launch a layer with Triton (`fold_path`), else one product over all
-    the layers' heads stacked (layers on one device)."""
+    u and gamma along the path into it. With Triton: one launch for all the layers (`fold_layers`) where the verify
+    left them in the `FoldBuffers` of `tables` (these layers' own, in order), else one a layer (`fold_path`); without,
+    one product over all the layers' heads stacked (layers on one device)."""
     for _, state, scratch in layers:
         shift_window(state.conv, scratch.conv_inputs, path, count)
-    if triton_runs_on(path.device):  # one in-place launch per layer reading the path's rows where they are
+    if triton_runs_on(path.device):  # in place, reading the path's rows where they are
+        if tables is not None and _verified_into(tables, layers):
+            gated_delta_triton.fold_layers(tables, path, count)
+            return
         for _, state, scratch in layers:
             gated_delta_triton.fold_path(scratch.k, scratch.u, scratch.gamma, state.ssm, path, count)
         return
@@ -119,3 +132,11 @@ def commit_layers(layers: list[tuple[GatedDeltaNet, DeltaNetState, TreeScratch]]
     final = gated_delta.fold(initial, stacked("k"), stacked("u"), stacked("gamma"), torch.arange(len(path)))
     for (_, state, _), ssm in zip(layers, final.split(heads)):
         state.ssm.copy_(ssm)
+
+
+def _verified_into(tables: FoldTables, layers: list[tuple[GatedDeltaNet, DeltaNetState, TreeScratch]]) -> bool:
+    """Whether `tables` lists exactly these layers' states, in order, and each layer's last verify wrote its u into
+    the table's buffers (not so after a verify too large for the tree kernel, which took the torch path)."""
+    return (len(layers) == len(tables.states)
+            and all(state.ssm.data_ptr() == ssm.data_ptr() and scratch.u.data_ptr() == buffers.u.data_ptr()
+                    for (_, state, scratch), ssm, buffers in zip(layers, tables.states, tables.buffers)))
