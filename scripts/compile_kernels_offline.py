@@ -387,14 +387,23 @@ def gated_delta() -> None:
 
 def commit_rows() -> None:
     """The commit's row moves at the 27B shape: one K or V cache (bf16 rows of 256; TQ3_0's 112 bytes) and all 32
-    of a device through their table, a path of 23 rows."""
-    from flashtree.kernels.commit_rows import RowTable, move_rows, move_rows_together
+    of a device through their table, a path of 23 rows; the 48 conv windows shifted from their kept inputs, which
+    the tree's conv launch copies."""
+    from flashtree.kernels.commit_rows import RowTable, WindowTable, move_rows, move_rows_together, shift_windows_together
+    from flashtree.kernels.deltanet_conv import conv_qkv
+    from flashtree.kernels.deltanet_gates import GateInputs
 
     rows = torch.arange(23)
     for dtype, width in ((torch.bfloat16, 256), (torch.uint8, 112)):
         caches = [torch.zeros(4, 64, width, dtype=dtype) for _ in range(2)]
         move_rows(caches[0], rows, rows)
         move_rows_together(RowTable.group(caches)[0], rows, rows)
+    conv_dim = 2 * 16 * 128 + 48 * 128
+    windows, kept = [torch.zeros(3, conv_dim) for _ in range(2)], [torch.zeros(24, conv_dim) for _ in range(2)]
+    shift_windows_together(WindowTable.of(windows, kept), rows, torch.tensor([4]))
+    ba = torch.zeros(23, 96)
+    conv_qkv(torch.zeros(23, conv_dim), rows - 1, windows[0], torch.zeros(conv_dim, 4), 16, 48, 128,
+             GateInputs(ba[:, :48], ba[:, 48:], torch.zeros(48), torch.zeros(48)), keep_inputs=kept[0])
 
 
 PARTS = {"quant_matmul": quant_matmul, "decode_issue_bound": decode_issue_bound, "mma": mma,

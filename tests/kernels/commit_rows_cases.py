@@ -17,7 +17,8 @@ WINDOWS = {"f32-bf16": (torch.float32, torch.bfloat16), "bf16-bf16": (torch.bflo
 def case_ids() -> list[str]:
     return ([f"move-{c}-{p}" for c in CACHES for p in PATHS] + [f"shift-{w}-{p}" for w in WINDOWS for p in PATHS]
             + ["shift-strided-inputs"] + [f"shift-padded-{p}" for p in PATHS]
-            + [f"together-{c}-{p}" for c in CACHES for p in PATHS] + ["together-two-types"])
+            + [f"together-{c}-{p}" for c in CACHES for p in PATHS] + ["together-two-types"]
+            + [f"windows-{w}-{p}" for w in WINDOWS for p in PATHS])
 
 
 def _cache(dtype: torch.dtype, width: int, gen: torch.Generator) -> torch.Tensor:
@@ -57,6 +58,21 @@ def together_case(specs: list[tuple[torch.dtype, int]], path: list[int], gen: to
     return all(torch.equal(c, e) for c, e in zip(caches, expected))
 
 
+def windows_case(dtype: torch.dtype, path: list[int], gen: torch.Generator) -> bool:
+    """Four layers' windows shifted together from their kept inputs (the windows' dtype, 32 rows), by a path padded
+    to 8 rows with its length on the device, against `shift_window` on each."""
+    from flashtree.kernels.commit_rows import WindowTable, shift_window, shift_windows_together
+
+    windows = [torch.randn(3, 700, generator=gen).to(dtype) for _ in range(4)]
+    inputs = [torch.randn(32, 700, generator=gen).to(dtype) for _ in range(4)]
+    padded, count = torch.tensor(path + [0] * (8 - len(path))), torch.tensor([len(path)])
+    expected = [w.clone() for w in windows]
+    for w, x in zip(expected, inputs):
+        shift_window(w, x, padded, count)
+    shift_windows_together(WindowTable.of(windows, inputs), padded, count)
+    return all(torch.equal(w, e) for w, e in zip(windows, expected))
+
+
 def shift_case(window_dtype: torch.dtype, input_dtype: torch.dtype, path: list[int], gen: torch.Generator,
                strided: bool = False, padded: bool = False) -> bool:
     from flashtree.kernels.commit_rows import shift_window
@@ -90,6 +106,9 @@ def main() -> None:
     for c, spec in CACHES.items():
         for p, path in PATHS.items():
             result[f"together-{c}-{p}"] = together_case([spec] * 5, path, gen)
+    for w, (window_dtype, _) in WINDOWS.items():
+        for p, path in PATHS.items():
+            result[f"windows-{w}-{p}"] = windows_case(window_dtype, path, gen)
     result["together-two-types"] = together_case([CACHES["q8-272"], CACHES["bf16-256"]] * 3, PATHS["deep"], gen)
     json.dump(result, sys.stdout)
 

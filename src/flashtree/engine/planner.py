@@ -13,7 +13,8 @@ Every line is bytes the engine allocates or a stated estimate:
   (the engine's context size: committed tokens plus tree scratch rows).
 * DeltaNet state: per recurrent layer the float32 [v_heads, d, d] state + the conv tail.
 * tree buffers: what a verify keeps per DeltaNet layer for the commit (TreeScratch) for budget + 1 nodes, and
-  the GPU's fold buffers (u, Gamma and k of up to FOLD_ROWS nodes a layer, kept by the cache: `FoldBuffers`).
+  the GPU's fold buffers (u, Gamma, k and the conv inputs of up to FOLD_ROWS nodes a layer, kept by the cache:
+  `FoldBuffers`).
 * draft context ring: the draft's per-layer K/V of the last `draft_window` committed positions.
 * prefill feature capture: the captured target features of one prefill chunk (each chunk's features
   go straight into the draft's context ring, so they do not grow with the prompt).
@@ -201,7 +202,8 @@ def plan(req: PlanRequest) -> MemoryPlan:
     add(("DeltaNet state", n_gdn * (ssm + conv), f"{n_gdn} layers x (f32 state {_mib(ssm)} + conv {_mib(conv)})"))
     if req.draft is not None:
         scratch = nodes * (c.conv_dim * a + c.gdn_v_heads * (2 * c.gdn_head_dim + 1) * 4)
-        fold = FOLD_ROWS * (c.gdn_v_heads * (c.gdn_head_dim + 1) + c.gdn_qk_heads * c.gdn_head_dim) * 4
+        # u, Gamma and k (stored per value head, as the tree kernel reads it) in float32, and the conv inputs
+        fold = FOLD_ROWS * (c.gdn_v_heads * (2 * c.gdn_head_dim + 1) * 4 + c.conv_dim * a)
         add(("tree buffers", n_gdn * (scratch + fold), f"verify scratch of {nodes} nodes + fold buffers of "
              f"{FOLD_ROWS} x {n_gdn} DeltaNet layers"))
         d = req.draft

@@ -48,10 +48,11 @@ except ImportError:  # pragma: no cover - triton is a dependency where kernels r
     triton = None
 
 MAX_TREE_NODES = 64
-# rows of `FoldBuffers`: the default budget's tree (23 nodes) and any up to 32; a larger verify leaves its u and
-# Gamma in tensors of its own and its commit takes a launch a layer (`fold_path`), so that the buffers, kept for the
-# cache's life, hold 50 MB at the 27B shape instead of 100
-FOLD_ROWS = 32
+# rows of `FoldBuffers`: the default budget's tree (22 nodes and the root) and one more; a larger verify leaves
+# its rows in tensors of its own and its commit takes a launch a layer (`fold_path`, `shift_window`), so that the
+# buffers, kept for the cache's life, hold 104 MB at the 27B shape (u, Gamma, k and the conv inputs) instead of 139
+# at 32 rows: memory that a 24 GiB card at 262K tokens does not have to spare (issue #20)
+FOLD_ROWS = 24
 _H200_SMS = 132
 
 
@@ -163,13 +164,20 @@ class FoldBuffers:
     u: torch.Tensor  # [FOLD_ROWS, H, dv]
     gamma: torch.Tensor  # [FOLD_ROWS, H]
     k: torch.Tensor  # [FOLD_ROWS, Hk, dk]
+    # [FOLD_ROWS, conv_dim]: the nodes' conv inputs (the conv window's dtype), which the tree's conv launch copies
+    # here so that the commit shifts every layer's window in one launch (`commit_rows.shift_windows_together`)
+    conv: torch.Tensor | None = None
 
     @classmethod
-    def allocate(cls, heads: int, dv: int, k_heads: int, dk: int, device) -> "FoldBuffers":
+    def allocate(cls, heads: int, dv: int, k_heads: int, dk: int, device,
+                 conv_like: torch.Tensor | None = None) -> "FoldBuffers":
+        """`conv_like`: the layer's conv window [K-1, conv_dim], whose width and dtype the `conv` rows take."""
         f32 = torch.float32
+        conv = None if conv_like is None else torch.zeros(FOLD_ROWS, conv_like.shape[1], dtype=conv_like.dtype,
+                                                          device=device)
         return cls(torch.zeros(FOLD_ROWS, heads, dv, dtype=f32, device=device),
                    torch.zeros(FOLD_ROWS, heads, dtype=f32, device=device),
-                   torch.zeros(FOLD_ROWS, k_heads, dk, dtype=f32, device=device))
+                   torch.zeros(FOLD_ROWS, k_heads, dk, dtype=f32, device=device), conv)
 
     def takes(self, nodes: int) -> bool:
         return nodes <= self.u.shape[0]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flashtree.errors import FlashtreeError
-from flashtree.kernels.commit_rows import RowTable
+from flashtree.kernels.commit_rows import RowTable, WindowTable
 from flashtree.kernels.gated_delta_triton import FoldBuffers, FoldTables
 from flashtree.kernels.kv_quant import KVType, kv_type
 from flashtree.models.layers import activation_dtype
@@ -72,6 +72,7 @@ class TargetCache:
     # captured graph writes and reads them where they are
     fold: dict[int, FoldBuffers] = field(default_factory=dict)
     fold_tables: dict[torch.device, FoldTables] = field(default_factory=dict)
+    window_tables: dict[torch.device, WindowTable] = field(default_factory=dict)  # the conv windows, with them
     # the attention layers' K and V caches grouped for the commit's row moves, one launch a group
     # (`move_rows_together`): made with the cache, whose tensors never move
     row_tables: list[RowTable] = field(default_factory=list)
@@ -107,9 +108,10 @@ class TargetCache:
         return cls(config, capacity, attention, deltanet, row_tables=RowTable.group(caches))
 
     def fold_buffers(self, index: int, k_heads: int, dk: int) -> FoldBuffers:
-        """DeltaNet layer `index`'s `FoldBuffers`. The first call makes them for every DeltaNet layer, and each
-        device's `FoldTables`: it must not come during CUDA graph capture (the graph runner's first call of a step
-        runs it eagerly before capturing, and a tree verify is where it is first asked for)."""
+        """DeltaNet layer `index`'s `FoldBuffers` (with its nodes' conv inputs). The first call makes them for every
+        DeltaNet layer, and each device's `FoldTables` and `WindowTable`: it must not come during CUDA graph capture
+        (the graph runner's first call of a step runs it eagerly before capturing, and a tree verify is where it is
+        first asked for)."""
         if not self.fold:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise FlashtreeError("the fold buffers are made outside CUDA graph capture: run the step once first")
@@ -117,11 +119,14 @@ class TargetCache:
                 layers: dict[torch.device, list[int]] = {}
                 for i, state in self.deltanet.items():
                     heads, _, dv = state.ssm.shape
-                    self.fold[i] = FoldBuffers.allocate(heads, dv, k_heads, dk, state.ssm.device)
+                    self.fold[i] = FoldBuffers.allocate(heads, dv, k_heads, dk, state.ssm.device, conv_like=state.conv)
                     layers.setdefault(state.ssm.device, []).append(i)
                 self.fold_tables = {device: FoldTables.of([self.deltanet[i].ssm for i in indices],
                                                           [self.fold[i] for i in indices])
                                     for device, indices in layers.items()}
+                self.window_tables = {device: WindowTable.of([self.deltanet[i].conv for i in indices],
+                                                             [self.fold[i].conv for i in indices])
+                                      for device, indices in layers.items()}
         return self.fold[index]
 
     def reserve(self, n_new: int) -> None:

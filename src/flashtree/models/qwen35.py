@@ -255,7 +255,7 @@ class Qwen35Model:
         for device, layers in recurrent.items():
             with on_device(device):
                 commit_layers(layers, path.to(device), None if count is None else count.to(device),
-                              cache.fold_tables.get(device))
+                              cache.fold_tables.get(device), cache.window_tables.get(device))
 
     def _check_tokens(self, tokens: torch.Tensor) -> None:
         if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size):
