@@ -406,11 +406,18 @@ def commit_rows() -> None:
              GateInputs(ba[:, :48], ba[:, 48:], torch.zeros(48), torch.zeros(48)), keep_inputs=kept[0])
 
 
+def host_rows() -> None:
+    """The token embedding's rows gathered from pinned host memory: a Q4_K row of 5120 values (720 words), 23 ids."""
+    from flashtree.kernels.host_rows import gather_rows
+
+    gather_rows(torch.zeros(64, 2880, dtype=torch.uint8), torch.arange(23))
+
+
 PARTS = {"quant_matmul": quant_matmul, "decode_issue_bound": decode_issue_bound, "mma": mma,
          "tree_attention": tree_attention,
          "kv_dequant": kv_dequant, "kv_write": kv_write,
          "norms_and_conv": norms_and_conv, "fusion": fusion, "draft": draft, "gated_delta": gated_delta,
-         "commit_rows": commit_rows}
+         "commit_rows": commit_rows, "host_rows": host_rows}
 
 
 def main() -> None:

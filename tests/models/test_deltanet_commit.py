@@ -13,8 +13,7 @@ from flashtree.models.synthetic import tiny_config
 
 
 def scratch(t: int, u: torch.Tensor, gamma: torch.Tensor, conv: torch.Tensor | None = None) -> TreeScratch:
-    empty = torch.zeros(t, 1)
-    return TreeScratch(torch.zeros(t, 8) if conv is None else conv, empty, empty, empty, empty, empty, u, gamma)
+    return TreeScratch(torch.zeros(t, 8) if conv is None else conv, torch.zeros(t, 1), u, gamma)
 
 
 def commit_calls(monkeypatch, cache: TargetCache, scratches: list[TreeScratch]) -> list[str]:

@@ -45,14 +45,11 @@ class DeltaNetState:
 
 @dataclass
 class TreeScratch:
-    """What a DeltaNet layer keeps from a tree verify so that the commit needs no second forward."""
+    """What a DeltaNet layer keeps from a tree verify so that the commit needs no second forward: on the GPU views of
+    the cache's `FoldBuffers`, where the verify's kernels wrote them, so that none of its own tensors outlive it."""
 
     conv_inputs: torch.Tensor  # [T, conv_dim] pre-conv projections of every node
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    g: torch.Tensor
-    beta: torch.Tensor
+    k: torch.Tensor  # [T, H, dk] the nodes' normalized keys
     # the verify's per-node u and gamma (`gated_delta.ancestor_chunk`, `tree_verify_with_fold`): the commit folds
     # the path's into the state (`gated_delta.fold`, `fold_path`) instead of rerunning the recurrence over it
     u: torch.Tensor

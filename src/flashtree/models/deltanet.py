@@ -85,11 +85,11 @@ class GatedDeltaNet:
                 precision = "ieee" if exact else "tf32x3"
                 o, u, gamma = gated_delta_triton.tree_verify_with_fold(q, k, v, g, beta, state.ssm, step.parents,
                                                                        precision=precision, into=into)
-                kept = conv_inputs if into is None else into.conv[:n]
-                scratch = TreeScratch(kept, q, k, v, g, beta, u, gamma)
+                scratch = (TreeScratch(conv_inputs, k, u, gamma) if into is None
+                           else TreeScratch(into.conv[:n], into.k[:n], u, gamma))
             else:
                 o, u, gamma = gated_delta.ancestor_chunk(q, k, v, g, beta, state.ssm, step.visible)
-                scratch = TreeScratch(conv_inputs, q, k, v, g, beta, u, gamma)
+                scratch = TreeScratch(conv_inputs, k, u, gamma)
         else:
             if fused:
                 o = gated_delta_triton.recurrent_step(q, k, v, g, beta, state.ssm)  # updates the state in place
