@@ -24,7 +24,7 @@ RUNS = {"decode-advance": 1, "run-advance": 7}  # parents None (a run) and the s
 
 
 def case_ids() -> list[str]:
-    return [f"{shape}-{d}" for shape in [*PARENTS, *RUNS] for d in DTYPES]
+    return [f"{shape}-{d}" for shape in [*PARENTS, *RUNS] for d in DTYPES] + [f"tree-strided-{d}" for d in DTYPES]
 
 
 def gate_inputs(n: int, dtype, gen) -> GateInputs:
@@ -44,9 +44,12 @@ def main() -> None:
     conv_dim = (2 * HK + HV) * D
     weight = torch.randn(conv_dim, 4, generator=gen) * 0.5
     result = {}
-    for name, parents in PARENTS.items():
+    cases = [(name, parents, False) for name, parents in PARENTS.items()] + [("tree-strided", PARENTS["tree"], True)]
+    for name, parents, strided in cases:
         parents = torch.tensor(parents)
         inputs = torch.randn(len(parents), conv_dim, generator=gen)
+        if strided:  # the conv's columns of the fused input projection's rows, read in place
+            inputs = torch.cat([inputs, torch.randn(len(parents), 40, generator=gen)], dim=1)[:, :conv_dim]
         state = torch.randn(3, conv_dim, generator=gen)
         for dname, dtype in DTYPES.items():
             args, gates = (inputs.to(dtype), parents, state, weight, HK, HV, D), gate_inputs(len(parents), dtype, gen)

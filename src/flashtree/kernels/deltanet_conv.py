@@ -98,7 +98,8 @@ def conv_qkv(inputs: torch.Tensor, parents: torch.Tensor | None, conv_state: tor
             keep_inputs[:n].copy_(inputs)
         return (*conv_qkv_reference(inputs, parents, conv_state, conv_weight, qk_heads, v_heads, head_dim,
                                     advance_state), *gates_reference(*gate_inputs))
-    inputs = inputs.contiguous()
+    # rows may stride (a tree's columns of the fused input projection's output): read in place, no copy launch
+    inputs = inputs if inputs.stride(1) == 1 else inputs.contiguous()
     q = torch.empty(n, v_heads, head_dim, dtype=torch.float32, device=inputs.device)
     k, v = torch.empty_like(q), torch.empty_like(q)
     g = torch.empty(n, v_heads, dtype=torch.float32, device=inputs.device)
@@ -106,7 +107,8 @@ def conv_qkv(inputs: torch.Tensor, parents: torch.Tensor | None, conv_state: tor
     in_kernel = advance_state and n == 1  # one program per channel block reads the window, then shifts it
     parents_arg = _no_parents(inputs.device) if parents is None else parents.to(torch.int64).contiguous()
     _conv_qkv_kernel[(n, conv_dim // head_dim)](
-        inputs, parents_arg, conv_state, conv_weight.contiguous(), q, k, v, conv_dim, head_dim**-0.5, EPS,
+        inputs, parents_arg, conv_state, conv_weight.contiguous(), q, k, v, conv_dim, inputs.stride(0), head_dim**-0.5,
+        EPS,
         b, a, decay_rate, dt_bias, g, beta, b.stride(0), a.stride(0), conv_state if keep_inputs is None else keep_inputs,
         HK=qk_heads, HV=v_heads, D=head_dim, HV_P2=triton.next_power_of_2(v_heads), RUN=parents is None,
         ADVANCE=in_kernel, KEEP_INPUTS=keep_inputs is not None, num_warps=4)
@@ -125,12 +127,12 @@ if triton is not None:
     from flashtree.kernels.deltanet_gates import gate_values
 
     @triton.jit
-    def _window_row(inputs_ptr, state_ptr, e, cols, conv_dim, HISTORY: tl.constexpr):
+    def _window_row(inputs_ptr, state_ptr, e, cols, conv_dim, stride_in, HISTORY: tl.constexpr):
         """Row e of [conv state (rounded to the activation dtype) ; inputs], as float32."""
         row = e.to(tl.int64) + tl.zeros_like(cols).to(tl.int64)  # the row per lane: masks stay vectors
         from_state = row < HISTORY
         state_row = tl.load(state_ptr + row * conv_dim + cols, mask=from_state, other=0.0)
-        input_row = tl.load(inputs_ptr + (row - HISTORY) * conv_dim + cols, mask=row >= HISTORY, other=0.0)
+        input_row = tl.load(inputs_ptr + (row - HISTORY) * stride_in + cols, mask=row >= HISTORY, other=0.0)
         state_row = state_row.to(inputs_ptr.dtype.element_ty).to(tl.float32)
         return tl.where(from_state, state_row, input_row.to(tl.float32))
 
@@ -146,7 +148,7 @@ if triton is not None:
         return before
 
     @triton.jit
-    def _conv_qkv_kernel(inputs_ptr, parents_ptr, state_ptr, w_ptr, q_ptr, k_ptr, v_ptr, conv_dim, scale, eps,
+    def _conv_qkv_kernel(inputs_ptr, parents_ptr, state_ptr, w_ptr, q_ptr, k_ptr, v_ptr, conv_dim, stride_in, scale, eps,
                          b_ptr, a_ptr, decay_ptr, bias_ptr, g_ptr, beta_ptr, b_stride, a_stride, keep_ptr,
                          HK: tl.constexpr, HV: tl.constexpr, D: tl.constexpr, HV_P2: tl.constexpr,
                          RUN: tl.constexpr, ADVANCE: tl.constexpr, KEEP_INPUTS: tl.constexpr):
@@ -164,8 +166,8 @@ if triton is not None:
             tl.store(beta_ptr + row * HV + heads, beta, mask=ok)
         cols = block * D + tl.arange(0, D)
         if KEEP_INPUTS:  # the token's own inputs, kept for the commit's window shift
-            own = token.to(tl.int64) * conv_dim + cols
-            tl.store(keep_ptr + own, tl.load(inputs_ptr + own).to(keep_ptr.dtype.element_ty))
+            own = tl.load(inputs_ptr + token.to(tl.int64) * stride_in + cols)
+            tl.store(keep_ptr + token.to(tl.int64) * conv_dim + cols, own.to(keep_ptr.dtype.element_ty))
         e0 = token + 3  # the token's own row in [state (3 rows) ; inputs]
         e1 = _previous(parents_ptr, e0, 3, RUN)
         e2 = _previous(parents_ptr, e1, 3, RUN)
@@ -175,10 +177,10 @@ if triton is not None:
             s2 = tl.load(state_ptr + 2 * conv_dim + cols)
             newest = tl.load(inputs_ptr + cols).to(state_ptr.dtype.element_ty)
         # oldest tap first, as the reference sums
-        acc = _window_row(inputs_ptr, state_ptr, e3, cols, conv_dim, 3) * tl.load(w_ptr + cols * 4)
-        acc += _window_row(inputs_ptr, state_ptr, e2, cols, conv_dim, 3) * tl.load(w_ptr + cols * 4 + 1)
-        acc += _window_row(inputs_ptr, state_ptr, e1, cols, conv_dim, 3) * tl.load(w_ptr + cols * 4 + 2)
-        acc += _window_row(inputs_ptr, state_ptr, e0, cols, conv_dim, 3) * tl.load(w_ptr + cols * 4 + 3)
+        acc = _window_row(inputs_ptr, state_ptr, e3, cols, conv_dim, stride_in, 3) * tl.load(w_ptr + cols * 4)
+        acc += _window_row(inputs_ptr, state_ptr, e2, cols, conv_dim, stride_in, 3) * tl.load(w_ptr + cols * 4 + 1)
+        acc += _window_row(inputs_ptr, state_ptr, e1, cols, conv_dim, stride_in, 3) * tl.load(w_ptr + cols * 4 + 2)
+        acc += _window_row(inputs_ptr, state_ptr, e0, cols, conv_dim, stride_in, 3) * tl.load(w_ptr + cols * 4 + 3)
         dtype = inputs_ptr.dtype.element_ty
         x = acc.to(dtype).to(tl.float32)
         x = (x * tl.sigmoid(x)).to(dtype).to(tl.float32)  # SiLU in the activation dtype
