@@ -574,6 +574,10 @@ def test_every_row_count_matches_the_float32_reference(qtype, shape):
     for m in (1, 2, 7, 8, 9, 16, 23, 32, 33, 100):
         x = torch.randn(m, shape[1], generator=gen, device="cuda", dtype=torch.bfloat16)
         _check_close(quant_matmul(x, weight), x.float() @ dense.T)
+    # a prefill chunk: the weight dequantized to bf16 (rounded: not the float32 reference's), in row blocks past
+    # DENSE_BLOCK_BYTES, each block's product written in place: the whole weight's product but for summation order
+    x = torch.randn(600, shape[1], generator=gen, device="cuda", dtype=torch.bfloat16)
+    _check_close(quant_matmul(x, weight), x @ weight.dequantize(torch.bfloat16).T)
 
 
 @pytest.mark.gpu
