@@ -126,6 +126,10 @@ COMPARED = [
     ("64-row chunks 1 st", {"block_rows": 64, "num_stages": 1}, 1),
     ("M32 32-row chunks", {"block_m": 32, "block_rows": 32}, 1),
     ("M128 8 warps", {"block_m": 128, "num_warps": 8}, 1),
+    # the verify's default (64-row tile, 4 warps) compiles with the query's norm and the gate to 336 bytes a thread
+    # of spills (sm_90, offline, 2026-12-04); these two compile to 204 and 108 registers without
+    ("M64 8 warps", {"block_m": 64, "num_warps": 8}, 1),
+    ("M32 8 warps", {"block_m": 32, "num_warps": 8}, 1),
     ("128 regs", {"max_registers": 128}, 1),
     ("splits x0.75", {}, 0.75),
 ]
