@@ -95,6 +95,9 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
     fast-tests) LOG="$OUT/gpu_tests.log" FAST=1 timeout "${LIMIT_TESTS:-270}" bash tools/gpu/gpu_tests.sh tests ;;
     steps-1k) bench steps-1k 200 --steps -n 128 --repeat 10 --context 1024 --prefill-chunk 2048 \
                   --prefill-lengths 1024,13000 ;;
+    # steps-1k and its profiles in one run (the one-graph step's tree + walk + commit by kernel; ~130 s)
+    steps-1k-profile) TAIL=60 bench steps-1k-profile 260 --steps -n 128 --repeat 10 --context 1024 --prefill-chunk 2048 \
+                          --prefill-lengths 1024,13000 --profile ;;
     # where a step's time goes: the AR step eager and replayed, the draft step, the verify, verify + commit
     steps-profile) TAIL=120 bench steps-profile 200 --steps -n 16 --repeat 5 --replay-al 0 --prefill-lengths 1024 \
                        --profile ;;
