@@ -67,7 +67,7 @@ def gpu_reads_host(device: torch.device) -> bool:
     """Whether `device` (a CUDA device) gathers rows of a pinned host table right: a probe of 4 rows of 16 bytes. A
     platform without unified addressing of pinned memory, or a Triton that refuses host pointers, says no here
     rather than at the first token."""
-    if triton is None or device.type != "cuda":
+    if triton is None or device.type != "cuda" or not torch.cuda.is_available():
         return False
     probe = torch.arange(64, dtype=torch.uint8).reshape(4, 16)
     try:
