@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from flashtree.errors import FlashtreeError
-from flashtree.kernels import triton_runs_on
+from flashtree.kernels import address_table, triton_runs_on
 
 try:  # the kernels need triton; the torch forms do not
     import triton
@@ -77,8 +77,7 @@ class RowTable:
                 raise FlashtreeError(f"row tables take 16-byte aligned [H, capacity, W] caches, got "
                                      f"{tuple(cache.shape)} at an offset of {cache.data_ptr() % 16} bytes")
             groups.setdefault((cache.device, cache.dtype, tuple(cache.shape), cache.stride()), []).append(cache)
-        return [cls(members, torch.tensor([c.data_ptr() for c in members], dtype=torch.int64, device=members[0].device))
-                for members in groups.values()]
+        return [cls(members, address_table(members)[0]) for members in groups.values()]
 
 
 def move_rows_together(table: RowTable, rows: torch.Tensor, source: torch.Tensor) -> None:
@@ -119,8 +118,7 @@ class WindowTable:
                 or any(t.data_ptr() % 16 for t in (*windows, *inputs))):
             raise FlashtreeError("a window table takes one contiguous, 16-byte aligned [R, C] input buffer per "
                                  "[K-1, C] window, all of one shape and the windows' dtype")
-        addresses = torch.tensor([[t.data_ptr() for t in windows], [t.data_ptr() for t in inputs]], dtype=torch.int64)
-        return cls(windows, inputs, addresses.to(w0.device))
+        return cls(windows, inputs, address_table(windows, inputs))
 
 
 def shift_windows_together(table: WindowTable, path: torch.Tensor, count: torch.Tensor | None = None) -> None:

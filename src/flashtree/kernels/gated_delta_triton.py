@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from flashtree.errors import FlashtreeError
-from flashtree.kernels import gated_delta, triton_runs_on
+from flashtree.kernels import address_table, gated_delta, triton_runs_on
 
 try:  # the kernels need triton; the references and the fallback do not
     import triton
@@ -205,8 +205,7 @@ class FoldTables:
         columns = (states, [b.u for b in buffers], [b.gamma for b in buffers], [b.k for b in buffers])
         if any(t.data_ptr() % 16 for column in columns for t in column):
             raise FlashtreeError("fold tables need 16-byte aligned tensors (whole allocations, not offset views)")
-        addresses = torch.tensor([[t.data_ptr() for t in column] for column in columns], dtype=torch.int64)
-        return cls(states, buffers, addresses.to(first.device))
+        return cls(states, buffers, address_table(*columns))
 
 
 def fold_layers(tables: FoldTables, rows: torch.Tensor, count: torch.Tensor | None = None,

@@ -253,9 +253,7 @@ def _dense_blocks(x: torch.Tensor, weight: QuantWeight, w_dtype: torch.dtype, ou
     out = torch.empty(x.shape[0], n, dtype=out_dtype, device=x.device)
     for start in range(0, n, rows):
         count = min(rows, n - start)
-        dense = weight.dequantize(w_dtype) if count == n else mma.dequantize(weight.raw, weight.qtype, n, k, w_dtype,
-                                                                              (start, count))
-        multiply_into(dense, out[:, start:start + count])
+        multiply_into(mma.dequantize(weight.raw, weight.qtype, n, k, w_dtype, (start, count)), out[:, start:start + count])
     return out
 
 
