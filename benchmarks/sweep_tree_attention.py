@@ -132,7 +132,13 @@ COMPARED = [
     ("M32 8 warps", {"block_m": 32, "num_warps": 8}, 1),
     ("128 regs", {"max_registers": 128}, 1),
     ("splits x0.75", {}, 0.75),
+    # TQ3_0 rows (cases with a TQ3_0 side only): the float32 decode the pairs replace, and the pairs with
+    # 32-row chunks on 8 warps (offline sm_90, triton 3.6: 147 registers, 150 warp instructions a K/V row
+    # against the default's 153)
+    ("float32 TQ3 decode", {"tq3_pairs": False}, 1),
+    ("32-row chunks 8 warps", {"block_rows": 32, "num_warps": 8, "max_registers": 255}, 1),
 ]
+TQ3_ONLY = {"float32 TQ3 decode", "32-row chunks 8 warps"}
 
 
 def model_inputs(n: int, committed: int, cache: str) -> dict:
@@ -154,9 +160,12 @@ def graph_timed(fn) -> float:
     return time_graph([fn] * GRAPH_CALLS) * 1e6
 
 
-def compared_launch(n: int, committed: int, cache: str, overrides: dict, split_scale: float) -> dict | None:
+def compared_launch(n: int, committed: int, cache: str, overrides: dict, split_scale: float,
+                    tq3_only: bool = False) -> dict | None:
     """The launch overrides of one COMPARED entry at (n, committed, cache), the default's tile and chunk unless
-    overridden; None where a query-tile or register-cap candidate does not apply."""
+    overridden; None where a query-tile, register-cap or TQ3_0 candidate does not apply."""
+    if tq3_only and cache != "tq3_0":
+        return None
     group_rows = HEADS // KV_HEADS * n
     quantized = KV_KINDS[kv_type(cache).name] > 0
     default_m, default_rows, *_ = _launch_defaults(group_rows, HEAD_DIM, quantized)
@@ -188,7 +197,7 @@ def compare(baseline: str | None, cases: list[tuple[int, int, str]], names: list
         for name, overrides, scale in COMPARED:
             if name not in names:
                 continue
-            launch = compared_launch(n, committed, cache, overrides, scale)
+            launch = compared_launch(n, committed, cache, overrides, scale, tq3_only=name in TQ3_ONLY)
             if launch is None or time.time() > deadline:
                 continue
             try:
