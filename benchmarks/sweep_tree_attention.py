@@ -137,6 +137,12 @@ COMPARED = [
     # against the default's 153)
     ("float32 TQ3 decode", {"tq3_pairs": False}, 1),
     ("32-row chunks 8 warps", {"block_rows": 32, "num_warps": 8, "max_registers": 255}, 1),
+    # a decode over quantized rows waits on its chunk's chain of dependent steps (17 barriers a 16-row chunk on 4
+    # warps; fifteenth session): programs of 2 or 1 warps (1 warp: 5 barriers, each within the warp; offline
+    # sm_90, triton 3.6: TQ3_0 pairs 255 registers and 288 bytes of spills, Q8_0 255 without), more of them an SM
+    ("2 warps", {"num_warps": 2, "max_registers": 255}, 1),
+    ("1 warp", {"num_warps": 1, "max_registers": 255}, 1),
+    ("1 warp splits x2", {"num_warps": 1, "max_registers": 255}, 2),
 ]
 TQ3_ONLY = {"float32 TQ3 decode", "32-row chunks 8 warps"}
 

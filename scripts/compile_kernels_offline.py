@@ -6,6 +6,10 @@ the compiler does not (it did: `shift: tl.constexpr` reassigned in a static loop
 stack (spills) and the width of the global loads of each compiled variant. Static facts, not timings.
 
     python3 scripts/compile_kernels_offline.py [--only quant_matmul,tree_attention,...]
+
+Figures for the device come from the device's triton (3.6 on the H200 machine; `pip install triton==3.6.0`
+in a separate environment): another version picks other layouts (the 27B TQ3_0 decode launch's chunk loop
+compiled to 771 instructions a warp under 3.6 and to 1147, with spills and 2-byte shared stores, under 3.9).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from triton.runtime.jit import JITFunction
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 TARGET = GPUTarget("cuda", 90, 32)
+DEVICE_TRITON = "3.6"  # the H200 device machine's triton (its image: torch 2.11 + CUDA 13, triton 3.6)
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
           torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
@@ -428,6 +433,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default=",".join(PARTS))
     args = parser.parse_args()
+    if not triton.__version__.startswith(DEVICE_TRITON):
+        print(f"note: triton {triton.__version__} here, {DEVICE_TRITON} on the device: its layouts and counts may differ")
     _intercept()
     for part in args.only.split(","):
         try:

@@ -50,10 +50,10 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
     # #20's attention over TQ3_0 / Q8_0 rows at 1K, 64K and 262K (decode and verify-22): the float16 pair decode
     # (the default) against main's kernel (.baseline, carry it: git show main:src/flashtree/kernels/tree_attention.py
     # > .baseline/tree_attention.py) and the float32 decode in the same file
-    sweep-attention-tq3) timeout 230 python3 benchmarks/sweep_tree_attention.py --compare --budget-s 190 \
+    sweep-attention-tq3) timeout 280 python3 benchmarks/sweep_tree_attention.py --compare --budget-s 240 \
                              --baseline .baseline/tree_attention.py \
                              --cases 1:1024:tq3_0,23:1024:tq3_0,1:65536:tq3_0,23:65536:tq3_0,1:262144:tq3_0,23:262144:tq3_0,1:65536:q8_0,23:65536:q8_0 \
-                             --candidates "new default,float32 TQ3 decode,32-row chunks 8 warps,splits x2" \
+                             --candidates "new default,float32 TQ3 decode,32-row chunks 8 warps,2 warps,1 warp,1 warp splits x2" \
                              --out "$OUT/attention_tq3.json" > "$OUT/attention_tq3.txt" 2>&1
                          echo "== sweep-attention-tq3 (rc $?)"; tail -10 "$OUT/attention_tq3.txt" ;;
     sweep-draft-attention) timeout 120 python3 benchmarks/sweep_draft_attention.py --out "$OUT/draft_attention.json" ;;
