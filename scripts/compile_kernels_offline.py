@@ -285,7 +285,8 @@ def _tree_attention_model_path() -> None:
     caches = [torch.zeros(4, 8300, 256, dtype=torch.float16) for _ in range(2)]
     candidates = ({}, {"operands": torch.float16}, {"num_stages": 2}, {"block_rows": 32},
                   {"block_rows": 64, "num_stages": 2}, {"block_rows": 64, "num_stages": 1},
-                  {"block_m": 32, "block_rows": 32}, {"block_m": 128, "num_warps": 8})
+                  {"block_m": 32, "block_rows": 32}, {"block_m": 128, "num_warps": 8}, {"block_m": 64, "num_warps": 8},
+                  {"block_m": 32, "num_warps": 8})
     for n, committed in ((23, 1024), (23, 8192), (1, 1024), (65, 8192)):
         for launch in candidates if n > 1 else ({}, {"block_rows": 16}, {"block_rows": 64}):
             attend(torch.zeros(n, 24, 2, 256, dtype=torch.bfloat16)[:, :, 0].transpose(0, 1), *caches, "f16", "f16",
