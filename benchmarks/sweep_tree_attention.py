@@ -143,8 +143,10 @@ COMPARED = [
     ("2 warps", {"num_warps": 2, "max_registers": 255}, 1),
     ("1 warp", {"num_warps": 1, "max_registers": 255}, 1),
     ("1 warp splits x2", {"num_warps": 1, "max_registers": 255}, 2),
+    # TQ3_0 fields loaded with their use: the 1-warp pair decode then fits 255 registers without spills
+    ("1 warp fields at use", {"num_warps": 1, "max_registers": 255, "fields_ahead": False}, 1),
 ]
-TQ3_ONLY = {"float32 TQ3 decode", "32-row chunks 8 warps"}
+TQ3_ONLY = {"float32 TQ3 decode", "32-row chunks 8 warps", "1 warp fields at use"}
 
 
 def model_inputs(n: int, committed: int, cache: str) -> dict:

@@ -256,8 +256,9 @@ def tree_attention() -> None:
             attend(torch.zeros(24, 1, 256, dtype=torch.bfloat16), *caches, cache, cache, torch.tensor([8]),
                    torch.ones(1, 1, dtype=torch.bool), torch.arange(1), 9, 0.0625, split=4,
                    gate=torch.zeros(1, 24, 2, 256, dtype=torch.bfloat16)[:, :, 1], unrotate_values=True)
-            # the sweep's TQ3_0 candidates: the float32 decode, the pairs in 32-row chunks on 8 warps
-            for launch in ({"tq3_pairs": False}, {"block_rows": 32, "num_warps": 8, "max_registers": 255}):
+            # the sweep's TQ3_0 candidates: the float32 decode, the pairs in 32-row chunks on 8 warps, on 1 warp
+            for launch in ({"tq3_pairs": False}, {"block_rows": 32, "num_warps": 8, "max_registers": 255},
+                           {"num_warps": 1, "max_registers": 255, "fields_ahead": False}):
                 attend(torch.zeros(24, 1, 256, dtype=torch.bfloat16), *caches, cache, cache, torch.tensor([8]),
                        torch.ones(1, 1, dtype=torch.bool), torch.arange(1), 9, 0.0625, **launch)
     _tree_attention_model_path()

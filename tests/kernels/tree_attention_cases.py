@@ -195,6 +195,10 @@ def _cases():
                                                   dict(split=2, block_rows=32, tq3_pairs=True), "pairs")
     cases["pairs-tq3_0-t1-g4-w0-defaults-float32"] = (dict(cache="tq3_0", n=1, group=4), 0, {"tq3_pairs": True},
                                                       "pairs")
+    cases["pairs-tq3_0-t5-g4-w9-fieldsatuse-float32"] = (dict(cache="tq3_0", n=5, group=4), WINDOW,
+                                                         dict(pairs, fields_ahead=False), "pairs")
+    cases["tq3_0-t5-g4-w9-fieldsatuse-float32"] = (dict(cache="tq3_0", n=5, group=4), WINDOW,
+                                                   dict(forced, fields_ahead=False), "reference")
     cases["pairs-tq3_0-prefill-t40-g4-w0-float32"] = (dict(cache="tq3_0", n=40, group=4, start=40, causal=True), 0,
                                                       pairs, "pairs")
     return cases

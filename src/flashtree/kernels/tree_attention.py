@@ -161,17 +161,18 @@ if triton is not None:
         C[low | hi << 2], C = +levels then -levels, exactly `TQ3_0.dequantize`: rotated domain, no rotation here);
         TQ3_PAIRS: TQ3_0 in float16 (`_tq3_pairs`).
         The loads (`row_fields`) and the decode (`row_values`) can be apart (`_committed_fields`)."""
-        return row_values(row_fields(base, rows, row_ok, stride_r, D, KIND), D, KIND, OP)
+        return row_values(row_fields(base, rows, row_ok, stride_r, D, KIND, True), D, KIND, OP, True)
 
     @triton.jit
-    def row_fields(base, rows, row_ok, stride_r, D: tl.constexpr, KIND: tl.constexpr):
+    def row_fields(base, rows, row_ok, stride_r, D: tl.constexpr, KIND: tl.constexpr, AHEAD: tl.constexpr):
         """What `row_values` decodes rows from, so that a loop can load the next chunk's fields while it
         decodes this one's: TQ3_0 rows' `_block_halfwords` (loaded here), other rows' pointers and mask (the
         load stays with its use: float rows are streamed to shared memory by Triton's pipeliner, and Q8_0's 17
         halfwords a block held one chunk ahead spilled the verify's registers; H200 sweep, 2026-12-02:
-        ahead, TQ3_0 verify of 23 tokens over 262K rows 1318 -> 1166 us, Q8_0's over 64K 465 -> 591)."""
+        ahead, TQ3_0 verify of 23 tokens over 262K rows 1318 -> 1166 us, Q8_0's over 64K 465 -> 591). Without
+        AHEAD TQ3_0 rows take the pointers too (a 1-warp decode then fits its registers)."""
         row_ptrs = base + rows.to(tl.int64)[:, None] * stride_r
-        if KIND >= 3:
+        if KIND >= 3 and AHEAD:
             fields = _block_halfwords(row_ptrs, row_ok, D, KIND)
         else:
             fields = (row_ptrs, row_ok)
@@ -199,12 +200,12 @@ if triton is not None:
         return tl.load(ptrs.to(tl.pointer_type(tl.uint16)), mask=ok, other=0).to(tl.int32)
 
     @triton.jit
-    def row_values(fields, D: tl.constexpr, KIND: tl.constexpr, OP: tl.constexpr):
+    def row_values(fields, D: tl.constexpr, KIND: tl.constexpr, OP: tl.constexpr, AHEAD: tl.constexpr):
         """[BLOCK_N, D] values in OP of the rows whose `row_fields` these are."""
         if KIND == 0:
             row_ptrs, row_ok = fields
             x = tl.load(row_ptrs + tl.arange(0, D)[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-        elif KIND >= 3:
+        elif KIND >= 3 and AHEAD:
             x = _block_values(fields, D, KIND)
         else:
             row_ptrs, row_ok = fields
@@ -345,28 +346,28 @@ if triton is not None:
 
     @triton.jit
     def _committed_fields(k_base, v_base, r0, committed_hi, stride_kr, stride_vr, D: tl.constexpr,
-                          KIND_K: tl.constexpr, KIND_V: tl.constexpr, BLOCK_N: tl.constexpr):
+                          KIND_K: tl.constexpr, KIND_V: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr):
         """`row_fields` of the K and V rows of the committed chunk at r0 (none past committed_hi)."""
         rows = r0 + tl.arange(0, BLOCK_N)
         live = rows < committed_hi
-        return (row_fields(k_base, rows, live, stride_kr, D, KIND_K),
-                row_fields(v_base, rows, live, stride_vr, D, KIND_V))
+        return (row_fields(k_base, rows, live, stride_kr, D, KIND_K, AHEAD),
+                row_fields(v_base, rows, live, stride_vr, D, KIND_V, AHEAD))
 
     @triton.jit
     def _committed_chunk(q, k_fields, v_fields, r0, window, qpos, m_i, l_i, acc, scale_log2, D: tl.constexpr,
                          KIND_K: tl.constexpr, KIND_V: tl.constexpr, OP: tl.constexpr, PRECISION: tl.constexpr,
-                         HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+                         HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr):
         """`_chunk` for a whole chunk of committed rows (all below start and inside the split), from its K/V
         `row_fields` (loaded one chunk ahead, `_committed_fields`): every query sees every row, so no tree-mask
         gather (a [BLOCK_M, BLOCK_N] byte load whose layout conversions went through shared memory with
         several barriers per chunk) and no row bounds; only a window, whose mask comes from positions already
         in registers. Query rows past the tile's end get finite scores (q is zero there) and are never stored."""
-        k = row_values(k_fields, D, KIND_K, OP)
+        k = row_values(k_fields, D, KIND_K, OP, AHEAD)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         if HAS_WINDOW:
             rows = r0 + tl.arange(0, BLOCK_N)
             s = tl.where((qpos[:, None] - rows[None, :]) < window, s, float("-inf"))
-        v = row_values(v_fields, D, KIND_V, OP)
+        v = row_values(v_fields, D, KIND_V, OP, AHEAD)
         return _softmax_update(s, v, m_i, l_i, acc, OP, PRECISION)
 
     @triton.jit
@@ -391,7 +392,8 @@ if triton is not None:
                                OP: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
                                FIXED_TRIPS: tl.constexpr, TRIPS: tl.constexpr, TAIL_TRIPS: tl.constexpr,
-                               GATED: tl.constexpr, NORM_Q: tl.constexpr, ROT: tl.constexpr):
+                               GATED: tl.constexpr, NORM_Q: tl.constexpr, ROT: tl.constexpr,
+                               FIELDS_AHEAD: tl.constexpr):
         kvh = tl.program_id(0)
         split = tl.program_id(2)
         offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -428,15 +430,16 @@ if triton is not None:
         # each committed chunk's `row_fields` are taken while the chunk before it is decoded (TQ3_0 rows go
         # through registers, out of reach of Triton's pipeliner)
         k_fields, v_fields = _committed_fields(k_base, v_base, my_lo, committed_hi, stride_kr, stride_vr, D, KIND_K,
-                                               KIND_V, BLOCK_N)
+                                               KIND_V, BLOCK_N, FIELDS_AHEAD)
         if FIXED_TRIPS:  # the interpreter cannot loop to a loaded bound: walk the longest range, skip the rest
             for i in range(0, TRIPS):
                 r0 = my_lo + i * BLOCK_N
                 if r0 < committed_hi:
                     next_k, next_v = _committed_fields(k_base, v_base, r0 + BLOCK_N, committed_hi, stride_kr,
-                                                       stride_vr, D, KIND_K, KIND_V, BLOCK_N)
+                                                       stride_vr, D, KIND_K, KIND_V, BLOCK_N, FIELDS_AHEAD)
                     m_i, l_i, acc = _committed_chunk(q, k_fields, v_fields, r0, window, qpos, m_i, l_i, acc,
-                                                     scale_log2, D, KIND_K, KIND_V, OP, PRECISION, HAS_WINDOW, BLOCK_N)
+                                                     scale_log2, D, KIND_K, KIND_V, OP, PRECISION, HAS_WINDOW, BLOCK_N,
+                                                     FIELDS_AHEAD)
                     k_fields, v_fields = next_k, next_v
             for i in range(0, TAIL_TRIPS):
                 r0 = committed_hi + i * BLOCK_N
@@ -447,9 +450,9 @@ if triton is not None:
         else:
             for r0 in range(my_lo, committed_hi, BLOCK_N):
                 next_k, next_v = _committed_fields(k_base, v_base, r0 + BLOCK_N, committed_hi, stride_kr, stride_vr, D,
-                                                   KIND_K, KIND_V, BLOCK_N)
+                                                   KIND_K, KIND_V, BLOCK_N, FIELDS_AHEAD)
                 m_i, l_i, acc = _committed_chunk(q, k_fields, v_fields, r0, window, qpos, m_i, l_i, acc, scale_log2,
-                                                 D, KIND_K, KIND_V, OP, PRECISION, HAS_WINDOW, BLOCK_N)
+                                                 D, KIND_K, KIND_V, OP, PRECISION, HAS_WINDOW, BLOCK_N, FIELDS_AHEAD)
                 k_fields, v_fields = next_k, next_v
             for r0 in range(committed_hi, my_hi, BLOCK_N):
                 m_i, l_i, acc = _chunk(q, k_base, v_base, vis_ptr, pos_ptr, r0, my_hi, start, T, window, tok, qpos,
@@ -618,7 +621,8 @@ def _launch_defaults(query_rows: int, d: int, quantized: bool, windowed: bool = 
 
 def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, positions, kv_end, scale,
                    window=0, split=None, *, gate=None, q_norm=None, unrotate_values=False, block_rows=None,
-                   block_m=None, num_warps=None, num_stages=None, operands=None, max_registers=None, tq3_pairs=None):
+                   block_m=None, num_warps=None, num_stages=None, operands=None, max_registers=None, tq3_pairs=None,
+                   fields_ahead=True):
     """Attention of q [heads, T, D] (after RoPE) over cache rows [0, kv_end) of a graphed step; see the
     module docstring for the mask. -> [heads, T, D] in q.dtype; with `gate` [T, heads, D] (any strides, the
     last unit) `activations.gated_heads(result, gate)` instead, [T, heads * D], the gate applied at the store.
@@ -638,7 +642,8 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
     query is clamped to f16's range, `_query_operand`). `tq3_pairs` decodes TQ3_0 rows as float16 pairs
     (`_tq3_pairs`; f16 operands on the GPU); by default on the GPU with 16-bit operands unless the other side is
     a bf16 or f32 float cache (`_tq3_pairs_by_default`); True in the interpreter runs the pair decode there (its
-    byte permutes emulated). Falls back to `tree_attention_reference` where the Triton path does not apply."""
+    byte permutes emulated). `fields_ahead=False` loads TQ3_0 rows' fields with their use, not a chunk ahead
+    (`row_fields`). Falls back to `tree_attention_reference` where the Triton path does not apply."""
     tk, tv = kv_type(kv_type_k), kv_type(kv_type_v)
     _check(q, k_cache, v_cache, tk, tv, start_t, visible, positions, kv_end)
     unrotating = unrotate_values and tv.rotated
@@ -695,7 +700,7 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
         HAS_WINDOW=window > 0, BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits,
         FIXED_TRIPS=interpreter, TRIPS=triton.cdiv(triton.cdiv(kv_end, splits), block_n) if interpreter else 0,
         TAIL_TRIPS=triton.cdiv(n, block_n) + 1 if interpreter else 0,
-        GATED=gated, NORM_Q=q_norm is not None, ROT=max(rot, 2),
+        GATED=gated, NORM_Q=q_norm is not None, ROT=max(rot, 2), FIELDS_AHEAD=fields_ahead,
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
         **({} if max_registers is None else {"maxnreg": max_registers}))
     if splits > 1:
