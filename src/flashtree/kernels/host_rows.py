@@ -70,11 +70,15 @@ def gpu_reads_host(device: torch.device) -> bool:
     if triton is None or device.type != "cuda" or not torch.cuda.is_available():
         return False
     probe = torch.arange(64, dtype=torch.uint8).reshape(4, 16)
-    try:
-        got = gather_rows(probe.pin_memory(), torch.tensor([2, 0, 3], device=device))
-        return torch.equal(got.cpu(), probe[[2, 0, 3]])
-    except (RuntimeError, ValueError):  # Triton: "Pointer argument cannot be accessed from Triton (cpu tensor?)"
-        return False
+    # on `device`: the memory check of a tensor-parallel rank probes before the rank picks its GPU, and pinning
+    # with no current context would open one on GPU 0 for every rank
+    with on_device(device):
+        try:
+            index = torch.tensor([2, 0, 3], device=device)
+            got = gather_rows(probe.pin_memory(), index)
+            return torch.equal(got.cpu(), probe[[2, 0, 3]])
+        except (RuntimeError, ValueError):  # Triton: "Pointer argument cannot be accessed from Triton (cpu tensor?)"
+            return False
 
 
 if triton is not None:
