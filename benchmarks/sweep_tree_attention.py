@@ -140,13 +140,14 @@ COMPARED = [
     # a decode over quantized rows waits on its chunk's chain of dependent steps (17 barriers a 16-row chunk on 4
     # warps; fifteenth session): programs of 2 or 1 warps (1 warp: 5 barriers, each within the warp; offline
     # sm_90, triton 3.6: TQ3_0 pairs 255 registers and 288 bytes of spills, Q8_0 255 without), more of them an SM
-    ("2 warps", {"num_warps": 2, "max_registers": 255}, 1),
-    ("1 warp", {"num_warps": 1, "max_registers": 255}, 1),
+    # (the default split count aims at 4 programs an SM: 1-warp programs want twice to four times as many)
+    ("2 warps splits x2", {"num_warps": 2, "max_registers": 255}, 2),
     ("1 warp splits x2", {"num_warps": 1, "max_registers": 255}, 2),
+    ("1 warp splits x4", {"num_warps": 1, "max_registers": 255}, 4),
     # TQ3_0 fields loaded with their use: the 1-warp pair decode then fits 255 registers without spills
-    ("1 warp fields at use", {"num_warps": 1, "max_registers": 255, "fields_ahead": False}, 1),
+    ("1 warp at use splits x2", {"num_warps": 1, "max_registers": 255, "fields_ahead": False}, 2),
 ]
-TQ3_ONLY = {"float32 TQ3 decode", "32-row chunks 8 warps", "1 warp fields at use"}
+TQ3_ONLY = {"float32 TQ3 decode", "32-row chunks 8 warps", "1 warp at use splits x2"}
 
 
 def model_inputs(n: int, committed: int, cache: str) -> dict:

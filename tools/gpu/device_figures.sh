@@ -53,7 +53,7 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
     sweep-attention-tq3) timeout 280 python3 benchmarks/sweep_tree_attention.py --compare --budget-s 240 \
                              --baseline .baseline/tree_attention.py \
                              --cases 1:1024:tq3_0,23:1024:tq3_0,1:65536:tq3_0,23:65536:tq3_0,1:262144:tq3_0,23:262144:tq3_0,1:65536:q8_0,23:65536:q8_0 \
-                             --candidates "new default,float32 TQ3 decode,32-row chunks 8 warps,2 warps,1 warp,1 warp splits x2,1 warp fields at use" \
+                             --candidates "new default,float32 TQ3 decode,32-row chunks 8 warps,2 warps splits x2,1 warp splits x2,1 warp splits x4,1 warp at use splits x2" \
                              --out "$OUT/attention_tq3.json" > "$OUT/attention_tq3.txt" 2>&1
                          echo "== sweep-attention-tq3 (rc $?)"; tail -10 "$OUT/attention_tq3.txt" ;;
     sweep-draft-attention) timeout 120 python3 benchmarks/sweep_draft_attention.py --out "$OUT/draft_attention.json" ;;
