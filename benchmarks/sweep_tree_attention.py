@@ -200,7 +200,8 @@ def compare(baseline: str | None, cases: list[tuple[int, int, str]], names: list
     for n, committed, cache in cases:
         args = model_inputs(n, committed, cache)
         reference = tree_attention(**args)
-        row = {"tokens": n, "committed": committed, "cache": cache}
+        k = args["k_cache"][:, : committed + n]
+        row = {"tokens": n, "committed": committed, "cache": cache, "kv_bytes": 2 * k.numel() * k.element_size()}
         if old is not None:
             row["baseline"] = round(graph_timed(lambda: old.tree_attention(**args)), 1)
         for name, overrides, scale in COMPARED:
@@ -224,10 +225,12 @@ def compare(baseline: str | None, cases: list[tuple[int, int, str]], names: list
 def print_compared(rows: list[dict], names: list[str]) -> None:
     names = ["baseline"] + names
     print(f"{'T':>3} {'rows':>6} {'cache':>5} " + " ".join(f"{name:>{max(9, len(name))}}" for name in names)
-          + "   (us per call)")
+          + f" {'best GB/s':>9}   (us per call; GB/s: the K/V bytes over the fastest)")
     for r in rows:
+        times = [r[name] for name in names if isinstance(r.get(name), float)]
+        rate = f"{r['kv_bytes'] / min(times) / 1e3:.0f}" if times and "kv_bytes" in r else "-"
         print(f"{r['tokens']:>3} {r['committed']:>6} {r['cache']:>5} "
-              + " ".join(f"{str(r.get(name, '-')):>{max(9, len(name))}}" for name in names))
+              + " ".join(f"{str(r.get(name, '-')):>{max(9, len(name))}}" for name in names) + f" {rate:>9}")
 
 
 def parse_cases(text: str) -> list[tuple[int, int, str]]:
