@@ -180,18 +180,22 @@ if triton is not None:
 
     @triton.jit
     def _block_halfwords(row_ptrs, row_ok, D: tl.constexpr, KIND: tl.constexpr):
-        """Each block's fields as [blocks, rows, 1] halfwords (every field of a 34-, 18- or 14-byte block
-        starts at an even byte): the scale, then Q8_0's 16 value halfwords, Q4_0's 8, or TQ3_0's 4 index and
-        2 sign halfwords. Blocks lead so that a warp's lanes run along a row's blocks: the decoded values then
-        reach shared memory 16 bytes per store."""
+        """Each block's fields as [rows, blocks, 1] halfwords (every field of a 34-, 18- or 14-byte block starts at
+        an even byte): the scale, then Q8_0's 16 value halfwords, Q4_0's 8, or TQ3_0's 4 index and 2 sign
+        halfwords. Loaded as one flat run of (row, block) pairs, a row's blocks adjacent: a thread then holds whole
+        rows' blocks in order and the decoded values reach shared memory 16 bytes a store at any warp count (with
+        [blocks, rows] loads a 1-warp program held rows first and stored 2 bytes at a time: 2237 instructions a
+        chunk where this takes 1840; sm_90 offline, triton 3.6 and 3.9)."""
         BN: tl.constexpr = row_ptrs.shape[0]
-        ok = tl.reshape(row_ok, (1, BN, 1))
+        NB: tl.constexpr = D // 32
         block_bytes: tl.constexpr = 34 if KIND == 1 else 18 if KIND == 2 else 14
-        blocks = tl.reshape(row_ptrs, (1, BN, 1)) + tl.arange(0, D // 32)[:, None, None] * block_bytes
+        flat = tl.arange(0, BN * NB)
+        ok = tl.reshape(tl.broadcast_to(row_ok[:, None], (BN, NB)), (BN * NB,))
+        blocks = tl.reshape(tl.broadcast_to(row_ptrs, (BN, NB)), (BN * NB,)) + (flat % NB) * block_bytes
         halfwords: tl.constexpr = 16 if KIND == 1 else 8 if KIND == 2 else 6
-        fields = (_halfword(blocks, ok),)
+        fields = (tl.reshape(_halfword(blocks, ok), (BN, NB, 1)),)
         for i in tl.static_range(halfwords):
-            fields = fields + (_halfword(blocks + 2 + 2 * i, ok),)
+            fields = fields + (tl.reshape(_halfword(blocks + 2 + 2 * i, ok), (BN, NB, 1)),)
         return fields
 
     @triton.jit
@@ -218,32 +222,32 @@ if triton is not None:
         fields' last axis, sit in the thread that loaded the block: the scale is converted once per block, and
         the choice of halfword, shift and mask for each value is a constant of its register."""
         NB: tl.constexpr = D // 32
-        BN: tl.constexpr = fields[0].shape[1]
-        scale = fields[0].to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)  # [NB, rows, 1]
+        BN: tl.constexpr = fields[0].shape[0]
+        scale = fields[0].to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)  # [rows, NB, 1]
         j = tl.arange(0, 32)[None, None, :]
         if KIND == _PAIRS_KIND:
             x = _tq3_pairs(fields)
         elif KIND == 1:  # value j: byte j % 2 of halfword j // 2, signed
-            hw = tl.zeros((NB, BN, 32), tl.int32)
+            hw = tl.zeros((BN, NB, 32), tl.int32)
             for i in tl.static_range(16):
                 hw = tl.where(j // 2 == i, fields[1 + i], hw)
             x = ((hw << (24 - 8 * (j % 2))) >> 24).to(tl.float32) * scale
         elif KIND == 2:  # value j: nibble j // 16 of byte j % 16, i.e. of halfword (j % 16) // 2 at bit 8 (j % 2)
-            hw = tl.zeros((NB, BN, 32), tl.int32)
+            hw = tl.zeros((BN, NB, 32), tl.int32)
             for i in tl.static_range(8):
                 hw = tl.where((j % 16) // 2 == i, fields[1 + i], hw)
             x = (((hw >> (8 * (j % 2) + 4 * (j // 16))) & 15).to(tl.float32) - 8.0) * scale
         else:  # TQ3_0, value j: index bits 2 (j % 8) of qs halfword j // 8, sign bit j % 16 of sign halfword j // 16
-            qs = tl.zeros((NB, BN, 32), tl.int32)
+            qs = tl.zeros((BN, NB, 32), tl.int32)
             for i in tl.static_range(4):
                 qs = tl.where(j // 8 == i, fields[1 + i], qs)
             sg = tl.where(j < 16, fields[5], fields[6])
             x = _tq3_values((qs >> (2 * (j % 8))) & 3, (sg >> (j % 16)) & 1) * scale
-        return tl.reshape(tl.permute(x, (1, 0, 2)), (BN, D))
+        return tl.reshape(x, (BN, D))
 
     @triton.jit
     def _tq3_pairs(fields):
-        """float16 [NB, BN, 32] of TQ3_0 rows' `_block_halfwords`, two neighbouring values a 32-bit register. Per
+        """float16 [BN, NB, 32] of TQ3_0 rows' `_block_halfwords`, two neighbouring values a 32-bit register. Per
         pair: one byte permute brings the two 2-bit indices into bytes 0 and 1 (from four masked copies of each
         index word, one per bit offset), one multiply-add spreads them into the selector of a second permute
         that picks each index's float16 low and high byte from the magnitude table, one shift and one AND-OR set
