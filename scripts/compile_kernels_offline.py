@@ -98,16 +98,32 @@ def _machine_code_facts(cubin: bytes) -> dict:
     regs, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
     return {"regs": int(regs.group(1)) if regs else None, "stack": int(stack.group(1)) if stack else None,
             "instructions": len(code), "global loads": dict(loads), "shared and barriers": shared,
-            "main loop": _main_loop(sass)}
+            "main loop": _main_loop(sass), "loop barriers": _loop_barriers(sass)}
 
 
 def _main_loop(sass: str) -> int | None:
     """Instructions in the largest loop body (a branch back to an earlier address; SASS instructions
     are 16 bytes), i.e. what one step of a kernel's K loop issues per warp; None without a loop."""
-    bodies = [(int(here, 16) - int(target, 16)) // 16 + 1
-              for here, target in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?P\d\s+)?BRA\s+0x([0-9a-f]+)", sass)
-              if int(target, 16) < int(here, 16)]
-    return max(bodies, default=None)
+    span = _main_loop_span(sass)
+    return (span[1] - span[0]) // 16 + 1 if span else None
+
+
+def _main_loop_span(sass: str) -> tuple[int, int] | None:
+    """(first, last) instruction address of the largest loop body, None without a loop."""
+    spans = [(int(target, 16), int(here, 16))
+             for here, target in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?P\d\s+)?BRA\s+0x([0-9a-f]+)", sass)
+             if int(target, 16) < int(here, 16)]
+    return max(spans, key=lambda span: span[1] - span[0], default=None)
+
+
+def _loop_barriers(sass: str) -> int | None:
+    """CTA barriers (BAR.SYNC) one step of the largest loop waits at: with a loop's dependent steps, what its
+    time follows more than its instruction count (the quantized decode's chunks, LONG_CONTEXT.md)."""
+    span = _main_loop_span(sass)
+    if span is None:
+        return None
+    return sum(1 for here in re.findall(r"/\*([0-9a-f]{4,})\*/\s+BAR\.SYNC", sass)
+               if span[0] <= int(here, 16) <= span[1])
 
 
 def _intercept() -> None:
@@ -252,6 +268,11 @@ def tree_attention() -> None:
                        torch.ones(1, 1, dtype=torch.bool), torch.arange(1), 9, 0.0625, split=split,
                        gate=torch.zeros(1, 24, 2, 256, dtype=torch.bfloat16)[:, :, 1],
                        q_norm=(torch.ones(256), 1e-6, torch.zeros(1, 64), torch.zeros(1, 64)))
+        if cache in ("q8_0", "tq3_0"):  # the sweep's 1-2 warp decode candidates
+            for warps in (1, 2):
+                attend(torch.zeros(24, 1, 256, dtype=torch.bfloat16), *caches, cache, cache, torch.tensor([8]),
+                       torch.ones(1, 1, dtype=torch.bool), torch.arange(1), 9, 0.0625, num_warps=warps,
+                       max_registers=255)
         if cache == "tq3_0":  # the values rotated back and gated in the combine
             attend(torch.zeros(24, 1, 256, dtype=torch.bfloat16), *caches, cache, cache, torch.tensor([8]),
                    torch.ones(1, 1, dtype=torch.bool), torch.arange(1), 9, 0.0625, split=4,
@@ -452,7 +473,8 @@ def main() -> None:
             print(f"FAIL {name:<26} {setting}\n     {facts['error']}")
         else:
             print(f"ok   {name:<26} regs {facts['regs']:>3} stack {facts['stack']:>4} instr {facts['instructions']:>5}  "
-                  f"loop {facts['main loop'] or '-'}  shared+bar {facts['shared and barriers']}  "
+                  f"loop {facts['main loop'] or '-'} (bar {facts['loop barriers'] or 0})  "
+                  f"shared+bar {facts['shared and barriers']}  "
                   f"loads {facts['global loads']}  {setting}")
     print(f"{len(results)} kernel variants compiled for sm_90, {failed} failed")
     _print_issue_bound()
