@@ -575,9 +575,13 @@ def test_every_row_count_matches_the_float32_reference(qtype, shape):
         x = torch.randn(m, shape[1], generator=gen, device="cuda", dtype=torch.bfloat16)
         _check_close(quant_matmul(x, weight), x.float() @ dense.T)
     # a prefill chunk: the weight dequantized to bf16 (rounded: not the float32 reference's), in row blocks past
-    # DENSE_BLOCK_BYTES, each block's product written in place: the whole weight's product but for summation order
+    # DENSE_BLOCK_BYTES, each block's product written in place: the whole weight's product in float32 but for
+    # cuBLAS's summation (its bf16 split-K reductions at K = 17408 differed from the float32 product by up to 0.005
+    # of the largest value, H200 2026-12-05); a block in the wrong columns is off by the values themselves
     x = torch.randn(600, shape[1], generator=gen, device="cuda", dtype=torch.bfloat16)
-    _check_close(quant_matmul(x, weight), x @ weight.dequantize(torch.bfloat16).T)
+    y, ref = quant_matmul(x, weight).float(), x.float() @ weight.dequantize(torch.bfloat16).float().T
+    assert bool(((y - ref).abs() <= ref.abs() * 2.0**-8 + 2.0**-6 * ref.abs().max()).all()), \
+        ((y - ref).abs() / ref.abs().max()).max().item()
 
 
 @pytest.mark.gpu
