@@ -34,6 +34,11 @@ VARIANTS = ((32, 16, 4, "tf32x3", None), (32, 16, 4, "tf32x3", 1), (32, 16, 8, "
             (16, 16, 8, "tf32x3", None), (16, 32, 8, "tf32x3", None), (32, 16, 4, "ieee", None))
 
 
+# the commit's launch shapes (block_v, block_k, warps), each compiled without spills for sm_90 and checked on the GPU
+# (tests/kernels/test_gated_delta_triton.py FOLD_SHAPES): the default first
+FOLD_SHAPES = ((32, 16, 4), (64, 16, 4), (64, 32, 8), (32, 64, 8), (128, 16, 8), (128, 8, 4))
+
+
 def trees(rng: random.Random) -> dict[str, list[int]]:
     """Parent lists: chains (the chain mode), a bushy DDTree-like tree, and a star."""
     bushy = [-1] + [rng.randint(max(0, i - 4), i - 1) for i in range(1, 23)]
@@ -41,10 +46,41 @@ def trees(rng: random.Random) -> dict[str, list[int]]:
             "star23": [-1] + [0] * 22}
 
 
+def commit_rows(parents: list[int], layers: int = 48) -> list[dict]:
+    """The commit of a depth-4 path of a 23-node verify into all 48 DeltaNet layers of the 27B shape: one
+    `fold_path` a layer (its launch shapes) against one `fold_layers` launch; both read the verify's rows from
+    `FoldBuffers` as the engine leaves them (the states, 151 MB, are past the L2 by their size)."""
+    t, path = len(parents), [0, 1, 2, 3, 4]
+    rows = torch.tensor(path + [0] * (t - len(path)), device="cuda")
+    count = torch.tensor([len(path)], device="cuda")
+    states = [torch.randn(H, D, D, device="cuda") * 0.1 for _ in range(layers)]
+    buffers = [gdt.FoldBuffers.allocate(H, D, HK, D, "cuda") for _ in range(layers)]
+    for b in buffers:
+        b.u.normal_()
+        b.gamma.uniform_(-3.0, 0.0)
+        b.k.copy_(F.normalize(torch.randn_like(b.k), dim=-1))
+    tables = gdt.FoldTables.of(states, buffers)
+    results = []
+    calls = [(f"fold_path x {layers}, v{bv}k{bk}w{w}", lambda bv=bv, bk=bk, w=w: [
+        gdt.fold_path(b.k[:t], b.u[:t], b.gamma[:t], s, rows, count, block_v=bv, block_k=bk, num_warps=w)
+        for s, b in zip(states, buffers)]) for bv, bk, w in FOLD_SHAPES]
+    calls += [(f"fold_layers, v{bv}k{bk}w{w}", lambda bv=bv, bk=bk, w=w: gdt.fold_layers(
+        tables, rows, count, block_v=bv, block_k=bk, num_warps=w)) for bv, bk, w in FOLD_SHAPES]
+    for label, call in calls:
+        us = time_graph([call]) * 1e6
+        print(f"commit (23 nodes, path 5, {layers} layers): {label:32} {us:8.1f} us", flush=True)
+        results.append({"tree": "commit", "variant": label, "us": us})
+    return results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="tree.json")
+    parser.add_argument("--commit-only", action="store_true", help="only the commit rows (fold_path, fold_layers)")
     args = parser.parse_args()
+    if args.commit_only:
+        Path(args.out).write_text(json.dumps(commit_rows(trees(random.Random(0))["bushy23"]), indent=2))
+        return 0
     torch.manual_seed(0)
     states = [torch.randn(H, D, D, device="cuda") * 0.1 for _ in range(rotation(H * D * D * 4))]
     results = []
@@ -69,6 +105,7 @@ def main() -> int:
             results.append({"tree": name, "variant": label, "us": us, "err": err})
             cells.append(f"{label} {us:.1f} {err:.0e}")
         print(f"{name:8} " + " | ".join(cells), flush=True)
+    results += commit_rows(trees(random.Random(0))["bushy23"])
     Path(args.out).write_text(json.dumps(results, indent=2))
     return 0
 

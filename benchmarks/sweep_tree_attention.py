@@ -126,9 +126,28 @@ COMPARED = [
     ("64-row chunks 1 st", {"block_rows": 64, "num_stages": 1}, 1),
     ("M32 32-row chunks", {"block_m": 32, "block_rows": 32}, 1),
     ("M128 8 warps", {"block_m": 128, "num_warps": 8}, 1),
+    # the verify's default (64-row tile, 4 warps) compiles with the query's norm and the gate to 336 bytes a thread
+    # of spills (sm_90, offline, 2026-12-04); these two compile to 204 and 108 registers without
+    ("M64 8 warps", {"block_m": 64, "num_warps": 8}, 1),
+    ("M32 8 warps", {"block_m": 32, "num_warps": 8}, 1),
     ("128 regs", {"max_registers": 128}, 1),
     ("splits x0.75", {}, 0.75),
+    # TQ3_0 rows (cases with a TQ3_0 side only): the float32 decode the pairs replace, and the pairs with
+    # 32-row chunks on 8 warps (offline sm_90, triton 3.6: 147 registers, 150 warp instructions a K/V row
+    # against the default's 153)
+    ("float32 TQ3 decode", {"tq3_pairs": False}, 1),
+    ("32-row chunks 8 warps", {"block_rows": 32, "num_warps": 8, "max_registers": 255}, 1),
+    # a decode over quantized rows waits on its chunk's chain of dependent steps (17 barriers a 16-row chunk on 4
+    # warps; fifteenth session): programs of 2 or 1 warps (1 warp: 5 barriers, each within the warp; offline
+    # sm_90, triton 3.6: TQ3_0 pairs 255 registers and 288 bytes of spills, Q8_0 255 without), more of them an SM
+    # (the default split count aims at 4 programs an SM: 1-warp programs want twice to four times as many)
+    ("2 warps splits x2", {"num_warps": 2, "max_registers": 255}, 2),
+    ("1 warp splits x2", {"num_warps": 1, "max_registers": 255}, 2),
+    ("1 warp splits x4", {"num_warps": 1, "max_registers": 255}, 4),
+    # TQ3_0 fields loaded with their use: the 1-warp pair decode then fits 255 registers without spills
+    ("1 warp at use splits x2", {"num_warps": 1, "max_registers": 255, "fields_ahead": False}, 2),
 ]
+TQ3_ONLY = {"float32 TQ3 decode", "32-row chunks 8 warps", "1 warp at use splits x2"}
 
 
 def model_inputs(n: int, committed: int, cache: str) -> dict:
@@ -150,9 +169,12 @@ def graph_timed(fn) -> float:
     return time_graph([fn] * GRAPH_CALLS) * 1e6
 
 
-def compared_launch(n: int, committed: int, cache: str, overrides: dict, split_scale: float) -> dict | None:
+def compared_launch(n: int, committed: int, cache: str, overrides: dict, split_scale: float,
+                    tq3_only: bool = False) -> dict | None:
     """The launch overrides of one COMPARED entry at (n, committed, cache), the default's tile and chunk unless
-    overridden; None where a query-tile or register-cap candidate does not apply."""
+    overridden; None where a query-tile, register-cap or TQ3_0 candidate does not apply."""
+    if tq3_only and cache != "tq3_0":
+        return None
     group_rows = HEADS // KV_HEADS * n
     quantized = KV_KINDS[kv_type(cache).name] > 0
     default_m, default_rows, *_ = _launch_defaults(group_rows, HEAD_DIM, quantized)
@@ -178,13 +200,14 @@ def compare(baseline: str | None, cases: list[tuple[int, int, str]], names: list
     for n, committed, cache in cases:
         args = model_inputs(n, committed, cache)
         reference = tree_attention(**args)
-        row = {"tokens": n, "committed": committed, "cache": cache}
+        k = args["k_cache"][:, : committed + n]
+        row = {"tokens": n, "committed": committed, "cache": cache, "kv_bytes": 2 * k.numel() * k.element_size()}
         if old is not None:
             row["baseline"] = round(graph_timed(lambda: old.tree_attention(**args)), 1)
         for name, overrides, scale in COMPARED:
             if name not in names:
                 continue
-            launch = compared_launch(n, committed, cache, overrides, scale)
+            launch = compared_launch(n, committed, cache, overrides, scale, tq3_only=name in TQ3_ONLY)
             if launch is None or time.time() > deadline:
                 continue
             try:
@@ -202,10 +225,12 @@ def compare(baseline: str | None, cases: list[tuple[int, int, str]], names: list
 def print_compared(rows: list[dict], names: list[str]) -> None:
     names = ["baseline"] + names
     print(f"{'T':>3} {'rows':>6} {'cache':>5} " + " ".join(f"{name:>{max(9, len(name))}}" for name in names)
-          + "   (us per call)")
+          + f" {'best GB/s':>9}   (us per call; GB/s: the K/V bytes over the fastest)")
     for r in rows:
+        times = [r[name] for name in names if isinstance(r.get(name), float)]
+        rate = f"{r['kv_bytes'] / min(times) / 1e3:.0f}" if times and "kv_bytes" in r else "-"
         print(f"{r['tokens']:>3} {r['committed']:>6} {r['cache']:>5} "
-              + " ".join(f"{str(r.get(name, '-')):>{max(9, len(name))}}" for name in names))
+              + " ".join(f"{str(r.get(name, '-')):>{max(9, len(name))}}" for name in names) + f" {rate:>9}")
 
 
 def parse_cases(text: str) -> list[tuple[int, int, str]]:

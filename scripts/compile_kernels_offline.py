@@ -6,6 +6,10 @@ the compiler does not (it did: `shift: tl.constexpr` reassigned in a static loop
 stack (spills) and the width of the global loads of each compiled variant. Static facts, not timings.
 
     python3 scripts/compile_kernels_offline.py [--only quant_matmul,tree_attention,...]
+
+Figures for the device come from the device's triton (3.6 on the H200 machine; `pip install triton==3.6.0`
+in a separate environment): another version picks other layouts (the 27B TQ3_0 decode launch's chunk loop
+compiled to 771 instructions a warp under 3.6 and to 1147, with spills and 2-byte shared stores, under 3.9).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from triton.runtime.jit import JITFunction
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 TARGET = GPUTarget("cuda", 90, 32)
+DEVICE_TRITON = "3.6"  # the H200 device machine's triton (its image: torch 2.11 + CUDA 13, triton 3.6)
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
           torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
@@ -93,16 +98,32 @@ def _machine_code_facts(cubin: bytes) -> dict:
     regs, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
     return {"regs": int(regs.group(1)) if regs else None, "stack": int(stack.group(1)) if stack else None,
             "instructions": len(code), "global loads": dict(loads), "shared and barriers": shared,
-            "main loop": _main_loop(sass)}
+            "main loop": _main_loop(sass), "loop barriers": _loop_barriers(sass)}
 
 
 def _main_loop(sass: str) -> int | None:
     """Instructions in the largest loop body (a branch back to an earlier address; SASS instructions
     are 16 bytes), i.e. what one step of a kernel's K loop issues per warp; None without a loop."""
-    bodies = [(int(here, 16) - int(target, 16)) // 16 + 1
-              for here, target in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?P\d\s+)?BRA\s+0x([0-9a-f]+)", sass)
-              if int(target, 16) < int(here, 16)]
-    return max(bodies, default=None)
+    span = _main_loop_span(sass)
+    return (span[1] - span[0]) // 16 + 1 if span else None
+
+
+def _main_loop_span(sass: str) -> tuple[int, int] | None:
+    """(first, last) instruction address of the largest loop body, None without a loop."""
+    spans = [(int(target, 16), int(here, 16))
+             for here, target in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?P\d\s+)?BRA\s+0x([0-9a-f]+)", sass)
+             if int(target, 16) < int(here, 16)]
+    return max(spans, key=lambda span: span[1] - span[0], default=None)
+
+
+def _loop_barriers(sass: str) -> int | None:
+    """CTA barriers (BAR.SYNC) one step of the largest loop waits at: with a loop's dependent steps, what its
+    time follows more than its instruction count (the quantized decode's chunks, LONG_CONTEXT.md)."""
+    span = _main_loop_span(sass)
+    if span is None:
+        return None
+    return sum(1 for here in re.findall(r"/\*([0-9a-f]{4,})\*/\s+BAR\.SYNC", sass)
+               if span[0] <= int(here, 16) <= span[1])
 
 
 def _intercept() -> None:
@@ -247,10 +268,20 @@ def tree_attention() -> None:
                        torch.ones(1, 1, dtype=torch.bool), torch.arange(1), 9, 0.0625, split=split,
                        gate=torch.zeros(1, 24, 2, 256, dtype=torch.bfloat16)[:, :, 1],
                        q_norm=(torch.ones(256), 1e-6, torch.zeros(1, 64), torch.zeros(1, 64)))
+        if cache in ("q8_0", "tq3_0"):  # the sweep's 1-2 warp decode candidates
+            for warps in (1, 2):
+                attend(torch.zeros(24, 1, 256, dtype=torch.bfloat16), *caches, cache, cache, torch.tensor([8]),
+                       torch.ones(1, 1, dtype=torch.bool), torch.arange(1), 9, 0.0625, num_warps=warps,
+                       max_registers=255)
         if cache == "tq3_0":  # the values rotated back and gated in the combine
             attend(torch.zeros(24, 1, 256, dtype=torch.bfloat16), *caches, cache, cache, torch.tensor([8]),
                    torch.ones(1, 1, dtype=torch.bool), torch.arange(1), 9, 0.0625, split=4,
                    gate=torch.zeros(1, 24, 2, 256, dtype=torch.bfloat16)[:, :, 1], unrotate_values=True)
+            # the sweep's TQ3_0 candidates: the float32 decode, the pairs in 32-row chunks on 8 warps, on 1 warp
+            for launch in ({"tq3_pairs": False}, {"block_rows": 32, "num_warps": 8, "max_registers": 255},
+                           {"num_warps": 1, "max_registers": 255, "fields_ahead": False}):
+                attend(torch.zeros(24, 1, 256, dtype=torch.bfloat16), *caches, cache, cache, torch.tensor([8]),
+                       torch.ones(1, 1, dtype=torch.bool), torch.arange(1), 9, 0.0625, **launch)
     _tree_attention_model_path()
     _draft_block_attention()
 
@@ -276,7 +307,8 @@ def _tree_attention_model_path() -> None:
     caches = [torch.zeros(4, 8300, 256, dtype=torch.float16) for _ in range(2)]
     candidates = ({}, {"operands": torch.float16}, {"num_stages": 2}, {"block_rows": 32},
                   {"block_rows": 64, "num_stages": 2}, {"block_rows": 64, "num_stages": 1},
-                  {"block_m": 32, "block_rows": 32}, {"block_m": 128, "num_warps": 8})
+                  {"block_m": 32, "block_rows": 32}, {"block_m": 128, "num_warps": 8}, {"block_m": 64, "num_warps": 8},
+                  {"block_m": 32, "num_warps": 8})
     for n, committed in ((23, 1024), (23, 8192), (1, 1024), (65, 8192)):
         for launch in candidates if n > 1 else ({}, {"block_rows": 16}, {"block_rows": 64}):
             attend(torch.zeros(n, 24, 2, 256, dtype=torch.bfloat16)[:, :, 0].transpose(0, 1), *caches, "f16", "f16",
@@ -376,18 +408,56 @@ def gated_delta() -> None:
             gated_delta_triton.recurrent_step(q, k, v, g, beta, state)
         _, u, gamma = gated_delta_triton.tree_verify_with_fold(q, k, v, g, beta, state, torch.arange(n) - 1)
         gated_delta_triton.fold_path(k, u, gamma, state, torch.arange(n), torch.tensor([n]))  # a commit
+        if n > gated_delta_triton.FOLD_ROWS:
+            continue
+        into = gated_delta_triton.FoldBuffers.allocate(48, 128, 16, 128, "cpu")  # the engine's: all layers at once
+        gated_delta_triton.tree_verify_with_fold(q, k, v, g, beta, state, torch.arange(n) - 1, into=into)
+        tables = gated_delta_triton.FoldTables.of([state, state.clone()], [into, into])
+        for block_v, block_k, warps in ((32, 16, 4), (64, 32, 4), (32, 32, 4), (64, 16, 4), (128, 16, 8)):
+            gated_delta_triton.fold_layers(tables, torch.arange(n), torch.tensor([n]), block_v, block_k, warps)
+
+
+def commit_rows() -> None:
+    """The commit's row moves at the 27B shape: one K or V cache (bf16 rows of 256; TQ3_0's 112 bytes) and all 32
+    of a device through their table, a path of 23 rows; the 48 conv windows shifted from their kept inputs, which
+    the tree's conv launch copies."""
+    from flashtree.kernels.commit_rows import RowTable, WindowTable, move_rows, move_rows_together, shift_windows_together
+    from flashtree.kernels.deltanet_conv import conv_qkv
+    from flashtree.kernels.deltanet_gates import GateInputs
+
+    rows = torch.arange(23)
+    for dtype, width in ((torch.bfloat16, 256), (torch.uint8, 112)):
+        caches = [torch.zeros(4, 64, width, dtype=dtype) for _ in range(2)]
+        move_rows(caches[0], rows, rows)
+        move_rows_together(RowTable.group(caches)[0], rows, rows)
+    conv_dim = 2 * 16 * 128 + 48 * 128
+    windows, kept = [torch.zeros(3, conv_dim) for _ in range(2)], [torch.zeros(24, conv_dim) for _ in range(2)]
+    shift_windows_together(WindowTable.of(windows, kept), rows, torch.tensor([4]))
+    ba = torch.zeros(23, 96)
+    conv_qkv(torch.zeros(23, conv_dim), rows - 1, windows[0], torch.zeros(conv_dim, 4), 16, 48, 128,
+             GateInputs(ba[:, :48], ba[:, 48:], torch.zeros(48), torch.zeros(48)), keep_inputs=kept[0])
+
+
+def host_rows() -> None:
+    """The token embedding's rows gathered from pinned host memory: a Q4_K row of 5120 values (720 words), 23 ids."""
+    from flashtree.kernels.host_rows import gather_rows
+
+    gather_rows(torch.zeros(64, 2880, dtype=torch.uint8), torch.arange(23))
 
 
 PARTS = {"quant_matmul": quant_matmul, "decode_issue_bound": decode_issue_bound, "mma": mma,
          "tree_attention": tree_attention,
          "kv_dequant": kv_dequant, "kv_write": kv_write,
-         "norms_and_conv": norms_and_conv, "fusion": fusion, "draft": draft, "gated_delta": gated_delta}
+         "norms_and_conv": norms_and_conv, "fusion": fusion, "draft": draft, "gated_delta": gated_delta,
+         "commit_rows": commit_rows, "host_rows": host_rows}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default=",".join(PARTS))
     args = parser.parse_args()
+    if not triton.__version__.startswith(DEVICE_TRITON):
+        print(f"note: triton {triton.__version__} here, {DEVICE_TRITON} on the device: its layouts and counts may differ")
     _intercept()
     for part in args.only.split(","):
         try:
@@ -403,7 +473,8 @@ def main() -> None:
             print(f"FAIL {name:<26} {setting}\n     {facts['error']}")
         else:
             print(f"ok   {name:<26} regs {facts['regs']:>3} stack {facts['stack']:>4} instr {facts['instructions']:>5}  "
-                  f"loop {facts['main loop'] or '-'}  shared+bar {facts['shared and barriers']}  "
+                  f"loop {facts['main loop'] or '-'} (bar {facts['loop barriers'] or 0})  "
+                  f"shared+bar {facts['shared and barriers']}  "
                   f"loads {facts['global loads']}  {setting}")
     print(f"{len(results)} kernel variants compiled for sm_90, {failed} failed")
     _print_issue_bound()

@@ -83,6 +83,9 @@ def test_profile_counts_a_steps_operators_by_family(tmp_path):
     # the speculative step's parts: the commit adds operators of its own to the verify's
     draft, verify, both = (report[k] for k in ("profile_draft_step", "profile_verify", "profile_verify_and_commit"))
     assert draft["kernels"] > 0 and both["kernels"] > verify["kernels"] > 0
+    # ... named: what the commit runs beyond the verify, its counts adding up to the difference
+    commit = report["profile_commit_kernels"]
+    assert sum(entry["count"] for entry in commit.values()) == both["kernels"] - verify["kernels"] and commit
 
 
 @pytest.mark.gpu
@@ -96,6 +99,9 @@ def test_profile_on_the_gpu_splits_the_one_graph_step(tmp_path):
     # the one graph holds the draft's and the verify's kernels and the tree build's, the walk's and the commit's
     assert step["kernels"] > verify["kernels"] + draft["kernels"]
     assert report["profile_tree_walk_commit_ms"] == pytest.approx(step["ms"] - verify["ms"] - draft["ms"], abs=1e-3)
+    inside = report["profile_tree_walk_commit_kernels"]  # by name, the commit's kernels among them
+    assert sum(entry["count"] for entry in inside.values()) == step["kernels"] - verify["kernels"] - draft["kernels"]
+    assert any("fold" in name for name in inside)
 
 
 def test_family_names():

@@ -24,7 +24,7 @@ RUNS = {"decode-advance": 1, "run-advance": 7}  # parents None (a run) and the s
 
 
 def case_ids() -> list[str]:
-    return [f"{shape}-{d}" for shape in [*PARENTS, *RUNS] for d in DTYPES]
+    return [f"{shape}-{d}" for shape in [*PARENTS, *RUNS] for d in DTYPES] + [f"tree-strided-{d}" for d in DTYPES]
 
 
 def gate_inputs(n: int, dtype, gen) -> GateInputs:
@@ -44,14 +44,23 @@ def main() -> None:
     conv_dim = (2 * HK + HV) * D
     weight = torch.randn(conv_dim, 4, generator=gen) * 0.5
     result = {}
-    for name, parents in PARENTS.items():
+    cases = [(name, parents, False) for name, parents in PARENTS.items()] + [("tree-strided", PARENTS["tree"], True)]
+    for name, parents, strided in cases:
         parents = torch.tensor(parents)
         inputs = torch.randn(len(parents), conv_dim, generator=gen)
+        if strided:  # the conv's columns of the fused input projection's rows, read in place
+            inputs = torch.cat([inputs, torch.randn(len(parents), 40, generator=gen)], dim=1)[:, :conv_dim]
         state = torch.randn(3, conv_dim, generator=gen)
         for dname, dtype in DTYPES.items():
             args, gates = (inputs.to(dtype), parents, state, weight, HK, HV, D), gate_inputs(len(parents), dtype, gen)
-            got, want = conv_qkv(*args, gates), (*conv_qkv_reference(*args), *gates_reference(*gates))
-            result[f"{name}-{dname}"] = max(relative(got, want))
+            # the commit's copy of the inputs (the state's dtype), into buffer rows past the tree's too
+            kept = torch.full((len(parents) + 2, conv_dim), float("nan"))
+            got = conv_qkv(*args, gates, keep_inputs=kept)
+            want = (*conv_qkv_reference(*args), *gates_reference(*gates))
+            errors = relative(got, want)
+            copied = torch.equal(kept[:len(parents)], inputs.to(dtype).float()) and kept[len(parents):].isnan().all()
+            errors.append(0.0 if copied else float("inf"))  # copied, not computed: exact, and nothing past them
+            result[f"{name}-{dname}"] = max(errors)
     for name, n in RUNS.items():
         inputs = torch.randn(n, conv_dim, generator=gen)
         state = torch.randn(3, conv_dim, generator=gen)

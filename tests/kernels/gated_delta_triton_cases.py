@@ -53,7 +53,7 @@ def case_ids() -> list[str]:
     ids += ["recurrent-d32-t17-gqa", "recurrent-d64-t4-bv32", "recurrent-d32-t5-strided",
             "recurrent-d32-t6-strong", "recurrent-d32-three-calls", "recurrent-d64x32-t4"]
     ids += ["fold-d32-small10", "fold-d64-random17-gqa", "fold-d32-random17-padded", "fold-d32-chain64",
-            "fold-d32-random17-empty", "fold-d64x32-binary31-strong"]
+            "fold-d32-random17-empty", "fold-d64x32-binary31-strong", "fold-d32-random17-layers-gqa-padded"]
     ids += [f"tree-d32-{name}" for name in TREES]
     ids += ["tree-d64-random64", "tree-d64-chain64-strong", "tree-d32-random17-gqa",
             "tree-d64-random17-bv32-bk32", "tree-d32-random17-strided", "tree-d64x32-random17",
@@ -143,6 +143,8 @@ def fold_case(case: str) -> dict:
     the recurrence run over the path's tokens in order; an empty path leaves the state as it is."""
     from flashtree.kernels.gated_delta_triton import fold_path, recurrent_step_reference, tree_verify_with_fold
 
+    if "layers" in case:
+        return fold_layers_case(case)
     parts = case.split("-")
     dk, dv = (int(x) for x in parts[1][1:].split("x")) if "x" in parts[1] else (int(parts[1][1:]),) * 2
     parents = TREES[parts[2]]()
@@ -161,6 +163,37 @@ def fold_case(case: str) -> dict:
     else:
         fold_path(k, u, gamma, state, path)
     return {"error": rel(state, ref_state), "state_changed": True}
+
+
+def fold_layers_case(case: str) -> dict:
+    """Three layers' verifies left in their `FoldBuffers` (their u, Gamma and k the returned ones, k as given) and
+    committed by one `fold_layers` launch: each state bit-equal to its own `fold_path`, and as the recurrence."""
+    from flashtree.kernels.gated_delta_triton import (FoldBuffers, FoldTables, fold_layers, fold_path,
+                                                      recurrent_step_reference, tree_verify_with_fold)
+
+    parents = TREES[case.split("-")[2]]()
+    t = parents.shape[0]
+    path = root_to_leaf(parents)
+    padded = torch.cat([path, path.new_zeros(4)])
+    states, buffers, by_layer, errors = [], [], [], [0.0]
+    for layer in range(3):
+        q, k, v, g, beta, state = inputs(t, hk=1 if "gqa" in case else None, seed=11 + layer)
+        into = FoldBuffers.allocate(state.shape[0], state.shape[2], k.shape[1], k.shape[2], "cpu")
+        o, u, gamma = tree_verify_with_fold(q, k, v, g, beta, state, parents, into=into)
+        plain = tree_verify_with_fold(q, k, v, g, beta, state, parents)
+        if not (all(torch.equal(a, b) for a, b in zip((o, u, gamma), plain)) and torch.equal(into.k[:t], k)):
+            return {"error": float("inf"), "state_changed": True}
+        alone, ref = state.clone(), state.clone()
+        fold_path(k, u, gamma, alone, padded, torch.tensor([len(path)]))
+        recurrent_step_reference(*(x[path] for x in (q, k, v, g, beta)), ref)
+        states.append(state)
+        buffers.append(into)
+        by_layer.append((alone, ref))
+    fold_layers(FoldTables.of(states, buffers), padded, torch.tensor([len(path)]))
+    for state, (alone, ref) in zip(states, by_layer):
+        errors.append(0.0 if torch.equal(state, alone) else float("inf"))
+        errors.append(rel(state, ref))
+    return {"error": max(errors), "state_changed": True}
 
 
 def main() -> None:

@@ -7,7 +7,8 @@ import torch
 
 from flashtree.errors import FlashtreeError
 from flashtree.kernels import gated_delta
-from flashtree.kernels.gated_delta_triton import (ancestors_from_parents, fold_path, recurrent_step,
+from flashtree.kernels.gated_delta_triton import (FoldBuffers, FoldTables, ancestors_from_parents, fold_layers,
+                                                  fold_path, recurrent_step,
                                                   recurrent_step_reference, tree_verify, tree_verify_reference,
                                                   tree_verify_with_fold)
 
@@ -84,6 +85,9 @@ def test_errors_name_the_problem():
         tree_verify(*big, torch.arange(-1, 64))
 
 
+FOLD_SHAPES = ((32, 16, 4), (64, 16, 4), (64, 32, 8), (32, 64, 8), (128, 16, 8), (128, 8, 4))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("t", [1, 23])
@@ -126,6 +130,18 @@ def test_real_sizes_on_gpu(t):
         assert torch.equal(o, tree_verify(q, k, v, g, beta, before, tree))
         fold_path(k, u, gamma, commit_state, padded, torch.tensor([len(path)], device="cuda"))
         assert rel(commit_state, ref_state) <= 1e-4
+        # the same verify left in FoldBuffers and committed for two layers in one launch: fold_path's bits at its
+        # launch shape, for every shape the sweep times (benchmarks/sweep_deltanet_tree.py FOLD_SHAPES)
+        into = [FoldBuffers.allocate(h, d, hk, d, "cuda") for _ in range(2)]
+        for buffers in into:
+            assert torch.equal(tree_verify_with_fold(q, k, v, g, beta, before, tree, into=buffers)[1], u)
+        for block_v, block_k, warps in FOLD_SHAPES:
+            shape = dict(block_v=block_v, block_k=block_k, num_warps=warps)
+            alone, layers = before.clone(), [before.clone(), before.clone()]
+            fold_path(k, u, gamma, alone, padded, torch.tensor([len(path)], device="cuda"), **shape)
+            assert rel(alone, ref_state) <= 1e-4, shape
+            fold_layers(FoldTables.of(layers, into), padded, torch.tensor([len(path)], device="cuda"), **shape)
+            assert all(torch.equal(layer, alone) for layer in layers), shape
 
     graph_state = before.clone()  # one decode step captured in a CUDA graph replays in place
     q1, k1, v1, g1, b1 = (x[:1].clone() for x in (q, k, v, g, beta))

@@ -18,8 +18,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
 
 from flashtree.errors import FlashtreeError
 from flashtree.formats import quants
-from flashtree.kernels.quant_matmul import (DENSE_MIN_M, QuantWeight, mma, quant_matmul, quant_matmul_reference,
-                                            quant_matmul_rounded, random_quant_weight)
+from flashtree.kernels.quant_matmul import (DENSE_BLOCK_BYTES, DENSE_MIN_M, QuantWeight, dense_block_rows, mma,
+                                            quant_matmul, quant_matmul_reference, quant_matmul_rounded,
+                                            random_quant_weight)
 
 TYPES = [QType.Q4_K, QType.Q6_K]
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -56,6 +57,27 @@ def test_kernel_decoding_gives_the_dequantized_weights(qtype):
     emulated = mma.dequantize_emulated(mma.to_mma_layout(rows, qtype, n, k), qtype, n, k)
     # Q4_K: a * (128 + q) - (128 a + dmin * mn) rounds once more than a * q - dmin * mn
     assert torch.allclose(emulated, ref, rtol=0, atol=1e-6 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_a_tile_aligned_row_range_is_a_weight_of_its_own(qtype):
+    """`row_pieces` (prefill's dense weight dequantized in row blocks, `quant_matmul.DENSE_BLOCK_BYTES`): the rows
+    [16, 48) of a fragment-ordered weight decode as those rows of the whole; ranges across a tile are refused."""
+    n, k = 64, 512
+    raw = mma.to_mma_layout(_random_rows(qtype, n, k, seed=3), qtype, n, k)
+    whole = mma.dequantize_emulated(raw, qtype, n, k)
+    assert torch.equal(mma._decode_emulated(mma.row_pieces(raw, qtype, n, k, 16, 32), qtype, 32, k), whole[16:48])
+    for start, count in ((8, 16), (16, 40), (48, 32)):
+        with pytest.raises(FlashtreeError, match="whole tiles"):
+            mma.row_pieces(raw, qtype, n, k, start, count)
+
+
+def test_prefill_dequantizes_a_big_weight_in_row_blocks():
+    # the 27B's fused gate/up (34816 x 5120, 356 MB in float16) in blocks of at most 64 MiB, whole tiles; a small
+    # weight at once
+    rows = dense_block_rows(34816, 5120)
+    assert rows % 16 == 0 and rows * 5120 * 2 <= DENSE_BLOCK_BYTES < (rows + 16) * 5120 * 2
+    assert dense_block_rows(1024, 5120) == 1024 and dense_block_rows(5120, 17408) == 1920
 
 
 def test_shapes_without_a_layout_are_refused():
@@ -552,6 +574,14 @@ def test_every_row_count_matches_the_float32_reference(qtype, shape):
     for m in (1, 2, 7, 8, 9, 16, 23, 32, 33, 100):
         x = torch.randn(m, shape[1], generator=gen, device="cuda", dtype=torch.bfloat16)
         _check_close(quant_matmul(x, weight), x.float() @ dense.T)
+    # a prefill chunk: the weight dequantized to bf16 (rounded: not the float32 reference's), in row blocks past
+    # DENSE_BLOCK_BYTES, each block's product written in place: the whole weight's product in float32 but for
+    # cuBLAS's summation (its bf16 split-K reductions at K = 17408 differed from the float32 product by up to 0.005
+    # of the largest value, H200 2026-12-05); a block in the wrong columns is off by the values themselves
+    x = torch.randn(600, shape[1], generator=gen, device="cuda", dtype=torch.bfloat16)
+    y, ref = quant_matmul(x, weight).float(), x.float() @ weight.dequantize(torch.bfloat16).float().T
+    assert bool(((y - ref).abs() <= ref.abs() * 2.0**-8 + 2.0**-6 * ref.abs().max()).all()), \
+        ((y - ref).abs() / ref.abs().max()).max().item()
 
 
 @pytest.mark.gpu

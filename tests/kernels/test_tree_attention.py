@@ -10,7 +10,9 @@ from flashtree.errors import FlashtreeError
 from flashtree.kernels.activations import gated_heads
 from flashtree.kernels.kv_quant import kv_type, rotate, unrotate
 from flashtree.kernels.qk_norm_rope import qk_norm_rope, rope_tables
-from flashtree.kernels.tree_attention import (_launch_defaults, _triton_supports, choose_splits, graphed_mask,
+from flashtree.kernels.kv_quant import TQ3_LEVELS
+from flashtree.kernels.tree_attention import (_launch_defaults, _tq3_f16_byte_tables, _tq3_pairs_by_default,
+                                              _triton_supports, choose_splits, graphed_mask, tq3_pair_values,
                                               tree_attention, tree_attention_reference)
 from flashtree.models.step import Step
 
@@ -34,6 +36,40 @@ def test_triton_kernel_matches_reference_and_model_path(interpreter_errors, case
     # its gate each round once (an unseeded norm weight drew up to 2.2e-2: three roundings, not two)
     roundings = 3 if case.startswith("normed") and dtype == "bfloat16" else 1
     assert interpreter_errors[case] <= roundings * TOLERANCE[dtype]  # NaN (garbage rows leaking) fails too
+
+
+@pytest.mark.slow
+def test_byte_perm_in_the_interpreter_follows_ptx_prmt(interpreter_errors):
+    """The pair decode's byte permutes run as PTX prmt on the GPU and emulated in the interpreter, where every
+    pair case above checks the decode: the emulation is PTX's documented semantics on random operands."""
+    assert interpreter_errors["byte-perm-mismatches"] == 0
+
+
+def test_tq3_pair_values_are_the_dequantized_values_in_float16():
+    rows = kv_type("tq3_0").quantize(torch.randn(3, 40, 256) * 7)
+    pairs, exact = tq3_pair_values(rows), kv_type("tq3_0").dequantize(rows)
+    assert torch.equal(pairs, pairs.half().float())  # float16 values
+    # two float16 roundings (the level, the product), each within 2^-11 of its value
+    assert ((pairs - exact).abs() <= exact.abs() * 2.0 ** -10 * 1.01).all()
+    assert ((pairs - exact).abs() > 0).any()  # not the float32 products themselves
+
+
+def test_tq3_f16_byte_tables_hold_each_levels_float16_bytes():
+    low, high = (t & 0xFFFFFFFF for t in _tq3_f16_byte_tables())
+    for i, level in enumerate(TQ3_LEVELS):
+        bits = (low >> (8 * i) & 0xFF) | (high >> (8 * i) & 0xFF) << 8
+        assert torch.tensor([bits], dtype=torch.int32).short().view(torch.float16).item() == \
+            torch.tensor(level).half().item()
+
+
+@pytest.mark.parametrize("k, v, operands, interpreter, pairs", [
+    ("tq3_0", "tq3_0", torch.bfloat16, False, True), ("tq3_0", "q8_0", torch.float16, False, True),
+    ("f16", "tq3_0", torch.bfloat16, False, True),
+    ("tq3_0", "bf16", torch.bfloat16, False, False),  # bf16 values may lie beyond f16's range
+    ("tq3_0", "tq3_0", torch.float32, False, False),  # a float32 model keeps exact float32 dots
+    ("tq3_0", "tq3_0", torch.bfloat16, True, False)])  # the interpreter decodes in float32 unless asked
+def test_tq3_0_decodes_as_float16_pairs_on_the_gpu_by_default(k, v, operands, interpreter, pairs):
+    assert _tq3_pairs_by_default(kv_type(k), kv_type(v), operands, interpreter) is pairs
 
 
 @pytest.mark.parametrize("window", [0, cases.WINDOW])
@@ -161,6 +197,27 @@ def test_real_sizes_on_gpu(cache, kv_end, n, window):
         out = tree_attention(**args, window=window)
         ref = tree_attention_reference(**args, window=window)
         assert cases.relative_error(out, ref) <= bound, (dtype, cases.relative_error(out, ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kv_end", [4096, pytest.param(262144, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("n", [1, 23])
+@pytest.mark.parametrize("cache, cache_v", [("tq3_0", "tq3_0"), ("q8_0", "tq3_0"), ("tq3_0", "q4_0")])
+def test_tq3_0_float16_pairs_on_gpu(cache, cache_v, n, kv_end):
+    """The GPU's default TQ3_0 decode (float16 pairs through PTX byte permutes) against the reference over the
+    values the pair decode is to give (`tq3_pair_values`): a wrong byte, sign or half is an error of the order
+    of the values; f16 operands round q and P at 2^-11, the output bf16 at 2^-8 (H200, 2026-12-05: 0.0041 of the
+    largest value with Q8_0 keys). The float32 decode (tq3_pairs=False) still serves."""
+    args = _real_inputs(cache, n, kv_end, cache_v=cache_v)
+    decoded = {**args}
+    for side, name in (("k", cache), ("v", cache_v)):
+        if name == "tq3_0":
+            decoded[f"{side}_cache"], decoded[f"kv_type_{side}"] = tq3_pair_values(args[f"{side}_cache"]), "f32"
+    want = tree_attention_reference(**decoded)
+    # both outputs round to bf16 (a 2^-8 ulp of the largest value: 0.0039), and Q8_0 keys to f16 operands
+    assert cases.relative_error(tree_attention(**args), want) <= 1e-2
+    assert cases.relative_error(tree_attention(**args, tq3_pairs=False), tree_attention_reference(**args)) <= 2e-2
 
 
 @pytest.mark.gpu

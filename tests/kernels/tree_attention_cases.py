@@ -13,11 +13,13 @@ import sys
 from types import SimpleNamespace
 
 import torch
+import triton
+import triton.language as tl
 
 from flashtree.kernels.activations import gated_heads_reference
 from flashtree.kernels.kv_quant import rotate, kv_type, unrotate
 from flashtree.kernels.qk_norm_rope import qk_norm_rope_reference, rope_tables_reference
-from flashtree.kernels.tree_attention import tree_attention, tree_attention_reference
+from flashtree.kernels.tree_attention import _byte_perm, tq3_pair_values, tree_attention, tree_attention_reference
 
 KV_HEADS, HEAD_DIM, KV_END, CAPACITY = 2, 64, 96, 100
 TQ3_HEAD_DIM = 128  # TQ3_0 rows are whole 128-value groups
@@ -105,7 +107,7 @@ def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
 
 def _cases():
     """case id -> (inputs kwargs, window, launch overrides, expected: "reference", "model", "rotated",
-    "unrotated", "gated" or "normed")."""
+    "unrotated", "gated", "normed" or "pairs")."""
     forced = dict(split=SPLIT, block_rows=BLOCK_ROWS)
     cases = {}
     for cache in CACHES:
@@ -180,7 +182,55 @@ def _cases():
     cases["normed-gated-f32-t5-g4-w0-onesplit-float32"] = (dict(cache="f32", n=5, group=4), 0, {"split": 1}, "normed")
     cases["normed-gated-bf16-t5-g4-w0-onesplit-bfloat16"] = (dict(cache="bf16", n=5, group=4, q_dtype=torch.bfloat16),
                                                              0, {"split": 1}, "normed")
+    # TQ3_0 rows decoded as float16 pairs (the GPU's default; here with the byte permutes emulated), against the
+    # reference over the values the pair decode gives (`tq3_pair_values`)
+    pairs = dict(forced, tq3_pairs=True)
+    for n in T_VALUES:
+        for window in (0, WINDOW):
+            cases[f"pairs-tq3_0-t{n}-g4-w{window}-float32"] = (dict(cache="tq3_0", n=n, group=4), window, pairs, "pairs")
+    for cache, cache_v in TQ3_MIXED + (("tq3_0", "q8_0"), ("q4_0", "tq3_0")):
+        cases[f"pairs-k_{cache}-v_{cache_v}-t23-g4-w{WINDOW}-float32"] = (
+            dict(cache=cache, cache_v=cache_v, n=23, group=4), WINDOW, pairs, "pairs")
+    cases["pairs-tq3_0-d256-t5-g4-w0-float32"] = (dict(cache="tq3_0", n=5, group=4, head_dim=256), 0,
+                                                  dict(split=2, block_rows=32, tq3_pairs=True), "pairs")
+    cases["pairs-tq3_0-t1-g4-w0-defaults-float32"] = (dict(cache="tq3_0", n=1, group=4), 0, {"tq3_pairs": True},
+                                                      "pairs")
+    cases["pairs-tq3_0-t5-g4-w9-fieldsatuse-float32"] = (dict(cache="tq3_0", n=5, group=4), WINDOW,
+                                                         dict(pairs, fields_ahead=False), "pairs")
+    cases["tq3_0-t5-g4-w9-fieldsatuse-float32"] = (dict(cache="tq3_0", n=5, group=4), WINDOW,
+                                                   dict(forced, fields_ahead=False), "reference")
+    cases["pairs-tq3_0-prefill-t40-g4-w0-float32"] = (dict(cache="tq3_0", n=40, group=4, start=40, causal=True), 0,
+                                                      pairs, "pairs")
     return cases
+
+
+def pair_decoded(args: dict) -> dict:
+    """`args` with each TQ3_0 cache replaced by the float32 values the kernel's pair decode gives."""
+    out = dict(args)
+    for side in ("k", "v"):
+        if kv_type(args[f"kv_type_{side}"]).name == "tq3_0":
+            out[f"{side}_cache"], out[f"kv_type_{side}"] = tq3_pair_values(args[f"{side}_cache"]), "f32"
+    return out
+
+
+@triton.jit
+def _byte_perm_kernel(a_ptr, b_ptr, s_ptr, out_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(out_ptr + i, _byte_perm(tl.load(a_ptr + i), tl.load(b_ptr + i), tl.load(s_ptr + i)))
+
+
+def byte_perm_mismatches(count: int = 4096) -> int:
+    """Random (a, b, selector) through the kernels' `_byte_perm` (emulated under the interpreter) against PTX's
+    documented prmt.b32: byte k of the result is byte (selector >> 4k) & 7 of the 64-bit b:a (upper selector
+    bits ignored; the sign-replicating selector bit 8 is never set by the kernel, so it is kept clear here)."""
+    g = torch.Generator().manual_seed(7)
+    a, b = (torch.randint(-2**31, 2**31, (count,), generator=g, dtype=torch.int64).int() for _ in range(2))
+    selector = torch.randint(0, 2**31, (count,), generator=g, dtype=torch.int64).int() & 0x77777777
+    out = torch.empty(count, dtype=torch.int32)
+    _byte_perm_kernel[(1,)](a, b, selector, out, N=count)
+    source = (b.long() & 0xFFFFFFFF) << 32 | (a.long() & 0xFFFFFFFF)
+    want = sum((((source >> (8 * ((selector.long() >> (4 * k)) & 7))) & 0xFF) << (8 * k)) for k in range(4))
+    return int(((out.long() & 0xFFFFFFFF) != want).sum())
 
 
 def case_ids() -> list[str]:
@@ -228,11 +278,15 @@ def main() -> None:
             errors[case] = relative_error(out, want)
             assert out.shape == (n, heads * d) and out.dtype == args["q"].dtype, case
             continue
+        elif expected == "pairs":
+            out = tree_attention(**args, window=window, **launch)
+            want = tree_attention_reference(**pair_decoded(args), window=window)
         else:
             out = tree_attention(**args, window=window, **launch)
             want = model_path(args, window) if expected == "model" else tree_attention_reference(**args, window=window)
         assert out.shape == args["q"].shape and out.dtype == args["q"].dtype, case
         errors[case] = relative_error(out, want)
+    errors["byte-perm-mismatches"] = byte_perm_mismatches()
     json.dump(errors, sys.stdout)
 
 

@@ -41,9 +41,27 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
                    ${CANDIDATES:+--candidates "$CANDIDATES"} \
                    --out "$OUT/attention_compare.json" > "$OUT/attention_compare.txt" 2>&1
                    echo "== sweep-attention-compare (rc $?)"; tail -12 "$OUT/attention_compare.txt" ;;
+    # the 27B verify's attention at 1K-8K rows (43 us a layer in the verify's profile; its default launch compiles
+    # offline to 352 bytes a thread of spills with the query's norm and the gate fused): the compare candidates
+    sweep-attention-verify) timeout 150 python3 benchmarks/sweep_tree_attention.py --compare --budget-s 110 \
+                                --cases 23:1024:bf16,23:8192:bf16,1:1024:bf16 --out "$OUT/attention_verify.json" \
+                                > "$OUT/attention_verify.txt" 2>&1
+                            echo "== sweep-attention-verify (rc $?)"; tail -5 "$OUT/attention_verify.txt" ;;
+    # #20's attention over TQ3_0 / Q8_0 rows at 1K, 64K and 262K (decode and verify-22): the float16 pair decode
+    # (the default) against main's kernel (.baseline, carry it: git show main:src/flashtree/kernels/tree_attention.py
+    # > .baseline/tree_attention.py) and the float32 decode in the same file
+    sweep-attention-tq3) timeout 280 python3 benchmarks/sweep_tree_attention.py --compare --budget-s 240 \
+                             --baseline .baseline/tree_attention.py \
+                             --cases 1:1024:tq3_0,23:1024:tq3_0,1:65536:tq3_0,23:65536:tq3_0,1:262144:tq3_0,23:262144:tq3_0,1:65536:q8_0,23:65536:q8_0 \
+                             --candidates "new default,float32 TQ3 decode,32-row chunks 8 warps,2 warps splits x2,1 warp splits x2,1 warp splits x4,1 warp at use splits x2" \
+                             --out "$OUT/attention_tq3.json" > "$OUT/attention_tq3.txt" 2>&1
+                         echo "== sweep-attention-tq3 (rc $?)"; tail -10 "$OUT/attention_tq3.txt" ;;
     sweep-draft-attention) timeout 120 python3 benchmarks/sweep_draft_attention.py --out "$OUT/draft_attention.json" ;;
     sweep-deltanet-tree) timeout 120 python3 benchmarks/sweep_deltanet_tree.py --out "$OUT/deltanet_tree.json" \
                    > "$OUT/deltanet_tree.txt" 2>&1; echo "== sweep-deltanet-tree (rc $?)"; tail -6 "$OUT/deltanet_tree.txt" ;;
+    # the commit's fold: 48 fold_path launches against one fold_layers launch, at each launch shape
+    sweep-commit) timeout 90 python3 benchmarks/sweep_deltanet_tree.py --commit-only --out "$OUT/commit.json" \
+                      > "$OUT/commit.txt" 2>&1; echo "== sweep-commit (rc $?)"; tail -12 "$OUT/commit.txt" ;;
     # fla's launch configurations tuned at the 27B prefill shapes, for src/flashtree/assets/fla-configs/
     # (a tarball: a call returns few files), and installed in this copy's assets for the parts after it
     fla-configs) timeout 200 python3 tools/gpu/extract_fla_configs.py --out "$OUT/fla-configs" > "$OUT/fla_configs.txt" 2>&1
@@ -86,6 +104,9 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
     fast-tests) LOG="$OUT/gpu_tests.log" FAST=1 timeout "${LIMIT_TESTS:-270}" bash tools/gpu/gpu_tests.sh tests ;;
     steps-1k) bench steps-1k 200 --steps -n 128 --repeat 10 --context 1024 --prefill-chunk 2048 \
                   --prefill-lengths 1024,13000 ;;
+    # steps-1k and its profiles in one run (the one-graph step's tree + walk + commit by kernel; ~130 s)
+    steps-1k-profile) TAIL=60 bench steps-1k-profile 260 --steps -n 128 --repeat 10 --context 1024 --prefill-chunk 2048 \
+                          --prefill-lengths 1024,13000 --profile ;;
     # where a step's time goes: the AR step eager and replayed, the draft step, the verify, verify + commit
     steps-profile) TAIL=120 bench steps-profile 200 --steps -n 16 --repeat 5 --replay-al 0 --prefill-lengths 1024 \
                        --profile ;;
@@ -131,6 +152,11 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
                       --prefill-chunk 2048 --prefill-lengths 1024 -ctk q8_0 -ctv q8_0 ;;
     steps-64k-tq3) ECHO= bench steps-64k-tq3 "${LIMIT_64K:-200}" --steps -n 32 --repeat 5 --replay-al 0 --context 65536 \
                        --prefill-chunk 2048 --prefill-lengths 1024 -ctk tq3_0 -ctv tq3_0 ;;
+    # issue #20's 24 GiB card: 27B + the bf16 draft + 262K tokens of TQ3_0 under the cap; peak_footprint in the JSON is
+    # the number held against 23.0 GiB (docs/LONG_CONTEXT.md)
+    capped-256k-bf16) ECHO= bench capped-256k-bf16 "${LIMIT_256K:-420}" --steps -n 128 --repeat 3 --replay-al 0 \
+                          --context 262000 --prefill-chunk 512 --prefill-lengths 1024 -ctk tq3_0 -ctv tq3_0 \
+                          --gpu-memory 24GiB ;;
     steps-256k-tq3) ECHO= bench steps-256k-tq3 "${LIMIT_256K:-300}" --steps -n 8 --repeat 3 --replay-al 0 \
                         --context 262000 --prefill-chunk 512 --prefill-lengths 1024 -ctk tq3_0 -ctv tq3_0 ;;
     *) echo "unknown part $part" ;;

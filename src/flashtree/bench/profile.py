@@ -70,7 +70,28 @@ def profile_call(fn, device: torch.device, warmup: int = 2) -> dict:
     top = sorted(names.items(), key=lambda item: -item[1]["count"])[:TOP_NAMES]
     longest = sorted(names.items(), key=lambda item: -item[1]["ms"])[:TOP_NAMES // 2]
     return {**total, "families": dict(sorted(families.items(), key=lambda item: -item[1]["ms"])), "top": dict(top),
-            "longest": dict(longest)}
+            "longest": dict(longest), "names": dict(names)}
+
+
+def kernels_beyond(whole: dict, *parts: dict) -> dict[str, dict]:
+    """The kernels (operators) of the profile `whole` beyond those of `parts` profiled alone, by name: count and
+    time differences, where the count differs or the time by 1 us or more, longest first (e.g. a speculative
+    step's graph less its verify and draft step: the tree build's, the walk's and the commit's kernels)."""
+    beyond: dict[str, dict] = {}
+    names = dict.fromkeys([*whole["names"], *(name for part in parts for name in part["names"])])
+    for name in names:  # one only in a part (another variant where the whole runs it) counts negative
+        count = whole["names"].get(name, {}).get("count", 0) - sum(
+            part["names"].get(name, {}).get("count", 0) for part in parts)
+        ms = whole["names"].get(name, {}).get("ms", 0.0) - sum(part["names"].get(name, {}).get("ms", 0.0) for part in parts)
+        if count or abs(ms) >= 1e-3:
+            beyond[name] = {"count": count, "ms": round(ms, 4)}
+    return dict(sorted(beyond.items(), key=lambda item: -item[1]["ms"]))
+
+
+def print_beyond(heading: str, beyond: dict[str, dict]) -> None:
+    print(f"  {heading} (count, ms):")
+    for label, entry in list(beyond.items())[:TOP_NAMES]:
+        print(f"    {entry['count']:6d} {entry['ms']:9.3f}  {label[:110]}")
 
 
 def print_profile(name: str, report: dict, device: torch.device) -> None:

@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import torch
 
-from flashtree.bench.profile import print_profile, profile_call
+from flashtree.bench.profile import kernels_beyond, print_beyond, print_profile, profile_call
 from flashtree.bench.report import save_report
 from flashtree.parallel.placement import resolve_device
 from flashtree.engine.config import DEFAULT_BUDGET, DEFAULT_DRAFT_TYPE, DENSE_DRAFT
@@ -399,13 +399,18 @@ def _profile_speculative_step(engine, cache, proposer, tree, capture, bonus: int
     for key, name, call in parts:
         report[key] = profile_call(call, device)
         print_profile(name, report[key], device)
+    report["profile_commit_kernels"] = kernels_beyond(report["profile_verify_and_commit"], report["profile_verify"])
+    print_beyond("the commit's (verify + commit less the verify)", report["profile_commit_kernels"])
     if "profile_speculative_step" in report:
         # GPU time, not wall-clock differences of separately timed rows (those read -0.2 to +0.1 ms run to run)
         inside = report["profile_speculative_step"]["ms"] - report["profile_verify"]["ms"] \
             - report["profile_draft_step"]["ms"]
         report["profile_tree_walk_commit_ms"] = round(inside, 3)
+        report["profile_tree_walk_commit_kernels"] = kernels_beyond(
+            report["profile_speculative_step"], report["profile_verify"], report["profile_draft_step"])
         print(f"\ntree build + walk + commit inside the step graph: {inside:.3f} ms of GPU time "
               f"(the step's kernels less the verify's and the draft step's)")
+        print_beyond("by kernel", report["profile_tree_walk_commit_kernels"])
 
 
 def _device_step_rows(engine, cache, proposer, bonus: int, topk: int, device, repeat: int, ar: float, rows: list,

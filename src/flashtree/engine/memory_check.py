@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 
 from flashtree.engine.config import DEFAULT_CUDA_OVERHEAD, DEFAULT_DRAFT_TYPE
+from flashtree.kernels import indexed
+from flashtree.kernels.host_rows import gpu_reads_host
 from flashtree.parallel.placement import layer_counts
 from flashtree.engine.planner import (DraftShape, PlanRequest, fmt_bytes, parse_size, per_rank, plan, refusal,
                                      target_from_gguf)
@@ -32,7 +34,7 @@ def check_rank_memory(model: str | Path, draft: str | Path | None, device: torch
     if device.type != "cuda":
         return
     req = _request(model, draft, ctx, budget, cache_type_k, cache_type_v, cuda_overhead, prefix_cache_device_bytes,
-                   draft_type)
+                   draft_type, device)
     need = sum(per_rank(plan(req), world).values())
     (free,), source = _available([device], gpu_memory)
     if need > free:
@@ -42,13 +44,16 @@ def check_rank_memory(model: str | Path, draft: str | Path | None, device: torch
 
 
 def _request(model, draft, ctx, budget, cache_type_k, cache_type_v, cuda_overhead,
-             prefix_cache_device_bytes: int, draft_type: str) -> PlanRequest:
+             prefix_cache_device_bytes: int, draft_type: str, embed_device: torch.device) -> PlanRequest:
+    """The plan request of this load; the embedding counted where `QuantizedEmbedding.load` will put it (pinned host
+    memory where `embed_device`, a GPU, reads it in place)."""
     config, weights, embed, dense, layers = target_from_gguf(model)
     shape = DraftShape.from_dir(draft) if draft is not None else None
     return PlanRequest(config, weights, embed, shape, ctx or min(DEFAULT_CTX, config.context_length),
                        cache_type_k or "bf16", cache_type_v or "bf16", budget, dense_params=dense, layer_bytes=layers,
                        cuda_overhead=cuda_overhead, prefix_cache_device_bytes=prefix_cache_device_bytes,
-                       draft_type=draft_type)
+                       draft_type=draft_type, embed_on_host=embed_device.type == "cuda"
+                       and gpu_reads_host(indexed(embed_device)))
 
 
 def check_memory(model: str | Path, draft: str | Path | None, target_devices: list[torch.device],
@@ -67,7 +72,7 @@ def check_memory(model: str | Path, draft: str | Path | None, target_devices: li
     if not any(d.type == "cuda" for d in devices):
         return
     req = _request(model, draft, ctx, budget, cache_type_k, cache_type_v, cuda_overhead, prefix_cache_device_bytes,
-                   draft_type)
+                   draft_type, devices[0])
     config, context = req.config, req.ctx
     available, source = _available(devices, gpu_memory)
     counts = layer_counts(config.num_layers, split) if split is not None else [config.num_layers]

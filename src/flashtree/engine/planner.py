@@ -12,7 +12,8 @@ Every line is bytes the engine allocates or a stated estimate:
 * KV cache: attention layers x kv_heads x rows x (K row bytes + V row bytes), rows = ctx + budget + 2
   (the engine's context size: committed tokens plus tree scratch rows).
 * DeltaNet state: per recurrent layer the float32 [v_heads, d, d] state + the conv tail.
-* tree buffers: what a verify keeps per DeltaNet layer for the commit (TreeScratch) for budget + 1 nodes.
+* tree buffers: what a verify keeps per DeltaNet layer for the commit (the conv inputs, u, Gamma and k of each
+  node): FOLD_ROWS nodes a layer kept by the cache (`FoldBuffers`), and a larger tree's own (TreeScratch).
 * draft context ring: the draft's per-layer K/V of the last `draft_window` committed positions.
 * prefill feature capture: the captured target features of one prefill chunk (each chunk's features
   go straight into the draft's context ring, so they do not grow with the prompt).
@@ -45,8 +46,9 @@ from flashtree.errors import FlashtreeError
 from flashtree.formats.gguf_file import GGUFFile
 from flashtree.formats.quant_mix import quant_types
 from flashtree.formats.quants import bytes_for
+from flashtree.kernels.gated_delta_triton import FOLD_ROWS
 from flashtree.kernels.kv_quant import kv_type
-from flashtree.kernels.quant_matmul import DENSE_MIN_M
+from flashtree.kernels.quant_matmul import DENSE_BLOCK_BYTES, DENSE_MIN_M
 from flashtree.kernels.tree_attention import MAX_TREE_QUERIES
 from flashtree.models.attention import PREFILL_DEQUANT_BYTES
 from flashtree.models.dflash import DFlashDraft, DraftConfig
@@ -129,6 +131,17 @@ class PlanRequest:
     cuda_overhead: int = DEFAULT_CUDA_OVERHEAD  # bytes per GPU outside PyTorch's allocator
     prefix_cache_device_bytes: int = 0  # the prefix cache's device budget (snapshots past it go to host RAM)
     draft_type: str = DEFAULT_DRAFT_TYPE  # the draft's layer matrices: dense or q8_0
+    # a GPU model keeps token_embd in pinned host memory (models.layers.QuantizedEmbedding): not the GPU's bytes
+    embed_on_host: bool = True
+
+    @property
+    def device_embed_bytes(self) -> int:
+        return 0 if self.embed_on_host else self.embed_bytes
+
+    @property
+    def device_weight_bytes(self) -> int:
+        """The target's tensors on the GPU (the embedding left out when the host keeps it)."""
+        return self.weight_bytes - self.embed_bytes + self.device_embed_bytes
 
     def __post_init__(self) -> None:
         check_draft_type(self.draft_type)
@@ -188,7 +201,9 @@ def plan(req: PlanRequest) -> MemoryPlan:
     out = MemoryPlan(req)
     add = out.lines.append
 
-    add(("target weights", req.weight_bytes, f"GGUF tensors as the GPU holds them (token_embd {_gib(req.embed_bytes)})"))
+    where = "in pinned host memory, not counted" if req.embed_on_host else "included"
+    add(("target weights", req.device_weight_bytes,
+         f"GGUF tensors as the GPU holds them (token_embd {_gib(req.embed_bytes)} {where})"))
     if req.draft is not None:
         add(("draft weights", req.draft.weight_bytes(req.draft_type, b), _draft_note(req)))
     per_token = kv_bytes_per_token(c, tk.name, tv.name)
@@ -198,8 +213,12 @@ def plan(req: PlanRequest) -> MemoryPlan:
     conv = (c.conv_kernel - 1) * c.conv_dim * a
     add(("DeltaNet state", n_gdn * (ssm + conv), f"{n_gdn} layers x (f32 state {_mib(ssm)} + conv {_mib(conv)})"))
     if req.draft is not None:
-        scratch = nodes * (c.conv_dim * a + c.gdn_v_heads * (3 * c.gdn_head_dim + 2) * 4)
-        add(("tree buffers", n_gdn * scratch, f"verify scratch of {nodes} nodes x {n_gdn} DeltaNet layers"))
+        # per node: the conv inputs, and u, Gamma and k (per value head, as the tree kernel reads them) in float32;
+        # FOLD_ROWS of them kept with the cache (`FoldBuffers`), where a tree of that many nodes leaves its own
+        per_node = c.conv_dim * a + c.gdn_v_heads * (2 * c.gdn_head_dim + 1) * 4
+        scratch = 0 if nodes <= FOLD_ROWS else nodes * per_node
+        how = f"fold buffers of {FOLD_ROWS} nodes" + (f" + verify scratch of {nodes}" if scratch else "")
+        add(("tree buffers", n_gdn * (FOLD_ROWS * per_node + scratch), f"{how} x {n_gdn} DeltaNet layers"))
         d = req.draft
         window = min(req.draft_window, req.ctx)
         ring = d.layers * 2 * d.kv_heads * window * d.head_dim * b + window * 8
@@ -219,7 +238,7 @@ def plan(req: PlanRequest) -> MemoryPlan:
 def _activation_parts(req: PlanRequest, rows: int) -> dict[str, int]:
     """forward: hidden, MLP and projection intermediates of the largest forward (`activation_bytes` each, the
     model's dtype in a chunk of DENSE_MIN_M tokens or more: `Qwen35Model.forward_dtype`); logits; dequant: one
-    attention layer's K/V in the compute dtype; dense: one FFN weight dequantized for a long chunk."""
+    attention layer's K/V in the compute dtype; dense: a block of one FFN weight dequantized for a long chunk."""
     c = req.config
     b = DTYPE_BYTES[req.dtype]
     m = max(min(req.prefill_chunk, req.ctx), req.budget + 1)  # largest forward
@@ -232,8 +251,9 @@ def _activation_parts(req: PlanRequest, rows: int) -> dict[str, int]:
     if held < rows:  # a prefill chunk attends in pieces, merged into float32 [heads, chunk, head_dim] (2 buffers)
         merge = 2 * c.num_heads * min(req.prefill_chunk, req.ctx) * c.head_dim * 4
     dequant = held * per_row + merge
-    # prefill chunks of >= DENSE_MIN_M tokens multiply by one dequantized weight at a time (the FFN's largest)
-    dense_weight = c.intermediate_size * c.hidden_size * b if m >= DENSE_MIN_M else 0
+    # prefill chunks of >= DENSE_MIN_M tokens multiply by one dequantized weight at a time (the fused gate/up, the
+    # largest), in row blocks of at most DENSE_BLOCK_BYTES
+    dense_weight = min(DENSE_BLOCK_BYTES, 2 * c.intermediate_size * c.hidden_size * b) if m >= DENSE_MIN_M else 0
     return {"forward": m * per_token, "logits": logit_rows * c.vocab_size * (4 + b), "dequant": dequant,
             "dense": dense_weight}
 
@@ -268,7 +288,7 @@ def _draft_note(req: PlanRequest) -> str:
 
 def _activation_note(req: PlanRequest) -> str:
     m = max(min(req.prefill_chunk, req.ctx), req.budget + 1)
-    dense = ", one FFN weight dequantized" if m >= DENSE_MIN_M else ""
+    dense = ", the FFN weight dequantized a block at a time" if m >= DENSE_MIN_M else ""
     rows = cache_rows(req.ctx, req.budget)
     held = _dequantized_rows(req, rows, _dequantized_row_bytes(req))
     kv = (f"one layer's K/V dequantized to {req.dtype}" if held == rows
@@ -305,10 +325,11 @@ def per_device(result: MemoryPlan, counts: Sequence[int], draft_device: int = 0)
     devices = [dict.fromkeys((name for name, _, _ in result.lines), 0)
                for _ in range(max(len(counts), draft_device + 1))]
     last = len(counts) - 1
-    weights = devices[0]["target weights"] = req.embed_bytes
+    devices[0]["target weights"] = req.device_embed_bytes
     for i, nbytes in enumerate(req.layer_bytes):
         devices[stage[i]]["target weights"] += nbytes
-    devices[last]["target weights"] += req.weight_bytes - weights - sum(req.layer_bytes)  # output norm and head
+    # output norm and head
+    devices[last]["target weights"] += req.weight_bytes - req.embed_bytes - sum(req.layer_bytes)
     for name in ("KV cache", "DeltaNet state", "tree buffers", PREFIX_CACHE_LINE):  # snapshots: DeltaNet states
         if name in devices[0]:
             owners = [stage[i] for i in (c.attention_layers if name == "KV cache" else c.deltanet_layers)]
@@ -338,7 +359,7 @@ def per_rank(result: MemoryPlan, world: int) -> dict[str, int]:
     if world < 1 or req.config.num_kv_heads % world:
         raise FlashtreeError(f"tensor parallel {world} needs the {req.config.num_kv_heads} KV heads to divide evenly")
     share = {name: nbytes for name, nbytes, _ in result.lines}
-    share["target weights"] = req.embed_bytes + (req.weight_bytes - req.embed_bytes) // world
+    share["target weights"] = req.device_embed_bytes + (req.weight_bytes - req.embed_bytes) // world
     for name in ("KV cache", "DeltaNet state", "tree buffers"):
         if name in share:
             share[name] //= world

@@ -42,3 +42,11 @@ def on_device(device: torch.device | str) -> contextlib.AbstractContextManager:
     kernels would read another GPU's memory (an illegal address without peer access)."""
     device = torch.device(device)
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def address_table(*columns: list[torch.Tensor]) -> torch.Tensor:
+    """int64 [len(columns), n] on the first tensor's device: each column's tensors' addresses, for a kernel that
+    serves many tensors of one shape in one launch (the commit's tables: `commit_rows.RowTable`, `WindowTable`,
+    `gated_delta_triton.FoldTables`). Built outside CUDA graph capture; the tensors must stay where they are."""
+    return torch.tensor([[t.data_ptr() for t in column] for column in columns], dtype=torch.int64,
+                        device=columns[0][0].device)

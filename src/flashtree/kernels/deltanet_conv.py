@@ -76,22 +76,30 @@ def _conv(inputs: torch.Tensor, parents: torch.Tensor, conv_state: torch.Tensor,
 
 def conv_qkv(inputs: torch.Tensor, parents: torch.Tensor | None, conv_state: torch.Tensor, conv_weight: torch.Tensor,
              qk_heads: int, v_heads: int, head_dim: int, gate_inputs: GateInputs,
-             advance_state: bool = False) -> tuple[torch.Tensor, ...]:
+             advance_state: bool = False, keep_inputs: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """(q, k, v) of `conv_qkv_reference` and (g, beta) of `gates_reference(*gate_inputs)`: the Triton kernel
     where Triton runs (a 4-tap conv, power-of-two head_dim, unit-stride gate rows), else the references.
     A decode token (one token, advance_state) also shifts the conv state inside the same launch; a longer
-    run shifts it after."""
+    run shifts it after. `keep_inputs` (contiguous [>= T, conv_dim], the conv state's dtype): its first T rows
+    get the inputs (the kernel stores the rows it reads), where the commit shifts the window from."""
     n, conv_dim = inputs.shape
     if advance_state and parents is not None:
         raise ValueError("advance_state is for a run of tokens (parents None), not a tree")
+    if keep_inputs is not None and (keep_inputs.shape[0] < n or keep_inputs.shape[1:] != (conv_dim,)
+                                    or keep_inputs.dtype != conv_state.dtype or not keep_inputs.is_contiguous()):
+        raise ValueError(f"keep_inputs {tuple(keep_inputs.shape)} {keep_inputs.dtype} does not take {n} rows of "
+                         f"{conv_dim} in {conv_state.dtype}")
     b, a, decay_rate, dt_bias = gate_inputs
     if (triton is None or not triton_runs_on(inputs.device) or conv_weight.shape[1] != 4 or n == 0
             or head_dim & (head_dim - 1) or conv_dim != (2 * qk_heads + v_heads) * head_dim
             or not conv_state.is_contiguous() or b.stride(-1) != 1 or a.stride(-1) != 1
             or b.shape != (n, v_heads) or a.shape != (n, v_heads)):
+        if keep_inputs is not None:
+            keep_inputs[:n].copy_(inputs)
         return (*conv_qkv_reference(inputs, parents, conv_state, conv_weight, qk_heads, v_heads, head_dim,
                                     advance_state), *gates_reference(*gate_inputs))
-    inputs = inputs.contiguous()
+    # rows may stride (a tree's columns of the fused input projection's output): read in place, no copy launch
+    inputs = inputs if inputs.stride(1) == 1 else inputs.contiguous()
     q = torch.empty(n, v_heads, head_dim, dtype=torch.float32, device=inputs.device)
     k, v = torch.empty_like(q), torch.empty_like(q)
     g = torch.empty(n, v_heads, dtype=torch.float32, device=inputs.device)
@@ -99,10 +107,11 @@ def conv_qkv(inputs: torch.Tensor, parents: torch.Tensor | None, conv_state: tor
     in_kernel = advance_state and n == 1  # one program per channel block reads the window, then shifts it
     parents_arg = _no_parents(inputs.device) if parents is None else parents.to(torch.int64).contiguous()
     _conv_qkv_kernel[(n, conv_dim // head_dim)](
-        inputs, parents_arg, conv_state, conv_weight.contiguous(), q, k, v, conv_dim, head_dim**-0.5, EPS,
-        b, a, decay_rate, dt_bias, g, beta, b.stride(0), a.stride(0),
+        inputs, parents_arg, conv_state, conv_weight.contiguous(), q, k, v, conv_dim, inputs.stride(0), head_dim**-0.5,
+        EPS,
+        b, a, decay_rate, dt_bias, g, beta, b.stride(0), a.stride(0), conv_state if keep_inputs is None else keep_inputs,
         HK=qk_heads, HV=v_heads, D=head_dim, HV_P2=triton.next_power_of_2(v_heads), RUN=parents is None,
-        ADVANCE=in_kernel, num_warps=4)
+        ADVANCE=in_kernel, KEEP_INPUTS=keep_inputs is not None, num_warps=4)
     if advance_state and not in_kernel:  # several programs read the state: shift it once they are done
         _advance(conv_state, inputs)
     return q, k, v, g, beta
@@ -118,12 +127,12 @@ if triton is not None:
     from flashtree.kernels.deltanet_gates import gate_values
 
     @triton.jit
-    def _window_row(inputs_ptr, state_ptr, e, cols, conv_dim, HISTORY: tl.constexpr):
+    def _window_row(inputs_ptr, state_ptr, e, cols, conv_dim, stride_in, HISTORY: tl.constexpr):
         """Row e of [conv state (rounded to the activation dtype) ; inputs], as float32."""
         row = e.to(tl.int64) + tl.zeros_like(cols).to(tl.int64)  # the row per lane: masks stay vectors
         from_state = row < HISTORY
         state_row = tl.load(state_ptr + row * conv_dim + cols, mask=from_state, other=0.0)
-        input_row = tl.load(inputs_ptr + (row - HISTORY) * conv_dim + cols, mask=row >= HISTORY, other=0.0)
+        input_row = tl.load(inputs_ptr + (row - HISTORY) * stride_in + cols, mask=row >= HISTORY, other=0.0)
         state_row = state_row.to(inputs_ptr.dtype.element_ty).to(tl.float32)
         return tl.where(from_state, state_row, input_row.to(tl.float32))
 
@@ -139,10 +148,10 @@ if triton is not None:
         return before
 
     @triton.jit
-    def _conv_qkv_kernel(inputs_ptr, parents_ptr, state_ptr, w_ptr, q_ptr, k_ptr, v_ptr, conv_dim, scale, eps,
-                         b_ptr, a_ptr, decay_ptr, bias_ptr, g_ptr, beta_ptr, b_stride, a_stride,
+    def _conv_qkv_kernel(inputs_ptr, parents_ptr, state_ptr, w_ptr, q_ptr, k_ptr, v_ptr, conv_dim, stride_in, scale, eps,
+                         b_ptr, a_ptr, decay_ptr, bias_ptr, g_ptr, beta_ptr, b_stride, a_stride, keep_ptr,
                          HK: tl.constexpr, HV: tl.constexpr, D: tl.constexpr, HV_P2: tl.constexpr,
-                         RUN: tl.constexpr, ADVANCE: tl.constexpr):
+                         RUN: tl.constexpr, ADVANCE: tl.constexpr, KEEP_INPUTS: tl.constexpr):
         token = tl.program_id(0)
         block = tl.program_id(1)  # D channels: q head `block`, k head `block - HK` or v head `block - 2 HK`
         if block == 0:  # the token's gates, one value per value head
@@ -156,6 +165,9 @@ if triton is not None:
             tl.store(g_ptr + row * HV + heads, g, mask=ok)
             tl.store(beta_ptr + row * HV + heads, beta, mask=ok)
         cols = block * D + tl.arange(0, D)
+        if KEEP_INPUTS:  # the token's own inputs, kept for the commit's window shift
+            own = tl.load(inputs_ptr + token.to(tl.int64) * stride_in + cols)
+            tl.store(keep_ptr + token.to(tl.int64) * conv_dim + cols, own.to(keep_ptr.dtype.element_ty))
         e0 = token + 3  # the token's own row in [state (3 rows) ; inputs]
         e1 = _previous(parents_ptr, e0, 3, RUN)
         e2 = _previous(parents_ptr, e1, 3, RUN)
@@ -165,10 +177,10 @@ if triton is not None:
             s2 = tl.load(state_ptr + 2 * conv_dim + cols)
             newest = tl.load(inputs_ptr + cols).to(state_ptr.dtype.element_ty)
         # oldest tap first, as the reference sums
-        acc = _window_row(inputs_ptr, state_ptr, e3, cols, conv_dim, 3) * tl.load(w_ptr + cols * 4)
-        acc += _window_row(inputs_ptr, state_ptr, e2, cols, conv_dim, 3) * tl.load(w_ptr + cols * 4 + 1)
-        acc += _window_row(inputs_ptr, state_ptr, e1, cols, conv_dim, 3) * tl.load(w_ptr + cols * 4 + 2)
-        acc += _window_row(inputs_ptr, state_ptr, e0, cols, conv_dim, 3) * tl.load(w_ptr + cols * 4 + 3)
+        acc = _window_row(inputs_ptr, state_ptr, e3, cols, conv_dim, stride_in, 3) * tl.load(w_ptr + cols * 4)
+        acc += _window_row(inputs_ptr, state_ptr, e2, cols, conv_dim, stride_in, 3) * tl.load(w_ptr + cols * 4 + 1)
+        acc += _window_row(inputs_ptr, state_ptr, e1, cols, conv_dim, stride_in, 3) * tl.load(w_ptr + cols * 4 + 2)
+        acc += _window_row(inputs_ptr, state_ptr, e0, cols, conv_dim, stride_in, 3) * tl.load(w_ptr + cols * 4 + 3)
         dtype = inputs_ptr.dtype.element_ty
         x = acc.to(dtype).to(tl.float32)
         x = (x * tl.sigmoid(x)).to(dtype).to(tl.float32)  # SiLU in the activation dtype

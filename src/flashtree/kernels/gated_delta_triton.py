@@ -13,14 +13,16 @@ program needs only S0[:, tile] (dk x BLOCK_V) and the whole of q/k for its head.
   u and Gamma (`tree_verify_with_fold`): S = exp(Gamma_leaf) S0 + sum over the path of exp(Gamma_leaf - Gamma_j)
   k_j u_j^T (`gated_delta.fold`, the CPU's commit): no token loop, the path's rows read in place, its length on
   the device.
+- `fold_layers`: `fold_path` for every DeltaNet layer of a device in one launch, from the verify's u, Gamma and k
+  left in `FoldBuffers` that outlive it, through a table of their addresses (`FoldTables`, built once).
 - `tree_verify`: outputs of every node of a draft tree (T <= 64; parents[i] < i, -1 = attached to
   the current state), each node seeing the state reached along its own root-to-node path; the
   state is only read. It is the `ancestor_chunk` (WY) form evaluated in one program:
-    1. ancestor mask and Gamma_i (sum of g over ancestors-or-self) by chasing parent pointers,
-       all nodes at once (tree-depth iterations, each a [T] gather from `parents` / `g`);
+    1. ancestor mask and Gamma_i (sum of g over ancestors-or-self) by chasing parent pointers, all nodes at
+       once (tree-depth iterations, each a [T] gather from `parents` / `g` held in registers);
     2. K S0 (T x BLOCK_V) and K K^T (T x T) with tl.dot over dk chunks;
     3. A = strict-ancestor-masked beta_i exp(Gamma_i - Gamma_j) k_i.k_j, right-hand side
-       beta (V - exp(Gamma) K S0), and (I + A) U = rhs by forward substitution over the rows
+       beta (V - exp(Gamma) K S0), and (I + A) U = rhs by substitution a depth level at a time
        (parents come before children, so A is strictly lower triangular);
     4. Q S0 and Q K^T (a second pass over dk: fewer live registers during the solve), then
        O = exp(Gamma) Q S0 + (ancestor-masked exp(Gamma_i - Gamma_j) q_i.k_j) U with one tl.dot.
@@ -32,11 +34,12 @@ which have the same signatures and in-place semantics.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 import torch
 
 from flashtree.errors import FlashtreeError
-from flashtree.kernels import gated_delta, triton_runs_on
+from flashtree.kernels import address_table, gated_delta, triton_runs_on
 
 try:  # the kernels need triton; the references and the fallback do not
     import triton
@@ -45,6 +48,11 @@ except ImportError:  # pragma: no cover - triton is a dependency where kernels r
     triton = None
 
 MAX_TREE_NODES = 64
+# rows of `FoldBuffers`: the default budget's tree (22 nodes and the root) and one more; a larger verify leaves
+# its rows in tensors of its own and its commit takes a launch a layer (`fold_path`, `shift_window`), so that the
+# buffers, kept for the cache's life, hold 104 MB at the 27B shape (u, Gamma, k and the conv inputs) instead of 139
+# at 32 rows: memory that a 24 GiB card at 262K tokens does not have to spare (issue #20)
+FOLD_ROWS = 24
 _H200_SMS = 132
 
 
@@ -147,6 +155,86 @@ def recurrent_step(q, k, v, g, beta, state, block_v: int | None = None, num_warp
     return out
 
 
+@dataclass
+class FoldBuffers:
+    """Where a verify of up to FOLD_ROWS nodes leaves what the commit of its accepted path folds into one layer's
+    state (u, Gamma and k of each node, float32), in buffers that outlive the verify: their addresses go into a
+    `FoldTables` once, so that one launch commits every layer, graphed or not."""
+
+    u: torch.Tensor  # [FOLD_ROWS, H, dv]
+    gamma: torch.Tensor  # [FOLD_ROWS, H]
+    k: torch.Tensor  # [FOLD_ROWS, Hk, dk]
+    # [FOLD_ROWS, conv_dim]: the nodes' conv inputs (the conv window's dtype), which the tree's conv launch copies
+    # here so that the commit shifts every layer's window in one launch (`commit_rows.shift_windows_together`)
+    conv: torch.Tensor | None = None
+
+    @classmethod
+    def allocate(cls, heads: int, dv: int, k_heads: int, dk: int, device,
+                 conv_like: torch.Tensor | None = None) -> "FoldBuffers":
+        """`conv_like`: the layer's conv window [K-1, conv_dim], whose width and dtype the `conv` rows take."""
+        f32 = torch.float32
+        conv = None if conv_like is None else torch.zeros(FOLD_ROWS, conv_like.shape[1], dtype=conv_like.dtype,
+                                                          device=device)
+        return cls(torch.zeros(FOLD_ROWS, heads, dv, dtype=f32, device=device),
+                   torch.zeros(FOLD_ROWS, heads, dtype=f32, device=device),
+                   torch.zeros(FOLD_ROWS, k_heads, dk, dtype=f32, device=device), conv)
+
+    def takes(self, nodes: int) -> bool:
+        return nodes <= self.u.shape[0]
+
+
+@dataclass
+class FoldTables:
+    """One device's DeltaNet layers for `fold_layers`: their states and `FoldBuffers` (all of one shape), and the
+    addresses of each, int64 [4, layers] on the device (state, u, Gamma, k). Build it outside CUDA graph capture;
+    the tensors it lists must stay where they are (they do: the cache owns them and updates them in place)."""
+
+    states: list[torch.Tensor]
+    buffers: list[FoldBuffers]
+    addresses: torch.Tensor
+
+    @classmethod
+    def of(cls, states: list[torch.Tensor], buffers: list[FoldBuffers]) -> "FoldTables":
+        if not states or len(states) != len(buffers):
+            raise FlashtreeError(f"fold tables need one FoldBuffers per state, got {len(states)} and {len(buffers)}")
+        first, b0 = states[0], buffers[0]
+        for state, b in zip(states, buffers):
+            if (state.shape != first.shape or not state.is_contiguous() or state.dtype != torch.float32
+                    or any(x.shape != y.shape for x, y in ((b.u, b0.u), (b.gamma, b0.gamma), (b.k, b0.k)))):
+                raise FlashtreeError("fold tables need contiguous float32 states and buffers of one shape per layer")
+        columns = (states, [b.u for b in buffers], [b.gamma for b in buffers], [b.k for b in buffers])
+        if any(t.data_ptr() % 16 for column in columns for t in column):
+            raise FlashtreeError("fold tables need 16-byte aligned tensors (whole allocations, not offset views)")
+        return cls(states, buffers, address_table(*columns))
+
+
+def fold_layers(tables: FoldTables, rows: torch.Tensor, count: torch.Tensor | None = None,
+                block_v: int = 32, block_k: int = 64, num_warps: int = 8) -> None:
+    """`fold_path` for every layer of `tables` at once (each layer's verify rows in its `FoldBuffers`): one launch
+    instead of one a layer. Same arithmetic. The 27B shape's commit of a depth-5 path over 48 layers (H200,
+    2026-12-05, `sweep_deltanet_tree.py --commit-only`): 130.4 us at 32 value x 64 key columns on 8 warps, 191.5 at
+    32 x 16 on 4, against 284.4 us for the best of the 48 `fold_path` launches."""
+    if rows.dim() != 1 or rows.dtype not in (torch.int64, torch.int32) or rows.shape[0] > MAX_TREE_NODES:
+        raise FlashtreeError(f"rows must be an int64 [T] index, T <= {MAX_TREE_NODES}, got {rows.dtype} "
+                             f"{tuple(rows.shape)}")
+    if rows.shape[0] == 0:
+        return
+    state, first = tables.states[0], tables.buffers[0]
+    if triton is None or not triton_runs_on(state.device):
+        for ssm, b in zip(tables.states, tables.buffers):
+            fold_path(b.k, b.u, b.gamma, ssm, rows, count)
+        return
+    h, dk, dv = state.shape
+    _pow2_dims(dk, dv)
+    block_v, block_k = min(block_v, dv), min(block_k, dk)
+    t = rows.shape[0]
+    _fold_layers_kernel[(len(tables.states) * h, dv // block_v, dk // block_k)](
+        tables.addresses, rows, count if count is not None else rows, t, h, first.k.shape[1],
+        first.k.stride(0), first.k.stride(1), first.u.stride(0), first.u.stride(1), first.gamma.stride(0),
+        *state.stride(), BLOCK_T=max(16, triton.next_power_of_2(t)), BLOCK_V=block_v, BLOCK_K=block_k,
+        HAS_COUNT=count is not None, num_warps=num_warps)
+
+
 def fold_path(k, u, gamma, state, rows: torch.Tensor, count: torch.Tensor | None = None,
               block_v: int = 32, block_k: int = 16, num_warps: int = 4) -> None:
     """In place, the state after the rows `rows` (int64 [T'] <= MAX_TREE_NODES, root to leaf of one verified tree)
@@ -205,15 +293,17 @@ def tree_verify(q, k, v, g, beta, state, parents, block_v: int = 32, block_k: in
 
 
 def tree_verify_with_fold(q, k, v, g, beta, state, parents, block_v: int = 32, block_k: int = 32,
-                          num_warps: int | None = None, precision: str = "tf32x3",
-                          num_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          num_warps: int | None = None, precision: str = "tf32x3", num_stages: int | None = None,
+                          into: FoldBuffers | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`tree_verify`, and what `fold_path` commits a path from: (o [T, H, dv], u [T, H, dv], gamma [T, H]), all
-    float32, as `gated_delta.ancestor_chunk` returns them."""
+    float32, as `gated_delta.ancestor_chunk` returns them. `into`: the kernel writes u, Gamma and k (float32) into
+    these buffers' first T rows (`fold_layers` reads them there) and returns views of them."""
     return _tree_verify(q, k, v, g, beta, state, parents, block_v, block_k, num_warps, precision, num_stages,
-                        fold=True)
+                        fold=True, into=into)
 
 
-def _tree_verify(q, k, v, g, beta, state, parents, block_v, block_k, num_warps, precision, num_stages, fold: bool):
+def _tree_verify(q, k, v, g, beta, state, parents, block_v, block_k, num_warps, precision, num_stages, fold: bool,
+                 into: FoldBuffers | None = None):
     _check(q, k, v, g, beta, state, parents)
     if triton is None or not triton_runs_on(state.device):
         o, u, gamma = _ancestor_chunk(q, k, v, g, beta, state, parents)
@@ -221,8 +311,15 @@ def _tree_verify(q, k, v, g, beta, state, parents, block_v, block_k, num_warps, 
     q, k, v, out = _prepared(q, k, v)
     t, hk, dk = q.shape
     _, h, dv = v.shape
-    u = torch.empty_like(out) if fold else out  # written only with STORE_FOLD
-    gamma = torch.empty(t, h, dtype=torch.float32, device=out.device) if fold else out
+    if into is not None and (into.u.shape[1:] != (h, dv) or into.k.shape[1:] != (hk, dk) or t > into.u.shape[0]):
+        raise FlashtreeError(f"fold buffers {tuple(into.u.shape)} / k {tuple(into.k.shape)} do not take a verify of "
+                             f"{t} nodes, {h} x {dv} values and {hk} x {dk} keys")
+    if into is not None:
+        u, gamma, k_out = into.u[:t], into.gamma[:t], into.k
+    else:
+        u = torch.empty_like(out) if fold else out  # written only with STORE_FOLD
+        gamma = torch.empty(t, h, dtype=torch.float32, device=out.device) if fold else out
+        k_out = out  # written only with STORE_K
     if t == 0:
         return (out, u, gamma) if fold else (out,)
     parents = parents.contiguous()
@@ -233,10 +330,11 @@ def _tree_verify(q, k, v, g, beta, state, parents, block_v, block_k, num_warps, 
     if num_warps is None:
         # sm_90 ptxas, dk = 128: T <= 32 at 4 warps, T <= 64 at 8 warps without spills
         num_warps = 8 if block_t >= 64 else 4
-    _tree_kernel[(h, dv // block_v)](q, k, v, g, beta, state, parents, out, u, gamma, t, hk,
+    _tree_kernel[(h, dv // block_v)](q, k, v, g, beta, state, parents, out, u, gamma, k_out, t, hk,
                                      *_strides(q, k, v, g, beta, state, out), u.stride(0), u.stride(1),
-                                     gamma.stride(0), DK=dk, BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_K=block_k,
-                                     PRECISION=precision, STORE_FOLD=fold, num_warps=num_warps,
+                                     gamma.stride(0), k_out.stride(0), k_out.stride(1), DK=dk, BLOCK_T=block_t,
+                                     BLOCK_V=block_v, BLOCK_K=block_k, PRECISION=precision, STORE_FOLD=fold,
+                                     STORE_K=into is not None, num_warps=num_warps,
                                      **({} if num_stages is None else {"num_stages": num_stages}))
     return (out, u, gamma) if fold else (out,)
 
@@ -288,14 +386,13 @@ if triton is not None:
         tl.store(s_ptrs, s)
 
     @triton.jit
-    def _fold_kernel(k_ptr, u_ptr, gm_ptr, s_ptr, rows_ptr, count_ptr, T, HK,
-                     sk_t, sk_h, su_t, su_h, sgm_t, ss_h, ss_k, ss_v,
-                     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, HAS_COUNT: tl.constexpr):
+    def _fold_tile(k_ptr, u_ptr, gm_ptr, s_ptr, rows_ptr, count_ptr, T, h, hq, sk_t, sk_h, su_t, su_h, sgm_t,
+                   ss_h, ss_k, ss_v, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+                   HAS_COUNT: tl.constexpr):
+        """State rows program_id(2) x columns program_id(1) of head h after the path, in place."""
         live = T
         if HAS_COUNT:  # a padded path: its live length is on the device
             live = tl.load(count_ptr)
-        h = tl.program_id(0)
-        hq = h % HK
         cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
         d = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
         steps = tl.arange(0, BLOCK_T)
@@ -312,11 +409,34 @@ if triton is not None:
         tl.store(s_ptrs, tl.dot(tl.trans(kc), wu, s, input_precision="ieee"))
 
     @triton.jit
-    def _tree_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, p_ptr, o_ptr, u_ptr, gm_ptr, T, HK,
+    def _fold_kernel(k_ptr, u_ptr, gm_ptr, s_ptr, rows_ptr, count_ptr, T, HK,
+                     sk_t, sk_h, su_t, su_h, sgm_t, ss_h, ss_k, ss_v,
+                     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, HAS_COUNT: tl.constexpr):
+        h = tl.program_id(0)
+        _fold_tile(k_ptr, u_ptr, gm_ptr, s_ptr, rows_ptr, count_ptr, T, h, h % HK, sk_t, sk_h, su_t, su_h, sgm_t,
+                   ss_h, ss_k, ss_v, BLOCK_T, BLOCK_V, BLOCK_K, HAS_COUNT)
+
+    @triton.jit
+    def _fold_layers_kernel(addr_ptr, rows_ptr, count_ptr, T, H, HK, sk_t, sk_h, su_t, su_h, sgm_t, ss_h, ss_k, ss_v,
+                            BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+                            HAS_COUNT: tl.constexpr):
+        # program_id(0) = layer x head; the layer's tensors from `FoldTables.addresses` (state, u, Gamma, k rows)
+        layer, layers = tl.program_id(0) // H, tl.num_programs(0) // H
+        h = tl.program_id(0) % H
+        # 16-byte aligned (`FoldTables.of` checks): said so, the loads through them vectorize as through arguments
+        s_ptr = tl.multiple_of(tl.load(addr_ptr + layer).to(tl.pointer_type(tl.float32)), 16)
+        u_ptr = tl.multiple_of(tl.load(addr_ptr + layers + layer).to(tl.pointer_type(tl.float32)), 16)
+        gm_ptr = tl.multiple_of(tl.load(addr_ptr + 2 * layers + layer).to(tl.pointer_type(tl.float32)), 16)
+        k_ptr = tl.multiple_of(tl.load(addr_ptr + 3 * layers + layer).to(tl.pointer_type(tl.float32)), 16)
+        _fold_tile(k_ptr, u_ptr, gm_ptr, s_ptr, rows_ptr, count_ptr, T, h, h % HK, sk_t, sk_h, su_t, su_h, sgm_t,
+                   ss_h, ss_k, ss_v, BLOCK_T, BLOCK_V, BLOCK_K, HAS_COUNT)
+
+    @triton.jit
+    def _tree_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, p_ptr, o_ptr, u_ptr, gm_ptr, ko_ptr, T, HK,
                      sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, sb_t, sb_h,
-                     ss_h, ss_k, ss_v, so_t, so_h, su_t, su_h, sgm_t,
+                     ss_h, ss_k, ss_v, so_t, so_h, su_t, su_h, sgm_t, sko_t, sko_h,
                      DK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PRECISION: tl.constexpr, STORE_FOLD: tl.constexpr):
+                     PRECISION: tl.constexpr, STORE_FOLD: tl.constexpr, STORE_K: tl.constexpr):
         h = tl.program_id(0)
         hq = h % HK
         cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -324,7 +444,9 @@ if triton is not None:
         nodes = tl.arange(0, BLOCK_T)  # node index j (the other axis of T x T tiles)
         live = rows < T
 
-        # 1. ancestor mask (inclusive) and Gamma by chasing all parent pointers at once
+        # 1. ancestor mask (inclusive) and Gamma by chasing all parent pointers at once, the parents and g held in
+        # registers (tl.gather): a level of the tree costs a shuffle, where a round of dependent loads from memory
+        # took ~0.8 us (a 23-node chain: 22 rounds, ~40 % of the kernel's time, H200 2026-12-04)
         parent = tl.load(p_ptr + rows, mask=live, other=-1).to(tl.int32)
         parent = tl.where(parent < rows, parent, -1)  # guards the loop against invalid input
         g = tl.load(g_ptr + rows * sg_t + h * sg_h, mask=live, other=0.0).to(tl.float32)
@@ -334,9 +456,10 @@ if triton is not None:
         depth = 0  # of the deepest node (roots at 0): the rounds step 3 needs
         while tl.max(cur, axis=0) >= 0:
             has = cur >= 0
+            at = tl.where(has, cur, 0)
             anc = anc | (nodes[None, :] == cur[:, None])
-            gamma += tl.load(g_ptr + cur * sg_t + h * sg_h, mask=has, other=0.0).to(tl.float32)
-            nxt = tl.load(p_ptr + cur, mask=has, other=-1).to(tl.int32)
+            gamma += tl.where(has, tl.gather(g, at, 0), 0.0)
+            nxt = tl.where(has, tl.gather(parent, at, 0), -1)
             cur = tl.where(has & (nxt < cur), nxt, -1)
             depth += 1
 
@@ -350,6 +473,9 @@ if triton is not None:
             sc = tl.load(s_ptr + h * ss_h + d[:, None] * ss_k + cols[None, :] * ss_v)
             ks = tl.dot(kc, sc, ks, input_precision=PRECISION)
             kk = tl.dot(kc, tl.trans(kc), kk, input_precision=PRECISION)
+            if STORE_K:  # the keys the commit folds with (`fold_layers`), written by one program per key head
+                if (tl.program_id(1) == 0) & (h < HK):
+                    tl.store(ko_ptr + rows[:, None] * sko_t + hq * sko_h + d[None, :], kc, mask=live[:, None])
 
         # 3. (I + A) U = beta (V - exp(Gamma) K S0), A strictly lower triangular
         beta = tl.load(beta_ptr + rows * sb_t + h * sb_h, mask=live, other=0.0).to(tl.float32)

@@ -33,8 +33,11 @@ Python arguments (T, kv_end, heads, D, dtypes), so the calls can be captured in 
 TRITON_INTERPRET=1 the chunk loop runs a fixed trip count with a per-chunk skip instead, since the
 interpreter cannot loop to a bound loaded from memory; the loop bodies are the same.)
 
-TQ3_0 values are decoded exactly as `TQ3_0.dequantize` does, in the rotated domain: callers with TQ3_0
-keys pass the rotated query (`rotate`); the output stays rotated for TQ3_0 values unless the caller asks
+TQ3_0 values are decoded as `TQ3_0.dequantize` does, in the rotated domain: callers with TQ3_0
+keys pass the rotated query (`rotate`). On the GPU with 16-bit operands they decode as float16 pairs
+(`_tq3_pairs`: the level's bits picked by a byte permute, the sign OR-ed in, the norm by a half-precision
+multiply); elsewhere (the interpreter, float32 operands, or a bf16/f32 cache on the other side) in float32,
+exactly. The output stays rotated for TQ3_0 values unless the caller asks
 for `unrotate_values`, which the combine launch does (`hadamard`) before the output gate. Head dims the
 kernel cannot tile (not a power of two >= 32; for TQ3_0 also not a multiple of 128) use `tree_attention_reference`, which is plain torch and also
 graph-safe (but dequantizes all of [0, kv_end) per call). Without CUDA (and without TRITON_INTERPRET=1)
@@ -66,8 +69,18 @@ _MAX_SPLITS = 128
 MAX_TREE_QUERIES = 128  # tokens per call (a tree of budget <= 127 plus its root, or a short prefill chunk)
 _MAX_GROUP = 8
 KV_KINDS = {"f32": 0, "f16": 0, "bf16": 0, "q8_0": 1, "q4_0": 2, "tq3_0": 3}  # kernel's KIND per cache type
+TQ3_PAIRS = 4  # KIND of TQ3_0 rows decoded as float16 pairs (`_tq3_pairs`)
 _LOG2E = 1.4426950408889634
 _TL_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16} if triton is not None else {}
+
+
+def _tq3_f16_byte_tables() -> tuple[int, int]:
+    """The 4 TQ3_0 magnitudes in float16 as two int32 byte tables for a byte permute: byte i of the first holds
+    level i's low byte, byte i of the second its high byte."""
+    bits = torch.tensor(TQ3_LEVELS, dtype=torch.float32).to(torch.float16).view(torch.int16).int() & 0xFFFF
+    low = sum(int(b & 0xFF) << (8 * i) for i, b in enumerate(bits))
+    high = sum(int(b >> 8) << (8 * i) for i, b in enumerate(bits))
+    return tuple(t - 2**32 if t >= 2**31 else t for t in (low, high))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -112,6 +125,18 @@ def tree_attention_reference(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t,
     return (probs @ values).reshape(heads, n, d).to(q.dtype)
 
 
+def tq3_pair_values(rows: torch.Tensor) -> torch.Tensor:
+    """float32 [..., head_dim] of TQ3_0 storage rows as the kernel's float16 pair decode gives them (`_tq3_pairs`,
+    in the natural column order): float16(float16(level) * norm), signed. `TQ3_0.dequantize` keeps the float32
+    product; the two differ by float16 roundings, about 1e-3 of a value."""
+    t = kv_type("tq3_0")
+    norm = rows.reshape(*rows.shape[:-1], -1, t.block_bytes)[..., :2].contiguous().view(torch.float16).float()
+    index = t.indices(rows)  # [..., blocks, 32]
+    levels = torch.tensor(TQ3_LEVELS, device=rows.device).half().float()
+    magnitude = (levels[index & 3] * norm).half().float()  # exact product of two float16s, rounded once
+    return torch.where(index >= 4, -magnitude, magnitude).reshape(*rows.shape[:-1], -1)
+
+
 # ------------------------------------------------------------------------------------------------
 # Triton kernels
 
@@ -121,6 +146,11 @@ if triton is not None:
 
     # TQ3_0 centroid magnitudes (index & 3), as float32 constants exactly as `TQ3_0._centroids` builds them
     TQ3_C0, TQ3_C1, TQ3_C2, TQ3_C3 = (tl.constexpr(level) for level in TQ3_LEVELS)
+    # the same magnitudes in float16, as a byte permute's table: low bytes of levels 0-3, then their high bytes
+    TQ3_F16_LOW, TQ3_F16_HIGH = (tl.constexpr(table) for table in _tq3_f16_byte_tables())
+    _HALF_SIGNS = tl.constexpr(0x80008000 - 2**32)  # the sign bits of both halves, as an int32
+    _PAIRS_KIND = tl.constexpr(TQ3_PAIRS)
+    _PTX = tl.constexpr(not interpreted())  # byte_perm is PTX's prmt; the interpreter runs `_byte_perm_emulated`
 
     @triton.jit
     def load_rows(base, rows, row_ok, stride_r, D: tl.constexpr, KIND: tl.constexpr, OP: tl.constexpr):
@@ -128,19 +158,21 @@ if triton is not None:
         KIND 0: float rows; 1: Q8_0 (34-byte blocks: fp16 d, 32 int8); 2: Q4_0 (18-byte blocks: fp16 d,
         16 bytes, byte j = q[j] | q[j + 16] << 4, value (q - 8) * d); 3: TQ3_0 (14-byte blocks: fp16 group
         norm, qs[8] low index bits 2(j%4) of byte j/4, signs[4] high bit j%8 of byte j/8; value = norm *
-        C[low | hi << 2], C = +levels then -levels, exactly `TQ3_0.dequantize`: rotated domain, no rotation here).
+        C[low | hi << 2], C = +levels then -levels, exactly `TQ3_0.dequantize`: rotated domain, no rotation here);
+        TQ3_PAIRS: TQ3_0 in float16 (`_tq3_pairs`).
         The loads (`row_fields`) and the decode (`row_values`) can be apart (`_committed_fields`)."""
-        return row_values(row_fields(base, rows, row_ok, stride_r, D, KIND), D, KIND, OP)
+        return row_values(row_fields(base, rows, row_ok, stride_r, D, KIND, True), D, KIND, OP, True)
 
     @triton.jit
-    def row_fields(base, rows, row_ok, stride_r, D: tl.constexpr, KIND: tl.constexpr):
+    def row_fields(base, rows, row_ok, stride_r, D: tl.constexpr, KIND: tl.constexpr, AHEAD: tl.constexpr):
         """What `row_values` decodes rows from, so that a loop can load the next chunk's fields while it
         decodes this one's: TQ3_0 rows' `_block_halfwords` (loaded here), other rows' pointers and mask (the
         load stays with its use: float rows are streamed to shared memory by Triton's pipeliner, and Q8_0's 17
         halfwords a block held one chunk ahead spilled the verify's registers; H200 sweep, 2026-12-02:
-        ahead, TQ3_0 verify of 23 tokens over 262K rows 1318 -> 1166 us, Q8_0's over 64K 465 -> 591)."""
+        ahead, TQ3_0 verify of 23 tokens over 262K rows 1318 -> 1166 us, Q8_0's over 64K 465 -> 591). Without
+        AHEAD TQ3_0 rows take the pointers too (a 1-warp decode then fits its registers)."""
         row_ptrs = base + rows.to(tl.int64)[:, None] * stride_r
-        if KIND == 3:
+        if KIND >= 3 and AHEAD:
             fields = _block_halfwords(row_ptrs, row_ok, D, KIND)
         else:
             fields = (row_ptrs, row_ok)
@@ -148,18 +180,22 @@ if triton is not None:
 
     @triton.jit
     def _block_halfwords(row_ptrs, row_ok, D: tl.constexpr, KIND: tl.constexpr):
-        """Each block's fields as [blocks, rows, 1] halfwords (every field of a 34-, 18- or 14-byte block
-        starts at an even byte): the scale, then Q8_0's 16 value halfwords, Q4_0's 8, or TQ3_0's 4 index and
-        2 sign halfwords. Blocks lead so that a warp's lanes run along a row's blocks: the decoded values then
-        reach shared memory 16 bytes per store."""
+        """Each block's fields as [rows, blocks, 1] halfwords (every field of a 34-, 18- or 14-byte block starts at
+        an even byte): the scale, then Q8_0's 16 value halfwords, Q4_0's 8, or TQ3_0's 4 index and 2 sign
+        halfwords. Loaded as one flat run of (row, block) pairs, a row's blocks adjacent: a thread then holds whole
+        rows' blocks in order and the decoded values reach shared memory 16 bytes a store at any warp count (with
+        [blocks, rows] loads a 1-warp program held rows first and stored 2 bytes at a time: 2237 instructions a
+        chunk where this takes 1840; sm_90 offline, triton 3.6 and 3.9)."""
         BN: tl.constexpr = row_ptrs.shape[0]
-        ok = tl.reshape(row_ok, (1, BN, 1))
+        NB: tl.constexpr = D // 32
         block_bytes: tl.constexpr = 34 if KIND == 1 else 18 if KIND == 2 else 14
-        blocks = tl.reshape(row_ptrs, (1, BN, 1)) + tl.arange(0, D // 32)[:, None, None] * block_bytes
+        flat = tl.arange(0, BN * NB)
+        ok = tl.reshape(tl.broadcast_to(row_ok[:, None], (BN, NB)), (BN * NB,))
+        blocks = tl.reshape(tl.broadcast_to(row_ptrs, (BN, NB)), (BN * NB,)) + (flat % NB) * block_bytes
         halfwords: tl.constexpr = 16 if KIND == 1 else 8 if KIND == 2 else 6
-        fields = (_halfword(blocks, ok),)
+        fields = (tl.reshape(_halfword(blocks, ok), (BN, NB, 1)),)
         for i in tl.static_range(halfwords):
-            fields = fields + (_halfword(blocks + 2 + 2 * i, ok),)
+            fields = fields + (tl.reshape(_halfword(blocks + 2 + 2 * i, ok), (BN, NB, 1)),)
         return fields
 
     @triton.jit
@@ -168,12 +204,12 @@ if triton is not None:
         return tl.load(ptrs.to(tl.pointer_type(tl.uint16)), mask=ok, other=0).to(tl.int32)
 
     @triton.jit
-    def row_values(fields, D: tl.constexpr, KIND: tl.constexpr, OP: tl.constexpr):
+    def row_values(fields, D: tl.constexpr, KIND: tl.constexpr, OP: tl.constexpr, AHEAD: tl.constexpr):
         """[BLOCK_N, D] values in OP of the rows whose `row_fields` these are."""
         if KIND == 0:
             row_ptrs, row_ok = fields
             x = tl.load(row_ptrs + tl.arange(0, D)[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-        elif KIND == 3:
+        elif KIND >= 3 and AHEAD:
             x = _block_values(fields, D, KIND)
         else:
             row_ptrs, row_ok = fields
@@ -186,26 +222,102 @@ if triton is not None:
         fields' last axis, sit in the thread that loaded the block: the scale is converted once per block, and
         the choice of halfword, shift and mask for each value is a constant of its register."""
         NB: tl.constexpr = D // 32
-        BN: tl.constexpr = fields[0].shape[1]
-        scale = fields[0].to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)  # [NB, rows, 1]
+        BN: tl.constexpr = fields[0].shape[0]
+        scale = fields[0].to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)  # [rows, NB, 1]
         j = tl.arange(0, 32)[None, None, :]
-        if KIND == 1:  # value j: byte j % 2 of halfword j // 2, signed
-            hw = tl.zeros((NB, BN, 32), tl.int32)
+        if KIND == _PAIRS_KIND:
+            x = _tq3_pairs(fields)
+        elif KIND == 1:  # value j: byte j % 2 of halfword j // 2, signed
+            hw = tl.zeros((BN, NB, 32), tl.int32)
             for i in tl.static_range(16):
                 hw = tl.where(j // 2 == i, fields[1 + i], hw)
             x = ((hw << (24 - 8 * (j % 2))) >> 24).to(tl.float32) * scale
         elif KIND == 2:  # value j: nibble j // 16 of byte j % 16, i.e. of halfword (j % 16) // 2 at bit 8 (j % 2)
-            hw = tl.zeros((NB, BN, 32), tl.int32)
+            hw = tl.zeros((BN, NB, 32), tl.int32)
             for i in tl.static_range(8):
                 hw = tl.where((j % 16) // 2 == i, fields[1 + i], hw)
             x = (((hw >> (8 * (j % 2) + 4 * (j // 16))) & 15).to(tl.float32) - 8.0) * scale
-        else:  # value j: index bits 2 (j % 8) of qs halfword j // 8, sign bit j % 16 of sign halfword j // 16
-            qs = tl.zeros((NB, BN, 32), tl.int32)
+        else:  # TQ3_0, value j: index bits 2 (j % 8) of qs halfword j // 8, sign bit j % 16 of sign halfword j // 16
+            qs = tl.zeros((BN, NB, 32), tl.int32)
             for i in tl.static_range(4):
                 qs = tl.where(j // 8 == i, fields[1 + i], qs)
             sg = tl.where(j < 16, fields[5], fields[6])
             x = _tq3_values((qs >> (2 * (j % 8))) & 3, (sg >> (j % 16)) & 1) * scale
-        return tl.reshape(tl.permute(x, (1, 0, 2)), (BN, D))
+        return tl.reshape(x, (BN, D))
+
+    @triton.jit
+    def _tq3_pairs(fields):
+        """float16 [BN, NB, 32] of TQ3_0 rows' `_block_halfwords`, two neighbouring values a 32-bit register. Per
+        pair: one byte permute brings the two 2-bit indices into bytes 0 and 1 (from four masked copies of each
+        index word, one per bit offset), one multiply-add spreads them into the selector of a second permute
+        that picks each index's float16 low and high byte from the magnitude table, one shift and one AND-OR set
+        both signs (from sign words with each odd value's bit 15 places above its even neighbour's), one
+        two-lane half-precision multiply applies the norm. The 27B decode launch's chunk loop: 610 instructions
+        a warp where the float32 decode's select trees take 771 (sm_90 offline, triton 3.6 as on the device).
+        Built per value j, not as a join of the pairs' halves: a join made the MMA operands take 4-wide k
+        fragments (register moves and 64-bit shared loads around every MMA)."""
+        j = tl.arange(0, 32)[None, None, :]
+        k = j // 2  # value j's pair: values 2k, 2k + 1 (each pair's work is done once for both, by the compiler)
+        low = fields[1] | (fields[2] << 16)  # values 0-15, value j's index bits at 2j
+        high = fields[3] | (fields[4] << 16)  # values 16-31
+        word = tl.where(k < 8, low, high)
+        half = k % 8  # the pair within its word: values 4 m + r and 4 m + r + 1 with m = half // 2, r = 2 (half % 2)
+        first = (word >> (4 * (half % 2))) & 0x03030303  # byte m: value 4 m + r
+        second = (word >> (4 * (half % 2) + 2)) & 0x03030303  # byte m: value 4 m + r + 1
+        quarter = half // 2
+        indices = _byte_perm(first, second, quarter | (quarter + 4) << 4)  # bytes 0, 1: the pair's two indices
+        # selector nibbles (i, i + 4, i', i' + 4): level i's low byte from the first table, its high byte from the
+        # second; the permute reads the selector's low 16 bits only
+        magnitudes = _byte_perm(TQ3_F16_LOW, TQ3_F16_HIGH, indices * 0x11 + 0x4040)
+        signs = tl.where(k < 8, fields[5], fields[6])  # 16 values' signs, value 2 half + i's at bit 2 half + i
+        spread = (signs & 0x5555) | ((signs & 0xAAAA) << 15)  # odd values' signs 15 places up: 16 above the even's
+        pair = _half_pairs_times(magnitudes | ((spread << (15 - 2 * half)) & _HALF_SIGNS), fields[0])
+        return _half(pair >> (16 * (j % 2)))  # value j: its half of the pair
+
+    @triton.jit
+    def _half_pairs_times(pair, scale_bits):
+        """The int32 `pair` of two float16 values, each times the float16 whose bits are `scale_bits`: one two-lane
+        multiply in PTX (as float16 tensors, the compiler swapped each register's halves before and after)."""
+        scales = scale_bits | (scale_bits << 16)
+        if _PTX:
+            out = tl.inline_asm_elementwise("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [pair, scales], dtype=tl.int32,
+                                            is_pure=True, pack=1)
+        else:
+            out = _half_pairs_product(pair, scales)
+        return out
+
+    @triton.jit
+    def _half_pairs_product(a, b):
+        """`_half_pairs_times`' multiply in float16 arithmetic, for the interpreter."""
+        low = _half(a) * _half(b)
+        high = _half(a >> 16) * _half(b >> 16)
+        return low.to(tl.uint16, bitcast=True).to(tl.int32) | (high.to(tl.uint16, bitcast=True).to(tl.int32) << 16)
+
+    @triton.jit
+    def _half(bits):
+        """The float16 in the low 16 bits of int32 `bits`."""
+        return bits.to(tl.uint16).to(tl.float16, bitcast=True)
+
+    @triton.jit
+    def _byte_perm(a, b, selector):
+        """PTX prmt.b32 (default mode): byte k of the result is byte (selector >> 4k) & 7 of the 8 bytes b:a."""
+        if _PTX:  # (libdevice's byte_perm masks the selector with 0x7777 first: an instruction more each)
+            out = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, selector], dtype=tl.int32,
+                                            is_pure=True, pack=1)
+        else:
+            out = _byte_perm_emulated(a, b, selector)
+        return out
+
+    @triton.jit
+    def _byte_perm_emulated(a, b, selector):
+        """`_byte_perm` in integer arithmetic, for the interpreter (which runs no PTX); the sign-replicating
+        selector bit (8) is not used here and not emulated."""
+        out = tl.zeros_like(selector + a + b)
+        for k in tl.static_range(4):
+            pick = (selector >> (4 * k)) & 7
+            byte = (tl.where(pick >= 4, b, a) >> (8 * (pick & 3))) & 0xFF
+            out = out | (byte << (8 * k))
+        return out
 
     @triton.jit
     def _tq3_values(low, neg):
@@ -238,28 +350,28 @@ if triton is not None:
 
     @triton.jit
     def _committed_fields(k_base, v_base, r0, committed_hi, stride_kr, stride_vr, D: tl.constexpr,
-                          KIND_K: tl.constexpr, KIND_V: tl.constexpr, BLOCK_N: tl.constexpr):
+                          KIND_K: tl.constexpr, KIND_V: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr):
         """`row_fields` of the K and V rows of the committed chunk at r0 (none past committed_hi)."""
         rows = r0 + tl.arange(0, BLOCK_N)
         live = rows < committed_hi
-        return (row_fields(k_base, rows, live, stride_kr, D, KIND_K),
-                row_fields(v_base, rows, live, stride_vr, D, KIND_V))
+        return (row_fields(k_base, rows, live, stride_kr, D, KIND_K, AHEAD),
+                row_fields(v_base, rows, live, stride_vr, D, KIND_V, AHEAD))
 
     @triton.jit
     def _committed_chunk(q, k_fields, v_fields, r0, window, qpos, m_i, l_i, acc, scale_log2, D: tl.constexpr,
                          KIND_K: tl.constexpr, KIND_V: tl.constexpr, OP: tl.constexpr, PRECISION: tl.constexpr,
-                         HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+                         HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr):
         """`_chunk` for a whole chunk of committed rows (all below start and inside the split), from its K/V
         `row_fields` (loaded one chunk ahead, `_committed_fields`): every query sees every row, so no tree-mask
         gather (a [BLOCK_M, BLOCK_N] byte load whose layout conversions went through shared memory with
         several barriers per chunk) and no row bounds; only a window, whose mask comes from positions already
         in registers. Query rows past the tile's end get finite scores (q is zero there) and are never stored."""
-        k = row_values(k_fields, D, KIND_K, OP)
+        k = row_values(k_fields, D, KIND_K, OP, AHEAD)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         if HAS_WINDOW:
             rows = r0 + tl.arange(0, BLOCK_N)
             s = tl.where((qpos[:, None] - rows[None, :]) < window, s, float("-inf"))
-        v = row_values(v_fields, D, KIND_V, OP)
+        v = row_values(v_fields, D, KIND_V, OP, AHEAD)
         return _softmax_update(s, v, m_i, l_i, acc, OP, PRECISION)
 
     @triton.jit
@@ -284,7 +396,8 @@ if triton is not None:
                                OP: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
                                FIXED_TRIPS: tl.constexpr, TRIPS: tl.constexpr, TAIL_TRIPS: tl.constexpr,
-                               GATED: tl.constexpr, NORM_Q: tl.constexpr, ROT: tl.constexpr):
+                               GATED: tl.constexpr, NORM_Q: tl.constexpr, ROT: tl.constexpr,
+                               FIELDS_AHEAD: tl.constexpr):
         kvh = tl.program_id(0)
         split = tl.program_id(2)
         offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -321,15 +434,16 @@ if triton is not None:
         # each committed chunk's `row_fields` are taken while the chunk before it is decoded (TQ3_0 rows go
         # through registers, out of reach of Triton's pipeliner)
         k_fields, v_fields = _committed_fields(k_base, v_base, my_lo, committed_hi, stride_kr, stride_vr, D, KIND_K,
-                                               KIND_V, BLOCK_N)
+                                               KIND_V, BLOCK_N, FIELDS_AHEAD)
         if FIXED_TRIPS:  # the interpreter cannot loop to a loaded bound: walk the longest range, skip the rest
             for i in range(0, TRIPS):
                 r0 = my_lo + i * BLOCK_N
                 if r0 < committed_hi:
                     next_k, next_v = _committed_fields(k_base, v_base, r0 + BLOCK_N, committed_hi, stride_kr,
-                                                       stride_vr, D, KIND_K, KIND_V, BLOCK_N)
+                                                       stride_vr, D, KIND_K, KIND_V, BLOCK_N, FIELDS_AHEAD)
                     m_i, l_i, acc = _committed_chunk(q, k_fields, v_fields, r0, window, qpos, m_i, l_i, acc,
-                                                     scale_log2, D, KIND_K, KIND_V, OP, PRECISION, HAS_WINDOW, BLOCK_N)
+                                                     scale_log2, D, KIND_K, KIND_V, OP, PRECISION, HAS_WINDOW, BLOCK_N,
+                                                     FIELDS_AHEAD)
                     k_fields, v_fields = next_k, next_v
             for i in range(0, TAIL_TRIPS):
                 r0 = committed_hi + i * BLOCK_N
@@ -340,9 +454,9 @@ if triton is not None:
         else:
             for r0 in range(my_lo, committed_hi, BLOCK_N):
                 next_k, next_v = _committed_fields(k_base, v_base, r0 + BLOCK_N, committed_hi, stride_kr, stride_vr, D,
-                                                   KIND_K, KIND_V, BLOCK_N)
+                                                   KIND_K, KIND_V, BLOCK_N, FIELDS_AHEAD)
                 m_i, l_i, acc = _committed_chunk(q, k_fields, v_fields, r0, window, qpos, m_i, l_i, acc, scale_log2,
-                                                 D, KIND_K, KIND_V, OP, PRECISION, HAS_WINDOW, BLOCK_N)
+                                                 D, KIND_K, KIND_V, OP, PRECISION, HAS_WINDOW, BLOCK_N, FIELDS_AHEAD)
                 k_fields, v_fields = next_k, next_v
             for r0 in range(committed_hi, my_hi, BLOCK_N):
                 m_i, l_i, acc = _chunk(q, k_base, v_base, vis_ptr, pos_ptr, r0, my_hi, start, T, window, tok, qpos,
@@ -444,6 +558,13 @@ def supported_head_dim(d: int, t: KVType) -> bool:
     return d >= 32 and d & (d - 1) == 0 and not (t.name == "tq3_0" and d % TQ3_GROUP)
 
 
+def _tq3_pairs_by_default(tk: KVType, tv: KVType, operands: torch.dtype, interpreter: bool) -> bool:
+    """TQ3_0 rows decode as float16 pairs where the MMAs take 16-bit operands anyway (the GPU), unless the other
+    side is a bf16 or f32 float cache, whose values may lie beyond f16's range."""
+    return (not interpreter and operands in (torch.bfloat16, torch.float16)
+            and not any(t.name in ("bf16", "f32") for t in (tk, tv)))
+
+
 def _triton_supports(q, tk: KVType, tv: KVType) -> bool:
     """Other head dims (e.g. 96, 384), unknown kv types, and CPU tensors without the interpreter go to the
     torch reference."""
@@ -504,7 +625,8 @@ def _launch_defaults(query_rows: int, d: int, quantized: bool, windowed: bool = 
 
 def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, positions, kv_end, scale,
                    window=0, split=None, *, gate=None, q_norm=None, unrotate_values=False, block_rows=None,
-                   block_m=None, num_warps=None, num_stages=None, operands=None, max_registers=None):
+                   block_m=None, num_warps=None, num_stages=None, operands=None, max_registers=None, tq3_pairs=None,
+                   fields_ahead=True):
     """Attention of q [heads, T, D] (after RoPE) over cache rows [0, kv_end) of a graphed step; see the
     module docstring for the mask. -> [heads, T, D] in q.dtype; with `gate` [T, heads, D] (any strides, the
     last unit) `activations.gated_heads(result, gate)` instead, [T, heads * D], the gate applied at the store.
@@ -521,7 +643,11 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
     where bf16 ones convert them in registers and store them back first, 104 fewer instructions and two
     fewer barriers per chunk in the offline SASS; but the fused q norm's prologue then spills 960 bytes per
     thread instead of 336. f16 holds f16 rows exactly and probabilities more finely than bf16; a bf16
-    query is clamped to f16's range, `_query_operand`). Falls back to `tree_attention_reference` where the Triton path does not apply."""
+    query is clamped to f16's range, `_query_operand`). `tq3_pairs` decodes TQ3_0 rows as float16 pairs
+    (`_tq3_pairs`; f16 operands on the GPU); by default on the GPU with 16-bit operands unless the other side is
+    a bf16 or f32 float cache (`_tq3_pairs_by_default`); True in the interpreter runs the pair decode there (its
+    byte permutes emulated). `fields_ahead=False` loads TQ3_0 rows' fields with their use, not a chunk ahead
+    (`row_fields`). Falls back to `tree_attention_reference` where the Triton path does not apply."""
     tk, tv = kv_type(kv_type_k), kv_type(kv_type_v)
     _check(q, k_cache, v_cache, tk, tv, start_t, visible, positions, kv_end)
     unrotating = unrotate_values and tv.rotated
@@ -542,6 +668,11 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
     quantized = KV_KINDS[tk.name] > 0 or KV_KINDS[tv.name] > 0
     interpreter = interpreted()
     operands = operands or q.dtype  # a float32 q (a bf16 model's activations) may feed bf16 operands
+    pairs = "tq3_0" in (tk.name, tv.name) and (
+        _tq3_pairs_by_default(tk, tv, operands, interpreter) if tq3_pairs is None else tq3_pairs)
+    if pairs and operands != torch.float32:
+        operands = torch.float16  # the pairs are float16: f16 holds them, and q and P more finely than bf16
+    kind_k, kind_v = (TQ3_PAIRS if pairs and t.name == "tq3_0" else KV_KINDS[t.name] for t in (tk, tv))
     low_precision = operands in (torch.bfloat16, torch.float16) and not interpreter
     op = _TL_TYPES[operands] if low_precision else tl.float32
     defaults = _launch_defaults(group * n, d, quantized, window > 0, exact=operands == torch.float32)
@@ -568,12 +699,12 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
         positions, out, part, lse, *gate_args, *norm_args,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         n, kv_end, heads, float(scale) * _LOG2E, int(window),
-        G=group, D=d, KIND_K=KV_KINDS[tk.name], KIND_V=KV_KINDS[tv.name], OP=op,
+        G=group, D=d, KIND_K=kind_k, KIND_V=kind_v, OP=op,
         PRECISION=None if low_precision else "ieee",  # float32: exact FMA dots (bf16/f16: tensor cores)
         HAS_WINDOW=window > 0, BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits,
         FIXED_TRIPS=interpreter, TRIPS=triton.cdiv(triton.cdiv(kv_end, splits), block_n) if interpreter else 0,
         TAIL_TRIPS=triton.cdiv(n, block_n) + 1 if interpreter else 0,
-        GATED=gated, NORM_Q=q_norm is not None, ROT=max(rot, 2),
+        GATED=gated, NORM_Q=q_norm is not None, ROT=max(rot, 2), FIELDS_AHEAD=fields_ahead,
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
         **({} if max_registers is None else {"maxnreg": max_registers}))
     if splits > 1:

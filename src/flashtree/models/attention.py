@@ -39,9 +39,10 @@ from flashtree.models.qwen35_config import Qwen35Config
 from flashtree.models.step import Step
 
 # The most dequantized K+V (compute dtype, one attention layer) a prefill chunk holds at once before it
-# attends to the prefix in pieces: 64K rows of the 27B shape (4 KV heads x 256, bf16), so a 262K prefix takes
-# four pieces. The planner counts this bound (engine/planner.py).
-PREFILL_DEQUANT_BYTES = 256 * 2**20
+# attends to the prefix in pieces: 16K rows of the 27B shape (4 KV heads x 256, bf16), so a 262K prefix takes
+# sixteen pieces (four until 2026-12-04: 192 MiB of a 24 GiB card's memory for a few launches more a chunk, issue
+# #20). The planner counts this bound (engine/planner.py).
+PREFILL_DEQUANT_BYTES = 64 * 2**20
 
 
 class GatedAttention:

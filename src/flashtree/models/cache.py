@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 
 from flashtree.errors import FlashtreeError
+from flashtree.kernels.commit_rows import RowTable, WindowTable
+from flashtree.kernels.gated_delta_triton import FoldBuffers, FoldTables
 from flashtree.kernels.kv_quant import KVType, kv_type
 from flashtree.models.layers import activation_dtype
 from flashtree.models.qwen35_config import Qwen35Config
@@ -43,14 +45,11 @@ class DeltaNetState:
 
 @dataclass
 class TreeScratch:
-    """What a DeltaNet layer keeps from a tree verify so that the commit needs no second forward."""
+    """What a DeltaNet layer keeps from a tree verify so that the commit needs no second forward: on the GPU views of
+    the cache's `FoldBuffers`, where the verify's kernels wrote them, so that none of its own tensors outlive it."""
 
     conv_inputs: torch.Tensor  # [T, conv_dim] pre-conv projections of every node
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    g: torch.Tensor
-    beta: torch.Tensor
+    k: torch.Tensor  # [T, H, dk] the nodes' normalized keys
     # the verify's per-node u and gamma (`gated_delta.ancestor_chunk`, `tree_verify_with_fold`): the commit folds
     # the path's into the state (`gated_delta.fold`, `fold_path`) instead of rerunning the recurrence over it
     u: torch.Tensor
@@ -65,6 +64,15 @@ class TargetCache:
     deltanet: dict[int, DeltaNetState]
     length: int = 0
     pending: dict[int, TreeScratch] = field(default_factory=dict)
+    # where the GPU tree verify leaves u, Gamma and k for the commit, per DeltaNet layer, and per device the table of
+    # their addresses that commits every layer in one launch (`fold_buffers`); kept for the cache's life, since a
+    # captured graph writes and reads them where they are
+    fold: dict[int, FoldBuffers] = field(default_factory=dict)
+    fold_tables: dict[torch.device, FoldTables] = field(default_factory=dict)
+    window_tables: dict[torch.device, WindowTable] = field(default_factory=dict)  # the conv windows, with them
+    # the attention layers' K and V caches grouped for the commit's row moves, one launch a group
+    # (`move_rows_together`): made with the cache, whose tensors never move
+    row_tables: list[RowTable] = field(default_factory=list)
 
     @classmethod
     @torch.inference_mode(False)  # a cache outlives the call that makes it (a graphed engine keeps it for the next
@@ -93,7 +101,30 @@ class TargetCache:
             )
             for i in config.deltanet_layers
         }
-        return cls(config, capacity, attention, deltanet)
+        caches = [side for kv in attention.values() for side in (kv.k, kv.v)]
+        return cls(config, capacity, attention, deltanet, row_tables=RowTable.group(caches))
+
+    def fold_buffers(self, index: int, k_heads: int, dk: int) -> FoldBuffers:
+        """DeltaNet layer `index`'s `FoldBuffers` (with its nodes' conv inputs). The first call makes them for every
+        DeltaNet layer, and each device's `FoldTables` and `WindowTable`: it must not come during CUDA graph capture
+        (the graph runner's first call of a step runs it eagerly before capturing, and a tree verify is where it is
+        first asked for)."""
+        if not self.fold:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise FlashtreeError("the fold buffers are made outside CUDA graph capture: run the step once first")
+            with torch.inference_mode(False):  # updated in place outside inference mode too
+                layers: dict[torch.device, list[int]] = {}
+                for i, state in self.deltanet.items():
+                    heads, _, dv = state.ssm.shape
+                    self.fold[i] = FoldBuffers.allocate(heads, dv, k_heads, dk, state.ssm.device, conv_like=state.conv)
+                    layers.setdefault(state.ssm.device, []).append(i)
+                self.fold_tables = {device: FoldTables.of([self.deltanet[i].ssm for i in indices],
+                                                          [self.fold[i] for i in indices])
+                                    for device, indices in layers.items()}
+                self.window_tables = {device: WindowTable.of([self.deltanet[i].conv for i in indices],
+                                                             [self.fold[i].conv for i in indices])
+                                      for device, indices in layers.items()}
+        return self.fold[index]
 
     def reserve(self, n_new: int) -> None:
         if self.length + n_new > self.capacity:

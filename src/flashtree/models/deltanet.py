@@ -7,12 +7,15 @@ its parent chain, which makes a plain run (parent = previous token) and a draft 
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from flashtree.models.cache import DeltaNetState, TreeScratch
+from flashtree.kernels.gated_delta_triton import FoldBuffers, FoldTables
 from flashtree.formats.gguf_file import GGUFFile
 from flashtree.kernels import gated_delta, gated_delta_fla, gated_delta_triton, triton_runs_on
-from flashtree.kernels.commit_rows import shift_window
+from flashtree.kernels.commit_rows import WindowTable, shift_window, shift_windows_together
 from flashtree.kernels.deltanet_conv import conv_qkv
 from flashtree.kernels.deltanet_gates import GateInputs
 from flashtree.kernels.rms_norm import gated_rms_norm
@@ -54,31 +57,39 @@ class GatedDeltaNet:
     def fuse(self) -> None:
         self.inputs = self.inputs.fused()
 
-    def __call__(self, x: torch.Tensor, step: Step, state: DeltaNetState) -> tuple[torch.Tensor, TreeScratch | None]:
+    def __call__(self, x: torch.Tensor, step: Step, state: DeltaNetState,
+                 fold_buffers: Callable[[int, int], FoldBuffers] | None = None
+                 ) -> tuple[torch.Tensor, TreeScratch | None]:
+        """`fold_buffers(k_heads, dk)`: where a GPU tree verify leaves what the commit folds (`TargetCache.fold_buffers`:
+        kept across steps, so that `commit_layers` commits every layer in one launch); None: fresh tensors."""
         c = self.config
         n = x.shape[0]
         exact = (self.dtype or x.dtype) == torch.float32  # a float32 model: no TF32 dots anywhere
         conv_inputs, z, b, a = self.inputs(x)
+        # Triton kernels on the GPU for short runs and trees; the torch forms are the CPU reference
+        fused = triton_runs_on(x.device) and n <= gated_delta_triton.MAX_TREE_NODES
+        # a GPU tree leaves what the commit needs in buffers kept with the cache (a larger tree: tensors of its own)
+        into = fold_buffers(c.gdn_v_heads, c.gdn_head_dim) if step.is_tree and fused and fold_buffers else None
+        into = into if into is not None and into.takes(n) else None
         # a run shifts the conv state by its inputs here (a decode token inside the conv's launch); a tree
         # leaves it to the commit of the accepted path
         q, k, v, g, beta = conv_qkv(conv_inputs, step.parents, state.conv, self.conv_weight, c.gdn_qk_heads,
                                     c.gdn_v_heads, c.gdn_head_dim, GateInputs(b, a, self.decay_rate, self.dt_bias),
-                                    advance_state=not step.is_tree)
+                                    advance_state=not step.is_tree, keep_inputs=None if into is None else into.conv)
 
         scratch = None
-        # Triton kernels on the GPU for short runs and trees; the torch forms are the CPU reference
-        fused = triton_runs_on(x.device) and n <= gated_delta_triton.MAX_TREE_NODES
         if step.is_tree:
             if fused:
                 # a float32 model keeps float32 FMA dots (no TF32 anywhere unless asked); tf32x3 is as
                 # accurate in practice (2026-12-01 sweep: 4e-7 against 2e-7) and about 1.5x faster
                 precision = "ieee" if exact else "tf32x3"
                 o, u, gamma = gated_delta_triton.tree_verify_with_fold(q, k, v, g, beta, state.ssm, step.parents,
-                                                                       precision=precision)
-                scratch = TreeScratch(conv_inputs, q, k, v, g, beta, u, gamma)
+                                                                       precision=precision, into=into)
+                scratch = (TreeScratch(conv_inputs, k, u, gamma) if into is None
+                           else TreeScratch(into.conv[:n], into.k[:n], u, gamma))
             else:
                 o, u, gamma = gated_delta.ancestor_chunk(q, k, v, g, beta, state.ssm, step.visible)
-                scratch = TreeScratch(conv_inputs, q, k, v, g, beta, u, gamma)
+                scratch = TreeScratch(conv_inputs, k, u, gamma)
         else:
             if fused:
                 o = gated_delta_triton.recurrent_step(q, k, v, g, beta, state.ssm)  # updates the state in place
@@ -95,14 +106,24 @@ class GatedDeltaNet:
 
 
 def commit_layers(layers: list[tuple[GatedDeltaNet, DeltaNetState, TreeScratch]], path: torch.Tensor,
-                  count: torch.Tensor | None = None) -> None:
+                  count: torch.Tensor | None = None, tables: FoldTables | None = None,
+                  windows: WindowTable | None = None) -> None:
     """Make each layer's state what it would be after decoding the accepted `path` of a verified tree
-    (`count`, int64 [1] on the device: only path[:count], a path padded to a fixed length), folding the verify's
-    u and gamma along the path into it: one launch a layer with Triton (`fold_path`), else one product over all
-    the layers' heads stacked (layers on one device)."""
-    for _, state, scratch in layers:
-        shift_window(state.conv, scratch.conv_inputs, path, count)
-    if triton_runs_on(path.device):  # one in-place launch per layer reading the path's rows where they are
+    (`count`, int64 [1] on the device: only path[:count], a path padded to a fixed length): the conv windows
+    shifted by the path's inputs, and the verify's u and gamma along the path folded into the state. With Triton:
+    one launch for all the layers' windows (`shift_windows_together`) and one for their states (`fold_layers`)
+    where the verify left its rows in the buffers `windows` and `tables` list (these layers' own, in order), else
+    one of each a layer (`shift_window`, `fold_path`); without, the windows a layer and the states in one product
+    over all the layers' heads stacked (layers on one device)."""
+    if windows is not None and _kept_inputs(windows, layers):
+        shift_windows_together(windows, path, count)
+    else:
+        for _, state, scratch in layers:
+            shift_window(state.conv, scratch.conv_inputs, path, count)
+    if triton_runs_on(path.device):  # in place, reading the path's rows where they are
+        if tables is not None and _verified_into(tables, layers):
+            gated_delta_triton.fold_layers(tables, path, count)
+            return
         for _, state, scratch in layers:
             gated_delta_triton.fold_path(scratch.k, scratch.u, scratch.gamma, state.ssm, path, count)
         return
@@ -119,3 +140,19 @@ def commit_layers(layers: list[tuple[GatedDeltaNet, DeltaNetState, TreeScratch]]
     final = gated_delta.fold(initial, stacked("k"), stacked("u"), stacked("gamma"), torch.arange(len(path)))
     for (_, state, _), ssm in zip(layers, final.split(heads)):
         state.ssm.copy_(ssm)
+
+
+def _kept_inputs(windows: WindowTable, layers: list[tuple[GatedDeltaNet, DeltaNetState, TreeScratch]]) -> bool:
+    """Whether `windows` lists exactly these layers' conv windows, in order, and each layer's last verify kept its
+    inputs in the table's buffers."""
+    return (len(layers) == len(windows.windows)
+            and all(state.conv.data_ptr() == window.data_ptr() and scratch.conv_inputs.data_ptr() == kept.data_ptr()
+                    for (_, state, scratch), window, kept in zip(layers, windows.windows, windows.inputs)))
+
+
+def _verified_into(tables: FoldTables, layers: list[tuple[GatedDeltaNet, DeltaNetState, TreeScratch]]) -> bool:
+    """Whether `tables` lists exactly these layers' states, in order, and each layer's last verify wrote its u into
+    the table's buffers (not so after a verify too large for the tree kernel, which took the torch path)."""
+    return (len(layers) == len(tables.states)
+            and all(state.ssm.data_ptr() == ssm.data_ptr() and scratch.u.data_ptr() == buffers.u.data_ptr()
+                    for (_, state, scratch), ssm, buffers in zip(layers, tables.states, tables.buffers)))

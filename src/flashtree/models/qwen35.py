@@ -12,6 +12,7 @@ input are one matmul where their types allow, `Projections.fused`.)
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -22,7 +23,7 @@ from flashtree.errors import FlashtreeError
 from flashtree.formats.gguf_file import GGUFFile
 from flashtree.kernels import indexed, on_device
 from flashtree.kernels.activations import silu_mul
-from flashtree.kernels.commit_rows import move_rows
+from flashtree.kernels.commit_rows import move_rows_together
 from flashtree.kernels.quant_matmul import DENSE_MIN_M
 from flashtree.kernels.rms_norm import add_rms_norm, rms_norm
 from flashtree.models.attention import GatedAttention
@@ -96,7 +97,7 @@ class DecoderLayer:
         else:
             h, x = add_rms_norm(h, delta, self.attn_norm, self.eps)
         if self.is_recurrent:
-            mixed, scratch = self.mixer(x, step, cache.deltanet[self.index])
+            mixed, scratch = self.mixer(x, step, cache.deltanet[self.index], partial(cache.fold_buffers, self.index))
             if scratch is not None:
                 cache.pending[self.index] = scratch
         else:
@@ -241,23 +242,20 @@ class Qwen35Model:
         length with the root (node 0), so that one graph commits every path of a verify: a padding entry
         repeats the root's move, row `start` onto itself."""
         offsets = padded_offsets(path.shape[0], count, path.device)  # padding moves row start, as the root does
-        recurrent: dict[torch.device, list] = {}  # DeltaNet layers per device, committed together below
         rows, source = start + offsets, start + path  # shared by the layers
+        for table in cache.row_tables:  # every attention layer's K and V of one device and type: one launch
+            device = table.caches[0].device
+            with on_device(device):
+                move_rows_together(table, rows.to(device), source.to(device))
+        recurrent: dict[torch.device, list] = {}  # DeltaNet layers per device, committed together below
         for layer in self.layers:
-            if layer.index in self.boundaries:
-                device = self.boundaries[layer.index]
-                path, rows, source = path.to(device), rows.to(device), source.to(device)
-                count = None if count is None else count.to(device)
             if layer.is_recurrent:
-                entry = (layer.mixer, cache.deltanet[layer.index], cache.pending[layer.index])
-                recurrent.setdefault(path.device, []).append(entry)
-            else:
-                kv = cache.attention[layer.index]
-                for side in (kv.k, kv.v):
-                    move_rows(side, rows, source)
+                state = cache.deltanet[layer.index]
+                recurrent.setdefault(state.ssm.device, []).append((layer.mixer, state, cache.pending[layer.index]))
         for device, layers in recurrent.items():
             with on_device(device):
-                commit_layers(layers, path.to(device), None if count is None else count.to(device))
+                commit_layers(layers, path.to(device), None if count is None else count.to(device),
+                              cache.fold_tables.get(device), cache.window_tables.get(device))
 
     def _check_tokens(self, tokens: torch.Tensor) -> None:
         if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size):

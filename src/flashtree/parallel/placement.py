@@ -90,7 +90,8 @@ def place_layers(model, devices: Sequence[str | torch.device], split: Sequence[f
     if any(c == 0 for c in counts):
         raise FlashtreeError(f"layer split {counts} leaves a device without layers; use fewer devices")
     stage_of = [s for s, c in enumerate(counts) for _ in range(c)]
-    model.embed.raw_rows = model.embed.raw_rows.to(devices[0])
+    if not model.embed.on_host:  # a pinned host table serves the first stage where it is
+        model.embed.raw_rows = model.embed.raw_rows.to(devices[0])
     model.device = devices[0]
     model.boundaries = {}
     for layer, stage in zip(model.layers, stage_of):

@@ -94,6 +94,10 @@ def _supported_names() -> str:
 # prefill chunks of fragment-ordered weights go through a dense temporary up to this size; a bigger
 # weight (the 248K-row LM head) is multiplied 32 rows at a time instead
 DENSE_MAX_BYTES = 512 << 20
+# ... and the temporary holds at most this much of it: a bigger weight (the 27B's fused gate/up, 356 MB in
+# float16) is dequantized and multiplied in row blocks, so that a prefill chunk's scratch leaves the memory to the KV
+# cache (issue #20) at the price of a launch or two more per matrix
+DENSE_BLOCK_BYTES = 64 << 20
 
 
 def uses_mma_layout(qtype: QType, shape: tuple[int, int], device: torch.device) -> bool:
@@ -231,7 +235,26 @@ def _mma_matmul(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
     m = x.shape[0]
     if x.dtype == torch.bfloat16 and (m < DENSE_MIN_M or n * k * 2 > DENSE_MAX_BYTES):
         return mma.matmul(x, weight.raw, weight.qtype, n, k)
-    return x @ weight.dequantize(x.dtype).T
+    return _dense_blocks(x, weight, x.dtype, x.dtype, lambda w, out: torch.matmul(x, w.T, out=out))
+
+
+def dense_block_rows(n: int, k: int) -> int:
+    """Rows of an [n, k] fragment-ordered weight dequantized at once for a prefill chunk (whole tiles of 16):
+    DENSE_BLOCK_BYTES of float16 / bf16, or all of them."""
+    return min(n, max(mma.TILE_ROWS, DENSE_BLOCK_BYTES // (2 * k) // mma.TILE_ROWS * mma.TILE_ROWS))
+
+
+def _dense_blocks(x: torch.Tensor, weight: QuantWeight, w_dtype: torch.dtype, out_dtype: torch.dtype,
+                  multiply_into) -> torch.Tensor:
+    """x W^T [M, N] in `out_dtype` from the weight dequantized to `w_dtype` `dense_block_rows` at a time:
+    `multiply_into(dense rows [r, K], out[:, those r columns])` writes each block's product in place."""
+    n, k = weight.shape
+    rows = dense_block_rows(n, k)
+    out = torch.empty(x.shape[0], n, dtype=out_dtype, device=x.device)
+    for start in range(0, n, rows):
+        count = min(rows, n - start)
+        multiply_into(mma.dequantize(weight.raw, weight.qtype, n, k, w_dtype, (start, count)), out[:, start:start + count])
+    return out
 
 
 def f16_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -266,7 +289,9 @@ def quant_matmul_rounded(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
     if weight.mma_layout:
         if x.shape[0] < DENSE_MIN_M or n * k * 2 > DENSE_MAX_BYTES:
             return mma.matmul(x, weight.raw, weight.qtype, n, k, out_dtype=torch.float32)
-        return f16_rows_matmul(x, weight.dequantize(torch.float16))
+        scaled, unscale = f16_rows(x)  # once for every block; each block's float16 product unscaled in float32
+        return _dense_blocks(x, weight, torch.float16, torch.float32,
+                             lambda w, out: torch.mul(scaled @ w.T, unscale, out=out))
     if weight.qtype in PLAIN_TYPES:
         w = weight.raw.view(PLAIN_TYPES[weight.qtype]).reshape(n, k)
         if x.is_cuda and w.dtype == torch.bfloat16:  # x rounded to bf16 as the weight is: a bf16 GEMM

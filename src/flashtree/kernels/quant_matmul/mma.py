@@ -204,14 +204,20 @@ def pieces_of(raw: torch.Tensor, qtype: QType, n: int, k: int) -> dict[str, torc
     return views
 
 
+def row_pieces(raw: torch.Tensor, qtype: QType, n: int, k: int, start: int, count: int) -> dict[str, torch.Tensor]:
+    """`pieces_of` the rows [start, start + count) alone (both multiples of 16): the pieces of a [count, K] weight."""
+    if start % TILE_ROWS or count % TILE_ROWS or start < 0 or count < 0 or start + count > n:
+        raise FlashtreeError(f"rows [{start}, {start + count}) of a {n}-row weight are not whole tiles of {TILE_ROWS}")
+    views = pieces_of(raw, qtype, n, k)
+    return {name: views[name][_row_slice(start, count, size, k)] for name, size in PIECES[qtype]}
+
+
 def from_mma_layout(raw: torch.Tensor, qtype: QType, n: int, k: int) -> torch.Tensor:
     """The GGUF bytes back, uint8 [N, row_bytes], converted in row chunks like `to_mma_layout`."""
-    views = pieces_of(raw, qtype, n, k)
     out = torch.empty(n, raw.numel() // n, dtype=torch.uint8, device=raw.device)
     for start in range(0, n, _CHUNK_ROWS):
         count = min(_CHUNK_ROWS, n - start)
-        chunk = {name: views[name][_row_slice(start, count, size, k)] for name, size in PIECES[qtype]}
-        out[start:start + count] = _gguf_rows(chunk, qtype, count, k)
+        out[start:start + count] = _gguf_rows(row_pieces(raw, qtype, n, k, start, count), qtype, count, k)
     return out
 
 
@@ -684,11 +690,15 @@ def _allow_shared(device: torch.device, name: str, size: int) -> None:
     check(driver.cuFuncSetAttribute(fn, attribute, size), "cuFuncSetAttribute")
 
 
-def dequantize(raw: torch.Tensor, qtype: QType, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
-    """The dense [N, K] weight in `dtype` (bf16, f16, f32), written by the CUDA dequantization kernel."""
+def dequantize(raw: torch.Tensor, qtype: QType, n: int, k: int, dtype: torch.dtype,
+               rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """The dense [N, K] weight in `dtype` (bf16, f16, f32), written by the CUDA dequantization kernel; `rows`
+    (start, count), both multiples of 16: only those rows, [count, K] (each piece is tile-major, so a tile-aligned
+    row range is a contiguous slice of every piece: `row_pieces`)."""
     name = _dequant_instance(qtype, _OUT_CODES[dtype])
     fn = _function(raw.device, name, _dequant_wrapper(name, qtype, _OUT_CODES[dtype]))
-    p = pieces_of(raw, qtype, n, k)
+    p = pieces_of(raw, qtype, n, k) if rows is None else row_pieces(raw, qtype, n, k, *rows)
+    n = n if rows is None else rows[1]
     dense = torch.empty(n, k, dtype=dtype, device=raw.device)
     tiles = (n // 16) * (k // SUPER)  # one warp each
     per_cta = _DEQUANT_WARPS[dtype]
