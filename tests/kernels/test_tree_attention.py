@@ -12,8 +12,8 @@ from flashtree.kernels.kv_quant import kv_type, rotate, unrotate
 from flashtree.kernels.qk_norm_rope import qk_norm_rope, rope_tables
 from flashtree.kernels.kv_quant import TQ3_LEVELS
 from flashtree.kernels.tree_attention import (_launch_defaults, _tq3_f16_byte_tables, _tq3_pairs_by_default,
-                                              _triton_supports, choose_splits, graphed_mask, tq3_pair_values,
-                                              tree_attention, tree_attention_reference)
+                                              _triton_supports, choose_splits, graphed_mask, programs_per_sm,
+                                              tq3_pair_values, tree_attention, tree_attention_reference)
 from flashtree.models.step import Step
 
 from tests.kernels import tree_attention_cases as cases
@@ -128,9 +128,11 @@ def test_quantized_rows_launch_a_chunk_tl_dot_takes(d, query_rows):
     block_m, block_n, warps, _, max_registers = _launch_defaults(query_rows, d, quantized=True)
     assert block_n >= 16 and block_m >= 16 and block_n & (block_n - 1) == 0
     assert block_n == max(16, warps * 1024 // d)  # one 32-value block a thread where the CTA covers the chunk
-    # a decode's 16-row tile fits the 4 programs an SM its splits count on: 128 registers a thread
-    assert max_registers == (128 if block_m == 16 else None)
-    assert _launch_defaults(query_rows, d, quantized=True, windowed=True)[4] is None  # a window's mask spilled
+    # a decode's 16-row tile runs on one warp, 8 programs an SM (`programs_per_sm`), no register cap
+    assert (warps, max_registers) == (1, None) if block_m == 16 else max_registers is None
+    assert programs_per_sm(True, 1, warps) == (8 if block_m == 16 else 4)
+    windowed = _launch_defaults(query_rows, d, quantized=True, windowed=True)
+    assert windowed[4] is None and (windowed[2] == 4 or windowed[0] > 16)  # a window's decode keeps 4 warps, no cap
 
 
 @pytest.mark.parametrize("quantized", [False, True])
@@ -149,8 +151,9 @@ def test_split_choice():
     assert choose_splits(1047, 4, 3, block_rows=16) * 4 * 3 >= 132  # 23 tokens over 1K rows: latency-bound
     assert 1047 // choose_splits(1047, 4, 3, block_rows=16) > 3 * 16  # but each split walks ~4 chunks
     assert choose_splits(1025, 4, 1, block_rows=32) == 9  # AR decode at 1K rows as before
-    assert choose_splits(1 << 22, 1, 1) == 128
-    assert choose_splits(262144, 4, 1, block_rows=16, programs_per_sm=4) == 128  # quantized decode: 4 programs an SM
+    assert choose_splits(1 << 22, 1, 1) == 256  # the cap
+    assert choose_splits(262144, 4, 1, block_rows=16, programs_per_sm=4) == 132  # 4 programs an SM
+    assert choose_splits(262144, 4, 1, block_rows=16, programs_per_sm=8) == 256  # a 1-warp decode: 8, capped
 
 
 def test_errors_name_the_problem():

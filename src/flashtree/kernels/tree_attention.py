@@ -65,7 +65,7 @@ except ImportError:  # pragma: no cover - the torch reference serves
 
 _H200_SMS = 132
 _PROGRAMS_PER_SM = 2
-_MAX_SPLITS = 128
+_MAX_SPLITS = 256
 MAX_TREE_QUERIES = 128  # tokens per call (a tree of budget <= 127 plus its root, or a short prefill chunk)
 _MAX_GROUP = 8
 KV_KINDS = {"f32": 0, "f16": 0, "bf16": 0, "q8_0": 1, "q4_0": 2, "tq3_0": 3}  # kernel's KIND per cache type
@@ -534,11 +534,14 @@ def _sm_count(device: torch.device) -> int:
     return _H200_SMS
 
 
-def programs_per_sm(quantized: bool, m_tiles: int) -> int:
-    """Resident programs an SM that the split count aims for. A decode over quantized rows (one query tile
-    capped at 128 registers a thread) fits 4: 132 splits instead of 66 took 462 instead of 648 us over 262K
-    TQ3_0 rows (H200, 2026-12-02, sweep_tree_attention.py)."""
-    return 4 if quantized and m_tiles == 1 else _PROGRAMS_PER_SM
+def programs_per_sm(quantized: bool, m_tiles: int, warps: int = 4) -> int:
+    """Resident programs an SM that the split count aims for. A decode over quantized rows (one query tile):
+    8 of one warp each (H200, 2026-12-05, sweep_tree_attention.py --compare: twice the splits of 4 an SM took 1 token
+    over 262K TQ3_0 rows 365.5 us, over 64K Q8_0 rows 128.5 us), or 4 of 4 warps capped at 128 registers a thread
+    (2026-12-02: 132 splits instead of 66 took 462 instead of 648 us over 262K TQ3_0 rows)."""
+    if quantized and m_tiles == 1:
+        return 8 if warps == 1 else 4
+    return _PROGRAMS_PER_SM
 
 
 def choose_splits(kv_end: int, kv_heads: int, m_tiles: int, sms: int = _H200_SMS, block_rows: int = 64,
@@ -604,9 +607,10 @@ def _launch_defaults(query_rows: int, d: int, quantized: bool, windowed: bool = 
     cover (1024 / d per warp; a longer chunk repeats rows in a thread's registers, and the values then reach
     shared memory 2 bytes per store); past one 64-row query tile, 128-row tiles of 8 warps decode each K/V row
     for fewer tiles (H200 sweep at 262K TQ3_0 rows, 2026-12-02: 23 tokens 1345 us against 1546 with 64-row
-    tiles); a 16-row query tile (a decode) is capped at 128 registers a thread, for the 4 programs an SM
-    `tree_attention` splits one tile for (TQ3_0 fields held a chunk ahead took 168: 1 token over 262K rows
-    774 us, 440 capped; a 32- or 64-row tile cannot compile in 128, and a window's mask spilled in 128).
+    tiles); a 16-row query tile (a decode) runs on one warp, its rows and softmax state private to it and its
+    barriers within it (5 a chunk, 17 on 4 warps), 8 programs an SM (`programs_per_sm`; H200, 2026-12-05, 1 token:
+    262K TQ3_0 rows 438.4 -> 365.5 us, 64K Q8_0 rows 152.4 -> 128.5 us), except with a window, whose decode
+    keeps 4 warps without a register cap (its mask spilled in 128).
     `exact` (float32 operands: a float32 model) takes 16-row query tiles of 4 warps and the shortest chunks:
     its dots are FMA loops, and the quantized rows' 128-row tile compiled to 57K instructions with 10 KB of
     stack a thread in 26 s (offline sm_90, 2026-12-04), the small tile to 5K in 4-6 s."""
@@ -617,8 +621,11 @@ def _launch_defaults(query_rows: int, d: int, quantized: bool, windowed: bool = 
         wide = query_rows > 64
         warps = 8 if wide else 4
         rows = max(16, warps * max(1, 1024 // d))  # tl.dot takes 16 rows at least (head_dim 512 and up repeat rows)
-        return (128, rows, warps, 2, None) if wide else (block_m, rows, warps, None,
-                                                                 128 if block_m == 16 and not windowed else None)
+        if wide:
+            return 128, rows, warps, 2, None
+        if block_m == 16 and not windowed:
+            return 16, max(16, 1024 // d), 1, None, None
+        return block_m, rows, warps, None, None
     wide = d >= 256 and block_m >= 64
     return block_m, 64 if d <= 128 else 16 if wide else 32, 4 if block_m * d <= 16 * 256 or wide else 8, None, None
 
@@ -626,7 +633,7 @@ def _launch_defaults(query_rows: int, d: int, quantized: bool, windowed: bool = 
 def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, positions, kv_end, scale,
                    window=0, split=None, *, gate=None, q_norm=None, unrotate_values=False, block_rows=None,
                    block_m=None, num_warps=None, num_stages=None, operands=None, max_registers=None, tq3_pairs=None,
-                   fields_ahead=True):
+                   fields_ahead=None):
     """Attention of q [heads, T, D] (after RoPE) over cache rows [0, kv_end) of a graphed step; see the
     module docstring for the mask. -> [heads, T, D] in q.dtype; with `gate` [T, heads, D] (any strides, the
     last unit) `activations.gated_heads(result, gate)` instead, [T, heads * D], the gate applied at the store.
@@ -644,10 +651,11 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
     fewer barriers per chunk in the offline SASS; but the fused q norm's prologue then spills 960 bytes per
     thread instead of 336. f16 holds f16 rows exactly and probabilities more finely than bf16; a bf16
     query is clamped to f16's range, `_query_operand`). `tq3_pairs` decodes TQ3_0 rows as float16 pairs
-    (`_tq3_pairs`; f16 operands on the GPU); by default on the GPU with 16-bit operands unless the other side is
-    a bf16 or f32 float cache (`_tq3_pairs_by_default`); True in the interpreter runs the pair decode there (its
-    byte permutes emulated). `fields_ahead=False` loads TQ3_0 rows' fields with their use, not a chunk ahead
-    (`row_fields`). Falls back to `tree_attention_reference` where the Triton path does not apply."""
+    (`_tq3_pairs`; f16 operands on the GPU); by default in a one-warp decode on the GPU with 16-bit operands unless
+    the other side is a bf16 or f32 float cache (`_tq3_pairs_by_default`; H200, 2026-12-05: 1 token over 262K rows
+    in 4-warp programs 438.4 -> 423.3 us, but 23 tokens 1158.5 -> 1237.4, a verify tile spilling more); True in
+    the interpreter runs the pair decode there (its byte permutes emulated). `fields_ahead` loads TQ3_0 rows'
+    fields a chunk ahead (`row_fields`; by default except in a one-warp decode, whose registers they overfill). Falls back to `tree_attention_reference` where the Triton path does not apply."""
     tk, tv = kv_type(kv_type_k), kv_type(kv_type_v)
     _check(q, k_cache, v_cache, tk, tv, start_t, visible, positions, kv_end)
     unrotating = unrotate_values and tv.rotated
@@ -668,20 +676,22 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
     quantized = KV_KINDS[tk.name] > 0 or KV_KINDS[tv.name] > 0
     interpreter = interpreted()
     operands = operands or q.dtype  # a float32 q (a bf16 model's activations) may feed bf16 operands
-    pairs = "tq3_0" in (tk.name, tv.name) and (
-        _tq3_pairs_by_default(tk, tv, operands, interpreter) if tq3_pairs is None else tq3_pairs)
-    if pairs and operands != torch.float32:
-        operands = torch.float16  # the pairs are float16: f16 holds them, and q and P more finely than bf16
-    kind_k, kind_v = (TQ3_PAIRS if pairs and t.name == "tq3_0" else KV_KINDS[t.name] for t in (tk, tv))
-    low_precision = operands in (torch.bfloat16, torch.float16) and not interpreter
-    op = _TL_TYPES[operands] if low_precision else tl.float32
     defaults = _launch_defaults(group * n, d, quantized, window > 0, exact=operands == torch.float32)
     block_m, block_n = block_m or defaults[0], block_rows or defaults[1]
     num_warps, num_stages = num_warps or defaults[2], num_stages or defaults[3]
     max_registers = max_registers or defaults[4]
     m_tiles = triton.cdiv(group * n, block_m)
+    one_warp_decode = quantized and m_tiles == 1 and num_warps == 1
+    pairs = "tq3_0" in (tk.name, tv.name) and (
+        one_warp_decode and _tq3_pairs_by_default(tk, tv, operands, interpreter) if tq3_pairs is None else tq3_pairs)
+    if pairs and operands != torch.float32:
+        operands = torch.float16  # the pairs are float16: f16 holds them, and q and P more finely than bf16
+    fields_ahead = not one_warp_decode if fields_ahead is None else fields_ahead
+    kind_k, kind_v = (TQ3_PAIRS if pairs and t.name == "tq3_0" else KV_KINDS[t.name] for t in (tk, tv))
+    low_precision = operands in (torch.bfloat16, torch.float16) and not interpreter
+    op = _TL_TYPES[operands] if low_precision else tl.float32
     splits = split or choose_splits(kv_end, kv_heads, m_tiles, _sm_count(q.device), block_n,
-                                    programs_per_sm(quantized, m_tiles))
+                                    programs_per_sm(quantized, m_tiles, num_warps))
 
     in_combine = unrotating and splits > 1  # one split: the kernel stores the rotated rows, torch unrotates
     gated = gate is not None and (in_combine or not unrotating)
