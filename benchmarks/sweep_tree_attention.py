@@ -146,8 +146,21 @@ COMPARED = [
     ("1 warp splits x4", {"num_warps": 1, "max_registers": 255}, 4),
     # TQ3_0 fields loaded with their use: the 1-warp pair decode then fits 255 registers without spills
     ("1 warp at use splits x2", {"num_warps": 1, "max_registers": 255, "fields_ahead": False}, 2),
+    # a decode with the MMAs' sides swapped (K rows the M side, the group's 6 query rows padded to 8 the N side):
+    # the [D, 8] accumulator takes half the registers of a [16, D] one (offline sm_90, triton 3.6, TQ3_0 pairs:
+    # 1 warp 197 registers and 1676 instructions a chunk where the 16-row tile takes 255 and 1840; 4 warps 96
+    # registers, 519 a warp, fields at use)
+    ("swap 1 warp x2", {"swap": True, "block_m": 8, "num_warps": 1}, 2),
+    ("swap 1 warp x2.5", {"swap": True, "block_m": 8, "num_warps": 1}, 2.5),
+    ("swap 2 warps pairs x2", {"swap": True, "block_m": 8, "num_warps": 2, "tq3_pairs": True, "fields_ahead": False},
+     2),
+    ("swap 4 warps pairs x1.25", {"swap": True, "block_m": 8, "num_warps": 4, "tq3_pairs": True,
+                                  "fields_ahead": False}, 1.25),
+    ("swap 4 warps pairs ahead", {"swap": True, "block_m": 8, "num_warps": 4, "tq3_pairs": True}, 1),
+    ("swap 4 warps x1.25", {"swap": True, "block_m": 8, "num_warps": 4}, 1.25),
 ]
-TQ3_ONLY = {"float32 TQ3 decode", "32-row chunks 8 warps", "1 warp at use splits x2"}
+TQ3_ONLY = {"float32 TQ3 decode", "32-row chunks 8 warps", "1 warp at use splits x2", "swap 2 warps pairs x2",
+            "swap 4 warps pairs x1.25", "swap 4 warps pairs ahead"}
 
 
 def model_inputs(n: int, committed: int, cache: str) -> dict:
@@ -178,7 +191,9 @@ def compared_launch(n: int, committed: int, cache: str, overrides: dict, split_s
     group_rows = HEADS // KV_HEADS * n
     quantized = KV_KINDS[kv_type(cache).name] > 0
     default_m, default_rows, *_ = _launch_defaults(group_rows, HEAD_DIM, quantized)
-    if ("block_m" in overrides and default_m < 64) or ("max_registers" in overrides and group_rows > default_m):
+    if (("block_m" in overrides and default_m < 64 and not overrides.get("swap"))
+            or ("max_registers" in overrides and group_rows > default_m)
+            or (overrides.get("swap") and group_rows > overrides["block_m"])):
         return None
     launch = dict(overrides)
     if split_scale != 1:

@@ -253,6 +253,12 @@ def _print_mma_bound() -> None:
               f"{per_warp:>10} {(loop or 0) / per_warp:>10.3f} {min(100.0, 100 / ratio):>16.0f}%")
 
 
+SWAPPED_DECODES = ({"block_m": 8, "num_warps": 1}, {"block_m": 8, "num_warps": 2}, {"block_m": 8, "num_warps": 4},
+                   {"block_m": 8, "num_warps": 4, "tq3_pairs": True},
+                   {"block_m": 8, "num_warps": 4, "tq3_pairs": True, "fields_ahead": False},
+                   {"block_m": 8, "num_warps": 2, "tq3_pairs": True, "fields_ahead": False})
+
+
 def tree_attention() -> None:
     from flashtree.kernels.kv_quant import kv_type
     from flashtree.kernels.tree_attention import tree_attention as attend
@@ -268,11 +274,14 @@ def tree_attention() -> None:
                        torch.ones(1, 1, dtype=torch.bool), torch.arange(1), 9, 0.0625, split=split,
                        gate=torch.zeros(1, 24, 2, 256, dtype=torch.bfloat16)[:, :, 1],
                        q_norm=(torch.ones(256), 1e-6, torch.zeros(1, 64), torch.zeros(1, 64)))
-        if cache in ("q8_0", "tq3_0"):  # the sweep's 1-2 warp decode candidates
+        if cache in ("q8_0", "tq3_0"):  # the sweep's 1-2 warp decode candidates, and with the MMAs' sides swapped
             for warps in (1, 2):
                 attend(torch.zeros(24, 1, 256, dtype=torch.bfloat16), *caches, cache, cache, torch.tensor([8]),
                        torch.ones(1, 1, dtype=torch.bool), torch.arange(1), 9, 0.0625, num_warps=warps,
                        max_registers=255)
+            for launch in SWAPPED_DECODES:
+                attend(torch.zeros(24, 1, 256, dtype=torch.bfloat16), *caches, cache, cache, torch.tensor([8]),
+                       torch.ones(1, 1, dtype=torch.bool), torch.arange(1), 9, 0.0625, swap=True, **launch)
         if cache == "tq3_0":  # the values rotated back and gated in the combine
             attend(torch.zeros(24, 1, 256, dtype=torch.bfloat16), *caches, cache, cache, torch.tensor([8]),
                    torch.ones(1, 1, dtype=torch.bool), torch.arange(1), 9, 0.0625, split=4,

@@ -234,6 +234,19 @@ def test_quantized_rows_at_each_query_tile_on_gpu(cache, n):
     assert cases.relative_error(tree_attention(**args), tree_attention_reference(**args)) <= 2e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("launch", [{"num_warps": 1}, {"num_warps": 2, "tq3_pairs": True, "fields_ahead": False},
+                                    {"num_warps": 4, "tq3_pairs": True}, {"num_warps": 4}])
+@pytest.mark.parametrize("cache", ["q8_0", "tq3_0"])
+def test_swapped_decode_on_gpu(cache, launch):
+    """A decode with the MMAs' sides swapped (K rows the M side, the head group the 8-wide N side), at the sweep's
+    launches: across several splits, the committed chunks and the one holding the new row."""
+    args = _real_inputs(cache, 1, 4100)
+    out = tree_attention(**args, swap=True, block_m=8, **launch)
+    assert cases.relative_error(out, tree_attention_reference(**args)) <= 2e-2
+
+
 # the sweep's candidates compile a kernel each: in the slow GPU suite, the default in the fast one
 CANDIDATES = [{"operands": torch.float16}, {"block_rows": 32}, {"block_rows": 64, "num_stages": 2},
               {"block_m": 128, "num_warps": 8}]

@@ -201,6 +201,15 @@ def _cases():
                                                    dict(forced, fields_ahead=False), "reference")
     cases["pairs-tq3_0-prefill-t40-g4-w0-float32"] = (dict(cache="tq3_0", n=40, group=4, start=40, causal=True), 0,
                                                       pairs, "pairs")
+    # a decode with the MMAs' sides swapped (`swap`: K rows the M side, the query rows the 8-wide N side): every
+    # quantized kind, the pair decode, a window, and a short tree of one head (its 5 rows fit the 8-row tile)
+    swapped = dict(forced, swap=True, block_m=8)
+    for cache in ("q8_0", "q4_0", "tq3_0"):
+        cases[f"swap-{cache}-t1-g4-w{WINDOW}-float32"] = (dict(cache=cache, n=1, group=4), WINDOW, swapped,
+                                                          "reference")
+    cases["swap-pairs-tq3_0-t1-g4-w0-float32"] = (dict(cache="tq3_0", n=1, group=4), 0,
+                                                  dict(swapped, tq3_pairs=True, fields_ahead=False), "pairs")
+    cases["swap-f32-t5-g1-w9-float32"] = (dict(cache="f32", n=5, group=1), WINDOW, swapped, "reference")
     return cases
 
 

@@ -329,13 +329,14 @@ if triton is not None:
     @triton.jit
     def _chunk(q, k_base, v_base, vis_ptr, pos_ptr, r0, my_hi, start, T, window, tok, qpos, m_ok, m_i, l_i, acc,
                stride_kr, stride_vr, scale_log2, D: tl.constexpr, KIND_K: tl.constexpr, KIND_V: tl.constexpr,
-               OP: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+               OP: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
+               SWAP: tl.constexpr):
         """One BLOCK_N chunk of rows [r0, min(r0 + BLOCK_N, my_hi)) that may hold new rows or end the range:
         scores, the full mask (tree visibility from `vis_ptr`), online-softmax update."""
         rows = r0 + tl.arange(0, BLOCK_N)
         row_ok = rows < my_hi
         k = load_rows(k_base, rows, row_ok, stride_kr, D, KIND_K, OP)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        s = _scores(q, k, PRECISION, SWAP) * scale_log2  # [BLOCK_M, BLOCK_N]
         rel = rows - start
         new = (rel >= 0) & row_ok
         node = tl.minimum(tl.maximum(rel, 0), T - 1)
@@ -346,7 +347,7 @@ if triton is not None:
             ok = ok & ((qpos[:, None] - key_pos[None, :]) < window)
         ok = ok & m_ok[:, None]
         v = load_rows(v_base, rows, row_ok, stride_vr, D, KIND_V, OP)
-        return _softmax_update(tl.where(ok, s, float("-inf")), v, m_i, l_i, acc, OP, PRECISION)
+        return _softmax_update(tl.where(ok, s, float("-inf")), v, m_i, l_i, acc, OP, PRECISION, SWAP)
 
     @triton.jit
     def _committed_fields(k_base, v_base, r0, committed_hi, stride_kr, stride_vr, D: tl.constexpr,
@@ -360,31 +361,45 @@ if triton is not None:
     @triton.jit
     def _committed_chunk(q, k_fields, v_fields, r0, window, qpos, m_i, l_i, acc, scale_log2, D: tl.constexpr,
                          KIND_K: tl.constexpr, KIND_V: tl.constexpr, OP: tl.constexpr, PRECISION: tl.constexpr,
-                         HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr):
+                         HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr, SWAP: tl.constexpr):
         """`_chunk` for a whole chunk of committed rows (all below start and inside the split), from its K/V
         `row_fields` (loaded one chunk ahead, `_committed_fields`): every query sees every row, so no tree-mask
         gather (a [BLOCK_M, BLOCK_N] byte load whose layout conversions went through shared memory with
         several barriers per chunk) and no row bounds; only a window, whose mask comes from positions already
         in registers. Query rows past the tile's end get finite scores (q is zero there) and are never stored."""
         k = row_values(k_fields, D, KIND_K, OP, AHEAD)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        s = _scores(q, k, PRECISION, SWAP) * scale_log2
         if HAS_WINDOW:
             rows = r0 + tl.arange(0, BLOCK_N)
             s = tl.where((qpos[:, None] - rows[None, :]) < window, s, float("-inf"))
         v = row_values(v_fields, D, KIND_V, OP, AHEAD)
-        return _softmax_update(s, v, m_i, l_i, acc, OP, PRECISION)
+        return _softmax_update(s, v, m_i, l_i, acc, OP, PRECISION, SWAP)
 
     @triton.jit
-    def _softmax_update(s, v, m_i, l_i, acc, OP: tl.constexpr, PRECISION: tl.constexpr):
+    def _scores(q, k, PRECISION: tl.constexpr, SWAP: tl.constexpr):
+        """[BLOCK_M, BLOCK_N] q @ k^T; with SWAP, q is held transposed ([D, BLOCK_M]) and the product is taken as
+        (k @ q^T)^T: the K rows are the MMA's M side, so a decode's few query rows need only its 8-wide N side."""
+        if SWAP:
+            s = tl.trans(tl.dot(k, q, input_precision=PRECISION))
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        return s
+
+    @triton.jit
+    def _softmax_update(s, v, m_i, l_i, acc, OP: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr):
         """Online softmax (base 2, float32) of a chunk's masked scores s [BLOCK_M, BLOCK_N] and values v: new
-        running max, sum and P @ V accumulator. A row with every score masked so far keeps max -inf (its
+        running max, sum and P @ V accumulator ([BLOCK_M, D], or with SWAP [D, BLOCK_M] = V^T @ P^T: a decode's
+        accumulator then takes half the registers). A row with every score masked so far keeps max -inf (its
         exponents use 0 instead, so no inf - inf)."""
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(OP), v, input_precision=PRECISION)
+        if SWAP:
+            acc = acc * alpha[None, :] + tl.dot(tl.trans(v), tl.trans(p.to(OP)), input_precision=PRECISION)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(OP), v, input_precision=PRECISION)
         return m_new, l_i, acc
 
     @triton.jit
@@ -397,7 +412,7 @@ if triton is not None:
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
                                FIXED_TRIPS: tl.constexpr, TRIPS: tl.constexpr, TAIL_TRIPS: tl.constexpr,
                                GATED: tl.constexpr, NORM_Q: tl.constexpr, ROT: tl.constexpr,
-                               FIELDS_AHEAD: tl.constexpr):
+                               FIELDS_AHEAD: tl.constexpr, SWAP: tl.constexpr):
         kvh = tl.program_id(0)
         split = tl.program_id(2)
         offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -411,6 +426,8 @@ if triton is not None:
             q = _query_operand(norm_rope_tile(q_rows, qn_w_ptr, cos_ptr, sin_ptr, tok, d, m_ok, qn_eps, D, ROT), OP)
         else:
             q = _query_operand(tl.load(q_rows + d[None, :], mask=m_ok[:, None], other=0.0), OP)
+        if SWAP:
+            q = tl.trans(q)
 
         start = tl.load(start_ptr).to(tl.int32)
         end = tl.minimum(start + T, kv_end)
@@ -427,7 +444,10 @@ if triton is not None:
         v_base = v_ptr + kvh.to(tl.int64) * stride_vh
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
-        acc = tl.zeros((BLOCK_M, D), tl.float32)
+        if SWAP:
+            acc = tl.zeros((D, BLOCK_M), tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, D), tl.float32)
         # whole chunks of committed rows first (no tree mask), then the rest: at most the chunk straddling
         # start and the new rows, ceil(T / BLOCK_N) + 1 chunks
         committed_hi = my_lo + tl.maximum(tl.minimum(start, my_hi) - my_lo, 0) // BLOCK_N * BLOCK_N
@@ -443,26 +463,29 @@ if triton is not None:
                                                        stride_vr, D, KIND_K, KIND_V, BLOCK_N, FIELDS_AHEAD)
                     m_i, l_i, acc = _committed_chunk(q, k_fields, v_fields, r0, window, qpos, m_i, l_i, acc,
                                                      scale_log2, D, KIND_K, KIND_V, OP, PRECISION, HAS_WINDOW, BLOCK_N,
-                                                     FIELDS_AHEAD)
+                                                     FIELDS_AHEAD, SWAP)
                     k_fields, v_fields = next_k, next_v
             for i in range(0, TAIL_TRIPS):
                 r0 = committed_hi + i * BLOCK_N
                 if r0 < my_hi:
                     m_i, l_i, acc = _chunk(q, k_base, v_base, vis_ptr, pos_ptr, r0, my_hi, start, T, window, tok, qpos,
                                            m_ok, m_i, l_i, acc, stride_kr, stride_vr, scale_log2, D, KIND_K, KIND_V,
-                                           OP, PRECISION, HAS_WINDOW, BLOCK_N)
+                                           OP, PRECISION, HAS_WINDOW, BLOCK_N, SWAP)
         else:
             for r0 in range(my_lo, committed_hi, BLOCK_N):
                 next_k, next_v = _committed_fields(k_base, v_base, r0 + BLOCK_N, committed_hi, stride_kr, stride_vr, D,
                                                    KIND_K, KIND_V, BLOCK_N, FIELDS_AHEAD)
                 m_i, l_i, acc = _committed_chunk(q, k_fields, v_fields, r0, window, qpos, m_i, l_i, acc, scale_log2,
-                                                 D, KIND_K, KIND_V, OP, PRECISION, HAS_WINDOW, BLOCK_N, FIELDS_AHEAD)
+                                                 D, KIND_K, KIND_V, OP, PRECISION, HAS_WINDOW, BLOCK_N, FIELDS_AHEAD,
+                                                 SWAP)
                 k_fields, v_fields = next_k, next_v
             for r0 in range(committed_hi, my_hi, BLOCK_N):
                 m_i, l_i, acc = _chunk(q, k_base, v_base, vis_ptr, pos_ptr, r0, my_hi, start, T, window, tok, qpos,
                                        m_ok, m_i, l_i, acc, stride_kr, stride_vr, scale_log2, D, KIND_K, KIND_V,
-                                       OP, PRECISION, HAS_WINDOW, BLOCK_N)
+                                       OP, PRECISION, HAS_WINDOW, BLOCK_N, SWAP)
 
+        if SWAP:
+            acc = tl.trans(acc)
         has = l_i > 0
         o = acc / tl.where(has, l_i, 1.0)[:, None]
         row = head.to(tl.int64) * T + tok  # (head, token) index in [heads * T]
@@ -633,7 +656,7 @@ def _launch_defaults(query_rows: int, d: int, quantized: bool, windowed: bool = 
 def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, positions, kv_end, scale,
                    window=0, split=None, *, gate=None, q_norm=None, unrotate_values=False, block_rows=None,
                    block_m=None, num_warps=None, num_stages=None, operands=None, max_registers=None, tq3_pairs=None,
-                   fields_ahead=None):
+                   fields_ahead=None, swap=False):
     """Attention of q [heads, T, D] (after RoPE) over cache rows [0, kv_end) of a graphed step; see the
     module docstring for the mask. -> [heads, T, D] in q.dtype; with `gate` [T, heads, D] (any strides, the
     last unit) `activations.gated_heads(result, gate)` instead, [T, heads * D], the gate applied at the store.
@@ -714,7 +737,7 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
         HAS_WINDOW=window > 0, BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits,
         FIXED_TRIPS=interpreter, TRIPS=triton.cdiv(triton.cdiv(kv_end, splits), block_n) if interpreter else 0,
         TAIL_TRIPS=triton.cdiv(n, block_n) + 1 if interpreter else 0,
-        GATED=gated, NORM_Q=q_norm is not None, ROT=max(rot, 2), FIELDS_AHEAD=fields_ahead,
+        GATED=gated, NORM_Q=q_norm is not None, ROT=max(rot, 2), FIELDS_AHEAD=fields_ahead, SWAP=swap,
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
         **({} if max_registers is None else {"maxnreg": max_registers}))
     if splits > 1:
