@@ -125,14 +125,16 @@ def test_tq3_0_without_triton_runtime_falls_back_to_reference(monkeypatch):
 @pytest.mark.parametrize("query_rows", [6, 18, 60, 138])
 def test_quantized_rows_launch_a_chunk_tl_dot_takes(d, query_rows):
     pytest.importorskip("triton")
-    block_m, block_n, warps, _, max_registers = _launch_defaults(query_rows, d, quantized=True)
-    assert block_n >= 16 and block_m >= 16 and block_n & (block_n - 1) == 0
-    assert block_n == max(16, warps * 1024 // d)  # one 32-value block a thread where the CTA covers the chunk
-    # a decode's 16-row tile runs on one warp, 8 programs an SM (`programs_per_sm`), no register cap
-    assert (warps, max_registers) == (1, None) if block_m == 16 else max_registers is None
-    assert programs_per_sm(True, 1, warps) == (8 if block_m == 16 else 4)
+    launch = _launch_defaults(query_rows, d, quantized=True)
+    assert launch.block_n >= 16 and launch.block_n & (launch.block_n - 1) == 0 and launch.max_registers is None
+    assert launch.block_n == max(16, launch.warps * 1024 // d)  # one 32-value block a thread: the CTA covers the chunk
+    # a decode (one token's 6-row head group) swaps the MMAs' sides: an 8-row tile on 2 warps, 8 programs an SM
+    decode = query_rows <= 8
+    assert launch.swap is decode and (launch.block_m, launch.warps) == (8, 2) if decode else launch.warps >= 4
+    assert launch.block_m >= (8 if launch.swap else 16)  # the N side of a swapped MMA takes 8, the M side 16
+    assert programs_per_sm(True, 1, launch.warps) == (8 if launch.swap else 4)
     windowed = _launch_defaults(query_rows, d, quantized=True, windowed=True)
-    assert windowed[4] is None and (windowed[2] == 4 or windowed[0] > 16)  # a window's decode keeps 4 warps, no cap
+    assert not windowed.swap and windowed.max_registers is None and windowed.warps >= 4  # a window's keeps 4 warps
 
 
 @pytest.mark.parametrize("quantized", [False, True])
@@ -141,8 +143,7 @@ def test_float32_operands_take_small_tiles(query_rows, quantized):
     """A float32 model's dots are FMA loops: a 16-row query tile of 4 warps over short chunks (the 128-row
     tile of quantized rows compiled to 57K instructions and 10 KB of stack a thread, in 26 s)."""
     pytest.importorskip("triton")
-    block_m, block_n, warps, _, max_registers = _launch_defaults(query_rows, 256, quantized, exact=True)
-    assert (block_m, block_n, warps, max_registers) == (16, 16, 4, None)
+    assert _launch_defaults(query_rows, 256, quantized, exact=True) == (16, 16, 4, None, None, False)
 
 
 def test_split_choice():

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -68,6 +69,7 @@ _PROGRAMS_PER_SM = 2
 _MAX_SPLITS = 256
 MAX_TREE_QUERIES = 128  # tokens per call (a tree of budget <= 127 plus its root, or a short prefill chunk)
 _MAX_GROUP = 8
+_SWAPPED_ROWS = 8  # a swapped decode's query tile: the MMA's narrowest N side
 KV_KINDS = {"f32": 0, "f16": 0, "bf16": 0, "q8_0": 1, "q4_0": 2, "tq3_0": 3}  # kernel's KIND per cache type
 TQ3_PAIRS = 4  # KIND of TQ3_0 rows decoded as float16 pairs (`_tq3_pairs`)
 _LOG2E = 1.4426950408889634
@@ -559,11 +561,12 @@ def _sm_count(device: torch.device) -> int:
 
 def programs_per_sm(quantized: bool, m_tiles: int, warps: int = 4) -> int:
     """Resident programs an SM that the split count aims for. A decode over quantized rows (one query tile):
-    8 of one warp each (H200, 2026-12-05, sweep_tree_attention.py --compare: twice the splits of 4 an SM took 1 token
-    over 262K TQ3_0 rows 365.5 us, over 64K Q8_0 rows 128.5 us), or 4 of 4 warps capped at 128 registers a thread
-    (2026-12-02: 132 splits instead of 66 took 462 instead of 648 us over 262K TQ3_0 rows)."""
+    8 of one or two warps each (H200, 2026-12-05, sweep_tree_attention.py --compare: 1 token over 262K TQ3_0 rows
+    334.2 us in swapped 2-warp programs, 365.5 in 1-warp ones, at twice the splits of 4 an SM), or 4 of 4 warps
+    capped at 128 registers a thread (2026-12-02: 132 splits instead of 66 took 462 instead of 648 us over 262K
+    TQ3_0 rows)."""
     if quantized and m_tiles == 1:
-        return 8 if warps == 1 else 4
+        return 8 if warps <= 2 else 4
     return _PROGRAMS_PER_SM
 
 
@@ -620,43 +623,51 @@ def _check(q, k_cache, v_cache, tk, tv, start_t, visible, positions, kv_end):
         raise FlashtreeError(f"visible must be [T, T], positions [T] and start_t [1] (T={n})")
 
 
-def _launch_defaults(query_rows: int, d: int, quantized: bool, windowed: bool = False, exact: bool = False
-                     ) -> tuple[int, int, int, int | None, int | None]:
-    """(BLOCK_M, BLOCK_N, warps, stages or None for Triton's, register cap or None) for a KV head's
-    `query_rows` (GQA group x T). Float rows: head_dim 256 with a full query tile takes short row chunks and
-    4 warps, which keep the [64, 256] accumulator out of local memory (H200 sweep,
+class Launch(NamedTuple):
+    """A launch's shape: query rows a program (BLOCK_M), K/V rows a chunk (BLOCK_N), warps, pipeline stages (None:
+    Triton's), a thread's register cap (None: none), and whether the MMAs' sides are swapped (`_scores`)."""
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int | None = None
+    max_registers: int | None = None
+    swap: bool = False
+
+
+def _launch_defaults(query_rows: int, d: int, quantized: bool, windowed: bool = False, exact: bool = False) -> Launch:
+    """The `Launch` for a KV head's `query_rows` (GQA group x T). Float rows: head_dim 256 with a full query tile
+    takes short row chunks and 4 warps, which keep the [64, 256] accumulator out of local memory (H200 sweep,
     benchmarks/sweep_tree_attention.py: 545 -> 332 us for 23 tokens at 64K rows). Quantized rows:
     `_block_values` gives each thread one block of 32 values, so a chunk is as many rows as the CTA's threads
     cover (1024 / d per warp; a longer chunk repeats rows in a thread's registers, and the values then reach
     shared memory 2 bytes per store); past one 64-row query tile, 128-row tiles of 8 warps decode each K/V row
     for fewer tiles (H200 sweep at 262K TQ3_0 rows, 2026-12-02: 23 tokens 1345 us against 1546 with 64-row
-    tiles); a 16-row query tile (a decode) runs on one warp, its rows and softmax state private to it and its
-    barriers within it (5 a chunk, 17 on 4 warps), 8 programs an SM (`programs_per_sm`; H200, 2026-12-05, 1 token:
-    262K TQ3_0 rows 438.4 -> 365.5 us, 64K Q8_0 rows 152.4 -> 128.5 us), except with a window, whose decode
-    keeps 4 warps without a register cap (its mask spilled in 128).
+    tiles). A decode (at most 8 query rows: one token's head group) over quantized rows swaps the MMAs' sides (the
+    K rows the M side, the query rows the 8-wide N side: a [D, 8] accumulator, 128 registers a thread) on 2 warps,
+    8 programs an SM (`programs_per_sm`; H200, 2026-12-05, 1 token over TQ3_0 rows, main's 4-warp 16-row tile ->
+    this: 1K 9.4 -> 8.9 us, 64K 119.8 -> 101.1, 262K 428.5 -> 334.2), except with a window, whose decode keeps
+    4 warps on a 16-row tile (its mask spilled in 128 registers).
     `exact` (float32 operands: a float32 model) takes 16-row query tiles of 4 warps and the shortest chunks:
     its dots are FMA loops, and the quantized rows' 128-row tile compiled to 57K instructions with 10 KB of
     stack a thread in 26 s (offline sm_90, 2026-12-04), the small tile to 5K in 4-6 s."""
     if exact:
-        return 16, max(16, 4 * 1024 // d) if quantized else 16, 4, None, None
+        return Launch(16, max(16, 4 * 1024 // d) if quantized else 16, 4)
     block_m = min(64, max(16, triton.next_power_of_2(query_rows)))
     if quantized:
+        if query_rows <= _SWAPPED_ROWS and not windowed:
+            return Launch(_SWAPPED_ROWS, max(16, 2 * max(1, 1024 // d)), 2, swap=True)
         wide = query_rows > 64
         warps = 8 if wide else 4
         rows = max(16, warps * max(1, 1024 // d))  # tl.dot takes 16 rows at least (head_dim 512 and up repeat rows)
-        if wide:
-            return 128, rows, warps, 2, None
-        if block_m == 16 and not windowed:
-            return 16, max(16, 1024 // d), 1, None, None
-        return block_m, rows, warps, None, None
+        return Launch(128, rows, warps, 2) if wide else Launch(block_m, rows, warps)
     wide = d >= 256 and block_m >= 64
-    return block_m, 64 if d <= 128 else 16 if wide else 32, 4 if block_m * d <= 16 * 256 or wide else 8, None, None
+    return Launch(block_m, 64 if d <= 128 else 16 if wide else 32, 4 if block_m * d <= 16 * 256 or wide else 8)
 
 
 def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, positions, kv_end, scale,
                    window=0, split=None, *, gate=None, q_norm=None, unrotate_values=False, block_rows=None,
                    block_m=None, num_warps=None, num_stages=None, operands=None, max_registers=None, tq3_pairs=None,
-                   fields_ahead=None, swap=False):
+                   fields_ahead=None, swap=None):
     """Attention of q [heads, T, D] (after RoPE) over cache rows [0, kv_end) of a graphed step; see the
     module docstring for the mask. -> [heads, T, D] in q.dtype; with `gate` [T, heads, D] (any strides, the
     last unit) `activations.gated_heads(result, gate)` instead, [T, heads * D], the gate applied at the store.
@@ -674,11 +685,14 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
     fewer barriers per chunk in the offline SASS; but the fused q norm's prologue then spills 960 bytes per
     thread instead of 336. f16 holds f16 rows exactly and probabilities more finely than bf16; a bf16
     query is clamped to f16's range, `_query_operand`). `tq3_pairs` decodes TQ3_0 rows as float16 pairs
-    (`_tq3_pairs`; f16 operands on the GPU); by default in a one-warp decode on the GPU with 16-bit operands unless
-    the other side is a bf16 or f32 float cache (`_tq3_pairs_by_default`; H200, 2026-12-05: 1 token over 262K rows
-    in 4-warp programs 438.4 -> 423.3 us, but 23 tokens 1158.5 -> 1237.4, a verify tile spilling more); True in
-    the interpreter runs the pair decode there (its byte permutes emulated). `fields_ahead` loads TQ3_0 rows'
-    fields a chunk ahead (`row_fields`; by default except in a one-warp decode, whose registers they overfill). Falls back to `tree_attention_reference` where the Triton path does not apply."""
+    (`_tq3_pairs`; f16 operands on the GPU); by default in a decode of one or two warps on the GPU with 16-bit
+    operands unless the other side is a bf16 or f32 float cache (`_tq3_pairs_by_default`; H200, 2026-12-05: 1 token
+    over 262K rows in 4-warp programs 438.4 -> 423.3 us, but 23 tokens 1158.5 -> 1237.4, a verify tile spilling
+    more); True in the interpreter runs the pair decode there (its byte permutes emulated). `fields_ahead` loads
+    TQ3_0 rows' fields a chunk ahead (`row_fields`; by default except in a decode of one or two warps, whose
+    registers they overfill). `swap` takes the MMAs with their sides swapped (`_scores`: q held as [D, BLOCK_M]),
+    by default in a decode over quantized rows (`_launch_defaults`). Falls back to `tree_attention_reference` where
+    the Triton path does not apply."""
     tk, tv = kv_type(kv_type_k), kv_type(kv_type_v)
     _check(q, k_cache, v_cache, tk, tv, start_t, visible, positions, kv_end)
     unrotating = unrotate_values and tv.rotated
@@ -700,16 +714,17 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
     interpreter = interpreted()
     operands = operands or q.dtype  # a float32 q (a bf16 model's activations) may feed bf16 operands
     defaults = _launch_defaults(group * n, d, quantized, window > 0, exact=operands == torch.float32)
-    block_m, block_n = block_m or defaults[0], block_rows or defaults[1]
-    num_warps, num_stages = num_warps or defaults[2], num_stages or defaults[3]
-    max_registers = max_registers or defaults[4]
+    block_m, block_n = block_m or defaults.block_m, block_rows or defaults.block_n
+    num_warps, num_stages = num_warps or defaults.warps, num_stages or defaults.stages
+    max_registers = max_registers or defaults.max_registers
+    swap = defaults.swap if swap is None else swap
     m_tiles = triton.cdiv(group * n, block_m)
-    one_warp_decode = quantized and m_tiles == 1 and num_warps == 1
+    small_decode = quantized and m_tiles == 1 and num_warps <= 2  # its registers: pairs, no fields ahead
     pairs = "tq3_0" in (tk.name, tv.name) and (
-        one_warp_decode and _tq3_pairs_by_default(tk, tv, operands, interpreter) if tq3_pairs is None else tq3_pairs)
+        small_decode and _tq3_pairs_by_default(tk, tv, operands, interpreter) if tq3_pairs is None else tq3_pairs)
     if pairs and operands != torch.float32:
         operands = torch.float16  # the pairs are float16: f16 holds them, and q and P more finely than bf16
-    fields_ahead = not one_warp_decode if fields_ahead is None else fields_ahead
+    fields_ahead = not small_decode if fields_ahead is None else fields_ahead
     kind_k, kind_v = (TQ3_PAIRS if pairs and t.name == "tq3_0" else KV_KINDS[t.name] for t in (tk, tv))
     low_precision = operands in (torch.bfloat16, torch.float16) and not interpreter
     op = _TL_TYPES[operands] if low_precision else tl.float32
