@@ -56,19 +56,14 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
                              --candidates "new default,float32 TQ3 decode,32-row chunks 8 warps,2 warps splits x2,1 warp splits x2,1 warp splits x4,1 warp at use splits x2" \
                              --out "$OUT/attention_tq3.json" > "$OUT/attention_tq3.txt" 2>&1
                          echo "== sweep-attention-tq3 (rc $?)"; tail -10 "$OUT/attention_tq3.txt" ;;
-    # a decode over quantized rows with the MMAs' sides swapped (K rows the M side; `swap`), against main's kernel
-    # (.baseline) and the one-warp default
-    sweep-attention-swap) timeout 250 python3 benchmarks/sweep_tree_attention.py --compare --budget-s 210 \
-                              --baseline .baseline/tree_attention.py \
-                              --cases 1:1024:tq3_0,1:65536:tq3_0,1:262144:tq3_0,1:1024:q8_0,1:65536:q8_0,1:262144:q8_0 \
-                              --candidates "new default,swap 1 warp x2,swap 1 warp x2.5,swap 2 warps pairs x2,swap 4 warps pairs x1.25,swap 4 warps pairs ahead,swap 4 warps x1.25" \
-                              --out "$OUT/attention_swap.json" > "$OUT/attention_swap.txt" 2>&1
-                          echo "== sweep-attention-swap (rc $?)"; tail -8 "$OUT/attention_swap.txt" ;;
-    # the decode's default over quantized rows against main's kernel (.baseline) alone
-    sweep-attention-decode) timeout 150 python3 benchmarks/sweep_tree_attention.py --compare --budget-s 110 \
-                                --baseline .baseline/tree_attention.py \
+    # a decode over quantized rows: the default against main's kernel (.baseline), or DECODE_CANDIDATES, e.g. the
+    # twenty-fourth session's swapped launches (BUDGET_DECODE=210): "new default,swap 1 warp x2,swap 1 warp x2.5,
+    # swap 2 warps pairs x2,swap 4 warps pairs x1.25,swap 4 warps pairs ahead,swap 4 warps x1.25"
+    sweep-attention-decode) timeout $(( ${BUDGET_DECODE:-110} + 40 )) python3 benchmarks/sweep_tree_attention.py --compare \
+                                --budget-s "${BUDGET_DECODE:-110}" --baseline .baseline/tree_attention.py \
                                 --cases 1:1024:tq3_0,1:65536:tq3_0,1:262144:tq3_0,1:1024:q8_0,1:65536:q8_0,1:262144:q8_0 \
-                                --candidates "new default" --out "$OUT/attention_decode.json" > "$OUT/attention_decode.txt" 2>&1
+                                --candidates "${DECODE_CANDIDATES:-new default}" --out "$OUT/attention_decode.json" \
+                                > "$OUT/attention_decode.txt" 2>&1
                             echo "== sweep-attention-decode (rc $?)"; tail -7 "$OUT/attention_decode.txt" ;;
     sweep-draft-attention) timeout 120 python3 benchmarks/sweep_draft_attention.py --out "$OUT/draft_attention.json" ;;
     sweep-deltanet-tree) timeout 120 python3 benchmarks/sweep_deltanet_tree.py --out "$OUT/deltanet_tree.json" \
