@@ -121,19 +121,22 @@ def test_tq3_0_without_triton_runtime_falls_back_to_reference(monkeypatch):
                        tree_attention_reference(**args, window=cases.WINDOW))
 
 
+@pytest.mark.parametrize("tq3", [False, True])
 @pytest.mark.parametrize("d", [32, 64, 128, 256, 512, 1024])
 @pytest.mark.parametrize("query_rows", [6, 18, 60, 138])
-def test_quantized_rows_launch_a_chunk_tl_dot_takes(d, query_rows):
+def test_quantized_rows_launch_a_chunk_tl_dot_takes(d, query_rows, tq3):
     pytest.importorskip("triton")
-    launch = _launch_defaults(query_rows, d, quantized=True)
-    assert launch.block_n >= 16 and launch.block_n & (launch.block_n - 1) == 0 and launch.max_registers is None
+    launch = _launch_defaults(query_rows, d, quantized=True, tq3=tq3)
+    assert launch.block_n >= 16 and launch.block_n & (launch.block_n - 1) == 0
     assert launch.block_n == max(16, launch.warps * 1024 // d)  # one 32-value block a thread: the CTA covers the chunk
-    # a decode (one token's 6-row head group) swaps the MMAs' sides: an 8-row tile on 2 warps, 8 programs an SM
     decode = query_rows <= 8
-    assert launch.swap is decode and (launch.block_m, launch.warps) == (8, 2) if decode else launch.warps >= 4
-    assert launch.block_m >= (8 if launch.swap else 16)  # the N side of a swapped MMA takes 8, the M side 16
+    if decode and tq3:  # one token's 6-row head group over TQ3_0 rows: the MMAs' sides swapped, 8 rows on 2 warps
+        assert (launch.block_m, launch.warps, launch.swap, launch.max_registers) == (8, 2, True, None)
+    else:  # a 16-row decode tile on 4 warps capped at 128 registers; wider tiles uncapped
+        assert not launch.swap and launch.block_m >= 16 and launch.warps >= 4
+        assert launch.max_registers == (128 if decode else None)
     assert programs_per_sm(True, 1, launch.warps) == (8 if launch.swap else 4)
-    windowed = _launch_defaults(query_rows, d, quantized=True, windowed=True)
+    windowed = _launch_defaults(query_rows, d, quantized=True, windowed=True, tq3=tq3)
     assert not windowed.swap and windowed.max_registers is None and windowed.warps >= 4  # a window's keeps 4 warps
 
 
@@ -154,7 +157,9 @@ def test_split_choice():
     assert choose_splits(1025, 4, 1, block_rows=32) == 9  # AR decode at 1K rows as before
     assert choose_splits(1 << 22, 1, 1) == 256  # the cap
     assert choose_splits(262144, 4, 1, block_rows=16, programs_per_sm=4) == 132  # 4 programs an SM
-    assert choose_splits(262144, 4, 1, block_rows=16, programs_per_sm=8) == 256  # a 1-warp decode: 8, capped
+    assert choose_splits(262144, 4, 1, block_rows=16, programs_per_sm=8) == 256  # a 2-warp decode: 8, capped
+    assert choose_splits(1025, 4, 1, block_rows=16, programs_per_sm=8) == 17  # 4 chunks a split
+    assert choose_splits(1025, 4, 1, block_rows=16, programs_per_sm=8, min_chunks=2) == 33  # a swapped decode's 2
 
 
 def test_errors_name_the_problem():

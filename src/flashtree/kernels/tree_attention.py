@@ -571,14 +571,15 @@ def programs_per_sm(quantized: bool, m_tiles: int, warps: int = 4) -> int:
 
 
 def choose_splits(kv_end: int, kv_heads: int, m_tiles: int, sms: int = _H200_SMS, block_rows: int = 64,
-                  programs_per_sm: int = _PROGRAMS_PER_SM) -> int:
+                  programs_per_sm: int = _PROGRAMS_PER_SM, min_chunks: int = 4) -> int:
     """Splits of the row range: enough programs (kv_heads * m_tiles * splits) for ~`programs_per_sm` per SM,
-    each split at least 4 chunks long. Short rows ranges are latency-bound (a chain of dependent chunk steps per program),
+    each split at least `min_chunks` chunks long (a swapped decode: 2; H200, 2026-12-05, 1 token over 1K TQ3_0 rows
+    8.9 us in 34 splits, 10.2 in 17). Short rows ranges are latency-bound (a chain of dependent chunk steps per program),
     so they split as finely too: 23 tokens over 1K rows took 61 us in one split per query tile (12 programs
     on 132 SMs, 66 chunks each, H200 2026-12-01), when a split had to be 8 x the query rows long (to keep
     the float32 partials small next to the K/V they summarize; they stay in L2 at these sizes)."""
     wanted = math.ceil(programs_per_sm * sms / (kv_heads * m_tiles))
-    return max(1, min(wanted, math.ceil(kv_end / (4 * block_rows)), _MAX_SPLITS))
+    return max(1, min(wanted, math.ceil(kv_end / (min_chunks * block_rows)), _MAX_SPLITS))
 
 
 def supported_head_dim(d: int, t: KVType) -> bool:
@@ -634,7 +635,8 @@ class Launch(NamedTuple):
     swap: bool = False
 
 
-def _launch_defaults(query_rows: int, d: int, quantized: bool, windowed: bool = False, exact: bool = False) -> Launch:
+def _launch_defaults(query_rows: int, d: int, quantized: bool, windowed: bool = False, exact: bool = False,
+                     tq3: bool = False) -> Launch:
     """The `Launch` for a KV head's `query_rows` (GQA group x T). Float rows: head_dim 256 with a full query tile
     takes short row chunks and 4 warps, which keep the [64, 256] accumulator out of local memory (H200 sweep,
     benchmarks/sweep_tree_attention.py: 545 -> 332 us for 23 tokens at 64K rows). Quantized rows:
@@ -642,11 +644,12 @@ def _launch_defaults(query_rows: int, d: int, quantized: bool, windowed: bool = 
     cover (1024 / d per warp; a longer chunk repeats rows in a thread's registers, and the values then reach
     shared memory 2 bytes per store); past one 64-row query tile, 128-row tiles of 8 warps decode each K/V row
     for fewer tiles (H200 sweep at 262K TQ3_0 rows, 2026-12-02: 23 tokens 1345 us against 1546 with 64-row
-    tiles). A decode (at most 8 query rows: one token's head group) over quantized rows swaps the MMAs' sides (the
-    K rows the M side, the query rows the 8-wide N side: a [D, 8] accumulator, 128 registers a thread) on 2 warps,
-    8 programs an SM (`programs_per_sm`; H200, 2026-12-05, 1 token over TQ3_0 rows, main's 4-warp 16-row tile ->
-    this: 1K 9.4 -> 8.9 us, 64K 119.8 -> 101.1, 262K 428.5 -> 334.2), except with a window, whose decode keeps
-    4 warps on a 16-row tile (its mask spilled in 128 registers).
+    tiles). A decode (at most 8 query rows: one token's head group) over TQ3_0 rows (`tq3`) swaps the MMAs' sides
+    (the K rows the M side, the query rows the 8-wide N side: a [D, 8] accumulator, 128 registers a thread) on 2
+    warps, 8 programs an SM (`programs_per_sm`; H200, 2026-12-05, 1 token, main's 4-warp 16-row tile -> this: 1K
+    9.4 -> 8.9 us, 64K 119.8 -> 101.1, 262K 428.5 -> 334.2), except with a window (its mask spilled in 128
+    registers). Q8_0 / Q4_0 rows keep 4 warps capped at 128 registers on a 16-row tile: the swapped 2-warp decode
+    took them 14.1 / 157.2 / 506.4 us at 1K / 64K / 262K Q8_0 rows against 12.6 / 150.0 / 538.2.
     `exact` (float32 operands: a float32 model) takes 16-row query tiles of 4 warps and the shortest chunks:
     its dots are FMA loops, and the quantized rows' 128-row tile compiled to 57K instructions with 10 KB of
     stack a thread in 26 s (offline sm_90, 2026-12-04), the small tile to 5K in 4-6 s."""
@@ -654,12 +657,13 @@ def _launch_defaults(query_rows: int, d: int, quantized: bool, windowed: bool = 
         return Launch(16, max(16, 4 * 1024 // d) if quantized else 16, 4)
     block_m = min(64, max(16, triton.next_power_of_2(query_rows)))
     if quantized:
-        if query_rows <= _SWAPPED_ROWS and not windowed:
+        if query_rows <= _SWAPPED_ROWS and tq3 and not windowed:
             return Launch(_SWAPPED_ROWS, max(16, 2 * max(1, 1024 // d)), 2, swap=True)
         wide = query_rows > 64
         warps = 8 if wide else 4
         rows = max(16, warps * max(1, 1024 // d))  # tl.dot takes 16 rows at least (head_dim 512 and up repeat rows)
-        return Launch(128, rows, warps, 2) if wide else Launch(block_m, rows, warps)
+        cap = 128 if block_m == 16 and not windowed else None
+        return Launch(128, rows, warps, 2) if wide else Launch(block_m, rows, warps, max_registers=cap)
     wide = d >= 256 and block_m >= 64
     return Launch(block_m, 64 if d <= 128 else 16 if wide else 32, 4 if block_m * d <= 16 * 256 or wide else 8)
 
@@ -713,7 +717,8 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
     quantized = KV_KINDS[tk.name] > 0 or KV_KINDS[tv.name] > 0
     interpreter = interpreted()
     operands = operands or q.dtype  # a float32 q (a bf16 model's activations) may feed bf16 operands
-    defaults = _launch_defaults(group * n, d, quantized, window > 0, exact=operands == torch.float32)
+    defaults = _launch_defaults(group * n, d, quantized, window > 0, exact=operands == torch.float32,
+                                tq3="tq3_0" in (tk.name, tv.name))
     block_m, block_n = block_m or defaults.block_m, block_rows or defaults.block_n
     num_warps, num_stages = num_warps or defaults.warps, num_stages or defaults.stages
     max_registers = max_registers or defaults.max_registers
@@ -729,7 +734,7 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
     low_precision = operands in (torch.bfloat16, torch.float16) and not interpreter
     op = _TL_TYPES[operands] if low_precision else tl.float32
     splits = split or choose_splits(kv_end, kv_heads, m_tiles, _sm_count(q.device), block_n,
-                                    programs_per_sm(quantized, m_tiles, num_warps))
+                                    programs_per_sm(quantized, m_tiles, num_warps), min_chunks=2 if swap else 4)
 
     in_combine = unrotating and splits > 1  # one split: the kernel stores the rotated rows, torch unrotates
     gated = gate is not None and (in_combine or not unrotating)
