@@ -158,6 +158,10 @@ COMPARED = [
                                   "fields_ahead": False}, 1.25),
     ("swap 4 warps pairs ahead", {"swap": True, "block_m": 8, "num_warps": 4, "tq3_pairs": True}, 1),
     ("swap 4 warps x1.25", {"swap": True, "block_m": 8, "num_warps": 4}, 1.25),
+    # more programs an SM under a register cap (offline sm_90, triton 3.6, TQ3_0 pairs at use: 1 warp at 168
+    # registers 24 bytes of stack, 12 programs an SM; 2 warps at 96 registers 56 bytes, 10 programs an SM)
+    ("swap 1 warp 168 regs x3", {"swap": True, "block_m": 8, "num_warps": 1, "max_registers": 168}, 3),
+    ("swap 2 warps 96 regs x2.5", {"swap": True, "block_m": 8, "num_warps": 2, "max_registers": 96}, 2.5),
 ]
 TQ3_ONLY = {"float32 TQ3 decode", "32-row chunks 8 warps", "1 warp at use splits x2", "swap 2 warps pairs x2",
             "swap 4 warps pairs x1.25", "swap 4 warps pairs ahead"}

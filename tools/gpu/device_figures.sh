@@ -58,7 +58,8 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
                          echo "== sweep-attention-tq3 (rc $?)"; tail -10 "$OUT/attention_tq3.txt" ;;
     # a decode over quantized rows: the default against main's kernel (.baseline), or DECODE_CANDIDATES, e.g. the
     # twenty-fourth session's swapped launches (BUDGET_DECODE=210): "new default,swap 1 warp x2,swap 1 warp x2.5,
-    # swap 2 warps pairs x2,swap 4 warps pairs x1.25,swap 4 warps pairs ahead,swap 4 warps x1.25"
+    # swap 2 warps pairs x2,swap 4 warps pairs x1.25,swap 4 warps pairs ahead,swap 4 warps x1.25"; next: "new default,
+    # swap 1 warp 168 regs x3,swap 2 warps 96 regs x2.5"
     sweep-attention-decode) timeout $(( ${BUDGET_DECODE:-110} + 40 )) python3 benchmarks/sweep_tree_attention.py --compare \
                                 --budget-s "${BUDGET_DECODE:-110}" --baseline .baseline/tree_attention.py \
                                 --cases 1:1024:tq3_0,1:65536:tq3_0,1:262144:tq3_0,1:1024:q8_0,1:65536:q8_0,1:262144:q8_0 \
