@@ -74,7 +74,11 @@ def _compile_launch(fn: JITFunction, args: tuple, kwargs: dict) -> None:
             type(value) is int and value % 16 == 0 and not free
         if aligned and not p.do_not_specialize_on_alignment:
             attrs[(i,)] = [["tt.divisibility", 16]]
-    key = (fn.__name__, tuple(sorted((k, str(v)) for k, v in constexprs.items())), tuple(sorted(options.items())))
+    # a floating-point pointer's element type is part of the variant (a float32 query tile compiles to other code
+    # than a bf16 one: the 27B verify's TQ3_0 tile spilled 536 bytes a thread instead of 112, 2026-12-05)
+    pointers = tuple((f"*{name}", kind) for name, kind in signature.items() if kind in ("*fp32", "*fp16", "*bf16"))
+    key = (fn.__name__, tuple(sorted((k, str(v)) for k, v in constexprs.items())) + pointers,
+           tuple(sorted(options.items())))
     if key in results:
         return
     try:
@@ -181,6 +185,17 @@ def decode_issue_bound() -> None:
                     decode_steps[key] = (QType(qtype).name, f"{n}x{k}", per_warp)
 
 
+def _varying_pointers() -> set[tuple[str, str]]:
+    """(kernel, pointer) pairs whose element type differs between a kernel's compiled variants: the only pointer
+    types worth printing beside a variant's constexprs."""
+    kinds = collections.defaultdict(set)
+    for name, constexprs, _ in results:
+        for k, v in constexprs:
+            if k[0] == "*":
+                kinds[name, k].add(v)
+    return {pair for pair, seen in kinds.items() if len(seen) > 1}
+
+
 def _print_issue_bound() -> None:
     if not decode_steps:
         return
@@ -283,6 +298,10 @@ def tree_attention() -> None:
             for launch in SWAPPED_DECODES:
                 attend(torch.zeros(24, 1, 256, dtype=torch.bfloat16), *caches, cache, cache, torch.tensor([8]),
                        torch.ones(1, 1, dtype=torch.bool), torch.arange(1), 9, 0.0625, swap=True, **launch)
+        if cache == "tq3_0":  # a bf16 model's verify: its float32 rotated query and gate, bf16 operands (#19 design D)
+            attend(torch.zeros(24, 23, 256), *caches, cache, cache, torch.tensor([8]),
+                   torch.ones(23, 23, dtype=torch.bool), torch.arange(23), 31, 0.0625,
+                   gate=torch.zeros(23, 24, 2, 256)[:, :, 1], unrotate_values=True, operands=torch.bfloat16)
         if cache == "tq3_0":  # the values rotated back and gated in the combine
             attend(torch.zeros(24, 1, 256, dtype=torch.bfloat16), *caches, cache, cache, torch.tensor([8]),
                    torch.ones(1, 1, dtype=torch.bool), torch.arange(1), 9, 0.0625, split=4,
@@ -475,9 +494,10 @@ def main() -> None:
         except Exception:  # noqa: BLE001 - an entry point that needs more than a launch: say so, go on
             traceback.print_exc()
     failed = 0
+    varying = _varying_pointers()
     for (name, constexprs, options), facts in sorted(results.items()):
-        setting = " ".join(f"{k}={v}" for k, v in constexprs if k not in ("K",)) + " " + \
-            " ".join(f"{k}={v}" for k, v in options)
+        setting = " ".join(f"{k}={v}" for k, v in constexprs if k != "K" and (k[0] != "*" or (name, k) in varying)) \
+            + " " + " ".join(f"{k}={v}" for k, v in options)
         if "error" in facts:
             failed += 1
             print(f"FAIL {name:<26} {setting}\n     {facts['error']}")
