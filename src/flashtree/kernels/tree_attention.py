@@ -695,7 +695,7 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
     more); True in the interpreter runs the pair decode there (its byte permutes emulated). `fields_ahead` loads
     TQ3_0 rows' fields a chunk ahead (`row_fields`; by default except in a decode of one or two warps, whose
     registers they overfill). `swap` takes the MMAs with their sides swapped (`_scores`: q held as [D, BLOCK_M]),
-    by default in a decode over quantized rows (`_launch_defaults`). Falls back to `tree_attention_reference` where
+    by default in a decode over TQ3_0 rows (`_launch_defaults`). Falls back to `tree_attention_reference` where
     the Triton path does not apply."""
     tk, tv = kv_type(kv_type_k), kv_type(kv_type_v)
     _check(q, k_cache, v_cache, tk, tv, start_t, visible, positions, kv_end)
