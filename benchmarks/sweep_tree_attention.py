@@ -194,7 +194,7 @@ def compared_launch(n: int, committed: int, cache: str, overrides: dict, split_s
         return None
     group_rows = HEADS // KV_HEADS * n
     quantized = KV_KINDS[kv_type(cache).name] > 0
-    default_m, default_rows, *_ = _launch_defaults(group_rows, HEAD_DIM, quantized)
+    default_m, default_rows, *_ = _launch_defaults(group_rows, HEAD_DIM, quantized, tq3=cache == "tq3_0")
     if (("block_m" in overrides and default_m < 64 and not overrides.get("swap"))
             or ("max_registers" in overrides and group_rows > default_m)
             or (overrides.get("swap") and group_rows > overrides["block_m"])):

@@ -272,7 +272,8 @@ SWAPPED_DECODES = ({"block_m": 8, "num_warps": 1}, {"block_m": 8, "num_warps": 2
                    {"block_m": 8, "num_warps": 4, "tq3_pairs": True},
                    {"block_m": 8, "num_warps": 4, "tq3_pairs": True, "fields_ahead": False},
                    {"block_m": 8, "num_warps": 2, "tq3_pairs": True, "fields_ahead": False},
-                   {"block_m": 8, "num_warps": 1, "max_registers": 168}, {"block_m": 8, "num_warps": 2, "max_registers": 96})
+                   {"block_m": 8, "num_warps": 1, "max_registers": 168},
+                   {"block_m": 8, "num_warps": 2, "max_registers": 96})
 
 
 def tree_attention() -> None:
