@@ -11,9 +11,10 @@ from flashtree.kernels.activations import gated_heads
 from flashtree.kernels.kv_quant import kv_type, rotate, unrotate
 from flashtree.kernels.qk_norm_rope import qk_norm_rope, rope_tables
 from flashtree.kernels.kv_quant import TQ3_LEVELS
-from flashtree.kernels.tree_attention import (_launch_defaults, _tq3_f16_byte_tables, _tq3_pairs_by_default,
-                                              _triton_supports, choose_splits, graphed_mask, programs_per_sm,
-                                              tq3_pair_values, tree_attention, tree_attention_reference)
+from flashtree.kernels.tree_attention import (_launch_defaults, _query_in_operands, _tq3_f16_byte_tables,
+                                              _tq3_pairs_by_default, _triton_supports, choose_splits, graphed_mask,
+                                              programs_per_sm, tq3_pair_values, tree_attention,
+                                              tree_attention_reference)
 from flashtree.models.step import Step
 
 from tests.kernels import tree_attention_cases as cases
@@ -149,6 +150,15 @@ def test_float32_operands_take_small_tiles(query_rows, quantized):
     assert _launch_defaults(query_rows, 256, quantized, exact=True) == (16, 16, 4, None, None, False)
 
 
+def test_a_float32_query_rounds_to_the_operands_as_the_kernel_would():
+    """A wide tile's float32 query is rounded before the launch as `_query_operand` rounds it in the kernel: to
+    nearest, and within f16's range (+-65280, the largest bf16 value f16 holds) for f16 operands."""
+    q = torch.tensor([1e6, -1e6, 1.0 + 2**-10, 3.14159])
+    clamped = torch.tensor([65280.0, -65280.0, 1.0 + 2**-10, 3.14159]).half()
+    assert torch.equal(_query_in_operands(q, torch.float16), clamped)
+    assert torch.equal(_query_in_operands(q, torch.bfloat16), q.bfloat16())
+
+
 def test_split_choice():
     assert choose_splits(96, 2, 1) == 1
     assert choose_splits(65536, 4, 1) * 4 >= 2 * 132  # a long decode fills the H200
@@ -250,6 +260,19 @@ def test_swapped_decode_on_gpu(cache, launch):
     launches: across several splits, the committed chunks and the one holding the new row."""
     args = _real_inputs(cache, 1, 4100)
     out = tree_attention(**args, swap=True, block_m=8, **launch)
+    assert cases.relative_error(out, tree_attention_reference(**args)) <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n", [10, 23])  # one 64-row query tile; two 128-row tiles
+def test_float32_query_over_tq3_0_rows_on_gpu(n):
+    """A bf16 model's float32 query over TQ3_0 keys (rotated in its own launch, so not normed in the kernel): a wide
+    tile takes it rounded to the operands before the launch (`_query_in_operands`); the output stays float32."""
+    args = _real_inputs("tq3_0", n, 4100)
+    args["q"] = args["q"].float()
+    out = tree_attention(**args, operands=torch.bfloat16)
+    assert out.dtype == torch.float32
     assert cases.relative_error(out, tree_attention_reference(**args)) <= 2e-2
 
 

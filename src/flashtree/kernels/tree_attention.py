@@ -574,8 +574,8 @@ def choose_splits(kv_end: int, kv_heads: int, m_tiles: int, sms: int = _H200_SMS
                   programs_per_sm: int = _PROGRAMS_PER_SM, min_chunks: int = 4) -> int:
     """Splits of the row range: enough programs (kv_heads * m_tiles * splits) for ~`programs_per_sm` per SM,
     each split at least `min_chunks` chunks long (a swapped decode: 2; H200, 2026-12-05, 1 token over 1K TQ3_0 rows
-    8.9 us in 34 splits, 10.2 in 17). Short rows ranges are latency-bound (a chain of dependent chunk steps per program),
-    so they split as finely too: 23 tokens over 1K rows took 61 us in one split per query tile (12 programs
+    8.9 us in 34 splits, 10.2 in 17). Short rows ranges are latency-bound (a chain of dependent chunk steps per
+    program), so they split as finely too: 23 tokens over 1K rows took 61 us in one split per query tile (12 programs
     on 132 SMs, 66 chunks each, H200 2026-12-01), when a split had to be 8 x the query rows long (to keep
     the float32 partials small next to the K/V they summarize; they stay in L2 at these sizes)."""
     wanted = math.ceil(programs_per_sm * sms / (kv_heads * m_tiles))
@@ -668,6 +668,17 @@ def _launch_defaults(query_rows: int, d: int, quantized: bool, windowed: bool = 
     return Launch(block_m, 64 if d <= 128 else 16 if wide else 32, 4 if block_m * d <= 16 * 256 or wide else 8)
 
 
+def _query_in_operands(q: torch.Tensor, operands: torch.dtype) -> torch.Tensor:
+    """A float32 query rounded to the MMAs' operand type before the launch, as `_query_operand` rounds it in the
+    kernel (clamped to f16's range for f16 operands): a wide query tile loading float32 rows spilled 536 bytes a
+    thread, 10 spill loads and stores a chunk (the 128-row TQ3_0 verify tile, offline sm_90, triton 3.6; 112 bytes
+    and none in the loop from 16-bit rows), which a bf16 model's float32 activations brought (6a45de0) after
+    the sixteenth session's 262K verify at 33.06 ms (37.55 ms in the twenty-fourth)."""
+    if operands == torch.float16:
+        q = q.clamp(-65280.0, 65280.0)
+    return q.to(operands)
+
+
 def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, positions, kv_end, scale,
                    window=0, split=None, *, gate=None, q_norm=None, unrotate_values=False, block_rows=None,
                    block_m=None, num_warps=None, num_stages=None, operands=None, max_registers=None, tq3_pairs=None,
@@ -736,9 +747,12 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
     splits = split or choose_splits(kv_end, kv_heads, m_tiles, _sm_count(q.device), block_n,
                                     programs_per_sm(quantized, m_tiles, num_warps), min_chunks=2 if swap else 4)
 
+    out_dtype = q.dtype
+    if q.dtype == torch.float32 and low_precision and q_norm is None and block_m >= 64:
+        q = _query_in_operands(q, operands)
     in_combine = unrotating and splits > 1  # one split: the kernel stores the rotated rows, torch unrotates
     gated = gate is not None and (in_combine or not unrotating)
-    out = torch.empty(*((n, heads * d) if gated else (heads, n, d)), dtype=q.dtype, device=q.device)
+    out = torch.empty(*((n, heads * d) if gated else (heads, n, d)), dtype=out_dtype, device=q.device)
     gate_args = (gate, gate.stride(0), gate.stride(1)) if gated else (out, 0, 0)
     weight, eps, cos, sin = q_norm if q_norm is not None else (out, 0.0, out, out)  # unused without NORM_Q
     norm_args = (weight, cos.contiguous(), sin.contiguous(), float(eps))
