@@ -273,7 +273,8 @@ SWAPPED_DECODES = ({"block_m": 8, "num_warps": 1}, {"block_m": 8, "num_warps": 2
                    {"block_m": 8, "num_warps": 4, "tq3_pairs": True, "fields_ahead": False},
                    {"block_m": 8, "num_warps": 2, "tq3_pairs": True, "fields_ahead": False},
                    {"block_m": 8, "num_warps": 1, "max_registers": 168},
-                   {"block_m": 8, "num_warps": 2, "max_registers": 96})
+                   {"block_m": 8, "num_warps": 2, "max_registers": 96},
+                   {"block_m": 8, "num_warps": 2, "tq3_pairs": True, "fields_ahead": True})
 
 
 def tree_attention() -> None:
@@ -291,6 +292,9 @@ def tree_attention() -> None:
                        torch.ones(1, 1, dtype=torch.bool), torch.arange(1), 9, 0.0625, split=split,
                        gate=torch.zeros(1, 24, 2, 256, dtype=torch.bfloat16)[:, :, 1],
                        q_norm=(torch.ones(256), 1e-6, torch.zeros(1, 64), torch.zeros(1, 64)))
+        if cache != "f16":  # a verify's rows past its 128-row tile in a 16-row tile of their own (`tail`)
+            attend(torch.zeros(24, 23, 256, dtype=torch.bfloat16), *caches, cache, cache, torch.tensor([8]),
+                   torch.ones(23, 23, dtype=torch.bool), torch.arange(23), 31, 0.0625, tail=True, split=4)
         if cache in ("q8_0", "tq3_0"):  # the sweep's 1-2 warp decode candidates, and with the MMAs' sides swapped
             for warps in (1, 2):
                 attend(torch.zeros(24, 1, 256, dtype=torch.bfloat16), *caches, cache, cache, torch.tensor([8]),
@@ -300,9 +304,10 @@ def tree_attention() -> None:
                 attend(torch.zeros(24, 1, 256, dtype=torch.bfloat16), *caches, cache, cache, torch.tensor([8]),
                        torch.ones(1, 1, dtype=torch.bool), torch.arange(1), 9, 0.0625, swap=True, **launch)
         if cache == "tq3_0":  # a bf16 model's verify: its float32 rotated query and gate, bf16 operands (#19 design D)
-            attend(torch.zeros(24, 23, 256), *caches, cache, cache, torch.tensor([8]),
-                   torch.ones(23, 23, dtype=torch.bool), torch.arange(23), 31, 0.0625,
-                   gate=torch.zeros(23, 24, 2, 256)[:, :, 1], unrotate_values=True, operands=torch.bfloat16)
+            for tail in (False, True):
+                attend(torch.zeros(24, 23, 256), *caches, cache, cache, torch.tensor([8]),
+                       torch.ones(23, 23, dtype=torch.bool), torch.arange(23), 31, 0.0625, split=4, tail=tail,
+                       gate=torch.zeros(23, 24, 2, 256)[:, :, 1], unrotate_values=True, operands=torch.bfloat16)
         if cache == "tq3_0":  # the values rotated back and gated in the combine
             attend(torch.zeros(24, 1, 256, dtype=torch.bfloat16), *caches, cache, cache, torch.tensor([8]),
                    torch.ones(1, 1, dtype=torch.bool), torch.arange(1), 9, 0.0625, split=4,

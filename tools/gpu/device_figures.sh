@@ -59,13 +59,21 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
     # a decode over quantized rows: the default against main's kernel (.baseline), or DECODE_CANDIDATES, e.g. the
     # twenty-fourth session's swapped launches (BUDGET_DECODE=210): "new default,swap 1 warp x2,swap 1 warp x2.5,
     # swap 2 warps pairs x2,swap 4 warps pairs x1.25,swap 4 warps pairs ahead,swap 4 warps x1.25"; next: "new default,
-    # swap 1 warp 168 regs x3,swap 2 warps 96 regs x2.5"
+    # swap 1 warp 168 regs x3,swap 2 warps 96 regs x2.5,swap 2 warps pairs ahead x0.75,swap 2 warps pairs ahead x1"
     sweep-attention-decode) timeout $(( ${BUDGET_DECODE:-110} + 40 )) python3 benchmarks/sweep_tree_attention.py --compare \
                                 --budget-s "${BUDGET_DECODE:-110}" --baseline .baseline/tree_attention.py \
                                 --cases 1:1024:tq3_0,1:65536:tq3_0,1:262144:tq3_0,1:1024:q8_0,1:65536:q8_0,1:262144:q8_0 \
                                 --candidates "${DECODE_CANDIDATES:-new default}" --out "$OUT/attention_decode.json" \
                                 > "$OUT/attention_decode.txt" 2>&1
                             echo "== sweep-attention-decode (rc $?)"; tail -7 "$OUT/attention_decode.txt" ;;
+    # a verify's 10 rows past its 128-row tile in a launch of their own (`tail`, by default from 16K rows) against
+    # the two-tile launch and main's kernel (.baseline), and the 2-token decode's swapped 16-row tile
+    sweep-attention-tail) timeout $(( ${BUDGET_TAIL:-150} + 40 )) python3 benchmarks/sweep_tree_attention.py --compare \
+                              --budget-s "${BUDGET_TAIL:-150}" --baseline .baseline/tree_attention.py \
+                              --cases 23:1024:tq3_0,23:16384:tq3_0,23:65536:tq3_0,23:262144:tq3_0,23:65536:q8_0,23:262144:q8_0,2:65536:tq3_0 \
+                              --candidates "new default,no tail,tail" --out "$OUT/attention_tail.json" \
+                              > "$OUT/attention_tail.txt" 2>&1
+                          echo "== sweep-attention-tail (rc $?)"; tail -8 "$OUT/attention_tail.txt" ;;
     sweep-draft-attention) timeout 120 python3 benchmarks/sweep_draft_attention.py --out "$OUT/draft_attention.json" ;;
     sweep-deltanet-tree) timeout 120 python3 benchmarks/sweep_deltanet_tree.py --out "$OUT/deltanet_tree.json" \
                    > "$OUT/deltanet_tree.txt" 2>&1; echo "== sweep-deltanet-tree (rc $?)"; tail -6 "$OUT/deltanet_tree.txt" ;;
