@@ -175,8 +175,10 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
     capped-256k-bf16) ECHO= bench capped-256k-bf16 "${LIMIT_256K:-420}" --steps -n 128 --repeat 3 --replay-al 0 \
                           --context 262000 --prefill-chunk 512 --prefill-lengths 1024 -ctk tq3_0 -ctv tq3_0 \
                           --gpu-memory 24GiB ;;
-    steps-256k-tq3) ECHO= bench steps-256k-tq3 "${LIMIT_256K:-300}" --steps -n 8 --repeat 3 --replay-al 0 \
-                        --context 262000 --prefill-chunk 512 --prefill-lengths 1024 -ctk tq3_0 -ctv tq3_0 ;;
+    # PROFILE=1: and where the 262K step, verify and a 512-token prefill chunk spend their GPU time (`--profile`)
+    steps-256k-tq3) ECHO= TAIL=${PROFILE:+150} bench steps-256k-tq3 "${LIMIT_256K:-300}" --steps -n 8 --repeat 3 \
+                        --replay-al 0 --context 262000 --prefill-chunk 512 --prefill-lengths 1024 -ctk tq3_0 -ctv tq3_0 \
+                        ${PROFILE:+--profile} ;;
     *) echo "unknown part $part" ;;
   esac
 done

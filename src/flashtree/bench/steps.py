@@ -310,6 +310,7 @@ def run_steps(args, engine, device_name: str) -> int:
             report["profile_ar_step_graph"] = profile_call(lambda: engine.runner.step_forward(token, cache), device)
             print_profile("AR step (graph replay)", report["profile_ar_step_graph"], device)
         _profile_speculative_step(engine, cache, proposer, tree, capture, bonus, config.topk, report, device)
+        _profile_prefill_chunk(engine, cache, args.prefill_chunk, report, device)
     if device.type == "cuda":
         report.update(cuda_memory_report())
     report["rows"] = rows
@@ -446,6 +447,25 @@ def _chunk_rows(engine, cache, lengths, device, repeat: int, ar: float, roofline
         seconds = timed(lambda: run_chunk(ids), device, repeat)
         row(f"prefill chunk {length}", seconds, roofline_s, vs_ar=round(seconds / ar, 2),
             tok_s=round(length / seconds, 1))
+
+
+def _profile_prefill_chunk(engine, cache, length: int, report: dict, device) -> None:
+    """Where a prefill chunk of `length` tokens spends its time on the committed context (`--profile`): at long
+    contexts the prefix's attention (its rows dequantized in pieces, flash attention, the pieces' merge) against
+    the chunk's own matmuls (shortened to the rows the cache has left). The chunk's rows are written again each
+    run, as in `_chunk_rows`."""
+    committed = cache.length
+    length = min(length, cache.capacity - committed)
+    if length < 1:
+        return
+    ids = _prompt(engine.target.model.config.vocab_size, length, seed=length)
+
+    def run_chunk() -> None:
+        engine.runner.prefill_chunk(cache, ids)
+        cache.length = committed
+
+    report["profile_prefill_chunk"] = profile_call(run_chunk, device)
+    print_profile(f"prefill chunk of {length} tokens after {committed} rows", report["profile_prefill_chunk"], device)
 
 
 def _commit_time(engine, cache, proposer, tree, capture, repeat: int) -> float:
