@@ -214,6 +214,7 @@ def _print_issue_bound() -> None:
 
 
 MMA_SHAPES = ((17408, 5120), (5120, 17408), (248320, 5120))
+GLU_SHAPES = ((34816, 5120),)  # the fused gate + up, with and without its GLU epilogue
 mma_steps: dict[tuple, tuple] = {}
 
 
@@ -229,22 +230,24 @@ def mma() -> None:
     except Exception as e:  # noqa: BLE001 - no cuda-python or no libnvrtc here: nothing to compile with
         print(f"mma: skipped, NVRTC unavailable ({str(e).splitlines()[0]})")
         return
+    shapes = [(n, k, False) for n, k in MMA_SHAPES + GLU_SHAPES] + [(n, k, True) for n, k in GLU_SHAPES]
     for qtype in kernels.MMA_TYPES:
         tile_bytes = 16 * GGML_QUANT_SIZES[qtype][1]
-        for n, k in MMA_SHAPES:
+        for n, k, glu in shapes:
             if n == 248320 and qtype.name != "Q6_K":
                 continue
             for m, dtype in itertools.product((1, 8, 16, 23, 32), (torch.float32, torch.bfloat16)):
                 # float32 x and out: a bf16 model's activations (docs/FIDELITY.md); bf16: the draft's and the sweeps'
                 c = kernels.choose_config(qtype, m, n, k, 132)
+                c = kernels.glu_config(c) if glu else c
                 tg = kernels.token_groups(m)
                 kernel = kernels.kernel_for(qtype, tg, n, k)
-                name = kernels._instance(qtype, c, tg, kernel, dtype, dtype)
+                name = kernels._instance(qtype, c, tg, kernel, dtype, dtype, glu)
                 key = (name, (("rows", m),), (("shape", f"{n}x{k}"),))
                 if key in results:  # qmh's x is prep_x's float16 either way: one instance per out type
                     continue
                 try:
-                    wrapper = kernels._wrapper(name, qtype, c, tg, kernel, dtype, dtype)
+                    wrapper = kernels._wrapper(name, qtype, c, tg, kernel, dtype, dtype, glu)
                     cubin = kernels.compile_cubin(kernels._SOURCE.read_text() + wrapper, "sm_90")
                     results[key] = _machine_code_facts(cubin)
                 except Exception as e:  # noqa: BLE001 - report and go on

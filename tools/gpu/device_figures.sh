@@ -106,6 +106,11 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
                         --matrices down,head --budget-s 130 --out "$OUT/ring_q6k.json" > "$OUT/ring_q6k.txt" 2>&1
                     echo "== sweep-q6k-ring (rc $?)"; grep -A20 "^summary" "$OUT/ring_q6k.txt" ;;
     # the 1K step with the Triton add + RMSNorm, then with the cluster kernel (same model build each)
+    # the MLP's SiLU(gate) * up in the gate + up matmul's epilogue (GluLinear) against the separate silu_mul launch
+    steps-glu-ab) for glu in 0 1; do
+                      FLASHTREE_GLU=$glu bench "steps-glu$glu" "${LIMIT_1K:-150}" --steps -n 32 --repeat 5 --replay-al 0 \
+                          --context 1024 --prefill-lengths 1024 ${PROFILE:+--profile}
+                  done ;;
     steps-norm-ab) for cluster in 0 1; do
                        FLASHTREE_CLUSTER_NORM=$cluster bench "steps-norm-cluster$cluster" "${LIMIT_1K:-150}" --steps -n 32 \
                            --repeat 5 --replay-al 0 --context 1024 --prefill-lengths 1024

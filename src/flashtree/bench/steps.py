@@ -29,7 +29,7 @@ from flashtree.engine.config import DEFAULT_BUDGET, DEFAULT_DRAFT_TYPE, DENSE_DR
 from flashtree.engine.process_memory import measure_process_memory
 from flashtree.errors import out_of_memory_summary
 from flashtree.models.dflash import DFlashDraft, DraftConfig, build_target_layer_ids
-from flashtree.models.layers import Linear, Projections, QuantLinear
+from flashtree.models.layers import MATMUL_TYPES
 from flashtree.drafting.proposer import DFlashProposer
 from flashtree.engine.decode import make_tree, proposer_for, walk
 
@@ -40,7 +40,7 @@ def weight_bytes(model) -> int:
     """Bytes of matrix weights one target step reads (the embedding lookup excluded)."""
     return model.lm_head.nbytes + sum(value.nbytes for layer in model.layers for obj in (layer.mixer, layer.mlp)
                                       for value in vars(obj).values()
-                                      if isinstance(value, (Linear, QuantLinear, Projections)))
+                                      if isinstance(value, MATMUL_TYPES))
 
 
 def read_bandwidth(device: torch.device, gib: float = 4.0) -> float:

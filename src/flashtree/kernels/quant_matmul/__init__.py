@@ -39,6 +39,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
 from flashtree.errors import FlashtreeError
 from flashtree.formats import quants
 from flashtree.kernels import triton_runs_on
+from flashtree.kernels.activations import GLU_GROUP, interleaved_silu_mul
 from flashtree.kernels.quant_matmul import mma
 
 
@@ -302,6 +303,43 @@ def quant_matmul_rounded(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
     if not _triton_runs(x):
         return round_rows_f16(x) @ weight.dequantize(torch.float32).T
     return KERNELS[weight.qtype].load().matmul(x.float(), weight.fields(), n, k, None)
+
+
+def glu_weight(gate: QuantWeight, up: QuantWeight) -> QuantWeight:
+    """A gate and an up projection (same type and shape [F, K], F % GLU_GROUP == 0) as one [2F, K] weight, their
+    rows interleaved GLU_GROUP at a time (each row's GGUF bytes unchanged; `glu_parts` gives the two back): a
+    16-row tile of the tensor-core kernels then holds output i's gate and up rows 8 apart, and their epilogue
+    writes SiLU(gate) * up (`quant_matmul_glu`)."""
+    if gate.qtype != up.qtype or gate.shape != up.shape or gate.shape[0] % GLU_GROUP:
+        raise FlashtreeError(f"a gate {gate.qtype.name} {gate.shape} and an up {up.qtype.name} {up.shape} projection "
+                             f"do not interleave: same type and shape, rows a multiple of {GLU_GROUP}")
+    f, k = gate.shape
+    rows = torch.stack([w.gguf_bytes().reshape(f // GLU_GROUP, GLU_GROUP, -1) for w in (gate, up)], dim=1)
+    return QuantWeight.from_gguf_bytes(rows.reshape(-1), gate.qtype, (2 * f, k))
+
+
+def glu_parts(weight: QuantWeight) -> tuple[QuantWeight, QuantWeight]:
+    """The gate and up weights a `glu_weight` holds, their GGUF bytes as they were."""
+    n, k = weight.shape
+    rows = weight.gguf_bytes().reshape(n // (2 * GLU_GROUP), 2, GLU_GROUP, -1)
+    return tuple(QuantWeight.from_gguf_bytes(rows[:, side].reshape(-1), weight.qtype, (n // 2, k)) for side in (0, 1))
+
+
+def quant_matmul_glu(x: torch.Tensor, weight: QuantWeight, rounded: bool = False) -> torch.Tensor:
+    """SiLU(x G^T) * (x U^T) [M, F] of a `glu_weight` [2F, K]: `quant_matmul` (or with `rounded`,
+    `quant_matmul_rounded`) and `activations.silu_mul` in one, rounded as they round. The tensor-core kernels
+    take the product in their epilogue (decode and verify rows); dense prefill chunks, small matrices, other types
+    and the CPU multiply, then apply `interleaved_silu_mul`."""
+    x = _check_x(x, weight)
+    n, k = weight.shape
+    m = x.shape[0]
+    fused = (weight.mma_layout and (m < DENSE_MIN_M or n * k * 2 > DENSE_MAX_BYTES)
+             and mma.glu_takes(weight.qtype, m, n, k))
+    if fused and rounded and x.dtype == torch.float32:
+        return mma.matmul(x, weight.raw, weight.qtype, n, k, out_dtype=torch.float32, glu=True)
+    if fused and not rounded and x.dtype == torch.bfloat16:
+        return mma.matmul(x, weight.raw, weight.qtype, n, k, glu=True)
+    return interleaved_silu_mul(quant_matmul_rounded(x, weight) if rounded else quant_matmul(x, weight))
 
 
 def f16_rows_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
