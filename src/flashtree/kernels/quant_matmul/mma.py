@@ -649,10 +649,9 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: QType, n: int, k: int,
 
 
 def glu_takes(qtype: QType, m: int, n: int, k: int) -> bool:
-    """Whether `matmul(..., glu=True)` runs for M rows of an [n, k] weight: its kernels, qmv and qmh, do (every
-    launch of M rows takes one of them), not qmm (the small matrices')."""
-    groups = {token_groups(min(MAX_M, m - start)) for start in range(0, m, MAX_M)}
-    return all(kernel_for(qtype, tg, n, k) in ("qmv", "qmh") for tg in groups)
+    """Whether `matmul(..., glu=True)` runs for M rows of an [n, k] weight: the kernel `matmul` takes for them has
+    the GLU epilogue (qmv, qmh), not qmm (the small matrices')."""
+    return kernel_for(qtype, token_groups(min(m, MAX_M)), n, k) in ("qmv", "qmh")
 
 
 def prepare_x(x: torch.Tensor, qtype: QType) -> tuple[torch.Tensor, ...]:
