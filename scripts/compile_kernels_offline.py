@@ -392,7 +392,7 @@ def norms_and_conv() -> None:
 
 def fusion() -> None:
     """The small kernels of the fused decode step, at the 27B shapes (1 and 23 rows)."""
-    from flashtree.kernels.activations import gated_heads, silu_mul
+    from flashtree.kernels.activations import gated_heads, interleaved_silu_mul, silu_mul
     from flashtree.kernels.deltanet_conv import conv_qkv
     from flashtree.kernels.deltanet_gates import GateInputs
     from flashtree.kernels.qk_norm_rope import norm_rope_into_cache, qk_norm_rope, rope_tables
@@ -412,6 +412,7 @@ def fusion() -> None:
         gated_heads(torch.zeros(24, rows, 256, dtype=bf16), qg[:, :, 1])
         gate_up = torch.zeros(rows, 2 * 17408, dtype=bf16)
         silu_mul(gate_up[:, :17408], gate_up[:, 17408:])
+        interleaved_silu_mul(gate_up)  # a fused gate + up's dense prefill rows (GluLinear)
         add_rms_norm(torch.zeros(rows, 5120, dtype=bf16), torch.zeros(rows, 5120, dtype=bf16), torch.ones(5120), 1e-6)
         conv_qkv(torch.zeros(rows, conv_dim, dtype=bf16), None, torch.zeros(3, conv_dim), torch.zeros(conv_dim, 4),
                  16, 48, 128, GateInputs(ba[:, :48], ba[:, 48:], torch.zeros(48), torch.zeros(48)), advance_state=True)
