@@ -532,7 +532,7 @@ __device__ __forceinline__ void finish_splits(OT* __restrict__ out, const float*
 
 // The end of a CTA: its warps' partial sums of the CTA's RT tiles meet in shared memory, added in warp order
 // (and multiplied by the token's `scale`, when x was scaled: qmh). GLU 1: the weight's rows are a gate row and its
-// up row 8 apart in each tile (mma.py `glu_rows`), and the CTA writes SiLU(gate) * up, N / 2 outputs a token.
+// up row 8 apart in each tile (`quant_matmul.glu_weight`), and the CTA writes SiLU(gate) * up, N / 2 outputs a token.
 template <int RT, int TG, int WARPS, int SPLITS, int GLU = 0, typename OT>
 __device__ __forceinline__ void epilogue(const float (&acc)[RT][TG][4], int tile0, OT* __restrict__ out,
                                          float* __restrict__ partial, int* __restrict__ tickets, int M, int N,

@@ -633,7 +633,7 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: QType, n: int, k: int,
     """x [M, K] bf16 or float32 @ W^T -> [M, N] in `out_dtype` (bf16 or float32; default x's), W in the fragment
     layout; 32 rows of x per launch (the float16 kernel converts all of x once first). `kernel` overrides
     `kernel_for` (the sweeps time qmm where qmh runs). `glu`: W's rows are a gate and an up projection interleaved
-    (`quant_matmul.glu_rows`) and the result is SiLU(gate) * up, [M, N / 2], from qmv or qmh (`glu_takes`)."""
+    (`quant_matmul.glu_weight`) and the result is SiLU(gate) * up, [M, N / 2], from qmv or qmh (`glu_takes`)."""
     m = x.shape[0]
     out_dtype = out_dtype or x.dtype
     _check_dtypes(x.dtype, out_dtype)
