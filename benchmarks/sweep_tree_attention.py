@@ -173,10 +173,14 @@ COMPARED = [
     # second 128-row tile 5256, its swapped 16-row tail 2212; Q8_0's 4360 and 2424)
     ("no tail", {"tail": False}, 1),
     ("tail", {"tail": True}, 1),
+    # the verify's 128-row tile decoding TQ3_0 as float16 pairs: since its float32 query is rounded before the launch,
+    # 255 registers and no stack, 1140 loop instructions a warp a 32-row chunk against the float32 decode's 1314 and
+    # 24 bytes (offline sm_90, triton 3.6; the twenty-third session's pairs there spilled, 1158.5 -> 1237.4 us at 262K)
+    ("tile pairs", {"tq3_pairs": True}, 1),
 ]
 TQ3_ONLY = {"float32 TQ3 decode", "32-row chunks 8 warps", "1 warp at use splits x2", "swap 2 warps pairs x2",
             "swap 4 warps pairs x1.25", "swap 4 warps pairs ahead", "swap 2 warps pairs ahead x0.75",
-            "swap 2 warps pairs ahead x1"}
+            "swap 2 warps pairs ahead x1", "tile pairs"}
 
 
 def model_inputs(n: int, committed: int, cache: str) -> dict:

@@ -307,10 +307,11 @@ def tree_attention() -> None:
                 attend(torch.zeros(24, 1, 256, dtype=torch.bfloat16), *caches, cache, cache, torch.tensor([8]),
                        torch.ones(1, 1, dtype=torch.bool), torch.arange(1), 9, 0.0625, swap=True, **launch)
         if cache == "tq3_0":  # a bf16 model's verify: its float32 rotated query and gate, bf16 operands (#19 design D)
-            for tail in (False, True):
+            for tail, pairs in ((False, None), (True, None), (True, True)):  # pairs: the sweep's "tile pairs"
                 attend(torch.zeros(24, 23, 256), *caches, cache, cache, torch.tensor([8]),
                        torch.ones(23, 23, dtype=torch.bool), torch.arange(23), 31, 0.0625, split=4, tail=tail,
-                       gate=torch.zeros(23, 24, 2, 256)[:, :, 1], unrotate_values=True, operands=torch.bfloat16)
+                       gate=torch.zeros(23, 24, 2, 256)[:, :, 1], unrotate_values=True, operands=torch.bfloat16,
+                       tq3_pairs=pairs)
         if cache == "tq3_0":  # the values rotated back and gated in the combine
             attend(torch.zeros(24, 1, 256, dtype=torch.bfloat16), *caches, cache, cache, torch.tensor([8]),
                    torch.ones(1, 1, dtype=torch.bool), torch.arange(1), 9, 0.0625, split=4,

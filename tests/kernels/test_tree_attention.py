@@ -280,6 +280,7 @@ def test_tq3_0_float16_pairs_on_gpu(cache, cache_v, n, kv_end):
     want = tree_attention_reference(**decoded)
     # both outputs round to bf16 (a 2^-8 ulp of the largest value: 0.0039), and Q8_0 keys to f16 operands
     assert cases.relative_error(tree_attention(**args), want) <= 1e-2
+    assert cases.relative_error(tree_attention(**args, tq3_pairs=True), want) <= 1e-2  # forced (a verify's tile too)
     assert cases.relative_error(tree_attention(**args, tq3_pairs=False), tree_attention_reference(**args)) <= 2e-2
 
 

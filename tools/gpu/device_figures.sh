@@ -67,11 +67,12 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
                                 > "$OUT/attention_decode.txt" 2>&1
                             echo "== sweep-attention-decode (rc $?)"; tail -7 "$OUT/attention_decode.txt" ;;
     # a verify's 10 rows past its 128-row tile in a launch of their own (`tail`, by default from 16K rows) against
-    # the two-tile launch and main's kernel (.baseline), and the 2-token decode's swapped 16-row tile
+    # the two-tile launch and main's kernel (.baseline), the 2-token decode's swapped 16-row tile, and the verify
+    # tile's TQ3_0 rows as float16 pairs
     sweep-attention-tail) timeout $(( ${BUDGET_TAIL:-150} + 40 )) python3 benchmarks/sweep_tree_attention.py --compare \
                               --budget-s "${BUDGET_TAIL:-150}" --baseline .baseline/tree_attention.py \
                               --cases 23:1024:tq3_0,23:16384:tq3_0,23:65536:tq3_0,23:262144:tq3_0,23:65536:q8_0,23:262144:q8_0,2:65536:tq3_0 \
-                              --candidates "new default,no tail,tail" --out "$OUT/attention_tail.json" \
+                              --candidates "new default,no tail,tail,tile pairs" --out "$OUT/attention_tail.json" \
                               > "$OUT/attention_tail.txt" 2>&1
                           echo "== sweep-attention-tail (rc $?)"; tail -8 "$OUT/attention_tail.txt" ;;
     sweep-draft-attention) timeout 120 python3 benchmarks/sweep_draft_attention.py --out "$OUT/draft_attention.json" ;;
