@@ -823,6 +823,7 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
     norm_args = (weight, cos.contiguous(), sin.contiguous(), float(eps))
     signs = rotation_signs(q.device) if in_combine else out  # unused unless UNROTATE
     rows = group * n
+    visible_bytes = visible.contiguous().view(torch.uint8)
     for t in tiles:
         low_precision = t.operands in (torch.bfloat16, torch.float16) and not interpreter
         q_t = q
@@ -835,8 +836,7 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
             part = lse = out  # unused
         block_n = t.launch.block_n
         _tree_attention_kernel[(kv_heads, triton.cdiv(t.rows, t.launch.block_m), t.splits)](
-            q_t, k_cache, v_cache, start_t, visible.contiguous().view(torch.uint8),
-            positions, out, part, lse, *gate_args, *norm_args,
+            q_t, k_cache, v_cache, start_t, visible_bytes, positions, out, part, lse, *gate_args, *norm_args,
             q_t.stride(0), q_t.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             n, kv_end, heads, float(scale) * _LOG2E, int(window), t.m_base,
             G=group, D=d, KIND_K=t.kinds[0], KIND_V=t.kinds[1],
