@@ -698,7 +698,7 @@ def _tail_rows(query_rows: int, block_m: int, kv_end: int, quantized: bool) -> i
     whole query tile, over long quantized rows. A 128-row tile decodes every K/V row it reads, so a verify's
     138 rows (23 tokens x 6 heads) in two such tiles decode the cache twice, the second time for 10 rows and 118
     of padding in its MMAs; a 16-row tile (`_launch_defaults` of the tail) decodes it for them at a decode's
-    cost. Not measured on a GPU yet (`sweep_tree_attention.py --compare`, "tail tile" / "no tail")."""
+    cost. Not measured on a GPU yet (`sweep_tree_attention.py --compare`, "tail" / "no tail")."""
     rest = query_rows % block_m
     wide = block_m >= 4 * _TAIL_MAX_ROWS  # a small tile (a float32 model's 16 rows) has nothing to save
     if not (quantized and wide and query_rows > block_m and kv_end >= _TAIL_MIN_KV_ROWS and 0 < rest <= _TAIL_MAX_ROWS):
@@ -777,14 +777,15 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
     thread instead of 336. f16 holds f16 rows exactly and probabilities more finely than bf16; a bf16
     query is clamped to f16's range, `_query_operand`). `tq3_pairs` decodes TQ3_0 rows as float16 pairs
     (`_tq3_pairs`; f16 operands on the GPU); by default in a decode of one or two warps or a swapped one on the GPU
-    with 16-bit operands unless the other side is a bf16 or f32 float cache (`_tq3_pairs_by_default`; H200, 2026-12-05: 1 token
-    over 262K rows in 4-warp programs 438.4 -> 423.3 us, but 23 tokens 1158.5 -> 1237.4, a verify tile spilling
-    more); True in the interpreter runs the pair decode there (its byte permutes emulated). `fields_ahead` loads
-    TQ3_0 rows' fields a chunk ahead (`row_fields`; by default except in a decode of one or two warps or a swapped
-    one, whose registers they overfill). `swap` takes the MMAs with their sides swapped (`_scores`: q held as [D, BLOCK_M]),
-    by default in a decode of up to 16 rows over TQ3_0 rows (`_launch_defaults`). `tail` gives the query rows past the last whole
-    tile a launch of their own in a tile sized to them (by default over long quantized rows, `_tail_rows`). Falls
-    back to `tree_attention_reference` where the Triton path does not apply."""
+    with 16-bit operands unless the other side is a bf16 or f32 float cache (`_tq3_pairs_by_default`; H200,
+    2026-12-05: 1 token over 262K rows in 4-warp programs 438.4 -> 423.3 us, but 23 tokens 1158.5 -> 1237.4, a
+    verify tile spilling more); True in the interpreter runs the pair decode there (its byte permutes emulated).
+    `fields_ahead` loads TQ3_0 rows' fields a chunk ahead (`row_fields`; by default except in a decode of one or two
+    warps or a swapped one, whose registers they overfill). `swap` takes the MMAs with their sides swapped
+    (`_scores`: q held as [D, BLOCK_M]), by default in a decode of up to 16 query rows over TQ3_0 rows
+    (`_launch_defaults`). `tail` gives the query rows past the last whole tile a launch of their own in a tile sized
+    to them (by default over long quantized rows, `_tail_rows`). Falls back to `tree_attention_reference` where the
+    Triton path does not apply."""
     tk, tv = kv_type(kv_type_k), kv_type(kv_type_v)
     _check(q, k_cache, v_cache, tk, tv, start_t, visible, positions, kv_end)
     unrotating = unrotate_values and tv.rotated
