@@ -26,13 +26,12 @@ from flashtree.bench.kernels import rotation, time_graph  # noqa: E402
 from flashtree.kernels import gated_delta_triton as gdt  # noqa: E402
 
 HK, H, D = 16, 48, 128
-# (block_v, block_k, warps, precision, pipeline stages or None for Triton's default, tree levels a round of the
-# triangular solve): the default first (v32 k32 w4 tf32x3, two levels: `TREE_LEVELS`), then one level a round (the
-# twenty-fourth session's default), then the launch shapes that compile without spills for sm_90
-# (scripts/compile_kernels_offline.py: block_k 64 and 128 spill); every point as the verify runs it, storing u and
-# Gamma for the commit (`tree_verify_with_fold`)
-VARIANTS = ((32, 32, 4, "tf32x3", None, 2), (32, 32, 4, "tf32x3", None, 1), (32, 16, 4, "tf32x3", None, 2),
-            (32, 32, 8, "tf32x3", None, 2), (16, 16, 4, "tf32x3", None, 2), (32, 16, 4, "ieee", None, 2))
+# (block_v, block_k, warps, precision, pipeline stages or None for Triton's default): the default first, then the
+# launch shapes that compile without spills for sm_90 (scripts/compile_kernels_offline.py: block_k 64 and 128 spill);
+# every point as the verify runs it, storing u and Gamma for the commit (`tree_verify_with_fold`)
+VARIANTS = ((32, 16, 4, "tf32x3", None), (32, 16, 4, "tf32x3", 1), (32, 16, 8, "tf32x3", None),
+            (32, 32, 4, "tf32x3", None), (32, 32, 8, "tf32x3", None), (16, 16, 4, "tf32x3", None),
+            (16, 16, 8, "tf32x3", None), (16, 32, 8, "tf32x3", None), (32, 16, 4, "ieee", None))
 
 
 # the commit's launch shapes (block_v, block_k, warps), each compiled without spills for sm_90 and checked on the GPU
@@ -97,13 +96,12 @@ def main() -> int:
         v, g, beta = torch.randn(t, H, D, device="cuda"), -torch.rand(t, H, device="cuda"), torch.rand(t, H, device="cuda")
         ref = gdt.tree_verify_reference(q, k, v, g, beta, states[0], p)
         cells = []
-        for block_v, block_k, warps, precision, stages, levels in VARIANTS:
-            kw = dict(block_v=block_v, block_k=block_k, num_warps=warps, precision=precision, num_stages=stages,
-                      levels=levels)
+        for block_v, block_k, warps, precision, stages in VARIANTS:
+            kw = dict(block_v=block_v, block_k=block_k, num_warps=warps, precision=precision, num_stages=stages)
             out = gdt.tree_verify_with_fold(q, k, v, g, beta, states[0], p, **kw)[0]
             err = ((out - ref).abs().max() / ref.abs().max()).item()
             us = time_graph([lambda s=s: gdt.tree_verify_with_fold(q, k, v, g, beta, s, p, **kw) for s in states]) * 1e6
-            label = f"v{block_v}k{block_k}w{warps}{'' if stages is None else f's{stages}'}/{precision}/l{levels}"
+            label = f"v{block_v}k{block_k}w{warps}{'' if stages is None else f's{stages}'}/{precision}"
             results.append({"tree": name, "variant": label, "us": us, "err": err})
             cells.append(f"{label} {us:.1f} {err:.0e}")
         print(f"{name:8} " + " | ".join(cells), flush=True)

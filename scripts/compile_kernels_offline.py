@@ -447,8 +447,6 @@ def gated_delta() -> None:
         if n < 64:
             gated_delta_triton.recurrent_step(q, k, v, g, beta, state)
         _, u, gamma = gated_delta_triton.tree_verify_with_fold(q, k, v, g, beta, state, torch.arange(n) - 1)
-        if n == 23:  # the triangular solve a level a round, as before TREE_LEVELS (the sweep's comparison)
-            gated_delta_triton.tree_verify_with_fold(q, k, v, g, beta, state, torch.arange(n) - 1, levels=1)
         gated_delta_triton.fold_path(k, u, gamma, state, torch.arange(n), torch.tensor([n]))  # a commit
         if n > gated_delta_triton.FOLD_ROWS:
             continue

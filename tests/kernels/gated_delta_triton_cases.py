@@ -57,8 +57,7 @@ def case_ids() -> list[str]:
     ids += [f"tree-d32-{name}" for name in TREES]
     ids += ["tree-d64-random64", "tree-d64-chain64-strong", "tree-d32-random17-gqa",
             "tree-d64-random17-bv32-bk32", "tree-d32-random17-strided", "tree-d64x32-random17",
-            "tree-d32-random64-ieee", "tree-d32-random17-bv16", "tree-d32-chain17-levels1", "tree-d32-random40-levels1",
-            "tree-d32-binary31-ieee-levels1"]
+            "tree-d32-random64-ieee", "tree-d32-random17-bv16"]
     return ids
 
 
@@ -121,8 +120,6 @@ def tree_case(case: str) -> dict:
         options.update(block_v=16)
     if "ieee" in case:
         options.update(precision="ieee")
-    if "levels1" in case:  # a level a round (the default settles two, `TREE_LEVELS`)
-        options.update(levels=1)
     out = tree_verify(q, k, v, g, beta, state, parents, **options)
     ref = tree_verify_reference(q, k, v, g, beta, state, parents)
     assert out.shape == ref.shape and out.dtype == torch.float32

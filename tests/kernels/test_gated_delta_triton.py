@@ -83,8 +83,6 @@ def test_errors_name_the_problem():
     big = cases.inputs(65)
     with pytest.raises(FlashtreeError, match="at most 64 nodes"):
         tree_verify(*big, torch.arange(-1, 64))
-    with pytest.raises(FlashtreeError, match="1 or 2 tree levels a round, not 3"):
-        tree_verify(q, k, v, g, beta, state, torch.tensor([-1, 0, 1]), levels=3)
 
 
 FOLD_SHAPES = ((32, 16, 4), (64, 16, 4), (64, 32, 8), (32, 64, 8), (128, 16, 8), (128, 8, 4))
@@ -116,9 +114,7 @@ def test_real_sizes_on_gpu(t):
     if t > 1:  # a full 64-node tree and a 64-node chain (depth 63: the most rounds) too
         args = [torch.cat([x] * 3)[:64] for x in (q, k, v, g, beta)]
         for parents in (cases.random_parents(64, 10).cuda(), torch.arange(-1, 63, device="cuda")):
-            ref = tree_verify_reference(*args, state, parents)
-            for levels in (1, 2):  # the triangular solve a level a round, or two (`TREE_LEVELS`)
-                assert rel(tree_verify(*args, state, parents, levels=levels), ref) <= 1e-4, levels
+            assert rel(tree_verify(*args, state, parents), tree_verify_reference(*args, state, parents)) <= 1e-4
 
     ref_state = state.clone()
     ref = recurrent_step_reference(q, k, v, g, beta, ref_state)

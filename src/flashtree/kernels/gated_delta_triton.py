@@ -22,9 +22,8 @@ program needs only S0[:, tile] (dk x BLOCK_V) and the whole of q/k for its head.
        once (tree-depth iterations, each a [T] gather from `parents` / `g` held in registers);
     2. K S0 (T x BLOCK_V) and K K^T (T x T) with tl.dot over dk chunks;
     3. A = strict-ancestor-masked beta_i exp(Gamma_i - Gamma_j) k_i.k_j, right-hand side
-       beta (V - exp(Gamma) K S0), and (I + A) U = rhs by substitution a depth level at a time, or two
-       (U <- (rhs - A rhs) + A^2 U; `TREE_LEVELS`), parents coming before children, so A is strictly lower
-       triangular;
+       beta (V - exp(Gamma) K S0), and (I + A) U = rhs by substitution a depth level at a time
+       (parents come before children, so A is strictly lower triangular);
     4. Q S0 and Q K^T (a second pass over dk: fewer live registers during the solve), then
        O = exp(Gamma) Q S0 + (ancestor-masked exp(Gamma_i - Gamma_j) q_i.k_j) U with one tl.dot.
   No per-node state is ever materialised (U is T x BLOCK_V), so nothing but q/k/v/g/beta/S0 is read.
@@ -49,9 +48,6 @@ except ImportError:  # pragma: no cover - triton is a dependency where kernels r
     triton = None
 
 MAX_TREE_NODES = 64
-# tree levels `tree_verify`'s triangular solve settles a round: 2 takes one product of A^2 a round (and two
-# before the rounds) where 1 takes one of A a level: a chain of depth D waits on D / 2 + 2 products, not D
-TREE_LEVELS = 2
 # rows of `FoldBuffers`: the default budget's tree (22 nodes and the root) and one more; a larger verify leaves
 # its rows in tensors of its own and its commit takes a launch a layer (`fold_path`, `shift_window`), so that the
 # buffers, kept for the cache's life, hold 104 MB at the 27B shape (u, Gamma, k and the conv inputs) instead of 139
@@ -282,8 +278,7 @@ def _block_v(block_v: int | None, heads: int, dv: int) -> int:
 
 
 def tree_verify(q, k, v, g, beta, state, parents, block_v: int = 32, block_k: int = 32,
-                num_warps: int | None = None, precision: str = "tf32x3", num_stages: int | None = None,
-                levels: int = TREE_LEVELS) -> torch.Tensor:
+                num_warps: int | None = None, precision: str = "tf32x3", num_stages: int | None = None) -> torch.Tensor:
     """Outputs [T, H, dv] (float32) of every node of a draft tree of T <= 64 nodes, node i seeing the
     state reached along its root-to-node path. parents int64 [T]: parents[i] < i, -1 = child of the
     current state (values are not checked on the device: a parent >= i is treated as -1).
@@ -292,27 +287,24 @@ def tree_verify(q, k, v, g, beta, state, parents, block_v: int = 32, block_k: in
     (benchmarks/sweep_deltanet_tree.py, H200 2026-12-01): 32 columns and tf32x3 were each the faster choice
     (a 23-node tree 52 -> 35 and 28 us, the same error); dk 32 at a time, not 16: 40.0 -> 37.3 us on a 23-node chain,
     29.4 -> 27.0 on a bushy tree (the twenty-first session, with the fold's stores; 8 warps and 16 columns were
-    slower). `levels`: tree levels the triangular solve settles a round (1, or 2: `TREE_LEVELS`)."""
+    slower)."""
     return _tree_verify(q, k, v, g, beta, state, parents, block_v, block_k, num_warps, precision, num_stages,
-                        fold=False, levels=levels)[0]
+                        fold=False)[0]
 
 
 def tree_verify_with_fold(q, k, v, g, beta, state, parents, block_v: int = 32, block_k: int = 32,
                           num_warps: int | None = None, precision: str = "tf32x3", num_stages: int | None = None,
-                          into: FoldBuffers | None = None,
-                          levels: int = TREE_LEVELS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          into: FoldBuffers | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`tree_verify`, and what `fold_path` commits a path from: (o [T, H, dv], u [T, H, dv], gamma [T, H]), all
     float32, as `gated_delta.ancestor_chunk` returns them. `into`: the kernel writes u, Gamma and k (float32) into
     these buffers' first T rows (`fold_layers` reads them there) and returns views of them."""
     return _tree_verify(q, k, v, g, beta, state, parents, block_v, block_k, num_warps, precision, num_stages,
-                        fold=True, into=into, levels=levels)
+                        fold=True, into=into)
 
 
 def _tree_verify(q, k, v, g, beta, state, parents, block_v, block_k, num_warps, precision, num_stages, fold: bool,
-                 into: FoldBuffers | None = None, levels: int = TREE_LEVELS):
+                 into: FoldBuffers | None = None):
     _check(q, k, v, g, beta, state, parents)
-    if levels not in (1, 2):
-        raise FlashtreeError(f"the tree verify settles 1 or 2 tree levels a round, not {levels}")
     if triton is None or not triton_runs_on(state.device):
         o, u, gamma = _ancestor_chunk(q, k, v, g, beta, state, parents)
         return (o, u, gamma) if fold else (o,)
@@ -342,7 +334,7 @@ def _tree_verify(q, k, v, g, beta, state, parents, block_v, block_k, num_warps, 
                                      *_strides(q, k, v, g, beta, state, out), u.stride(0), u.stride(1),
                                      gamma.stride(0), k_out.stride(0), k_out.stride(1), DK=dk, BLOCK_T=block_t,
                                      BLOCK_V=block_v, BLOCK_K=block_k, PRECISION=precision, STORE_FOLD=fold,
-                                     STORE_K=into is not None, LEVELS=levels, num_warps=num_warps,
+                                     STORE_K=into is not None, num_warps=num_warps,
                                      **({} if num_stages is None else {"num_stages": num_stages}))
     return (out, u, gamma) if fold else (out,)
 
@@ -444,8 +436,7 @@ if triton is not None:
                      sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, sb_t, sb_h,
                      ss_h, ss_k, ss_v, so_t, so_h, su_t, su_h, sgm_t, sko_t, sko_h,
                      DK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PRECISION: tl.constexpr, STORE_FOLD: tl.constexpr, STORE_K: tl.constexpr,
-                     LEVELS: tl.constexpr):
+                     PRECISION: tl.constexpr, STORE_FOLD: tl.constexpr, STORE_K: tl.constexpr):
         h = tl.program_id(0)
         hq = h % HK
         cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -497,17 +488,8 @@ if triton is not None:
         a = tl.where(rows[:, None] != nodes[None, :], beta[:, None] * decay * kk, 0.0)
         b = beta[:, None] * (v - tl.exp(gamma)[:, None] * ks)
         u = b
-        if LEVELS == 2:  # two levels a round: u <- (b - A b) + A^2 u, half the rounds' chain of dependent products
-            c = b - tl.dot(a, b, input_precision=PRECISION)
-            if depth % 2 == 1:
-                u = c
-            if depth >= 2:
-                a2 = tl.dot(a, a, input_precision=PRECISION)  # A's entries over two tree levels (grandparents on)
-                for _ in range(depth // 2):
-                    u = c + tl.dot(a2, u, input_precision=PRECISION)
-        else:
-            for _ in range(depth):
-                u = b - tl.dot(a, u, input_precision=PRECISION)
+        for _ in range(depth):
+            u = b - tl.dot(a, u, input_precision=PRECISION)
 
         # 4. O = exp(Gamma) Q S0 + (decay * Q K^T) U, Q S0 and Q K^T over dk chunks (k, S0 again: cached)
         qs = tl.zeros((BLOCK_T, BLOCK_V), dtype=tl.float32)
