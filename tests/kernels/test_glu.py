@@ -60,11 +60,15 @@ def test_the_glu_matmul_is_silu_of_the_gate_times_the_up_projection(qtype, round
     assert [p.quant.gguf_bytes().shape for p in linear.parts()] == [gate.gguf_bytes().shape] * 2
 
 
-def test_only_tensor_core_weights_take_the_glu_form():
+def test_only_tensor_core_weights_of_one_type_take_the_glu_form():
     """`GluLinear.of`: the two projections in one fragment-ordered matrix (the kernels with the epilogue); CPU
-    weights keep the separate matmul and `silu_mul` (`MLP.fuse`)."""
+    weights, and a gate and an up of different types (a mixed quantization), keep the separate matmul and
+    `silu_mul` (`MLP.fuse`)."""
     gate, up = _pair(QType.Q4_K, 48, 512)
     assert GluLinear.of(QuantLinear(gate), QuantLinear(up)) is None  # not in the fragment layout here
+    q6_k = QuantWeight.from_gguf_bytes(_random_rows(QType.Q6_K, 48, 512).reshape(-1), QType.Q6_K, (48, 512))
+    assert GluLinear.of(_fragment_ordered(gate), _fragment_ordered(q6_k)) is None
+    assert GluLinear.of(_fragment_ordered(gate), _fragment_ordered(up)) is not None
 
 
 def test_the_epilogue_runs_in_qmv_and_qmh_with_one_split():
