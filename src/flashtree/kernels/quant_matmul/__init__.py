@@ -227,6 +227,12 @@ def quant_matmul(x: torch.Tensor, weight: QuantWeight, config=None) -> torch.Ten
     return KERNELS[weight.qtype].load().matmul(x, weight.fields(), n, k, config)  # in x.dtype
 
 
+def _kernel_rows(m: int, n: int, k: int) -> bool:
+    """Whether M rows of a fragment-ordered [n, k] weight go through the tensor-core kernels (up to DENSE_MIN_M rows,
+    and any count where the weight is too big for a dense temporary) rather than a dense temporary and cuBLAS."""
+    return m < DENSE_MIN_M or n * k * 2 > DENSE_MAX_BYTES
+
+
 def _mma_matmul(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
     """Fragment-ordered weights: bf16 x through the tensor-core kernels, 32 rows a launch, up to
     DENSE_MIN_M rows (and at any length when the weight is too big for a dense temporary); longer bf16 x
@@ -234,7 +240,7 @@ def _mma_matmul(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
     in x's dtype (float32 stays float32: no TF32 unless torch is told to allow it)."""
     n, k = weight.shape
     m = x.shape[0]
-    if x.dtype == torch.bfloat16 and (m < DENSE_MIN_M or n * k * 2 > DENSE_MAX_BYTES):
+    if x.dtype == torch.bfloat16 and _kernel_rows(m, n, k):
         return mma.matmul(x, weight.raw, weight.qtype, n, k)
     return _dense_blocks(x, weight, x.dtype, x.dtype, lambda w, out: torch.matmul(x, w.T, out=out))
 
@@ -288,7 +294,7 @@ def quant_matmul_rounded(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
     x = _check_x(x, weight)
     n, k = weight.shape
     if weight.mma_layout:
-        if x.shape[0] < DENSE_MIN_M or n * k * 2 > DENSE_MAX_BYTES:
+        if _kernel_rows(x.shape[0], n, k):
             return mma.matmul(x, weight.raw, weight.qtype, n, k, out_dtype=torch.float32)
         scaled, unscale = f16_rows(x)  # once for every block; each block's float16 product unscaled in float32
         return _dense_blocks(x, weight, torch.float16, torch.float32,
@@ -333,8 +339,7 @@ def quant_matmul_glu(x: torch.Tensor, weight: QuantWeight, rounded: bool = False
     x = _check_x(x, weight)
     n, k = weight.shape
     m = x.shape[0]
-    fused = (weight.mma_layout and (m < DENSE_MIN_M or n * k * 2 > DENSE_MAX_BYTES)
-             and mma.glu_takes(weight.qtype, m, n, k))
+    fused = weight.mma_layout and _kernel_rows(m, n, k) and mma.glu_takes(weight.qtype, m, n, k)
     if fused and rounded and x.dtype == torch.float32:
         return mma.matmul(x, weight.raw, weight.qtype, n, k, out_dtype=torch.float32, glu=True)
     if fused and not rounded and x.dtype == torch.bfloat16:
