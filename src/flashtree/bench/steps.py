@@ -436,17 +436,18 @@ def _chunk_rows(engine, cache, lengths, device, repeat: int, ar: float, roofline
     """A short prefill chunk of each length on the committed context, the way a prefix-cache hit or a chat
     message runs it (`ModelRunner.prefill_chunk`); each run writes the same cache rows again (the DeltaNet states
     move on, which changes no time)."""
-    committed = cache.length
-
-    def run_chunk(ids: list[int]) -> None:
-        engine.runner.prefill_chunk(cache, ids)
-        cache.length = committed
-
     for length in lengths:
         ids = _prompt(engine.target.model.config.vocab_size, length, seed=length)
-        seconds = timed(lambda: run_chunk(ids), device, repeat)
+        seconds = timed(lambda: _chunk_again(engine, cache, ids), device, repeat)
         row(f"prefill chunk {length}", seconds, roofline_s, vs_ar=round(seconds / ar, 2),
             tok_s=round(length / seconds, 1))
+
+
+def _chunk_again(engine, cache, ids: list[int]) -> None:
+    """A prefill chunk on the committed context, the cache length left as it was (its rows are written again)."""
+    committed = cache.length
+    engine.runner.prefill_chunk(cache, ids)
+    cache.length = committed
 
 
 def _profile_prefill_chunk(engine, cache, length: int, report: dict, device) -> None:
@@ -459,12 +460,7 @@ def _profile_prefill_chunk(engine, cache, length: int, report: dict, device) -> 
     if length < 1:
         return
     ids = _prompt(engine.target.model.config.vocab_size, length, seed=length)
-
-    def run_chunk() -> None:
-        engine.runner.prefill_chunk(cache, ids)
-        cache.length = committed
-
-    report["profile_prefill_chunk"] = profile_call(run_chunk, device)
+    report["profile_prefill_chunk"] = profile_call(lambda: _chunk_again(engine, cache, ids), device)
     print_profile(f"prefill chunk of {length} tokens after {committed} rows", report["profile_prefill_chunk"], device)
 
 
