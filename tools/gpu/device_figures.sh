@@ -77,7 +77,8 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
                           echo "== sweep-attention-tail (rc $?)"; tail -8 "$OUT/attention_tail.txt" ;;
     sweep-draft-attention) timeout 120 python3 benchmarks/sweep_draft_attention.py --out "$OUT/draft_attention.json" ;;
     sweep-deltanet-tree) timeout 120 python3 benchmarks/sweep_deltanet_tree.py --out "$OUT/deltanet_tree.json" \
-                   > "$OUT/deltanet_tree.txt" 2>&1; echo "== sweep-deltanet-tree (rc $?)"; tail -6 "$OUT/deltanet_tree.txt" ;;
+                   > "$OUT/deltanet_tree.txt" 2>&1; echo "== sweep-deltanet-tree (rc $?)"
+                   grep -E "^(recurrent|chain|bushy|star|Traceback|[A-Za-z]*Error)" "$OUT/deltanet_tree.txt" | cut -c1-170 ;;
     # the commit's fold: 48 fold_path launches against one fold_layers launch, at each launch shape
     sweep-commit) timeout 90 python3 benchmarks/sweep_deltanet_tree.py --commit-only --out "$OUT/commit.json" \
                       > "$OUT/commit.txt" 2>&1; echo "== sweep-commit (rc $?)"; tail -12 "$OUT/commit.txt" ;;
@@ -112,6 +113,13 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
                       FLASHTREE_GLU=$glu bench "steps-glu$glu" "${LIMIT_1K:-150}" --steps -n 32 --repeat 5 --replay-al 0 \
                           --context 1024 --prefill-lengths 1024 ${PROFILE:+--profile}
                   done ;;
+    # the 1K step with every switch in AB_ENV off, then on (default: the GLU epilogue and the CUDA C tree verify, the
+    # twenty-fifth and twenty-sixth sessions' changes); PROFILE=1 adds --profile (which kernel gained what)
+    steps-ab) for on in 0 1; do
+                  (for var in ${AB_ENV:-FLASHTREE_GLU FLASHTREE_TREE_CUDA}; do export "$var=$on"; done
+                   bench "steps-ab$on" "${LIMIT_1K:-150}" --steps -n 32 --repeat 5 --replay-al 0 --context 1024 \
+                       --prefill-lengths 1024 ${PROFILE:+--profile})
+              done ;;
     steps-norm-ab) for cluster in 0 1; do
                        FLASHTREE_CLUSTER_NORM=$cluster bench "steps-norm-cluster$cluster" "${LIMIT_1K:-150}" --steps -n 32 \
                            --repeat 5 --replay-al 0 --context 1024 --prefill-lengths 1024

@@ -697,18 +697,9 @@ def _launch_matmul(out: torch.Tensor, xs: list[torch.Tensor], raw: torch.Tensor,
     tickets = _tickets(out.device, torch.cuda.current_stream(out.device).cuda_stream)
     shared = config.ring_bytes(qtype) if kernel in ("qmv", "qmh") else 0
     if shared:
-        _allow_shared(out.device, name, shared)
+        cuda_functions.allow_shared(out.device, name, shared)
     launch(fn, (n // config.rows_per_cta, config.splits), 32 * config.warps,
             [*xs, *weights, out, partial, tickets, m, n, k], out.device, shared)
-
-
-@functools.cache
-def _allow_shared(device: torch.device, name: str, size: int) -> None:
-    """Let kernel `name` take `size` bytes of dynamic shared memory (above 48 KB a function must opt in)."""
-    driver, _ = bindings()
-    fn = functions(device).loaded[name]
-    attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    check(driver.cuFuncSetAttribute(fn, attribute, size), "cuFuncSetAttribute")
 
 
 def dequantize(raw: torch.Tensor, qtype: QType, n: int, k: int, dtype: torch.dtype,
