@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from flashtree.kernels import gated_delta_cuda
-from flashtree.kernels.gated_delta_triton import FoldBuffers, tree_verify_reference, tree_verify_with_fold
+from flashtree.kernels.gated_delta_triton import FOLD_ROWS, FoldBuffers, tree_verify_reference, tree_verify_with_fold
 
 from tests.kernels import gated_delta_triton_cases as cases
 
@@ -95,10 +95,11 @@ def test_cuda_tree_verify_against_reference_and_triton(tree, shape):
     assert _rel(o, tree_verify_reference(q, k, v, g, beta, state, parents)) <= 2e-5
     o_t, u_t, gamma_t = tree_verify_with_fold(q, k, v, g, beta, state, parents, precision="ieee", cuda=False)
     assert _rel(o, o_t) <= 2e-5 and _rel(u, u_t) <= 2e-5 and _rel(gamma, gamma_t) <= 1e-6
-    into = FoldBuffers.allocate(h, dv, hk, dk, "cuda")
-    o_into, u_into, gamma_into = tree_verify_with_fold(q, k, v, g, beta, state, parents, into=into)
-    assert torch.equal(o_into, o) and torch.equal(u_into, u) and torch.equal(gamma_into, gamma)
-    assert torch.equal(into.k[:t], k)  # the commit's keys, one CTA per key head
+    if t <= FOLD_ROWS:  # the engine's buffers (a larger verify leaves its rows in tensors of its own)
+        into = FoldBuffers.allocate(h, dv, hk, dk, "cuda")
+        o_into, u_into, gamma_into = tree_verify_with_fold(q, k, v, g, beta, state, parents, into=into)
+        assert torch.equal(o_into, o) and torch.equal(u_into, u) and torch.equal(gamma_into, gamma)
+        assert torch.equal(into.k[:t], k)  # the commit's keys, one CTA per key head
 
 
 @pytest.mark.gpu
