@@ -485,11 +485,25 @@ def host_rows() -> None:
     gather_rows(torch.zeros(64, 2880, dtype=torch.uint8), torch.arange(23))
 
 
+def deltanet_tree() -> None:
+    """The DeltaNet tree verify in CUDA C (kernels/deltanet_tree.cu, NVRTC like `mma`): every node tile at each key
+    width it has instances for."""
+    from flashtree.kernels import gated_delta_cuda
+    from flashtree.nvrtc import compile_cubin
+
+    for dk, nodes in itertools.product(gated_delta_cuda.HEAD_DIMS, gated_delta_cuda.NODE_TILES):
+        key = (gated_delta_cuda.instance(dk, nodes), (("shared", gated_delta_cuda.shared_bytes(dk, nodes)),), ())
+        try:
+            results[key] = _machine_code_facts(compile_cubin(gated_delta_cuda.source(dk, nodes), "sm_90"))
+        except Exception as e:  # noqa: BLE001 - no NVRTC here, or the source does not compile: report and go on
+            results[key] = {"error": str(e).splitlines()[-1]}
+
+
 PARTS = {"quant_matmul": quant_matmul, "decode_issue_bound": decode_issue_bound, "mma": mma,
          "tree_attention": tree_attention,
          "kv_dequant": kv_dequant, "kv_write": kv_write,
          "norms_and_conv": norms_and_conv, "fusion": fusion, "draft": draft, "gated_delta": gated_delta,
-         "commit_rows": commit_rows, "host_rows": host_rows}
+         "commit_rows": commit_rows, "host_rows": host_rows, "deltanet_tree": deltanet_tree}
 
 
 def main() -> None:
