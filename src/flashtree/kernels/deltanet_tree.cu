@@ -49,33 +49,40 @@ __device__ __forceinline__ float dot4(float4 a, float4 b, float acc) {
     return fmaf(a.w, b.w, acc);
 }
 
-// 1. K and Q rows of the node's key head, S0's columns, parents, g and beta into shared memory (zeros past T)
+// 16 bytes global -> shared without registers (cp.async); `live` false writes zeros (no byte is read)
+__device__ __forceinline__ void copy16(float* smem, const float* gmem, bool live) {
+    const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(live ? 16 : 0)
+                 : "memory");
+}
+
+// 1. K and Q rows of the node's key head, S0's columns, parents, g and beta into shared memory (zeros past T). The
+// rows go by cp.async, all in flight at once (loads staged through registers went out a few at a time: ptxas kept
+// the registers low and waited a memory latency per group)
 template <int DK, int NODES>
 __device__ __forceinline__ void load_inputs(const TreeArgs& a, float* sm, int h, int hq, int c0) {
     typedef TreeSmem<DK, NODES> L;
+    constexpr int ROW_VECS = DK / 4;
     const int tid = threadIdx.x;
-    for (int e = tid; e < NODES * DK / 4; e += THREADS) {
-        const int i = e / (DK / 4), d = 4 * (e % (DK / 4));
-        float4 kv = make_float4(0.f, 0.f, 0.f, 0.f), qv = kv;
-        if (i < a.T) {
-            kv = *reinterpret_cast<const float4*>(a.k + (long)i * a.sk_t + (long)hq * a.sk_h + d);
-            qv = *reinterpret_cast<const float4*>(a.q + (long)i * a.sq_t + (long)hq * a.sq_h + d);
-        }
-        *reinterpret_cast<float4*>(sm + L::K + i * L::PITCH + d) = kv;
-        *reinterpret_cast<float4*>(sm + L::Q + i * L::PITCH + d) = qv;
+    for (int e = tid; e < NODES * ROW_VECS; e += THREADS) {
+        const int i = e / ROW_VECS, d = 4 * (e % ROW_VECS);
+        const bool live = i < a.T;
+        const long row = live ? i : 0;  // a dead row's address stays inside the tensor
+        copy16(sm + L::K + i * L::PITCH + d, a.k + row * a.sk_t + (long)hq * a.sk_h + d, live);
+        copy16(sm + L::Q + i * L::PITCH + d, a.q + row * a.sq_t + (long)hq * a.sq_h + d, live);
     }
     for (int e = tid; e < DK * COLS / 4; e += THREADS) {
         const int d = e / (COLS / 4), c = 4 * (e % (COLS / 4));
-        *reinterpret_cast<float4*>(sm + L::S + d * COLS + c) =
-            *reinterpret_cast<const float4*>(a.state + (long)h * a.ss_h + (long)d * a.ss_k + c0 + c);
+        copy16(sm + L::S + 4 * e, a.state + (long)h * a.ss_h + (long)d * a.ss_k + c0 + c, true);
     }
     if (tid < NODES) {
         const bool live = tid < a.T;
-        int p = live ? (int)a.parents[tid] : -1;
+        const int p = live ? (int)a.parents[tid] : -1;
         reinterpret_cast<int*>(sm + L::PARENT)[tid] = (p >= 0 && p < tid) ? p : -1;  // a parent >= i counts as -1
         sm[L::G + tid] = live ? a.g[(long)tid * a.sg_t + (long)h * a.sg_h] : 0.f;
         sm[L::BETA + tid] = live ? a.beta[(long)tid * a.sb_t + (long)h * a.sb_h] : 0.f;
     }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
 // 2a. Gamma_i (g summed from node i up to its root, nearest first) and the inclusive ancestor bits, a lane a node
@@ -109,6 +116,12 @@ __device__ __forceinline__ void tree_verify(const TreeArgs& a) {
     const int h = blockIdx.x, hq = h % a.HK, c0 = blockIdx.y * COLS;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     load_inputs<DK, NODES>(a, sm, h, hq, c0);
+    float v[PER_WARP];  // this thread's values of V, first needed after the products: loaded under them
+#pragma unroll
+    for (int n = 0; n < PER_WARP; ++n) {
+        const int i = warp + 4 * n;
+        v[n] = i < a.T ? a.v[(long)i * a.sv_t + (long)h * a.sv_h + c0 + lane] : 0.f;
+    }
     __syncthreads();
     chase_parents<DK, NODES>(a, sm);
 
@@ -159,8 +172,7 @@ __device__ __forceinline__ void tree_verify(const TreeArgs& a) {
     for (int n = 0; n < PER_WARP; ++n) {
         const int i = warp + 4 * n;
         const float e = expf(sm[L::GAMMA + i]);
-        const float v = i < a.T ? a.v[(long)i * a.sv_t + (long)h * a.sv_h + c0 + lane] : 0.f;
-        sm[L::U + i * COLS + lane] = sm[L::BETA + i] * (v - e * ks[n]);
+        sm[L::U + i * COLS + lane] = sm[L::BETA + i] * (v[n] - e * ks[n]);
         out[n] = e * qs[n];
     }
     __syncthreads();
@@ -184,11 +196,14 @@ __device__ __forceinline__ void tree_verify(const TreeArgs& a) {
 #pragma unroll
     for (int n = 0; n < PER_WARP; ++n) {
         const int i = warp + 4 * n;
-        if (i >= a.T) continue;
         float acc = out[n];
-        for (int j = 0; j <= i; ++j) acc = fmaf(sm[L::QK + i * L::TRI + j], sm[L::U + j * COLS + lane], acc);
-        a.o[(long)i * a.so_t + (long)h * a.so_h + c0 + lane] = acc;
-        if (a.store_fold) a.u[(long)i * a.su_t + (long)h * a.su_h + c0 + lane] = sm[L::U + i * COLS + lane];
+#pragma unroll 4
+        for (int j = 0; j < NODES; ++j)  // QK is 0 past node i
+            acc = fmaf(sm[L::QK + i * L::TRI + j], sm[L::U + j * COLS + lane], acc);
+        if (i < a.T) {
+            a.o[(long)i * a.so_t + (long)h * a.so_h + c0 + lane] = acc;
+            if (a.store_fold) a.u[(long)i * a.su_t + (long)h * a.su_h + c0 + lane] = sm[L::U + i * COLS + lane];
+        }
     }
     if (a.store_fold && blockIdx.y == 0 && tid < a.T) a.gamma[(long)tid * a.sgm_t + h] = sm[L::GAMMA + tid];
     if (a.store_k && blockIdx.y == 0 && h < a.HK) {  // the keys the commit folds with, one CTA per key head
