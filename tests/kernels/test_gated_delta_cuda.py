@@ -1,15 +1,22 @@
 """The DeltaNet tree verify in CUDA C (kernels/deltanet_tree.cu): its entry's arguments against the kernel's
-argument struct and its NVRTC compile on any machine; on a Hopper GPU, its outputs (and the commit's u, Gamma and
+argument struct, its NVRTC compile, and the kernel built for the host (its threads as host threads) against the
+torch reference, on any machine; on a Hopper GPU, its outputs (and the commit's u, Gamma and
 keys) against the torch reference and the Triton kernel at every node tile, graphed."""
 
+import functools
 import re
+import shutil
+import subprocess
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from flashtree.kernels import gated_delta_cuda
-from flashtree.kernels.gated_delta_triton import FOLD_ROWS, FoldBuffers, tree_verify_reference, tree_verify_with_fold
+from flashtree.kernels import gated_delta, gated_delta_cuda
+from flashtree.kernels.gated_delta_triton import (FOLD_ROWS, FoldBuffers, ancestors_from_parents,
+                                                  tree_verify_reference, tree_verify_with_fold)
 
 from tests.kernels import gated_delta_triton_cases as cases
 
@@ -69,7 +76,8 @@ def _rel(x, ref):
     return ((x - ref).abs().max() / ref.abs().max()).item()
 
 
-TREES = {"one": [-1], "chain8": list(range(-1, 7)), "chain16": list(range(-1, 15)), "random23": None,
+TREES = {"one": [-1], "chain8": list(range(-1, 7)), "chain16": list(range(-1, 15)), "chain23": list(range(-1, 22)),
+         "random23": None,
          "star23": [-1] + [0] * 22, "chain24": list(range(-1, 23)), "chain32": list(range(-1, 31)),
          "random32": None, "forest20": [-1, -1, 0, 1, 2, -1, 5, 3, 7, 6, 8, 9, 4, -1, 13, 14, 10, 16, 11, 18]}
 
@@ -122,3 +130,59 @@ def test_cuda_tree_verify_replays_in_a_graph_and_treats_bad_parents_as_roots():
     fixed[[4, 9]] = -1
     assert torch.equal(tree_verify_with_fold(q, k, v, g, beta, state, bad)[0],
                        tree_verify_with_fold(q, k, v, g, beta, state, fixed)[0])
+
+
+HOST_HARNESS = Path(__file__).with_name("deltanet_tree_host.cpp")
+HOST_CASES = [("chain23", 128, 64, 2, 4), ("random23", 128, 64, 2, 4), ("star23", 128, 32, 1, 3),
+              ("forest20", 128, 64, 4, 4), ("one", 128, 32, 1, 1), ("chain32", 64, 64, 2, 2),
+              ("random32", 128, 32, 2, 2), ("chain16", 32, 32, 1, 2)]
+
+
+@functools.cache
+def _host_build(dk: int, nodes: int, tmp: Path) -> Path:
+    """deltanet_tree.cu with one entry, built for the host around tests/kernels/deltanet_tree_host.cpp."""
+    folder = tmp / f"d{dk}_n{nodes}"
+    folder.mkdir()
+    (folder / "kernel.cu").write_text(gated_delta_cuda.source(dk, nodes))
+    binary = folder / "tree"
+    subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", f"-DENTRY={gated_delta_cuda.instance(dk, nodes)}",
+                    f"-I{folder}", str(HOST_HARNESS), "-o", str(binary)], check=True, capture_output=True)
+    return binary
+
+
+@pytest.fixture(scope="module")
+def host_builds(tmp_path_factory):
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++ (the CUDA C kernel built for the host)")
+    tmp = tmp_path_factory.mktemp("deltanet_tree_host")
+    return lambda dk, nodes: _host_build(dk, nodes, tmp)
+
+
+@pytest.mark.parametrize("case", HOST_CASES, ids=[c[0] for c in HOST_CASES])
+def test_cuda_kernel_built_for_the_host_matches_the_reference(host_builds, case):
+    """The CUDA C kernel's threads as host threads (deltanet_tree_host.cpp): o, and the commit's u, Gamma and keys,
+    against the torch reference at every node tile, with the q/k heads shared by several value heads; shared memory
+    starts as NaN, so a read before a write shows."""
+    tree, dk, dv, hk, h = case
+    parents = TREES[tree]
+    t = len(parents) if parents is not None else int(tree.removeprefix("random"))
+    parents = torch.tensor(parents) if parents is not None else cases.random_parents(t, t)
+    gen = torch.Generator().manual_seed(t)
+    q = torch.randn(t, hk, dk, generator=gen) * dk**-0.5
+    k = F.normalize(torch.randn(t, hk, dk, generator=gen), dim=-1)
+    v, g, beta = torch.randn(t, h, dv, generator=gen), -torch.rand(t, h, generator=gen), torch.rand(t, h, generator=gen)
+    state = torch.randn(h, dk, dv, generator=gen)
+    stdin = (np.array([t, hk, h, dk, dv], dtype=np.int32).tobytes()
+             + b"".join(x.numpy().astype(np.float32).tobytes() for x in (q, k, v, g, beta, state))
+             + parents.numpy().astype(np.int64).tobytes())
+    run = subprocess.run([str(host_builds(dk, gated_delta_cuda.node_tile(t)))], input=stdin, capture_output=True,
+                         check=True)
+    flat = torch.from_numpy(np.frombuffer(run.stdout, dtype=np.float32).copy())
+    sizes = (t * h * dv, t * h * dv, t * h, t * hk * dk)
+    o, u, gamma, k_out = (part.reshape(shape) for part, shape in zip(
+        flat.split(sizes), ((t, h, dv), (t, h, dv), (t, h), (t, hk, dk))))
+    rep = h // hk
+    ref_o, ref_u, ref_gamma = gated_delta.ancestor_chunk(q.repeat(1, rep, 1), k.repeat(1, rep, 1), v, g, beta, state,
+                                                         ancestors_from_parents(parents))
+    assert _rel(o, ref_o) <= 2e-5 and _rel(u, ref_u) <= 2e-5 and _rel(gamma, ref_gamma) <= 1e-6
+    assert torch.equal(k_out, k)

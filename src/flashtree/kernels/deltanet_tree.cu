@@ -7,7 +7,15 @@
 // level), and its four K-long products split every operand for tf32x3. Here one warp keeps its column of U in
 // registers and substitutes node by node, so a node waits for one FMA of its parent's row (the other terms are
 // summed while the rows before it finish); the products are plain float32 FMAs over operands in shared memory.
-// No headers: NVRTC compiles this with the CUDA built-ins alone.
+// No headers: NVRTC compiles this with the CUDA built-ins alone. Outside a device compile (no __CUDA_ARCH__) the file
+// builds on the host for tests/kernels/deltanet_tree_host.cpp, which runs a CTA's threads as host threads: the
+// asynchronous copies become plain ones and the dynamic shared memory a buffer of the host's.
+
+#ifdef __CUDA_ARCH__
+#define SHARED_FLOATS(name) extern __shared__ __align__(16) float name[]
+#else
+#define SHARED_FLOATS(name) float* name = host_shared()
+#endif
 
 constexpr int COLS = 32;     // value columns a CTA owns (a lane's column in the substitution)
 constexpr int THREADS = 128; // 4 warps: warp w takes nodes w, w + 4, ... in the column-wise phases
@@ -51,9 +59,29 @@ __device__ __forceinline__ float dot4(float4 a, float4 b, float acc) {
 
 // 16 bytes global -> shared without registers (cp.async); `live` false writes zeros (no byte is read)
 __device__ __forceinline__ void copy16(float* smem, const float* gmem, bool live) {
+#ifdef __CUDA_ARCH__
     const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(live ? 16 : 0)
                  : "memory");
+#else
+    for (int i = 0; i < 4; ++i) smem[i] = live ? gmem[i] : 0.f;
+#endif
+}
+
+// the copies above have landed (this thread's); a __syncthreads after it publishes them to the CTA
+__device__ __forceinline__ void copies_landed() {
+#ifdef __CUDA_ARCH__
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+}
+
+// programmatic dependent launch (cuda_functions.dependent_launches): the next kernel may start, and this one waits
+// for the one before it; without the launch attribute both return at once
+__device__ __forceinline__ void start_after_predecessors() {
+#ifdef __CUDA_ARCH__
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
 }
 
 // 1. K and Q rows of the node's key head, S0's columns, parents, g and beta into shared memory (zeros past T). The
@@ -82,7 +110,7 @@ __device__ __forceinline__ void load_inputs(const TreeArgs& a, float* sm, int h,
         sm[L::G + tid] = live ? a.g[(long)tid * a.sg_t + (long)h * a.sg_h] : 0.f;
         sm[L::BETA + tid] = live ? a.beta[(long)tid * a.sb_t + (long)h * a.sb_h] : 0.f;
     }
-    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    copies_landed();
 }
 
 // 2a. Gamma_i (g summed from node i up to its root, nearest first) and the inclusive ancestor bits, a lane a node
@@ -110,9 +138,8 @@ template <int DK, int NODES>
 __device__ __forceinline__ void tree_verify(const TreeArgs& a) {
     typedef TreeSmem<DK, NODES> L;
     constexpr int PER_WARP = NODES / 4;  // nodes a thread takes in the column-wise phases
-    extern __shared__ __align__(16) float sm[];
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    asm volatile("griddepcontrol.wait;" ::: "memory");  // launched as a dependent: inputs are ready from here
+    SHARED_FLOATS(sm);
+    start_after_predecessors();
     const int h = blockIdx.x, hq = h % a.HK, c0 = blockIdx.y * COLS;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     load_inputs<DK, NODES>(a, sm, h, hq, c0);
