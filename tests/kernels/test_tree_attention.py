@@ -132,13 +132,15 @@ def test_quantized_rows_launch_a_chunk_tl_dot_takes(d, query_rows, tq3):
     assert launch.block_n == max(16, launch.warps * 1024 // d)  # one 32-value block a thread: the CTA covers the chunk
     decode = query_rows <= 8
     if decode and tq3:  # one token's 6-row head group over TQ3_0 rows: the MMAs' sides swapped, 8 rows on 2 warps
-        assert (launch.block_m, launch.warps, launch.swap, launch.max_registers) == (8, 2, True, None)
+        assert (launch.block_m, launch.warps, launch.swap, launch.max_registers) == (8, 2, True, 128)
     elif query_rows <= 16 and tq3:  # two tokens (or a verify's tail): swapped too, 16 rows on 4 warps, capped
         assert (launch.block_m, launch.warps, launch.swap, launch.max_registers) == (16, 4, True, 128)
     else:  # a 16-row decode tile on 4 warps capped at 128 registers; wider tiles uncapped
         assert not launch.swap and launch.block_m >= 16 and launch.warps >= 4
         assert launch.max_registers == (128 if query_rows <= 16 else None)
     assert programs_per_sm(True, 1, launch.warps) == (8 if launch.warps <= 2 else 4)
+    if launch.max_registers is not None:  # the programs the splits aim for fit the register file together
+        assert launch.max_registers * 32 * launch.warps * programs_per_sm(True, 1, launch.warps) <= 65536
     windowed = _launch_defaults(query_rows, d, quantized=True, windowed=True, tq3=tq3)
     assert not windowed.swap and windowed.max_registers is None and windowed.warps >= 4  # a window's keeps 4 warps
 

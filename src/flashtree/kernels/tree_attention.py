@@ -657,7 +657,10 @@ def _launch_defaults(query_rows: int, d: int, quantized: bool, windowed: bool = 
     (the K rows the M side, the query rows the 8-wide N side: a [D, 8] accumulator, 128 registers a thread) on 2
     warps, 8 programs an SM (`programs_per_sm`; H200, 2026-12-05, 1 token, main's 4-warp 16-row tile -> this: 1K
     9.4 -> 8.9 us, 64K 119.8 -> 101.1, 262K 428.5 -> 334.2), except with a window (its mask spilled in 128
-    registers). 9-16 such rows (two tokens, or a verify's rows past its 128-row tile, `_tail_rows`) swap too, on 4
+    registers). Its registers are capped at 128, so that the 8 programs fit an SM's 64K registers: uncapped, the
+    launch taking `m_base` compiled to 153 (6 an SM), and 1 token over 64K / 262K TQ3_0 rows took 144.6 / 442.8 us
+    against 107.9 / 345.3 at 128 (H200, 2026-12-05, twenty-seventh session; offline sm_90, triton 3.6). 9-16
+    such rows (two tokens, or a verify's rows past its 128-row tile, `_tail_rows`) swap too, on 4
     warps (offline sm_90, triton 3.6, TQ3_0 pairs at use: 553 loop instructions a warp a 16-row chunk, 112 registers,
     no stack, against 826 for the 16-row tile's float32 decode; not yet timed). Q8_0 / Q4_0 rows keep 4 warps capped
     at 128 registers on a 16-row tile: the swapped 2-warp decode
@@ -670,7 +673,7 @@ def _launch_defaults(query_rows: int, d: int, quantized: bool, windowed: bool = 
     block_m = min(64, max(16, triton.next_power_of_2(query_rows)))
     if quantized:
         if query_rows <= _SWAPPED_ROWS and tq3 and not windowed:
-            return Launch(_SWAPPED_ROWS, max(16, 2 * max(1, 1024 // d)), 2, swap=True)
+            return Launch(_SWAPPED_ROWS, max(16, 2 * max(1, 1024 // d)), 2, max_registers=128, swap=True)
         if query_rows <= 2 * _SWAPPED_ROWS and tq3 and not windowed:
             return Launch(2 * _SWAPPED_ROWS, max(16, 4 * max(1, 1024 // d)), 4, max_registers=128, swap=True)
         wide = query_rows > 64
