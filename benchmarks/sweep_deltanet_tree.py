@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""The DeltaNet tree-verify kernel at the 27B shape (16 q/k heads, 48 value heads, 128 x 128 states) on the
-GPU at several launch shapes and tree shapes, beside the one-token recurrent step.
+"""The DeltaNet tree-verify kernels at the 27B shape (16 q/k heads, 48 value heads, 128 x 128 states) on the
+GPU, the CUDA C kernel (deltanet_tree.cu) and the Triton kernel's launch shapes, at several tree shapes, beside the
+one-token recurrent step.
 
     python3 benchmarks/sweep_deltanet_tree.py [--out tree.json]
 
@@ -96,12 +97,15 @@ def main() -> int:
         v, g, beta = torch.randn(t, H, D, device="cuda"), -torch.rand(t, H, device="cuda"), torch.rand(t, H, device="cuda")
         ref = gdt.tree_verify_reference(q, k, v, g, beta, states[0], p)
         cells = []
-        for block_v, block_k, warps, precision, stages in VARIANTS:
-            kw = dict(block_v=block_v, block_k=block_k, num_warps=warps, precision=precision, num_stages=stages)
+        # the CUDA C kernel (deltanet_tree.cu, the default where it takes the tree), then the Triton launch shapes
+        launches = [("cuda", {})] + [
+            (f"v{bv}k{bk}w{w}{'' if stages is None else f's{stages}'}/{precision}",
+             dict(block_v=bv, block_k=bk, num_warps=w, precision=precision, num_stages=stages, cuda=False))
+            for bv, bk, w, precision, stages in VARIANTS]
+        for label, kw in launches:
             out = gdt.tree_verify_with_fold(q, k, v, g, beta, states[0], p, **kw)[0]
             err = ((out - ref).abs().max() / ref.abs().max()).item()
             us = time_graph([lambda s=s: gdt.tree_verify_with_fold(q, k, v, g, beta, s, p, **kw) for s in states]) * 1e6
-            label = f"v{block_v}k{block_k}w{warps}{'' if stages is None else f's{stages}'}/{precision}"
             results.append({"tree": name, "variant": label, "us": us, "err": err})
             cells.append(f"{label} {us:.1f} {err:.0e}")
         print(f"{name:8} " + " | ".join(cells), flush=True)

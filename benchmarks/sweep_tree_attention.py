@@ -162,16 +162,36 @@ COMPARED = [
     # registers 24 bytes of stack, 12 programs an SM; 2 warps at 96 registers 56 bytes, 10 programs an SM)
     ("swap 1 warp 168 regs x3", {"swap": True, "block_m": 8, "num_warps": 1, "max_registers": 168}, 3),
     ("swap 2 warps 96 regs x2.5", {"swap": True, "block_m": 8, "num_warps": 2, "max_registers": 96}, 2.5),
+    # the 2-warp swapped decode with its TQ3_0 fields loaded a chunk ahead (offline sm_90, triton 3.6: 168 registers,
+    # no stack, 6 programs an SM where the default's 128 registers give 8): the next chunk's loads in flight
+    ("swap 2 warps pairs ahead x0.75", {"swap": True, "block_m": 8, "num_warps": 2, "tq3_pairs": True,
+                                        "fields_ahead": True}, 0.75),
+    ("swap 2 warps pairs ahead x1", {"swap": True, "block_m": 8, "num_warps": 2, "tq3_pairs": True,
+                                     "fields_ahead": True}, 1),
+    # a verify's rows past its 128-row tile (10 of 138 a KV head) in a tile of their own, by default from 16K rows:
+    # without it, and forced at shorter ranges (offline sm_90, triton 3.6, warp instructions a 16 K/V rows: TQ3_0's
+    # second 128-row tile 5256, its swapped 16-row tail 2212; Q8_0's 4360 and 2424)
+    ("no tail", {"tail": False}, 1),
+    ("tail", {"tail": True}, 1),
+    # the verify's 128-row tile decoding TQ3_0 as float16 pairs: since its float32 query is rounded before the launch,
+    # 255 registers and no stack, 1140 loop instructions a warp a 32-row chunk against the float32 decode's 1314 and
+    # 24 bytes (offline sm_90, triton 3.6; the twenty-third session's pairs there spilled, 1158.5 -> 1237.4 us at 262K)
+    ("tile pairs", {"tq3_pairs": True}, 1),
 ]
 TQ3_ONLY = {"float32 TQ3 decode", "32-row chunks 8 warps", "1 warp at use splits x2", "swap 2 warps pairs x2",
-            "swap 4 warps pairs x1.25", "swap 4 warps pairs ahead"}
+            "swap 4 warps pairs x1.25", "swap 4 warps pairs ahead", "swap 2 warps pairs ahead x0.75",
+            "swap 2 warps pairs ahead x1", "tile pairs"}
 
 
 def model_inputs(n: int, committed: int, cache: str) -> dict:
-    """`inputs` as attention.py passes them: the raw query rows (strided, beside the gate rows of the same
-    projection), the q norm and RoPE tables, and the gate; over TQ3_0 rows the rotated query alone."""
+    """`inputs` as attention.py passes them for a bf16 model (float32 activations, bf16 operands): the raw query
+    rows (strided, beside the gate rows of the same projection), the q norm and RoPE tables, and the gate; over
+    TQ3_0 rows the query normed and rotated in a launch before (float32), the values rotated back in the call."""
     args = inputs(n, committed, cache)
     if kv_type(cache).rotated:
+        g = torch.Generator(device="cuda").manual_seed(1)
+        rows = torch.randn(n, HEADS, 2, HEAD_DIM, device="cuda", generator=g)
+        args.update(q=args["q"].float(), gate=rows[:, :, 1], unrotate_values=True, operands=torch.bfloat16)
         return args
     g = torch.Generator(device="cuda").manual_seed(1)
     rows = torch.randn(n, HEADS, 2, HEAD_DIM, device="cuda", generator=g).to(torch.bfloat16)

@@ -214,6 +214,7 @@ def _print_issue_bound() -> None:
 
 
 MMA_SHAPES = ((17408, 5120), (5120, 17408), (248320, 5120))
+GLU_SHAPES = ((34816, 5120),)  # the fused gate + up, with and without its GLU epilogue
 mma_steps: dict[tuple, tuple] = {}
 
 
@@ -229,22 +230,24 @@ def mma() -> None:
     except Exception as e:  # noqa: BLE001 - no cuda-python or no libnvrtc here: nothing to compile with
         print(f"mma: skipped, NVRTC unavailable ({str(e).splitlines()[0]})")
         return
+    shapes = [(n, k, False) for n, k in MMA_SHAPES + GLU_SHAPES] + [(n, k, True) for n, k in GLU_SHAPES]
     for qtype in kernels.MMA_TYPES:
         tile_bytes = 16 * GGML_QUANT_SIZES[qtype][1]
-        for n, k in MMA_SHAPES:
+        for n, k, glu in shapes:
             if n == 248320 and qtype.name != "Q6_K":
                 continue
             for m, dtype in itertools.product((1, 8, 16, 23, 32), (torch.float32, torch.bfloat16)):
                 # float32 x and out: a bf16 model's activations (docs/FIDELITY.md); bf16: the draft's and the sweeps'
                 c = kernels.choose_config(qtype, m, n, k, 132)
+                c = kernels.glu_config(c) if glu else c
                 tg = kernels.token_groups(m)
                 kernel = kernels.kernel_for(qtype, tg, n, k)
-                name = kernels._instance(qtype, c, tg, kernel, dtype, dtype)
+                name = kernels._instance(qtype, c, tg, kernel, dtype, dtype, glu)
                 key = (name, (("rows", m),), (("shape", f"{n}x{k}"),))
                 if key in results:  # qmh's x is prep_x's float16 either way: one instance per out type
                     continue
                 try:
-                    wrapper = kernels._wrapper(name, qtype, c, tg, kernel, dtype, dtype)
+                    wrapper = kernels._wrapper(name, qtype, c, tg, kernel, dtype, dtype, glu)
                     cubin = kernels.compile_cubin(kernels._SOURCE.read_text() + wrapper, "sm_90")
                     results[key] = _machine_code_facts(cubin)
                 except Exception as e:  # noqa: BLE001 - report and go on
@@ -273,7 +276,8 @@ SWAPPED_DECODES = ({"block_m": 8, "num_warps": 1}, {"block_m": 8, "num_warps": 2
                    {"block_m": 8, "num_warps": 4, "tq3_pairs": True, "fields_ahead": False},
                    {"block_m": 8, "num_warps": 2, "tq3_pairs": True, "fields_ahead": False},
                    {"block_m": 8, "num_warps": 1, "max_registers": 168},
-                   {"block_m": 8, "num_warps": 2, "max_registers": 96})
+                   {"block_m": 8, "num_warps": 2, "max_registers": 96},
+                   {"block_m": 8, "num_warps": 2, "tq3_pairs": True, "fields_ahead": True})
 
 
 def tree_attention() -> None:
@@ -291,6 +295,9 @@ def tree_attention() -> None:
                        torch.ones(1, 1, dtype=torch.bool), torch.arange(1), 9, 0.0625, split=split,
                        gate=torch.zeros(1, 24, 2, 256, dtype=torch.bfloat16)[:, :, 1],
                        q_norm=(torch.ones(256), 1e-6, torch.zeros(1, 64), torch.zeros(1, 64)))
+        if cache != "f16":  # a verify's rows past its 128-row tile in a 16-row tile of their own (`tail`)
+            attend(torch.zeros(24, 23, 256, dtype=torch.bfloat16), *caches, cache, cache, torch.tensor([8]),
+                   torch.ones(23, 23, dtype=torch.bool), torch.arange(23), 31, 0.0625, tail=True, split=4)
         if cache in ("q8_0", "tq3_0"):  # the sweep's 1-2 warp decode candidates, and with the MMAs' sides swapped
             for warps in (1, 2):
                 attend(torch.zeros(24, 1, 256, dtype=torch.bfloat16), *caches, cache, cache, torch.tensor([8]),
@@ -300,9 +307,11 @@ def tree_attention() -> None:
                 attend(torch.zeros(24, 1, 256, dtype=torch.bfloat16), *caches, cache, cache, torch.tensor([8]),
                        torch.ones(1, 1, dtype=torch.bool), torch.arange(1), 9, 0.0625, swap=True, **launch)
         if cache == "tq3_0":  # a bf16 model's verify: its float32 rotated query and gate, bf16 operands (#19 design D)
-            attend(torch.zeros(24, 23, 256), *caches, cache, cache, torch.tensor([8]),
-                   torch.ones(23, 23, dtype=torch.bool), torch.arange(23), 31, 0.0625,
-                   gate=torch.zeros(23, 24, 2, 256)[:, :, 1], unrotate_values=True, operands=torch.bfloat16)
+            for tail, pairs in ((False, None), (True, None), (True, True)):  # pairs: the sweep's "tile pairs"
+                attend(torch.zeros(24, 23, 256), *caches, cache, cache, torch.tensor([8]),
+                       torch.ones(23, 23, dtype=torch.bool), torch.arange(23), 31, 0.0625, split=4, tail=tail,
+                       gate=torch.zeros(23, 24, 2, 256)[:, :, 1], unrotate_values=True, operands=torch.bfloat16,
+                       tq3_pairs=pairs)
         if cache == "tq3_0":  # the values rotated back and gated in the combine
             attend(torch.zeros(24, 1, 256, dtype=torch.bfloat16), *caches, cache, cache, torch.tensor([8]),
                    torch.ones(1, 1, dtype=torch.bool), torch.arange(1), 9, 0.0625, split=4,
@@ -384,7 +393,7 @@ def norms_and_conv() -> None:
 
 def fusion() -> None:
     """The small kernels of the fused decode step, at the 27B shapes (1 and 23 rows)."""
-    from flashtree.kernels.activations import gated_heads, silu_mul
+    from flashtree.kernels.activations import gated_heads, interleaved_silu_mul, silu_mul
     from flashtree.kernels.deltanet_conv import conv_qkv
     from flashtree.kernels.deltanet_gates import GateInputs
     from flashtree.kernels.qk_norm_rope import norm_rope_into_cache, qk_norm_rope, rope_tables
@@ -404,6 +413,7 @@ def fusion() -> None:
         gated_heads(torch.zeros(24, rows, 256, dtype=bf16), qg[:, :, 1])
         gate_up = torch.zeros(rows, 2 * 17408, dtype=bf16)
         silu_mul(gate_up[:, :17408], gate_up[:, 17408:])
+        interleaved_silu_mul(gate_up)  # a fused gate + up's dense prefill rows (GluLinear)
         add_rms_norm(torch.zeros(rows, 5120, dtype=bf16), torch.zeros(rows, 5120, dtype=bf16), torch.ones(5120), 1e-6)
         conv_qkv(torch.zeros(rows, conv_dim, dtype=bf16), None, torch.zeros(3, conv_dim), torch.zeros(conv_dim, 4),
                  16, 48, 128, GateInputs(ba[:, :48], ba[:, 48:], torch.zeros(48), torch.zeros(48)), advance_state=True)
@@ -475,11 +485,25 @@ def host_rows() -> None:
     gather_rows(torch.zeros(64, 2880, dtype=torch.uint8), torch.arange(23))
 
 
+def deltanet_tree() -> None:
+    """The DeltaNet tree verify in CUDA C (kernels/deltanet_tree.cu, NVRTC like `mma`): every node tile at each key
+    width it has instances for."""
+    from flashtree.kernels import gated_delta_cuda
+    from flashtree.nvrtc import compile_cubin
+
+    for dk, nodes in itertools.product(gated_delta_cuda.HEAD_DIMS, gated_delta_cuda.NODE_TILES):
+        key = (gated_delta_cuda.instance(dk, nodes), (("shared", gated_delta_cuda.shared_bytes(dk, nodes)),), ())
+        try:
+            results[key] = _machine_code_facts(compile_cubin(gated_delta_cuda.source(dk, nodes), "sm_90"))
+        except Exception as e:  # noqa: BLE001 - no NVRTC here, or the source does not compile: report and go on
+            results[key] = {"error": str(e).splitlines()[-1]}
+
+
 PARTS = {"quant_matmul": quant_matmul, "decode_issue_bound": decode_issue_bound, "mma": mma,
          "tree_attention": tree_attention,
          "kv_dequant": kv_dequant, "kv_write": kv_write,
          "norms_and_conv": norms_and_conv, "fusion": fusion, "draft": draft, "gated_delta": gated_delta,
-         "commit_rows": commit_rows, "host_rows": host_rows}
+         "commit_rows": commit_rows, "host_rows": host_rows, "deltanet_tree": deltanet_tree}
 
 
 def main() -> None:

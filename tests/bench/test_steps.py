@@ -86,6 +86,9 @@ def test_profile_counts_a_steps_operators_by_family(tmp_path):
     # ... named: what the commit runs beyond the verify, its counts adding up to the difference
     commit = report["profile_commit_kernels"]
     assert sum(entry["count"] for entry in commit.values()) == both["kernels"] - verify["kernels"] and commit
+    # a prefill chunk of the bench's chunk length on the context: more work than one AR step
+    chunk = report["profile_prefill_chunk"]
+    assert chunk["kernels"] > 0 and chunk["families"]["dense matmul (cuBLAS)"]["count"] >= 3 * shape_config("tiny").num_layers
 
 
 @pytest.mark.gpu

@@ -9,7 +9,8 @@ import sys
 
 import torch
 
-from flashtree.kernels.activations import gated_heads, gated_heads_reference, silu_mul, silu_mul_reference
+from flashtree.kernels.activations import (gated_heads, gated_heads_reference, glu_halves, interleaved_silu_mul,
+                                          silu_mul, silu_mul_reference)
 from flashtree.kernels.qk_norm_rope import (norm_rope_into_cache, qk_norm_rope, qk_norm_rope_reference, rope_tables,
                                             rope_tables_reference)
 from flashtree.kernels.kv_quant import rotate
@@ -20,7 +21,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def case_ids() -> list[str]:
     return [f"{kernel}-{d}" for kernel in ("rope_tables", "qk_norm_rope", "qk_norm_rope_rotated", "norm_rope_into_cache",
-                                           "gated_heads", "silu_mul", "add_rms_norm")
+                                           "gated_heads", "silu_mul", "interleaved_silu_mul", "add_rms_norm")
             for d in DTYPES]
 
 
@@ -65,6 +66,9 @@ def main() -> None:
         gate_up = (torch.randn(3, 2 * 96, generator=gen) * 4).to(dtype)
         result[f"silu_mul-{name}"] = error(silu_mul(gate_up[:, :96], gate_up[:, 96:]),
                                            silu_mul_reference(gate_up[:, :96], gate_up[:, 96:]))
+        # a fused gate + up weight's interleaved outputs (8 gate values, then their 8 up values, in turn)
+        result[f"interleaved_silu_mul-{name}"] = error(interleaved_silu_mul(gate_up),
+                                                       silu_mul_reference(*glu_halves(gate_up)))
 
         h, delta = (torch.randn(3, 320, generator=gen) * 4).to(dtype), torch.randn(3, 320, generator=gen).to(dtype)
         w = 1 + 0.1 * torch.randn(320, generator=gen)

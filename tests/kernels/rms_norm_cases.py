@@ -16,7 +16,7 @@ SHAPES = {"rows": (5, 5120), "heads": (3, 4, 256), "one": (1, 96)}
 
 def case_ids() -> list[str]:
     return ([f"{shape}-{d}" for shape in SHAPES for d in DTYPES] + [f"strided-{d}" for d in DTYPES]
-            + [f"gated-{d}" for d in DTYPES])
+            + [f"gated-{d}" for d in DTYPES] + [f"gated_strided-{d}" for d in DTYPES])
 
 
 def ulps(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -47,6 +47,11 @@ def main() -> None:
     for name, dtype in DTYPES.items():
         z = torch.randn(5, 6, 32, generator=gen).to(dtype)
         result[f"gated-{name}"] = ulps(gated_rms_norm(o, w, 1e-6, z, dtype), gated_rms_norm_reference(o, w, 1e-6, z, dtype))
+        # z as the model passes it: a slice of the fused input projection's rows, [T, heads, D] strided, read in place
+        rows = torch.randn(5, 7 * 32 + 6 * 32, generator=gen).to(dtype)
+        z = rows[:, 7 * 32:].reshape(5, 6, 32)
+        result[f"gated_strided-{name}"] = ulps(gated_rms_norm(o, w, 1e-6, z, dtype),
+                                               gated_rms_norm_reference(o, w, 1e-6, z, dtype))
     json.dump(result, sys.stdout)
 
 

@@ -27,10 +27,12 @@ def test_all_kernels_compile_for_sm90():
     q4_k = [line.split() for line in lines if line.startswith("Q4_K ") and line.split()[2].startswith("_q4_k")]
     assert len(q4_k) == 2 and all(0.1 < float(row[5]) < 2.0 for row in q4_k), q4_k  # the two FFN shapes
     # the tensor-core kernels' table (where NVRTC is installed, as with the test tools): one-row instances
-    # without spills, their loop found, well under 0.3 instructions per weight byte; five shapes, each with bf16
+    # without spills, their loop found, well under 0.3 instructions per weight byte; nine shapes (Q4_K: the two FFN
+    # matrices, the fused gate + up with and without its GLU epilogue; Q6_K: the same and the LM head), each with bf16
     # and float32 x and out (a bf16 model's activations, docs/FIDELITY.md)
     mma = [line.split() for line in lines if line.split()[3:4] and line.split()[3].startswith(("qmm_", "qmv_"))]
     if not any(line.startswith("mma: skipped") for line in lines):
         one_row = [row for row in mma if row[2] == "1"]
-        assert sum(row[3].endswith("_xf32_of32") for row in one_row) == 5, one_row
-        assert len(one_row) == 10 and all(row[5] == "0" and 0.05 < float(row[8]) < 0.3 for row in one_row), one_row
+        assert sum("_xf32_of32" in row[3] for row in one_row) == 9, one_row
+        assert sum(row[3].endswith("_glu") for row in one_row) == 4, one_row
+        assert len(one_row) == 18 and all(row[5] == "0" and 0.05 < float(row[8]) < 0.3 for row in one_row), one_row

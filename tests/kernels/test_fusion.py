@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashtree.kernels.activations import gated_heads, silu_mul
+from flashtree.kernels.activations import gated_heads, glu_halves, interleaved_silu_mul, silu_mul
 from flashtree.kernels.deltanet_conv import conv_qkv, conv_qkv_reference
 from flashtree.kernels.deltanet_gates import GateInputs, gates_reference
 from flashtree.kernels.qk_norm_rope import apply_rope, norm_rope_into_cache, qk_norm_rope
@@ -46,6 +46,10 @@ def test_references_are_the_unfused_model_code():
 
     up, gate = torch.randn(3, 16, generator=gen).bfloat16(), torch.randn(3, 16, generator=gen).bfloat16()
     assert torch.equal(silu_mul(gate, up), F.silu(gate) * up)
+    # a fused gate + up matmul's outputs, 8 of each in turn: the halves and the product of the interleaved rows
+    rows = torch.cat([gate.reshape(3, 2, 8), up.reshape(3, 2, 8)], dim=-1).reshape(3, 32)
+    assert all(torch.equal(a, b) for a, b in zip(glu_halves(rows), (gate, up)))
+    assert torch.equal(interleaved_silu_mul(rows), F.silu(gate) * up)
 
     h, delta = torch.randn(3, 32, generator=gen).bfloat16(), torch.randn(3, 32, generator=gen).bfloat16()
     total, normed = add_rms_norm(h, delta, torch.ones(32), 1e-6)

@@ -186,7 +186,7 @@ def test_load_time_compile_plans_the_q6_k_float16_kernel_and_its_x_conversion():
     assert sorted(name for name in jobs if name.startswith("qmh")) == [
         "qmh_q6_k_r1_t1_w4_s1_c2", "qmh_q6_k_r1_t2_w4_s1_c2", "qmh_q6_k_r1_t3_w4_s1_c1_b3_x1",
         "qmh_q6_k_r1_t4_w4_s1_c1_b3_x1"]
-    assert "qmh<Q6_K, 1, 3, 4, 1, 1, 1, 0, 0>(xh, nullptr, scale, q, h, s, d," in jobs["qmh_q6_k_r1_t3_w4_s1_c1_b3_x1"]
+    assert "qmh<Q6_K, 1, 3, 4, 1, 1, 1, 0, 0, 0>(xh, nullptr, scale, q, h, s, d," in jobs["qmh_q6_k_r1_t3_w4_s1_c1_b3_x1"]
     assert "prep_x<Q6_K>(x, xh, nullptr, scale, K)" in jobs["prep_x_f16_q6_k"]
     small = [name for name, _ in mma.instances_for({(QType.Q6_K, 1024, 5120)}, 132)]
     assert not any(name.startswith(("qmh", "prep_x")) for name in small)
@@ -293,7 +293,13 @@ def test_cuda_source_compiles_for_sm90():
                 + mma._wrapper("m", QType.Q6_K, mma.MMAConfig(2, 2, 1, ring=3), mma.ONE_ROW, "qmv")
                 + mma._wrapper("n", QType.Q4_K, mma.MMAConfig(1, 4, 2, 2, ring=2), 2, "qmh")
                 + mma._wrapper("o", QType.Q4_K, mma.MMAConfig(1, 4, 1, 2, 3, own_tiles=2, ring=4), 3, "qmh")
-                + mma._wrapper("p", QType.Q6_K, mma.MMAConfig(1, 4, 1, 1, 3, own_tiles=2, ring=3), 4, "qmh"))
+                + mma._wrapper("p", QType.Q6_K, mma.MMAConfig(1, 4, 1, 1, 3, own_tiles=2, ring=3), 4, "qmh")
+                # the GLU epilogue (a fused gate + up): qmv, qmh summing its warps, qmh whose warps own tiles
+                + mma._wrapper("q", QType.Q4_K, mma.MMAConfig(1, 4, 1, 2), mma.ONE_ROW, "qmv", torch.float32,
+                               torch.float32, glu=True)
+                + mma._wrapper("r", QType.Q4_K, mma.MMAConfig(2, 4, 1, 1, 3, ring=2), 3, "qmh", glu=True)
+                + mma._wrapper("s", QType.Q6_K, mma.MMAConfig(1, 4, 1, 1, 3, own_tiles=2), 3, "qmh", torch.bfloat16,
+                               torch.float32, glu=True))
     cubin = mma.compile_cubin(mma._SOURCE.read_text() + wrappers, "sm_90")
     assert cubin[:4] == b"\x7fELF"
 

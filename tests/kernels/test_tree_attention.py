@@ -11,9 +11,10 @@ from flashtree.kernels.activations import gated_heads
 from flashtree.kernels.kv_quant import kv_type, rotate, unrotate
 from flashtree.kernels.qk_norm_rope import qk_norm_rope, rope_tables
 from flashtree.kernels.kv_quant import TQ3_LEVELS
-from flashtree.kernels.tree_attention import (_launch_defaults, _tq3_f16_byte_tables, _tq3_pairs_by_default,
-                                              _triton_supports, choose_splits, graphed_mask, programs_per_sm,
-                                              tq3_pair_values, tree_attention, tree_attention_reference)
+from flashtree.kernels.tree_attention import (KV_KINDS, TQ3_PAIRS, _launch_defaults, _plan, _query_in_operands,
+                                              _tq3_f16_byte_tables, _tq3_pairs_by_default, _triton_supports,
+                                              choose_splits, graphed_mask, programs_per_sm, tq3_pair_values,
+                                              tree_attention, tree_attention_reference)
 from flashtree.models.step import Step
 
 from tests.kernels import tree_attention_cases as cases
@@ -123,7 +124,7 @@ def test_tq3_0_without_triton_runtime_falls_back_to_reference(monkeypatch):
 
 @pytest.mark.parametrize("tq3", [False, True])
 @pytest.mark.parametrize("d", [32, 64, 128, 256, 512, 1024])
-@pytest.mark.parametrize("query_rows", [6, 18, 60, 138])
+@pytest.mark.parametrize("query_rows", [6, 12, 18, 60, 138])
 def test_quantized_rows_launch_a_chunk_tl_dot_takes(d, query_rows, tq3):
     pytest.importorskip("triton")
     launch = _launch_defaults(query_rows, d, quantized=True, tq3=tq3)
@@ -131,11 +132,15 @@ def test_quantized_rows_launch_a_chunk_tl_dot_takes(d, query_rows, tq3):
     assert launch.block_n == max(16, launch.warps * 1024 // d)  # one 32-value block a thread: the CTA covers the chunk
     decode = query_rows <= 8
     if decode and tq3:  # one token's 6-row head group over TQ3_0 rows: the MMAs' sides swapped, 8 rows on 2 warps
-        assert (launch.block_m, launch.warps, launch.swap, launch.max_registers) == (8, 2, True, None)
+        assert (launch.block_m, launch.warps, launch.swap, launch.max_registers) == (8, 2, True, 128)
+    elif query_rows <= 16 and tq3:  # two tokens (or a verify's tail): swapped too, 16 rows on 4 warps, capped
+        assert (launch.block_m, launch.warps, launch.swap, launch.max_registers) == (16, 4, True, 128)
     else:  # a 16-row decode tile on 4 warps capped at 128 registers; wider tiles uncapped
         assert not launch.swap and launch.block_m >= 16 and launch.warps >= 4
-        assert launch.max_registers == (128 if decode else None)
-    assert programs_per_sm(True, 1, launch.warps) == (8 if launch.swap else 4)
+        assert launch.max_registers == (128 if query_rows <= 16 else None)
+    assert programs_per_sm(True, 1, launch.warps) == (8 if launch.warps <= 2 else 4)
+    if launch.max_registers is not None:  # the programs the splits aim for fit the register file together
+        assert launch.max_registers * 32 * launch.warps * programs_per_sm(True, 1, launch.warps) <= 65536
     windowed = _launch_defaults(query_rows, d, quantized=True, windowed=True, tq3=tq3)
     assert not windowed.swap and windowed.max_registers is None and windowed.warps >= 4  # a window's keeps 4 warps
 
@@ -147,6 +152,57 @@ def test_float32_operands_take_small_tiles(query_rows, quantized):
     tile of quantized rows compiled to 57K instructions and 10 KB of stack a thread, in 26 s)."""
     pytest.importorskip("triton")
     assert _launch_defaults(query_rows, 256, quantized, exact=True) == (16, 16, 4, None, None, False)
+
+
+def test_a_float32_query_rounds_to_the_operands_as_the_kernel_would():
+    """A wide tile's float32 query is rounded before the launch as `_query_operand` rounds it in the kernel: to
+    nearest, and within f16's range (+-65280, the largest bf16 value f16 holds) for f16 operands."""
+    q = torch.tensor([1e6, -1e6, 1.0 + 2**-10, 3.14159])
+    clamped = torch.tensor([65280.0, -65280.0, 1.0 + 2**-10, 3.14159]).half()
+    assert torch.equal(_query_in_operands(q, torch.float16), clamped)
+    assert torch.equal(_query_in_operands(q, torch.bfloat16), q.bfloat16())
+
+
+def _verify_plan(kv_end: int, cache: str = "tq3_0", tail=None, rows: int = 138, operands=torch.bfloat16):
+    quantized, t = cache != "f16", kv_type(cache)
+    main = _launch_defaults(rows, 256, quantized, exact=operands == torch.float32, tq3=cache == "tq3_0")
+    return main, _plan(rows, 256, main, tail, False, quantized, t, t, operands, False, None, None, None, kv_end, 4, 132)
+
+
+@pytest.mark.parametrize("cache", ["tq3_0", "q8_0"])
+def test_a_verify_over_long_quantized_rows_gives_its_last_rows_a_tile_of_their_own(cache):
+    """23 tokens x 6 heads = 138 query rows a KV head: one 128-row tile, and the last 10 rows in a 16-row tile of
+    their own (`_launch_defaults` of 10 rows) rather than a second 128-row tile that decodes every K/V row again.
+    The main launch keeps the splits of the two-tile launch; the tail takes a decode's."""
+    pytest.importorskip("triton")
+    main, tiles = _verify_plan(262144, cache)
+    assert main.block_m == 128 and [(t.m_base, t.rows) for t in tiles] == [(0, 128), (128, 10)]
+    assert tiles[0].launch == main and tiles[0].splits == choose_splits(262144, 4, 2, block_rows=main.block_n)
+    tail = _launch_defaults(10, 256, True, tq3=cache == "tq3_0")
+    assert tiles[1].launch == tail and tail.block_m == 16
+    assert tiles[1].splits == choose_splits(262144, 4, 1, block_rows=tail.block_n,
+                                            programs_per_sm=programs_per_sm(True, 1, tail.warps))
+    assert tiles[0].fields_ahead and tiles[0].kinds == (KV_KINDS[cache],) * 2  # the wide tile's float32 decode
+    if cache == "tq3_0":  # the tail swapped (its 10 rows the MMAs' N side), TQ3_0 as float16 pairs loaded at use
+        assert tail.swap and tiles[1].kinds == (TQ3_PAIRS,) * 2 and not tiles[1].fields_ahead
+        assert tiles[1].operands == torch.float16
+    else:
+        assert not tail.swap and tiles[1].kinds == (KV_KINDS[cache],) * 2 and tiles[1].fields_ahead
+
+
+def test_the_tail_tile_only_where_it_pays():
+    """Short K/V ranges (an extra launch and combine against a cheap second tile), float caches (no decode to
+    repeat), whole tiles and wide remainders keep one launch; `tail` forces either way."""
+    pytest.importorskip("triton")
+    assert len(_verify_plan(1024)[1]) == 1
+    assert len(_verify_plan(262144, "f16")[1]) == 1
+    assert len(_verify_plan(262144, rows=128)[1]) == 1  # whole tiles
+    assert len(_verify_plan(262144, rows=128 + 40)[1]) == 1  # 40 rows: more than a decode's tile
+    assert len(_verify_plan(262144, tail=False)[1]) == 1
+    assert len(_verify_plan(262144, operands=torch.float32)[1]) == 1  # a float32 model's 16-row tiles
+    forced = _verify_plan(1024, tail=True)[1]
+    assert [(t.m_base, t.rows) for t in forced] == [(0, 128), (128, 10)]
+    assert len(_verify_plan(1024, tail=True, rows=100)[1]) == 1  # one tile: nothing past it
 
 
 def test_split_choice():
@@ -226,6 +282,7 @@ def test_tq3_0_float16_pairs_on_gpu(cache, cache_v, n, kv_end):
     want = tree_attention_reference(**decoded)
     # both outputs round to bf16 (a 2^-8 ulp of the largest value: 0.0039), and Q8_0 keys to f16 operands
     assert cases.relative_error(tree_attention(**args), want) <= 1e-2
+    assert cases.relative_error(tree_attention(**args, tq3_pairs=True), want) <= 1e-2  # forced (a verify's tile too)
     assert cases.relative_error(tree_attention(**args, tq3_pairs=False), tree_attention_reference(**args)) <= 2e-2
 
 
@@ -251,6 +308,36 @@ def test_swapped_decode_on_gpu(cache, launch):
     args = _real_inputs(cache, 1, 4100)
     out = tree_attention(**args, swap=True, block_m=8, **launch)
     assert cases.relative_error(out, tree_attention_reference(**args)) <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n", [10, 23])  # one 64-row query tile; two 128-row tiles
+def test_float32_query_over_tq3_0_rows_on_gpu(n):
+    """A bf16 model's float32 query over TQ3_0 keys (rotated in its own launch, so not normed in the kernel): a wide
+    tile takes it rounded to the operands before the launch (`_query_in_operands`); the output stays float32."""
+    args = _real_inputs("tq3_0", n, 4100)
+    args["q"] = args["q"].float()
+    out = tree_attention(**args, operands=torch.bfloat16)
+    assert out.dtype == torch.float32
+    assert cases.relative_error(out, tree_attention_reference(**args)) <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cache", ["q8_0", "tq3_0"])
+def test_tail_tile_on_gpu(cache):
+    """A verify's 138 query rows a KV head as one 128-row tile and a 10-row tail tile (`tail`, each launch with
+    its own splits and combine; the TQ3_0 values rotated back and gated in both combines, as the model asks), against
+    the reference and against the two-tile launch."""
+    args = _real_inputs(cache, 23, 20000)
+    heads, n, d = args["q"].shape
+    gate = torch.randn(n, heads, d, device="cuda").to(args["q"].dtype)
+    want = tree_attention_reference(**args)
+    for tail in (True, False):
+        assert cases.relative_error(tree_attention(**args, tail=tail), want) <= 2e-2, tail
+    gated = {tail: tree_attention(**args, tail=tail, gate=gate, unrotate_values=True) for tail in (True, False)}
+    assert gated[True].shape == (n, heads * d) and cases.relative_error(gated[True], gated[False]) <= 2e-2
 
 
 # the sweep's candidates compile a kernel each: in the slow GPU suite, the default in the fast one

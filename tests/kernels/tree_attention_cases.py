@@ -210,6 +210,24 @@ def _cases():
     cases["swap-pairs-tq3_0-t1-g4-w0-float32"] = (dict(cache="tq3_0", n=1, group=4), 0,
                                                   dict(swapped, tq3_pairs=True, fields_ahead=False), "pairs")
     cases["swap-f32-t5-g1-w9-float32"] = (dict(cache="f32", n=5, group=1), WINDOW, swapped, "reference")
+    # two tokens' 12 rows on the swapped 16-row tile (a 2-token decode's TQ3_0 default, and a verify's tail)
+    swapped16 = dict(forced, swap=True, block_m=16, num_warps=4, max_registers=128)
+    cases["swap16-pairs-tq3_0-t3-g4-w0-float32"] = (dict(cache="tq3_0", n=3, group=4, start=60), 0,
+                                                    dict(swapped16, tq3_pairs=True, fields_ahead=False), "pairs")
+    cases["swap16-q8_0-t3-g4-w0-float32"] = (dict(cache="q8_0", n=3, group=4, start=60), 0, swapped16, "reference")
+    # the rows past the last whole query tile in a launch of their own (`tail`): 92 rows in 16-row tiles, the last
+    # 12 apart; their splits and the main launch's forced alike, or each its own (one of them a single split: the
+    # TQ3_0 values then rotated back in torch, the gate after); a window; the gate through both combines
+    tail = dict(tail=True, block_m=16, block_rows=BLOCK_ROWS)
+    for cache, window in (("q8_0", WINDOW), ("tq3_0", 0), ("f16", WINDOW)):
+        cases[f"tail-{cache}-t23-g4-w{window}-float32"] = (dict(cache=cache, n=23, group=4), window,
+                                                           dict(tail, split=SPLIT), "reference")
+    cases["tail-gated-q4_0-t23-g4-w9-float32"] = (dict(cache="q4_0", n=23, group=4), WINDOW, dict(tail, split=SPLIT),
+                                                  "gated")
+    cases["tail-unrotated-k_tq3_0-v_tq3_0-t23-g4-w9-split2"] = (
+        dict(cache="tq3_0", n=23, group=4, garbage="finite"), WINDOW, dict(tail, split=2), "unrotated")
+    cases["tail-unrotated-k_tq3_0-v_tq3_0-t23-g4-w0-ownsplits"] = (
+        dict(cache="tq3_0", n=23, group=4, garbage="finite"), 0, dict(tail, block_rows=32), "unrotated")
     return cases
 
 

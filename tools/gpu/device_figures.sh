@@ -59,16 +59,26 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
     # a decode over quantized rows: the default against main's kernel (.baseline), or DECODE_CANDIDATES, e.g. the
     # twenty-fourth session's swapped launches (BUDGET_DECODE=210): "new default,swap 1 warp x2,swap 1 warp x2.5,
     # swap 2 warps pairs x2,swap 4 warps pairs x1.25,swap 4 warps pairs ahead,swap 4 warps x1.25"; next: "new default,
-    # swap 1 warp 168 regs x3,swap 2 warps 96 regs x2.5"
+    # swap 1 warp 168 regs x3,swap 2 warps 96 regs x2.5,swap 2 warps pairs ahead x0.75,swap 2 warps pairs ahead x1"
     sweep-attention-decode) timeout $(( ${BUDGET_DECODE:-110} + 40 )) python3 benchmarks/sweep_tree_attention.py --compare \
                                 --budget-s "${BUDGET_DECODE:-110}" --baseline .baseline/tree_attention.py \
                                 --cases 1:1024:tq3_0,1:65536:tq3_0,1:262144:tq3_0,1:1024:q8_0,1:65536:q8_0,1:262144:q8_0 \
                                 --candidates "${DECODE_CANDIDATES:-new default}" --out "$OUT/attention_decode.json" \
                                 > "$OUT/attention_decode.txt" 2>&1
                             echo "== sweep-attention-decode (rc $?)"; tail -7 "$OUT/attention_decode.txt" ;;
+    # a verify's 10 rows past its 128-row tile in a launch of their own (`tail`, by default from 16K rows) against
+    # the two-tile launch and main's kernel (.baseline), the 2-token decode's swapped 16-row tile, and the verify
+    # tile's TQ3_0 rows as float16 pairs
+    sweep-attention-tail) timeout $(( ${BUDGET_TAIL:-150} + 40 )) python3 benchmarks/sweep_tree_attention.py --compare \
+                              --budget-s "${BUDGET_TAIL:-150}" --baseline .baseline/tree_attention.py \
+                              --cases 23:1024:tq3_0,23:16384:tq3_0,23:65536:tq3_0,23:262144:tq3_0,23:65536:q8_0,23:262144:q8_0,2:65536:tq3_0 \
+                              --candidates "new default,no tail,tail,tile pairs" --out "$OUT/attention_tail.json" \
+                              > "$OUT/attention_tail.txt" 2>&1
+                          echo "== sweep-attention-tail (rc $?)"; tail -8 "$OUT/attention_tail.txt" ;;
     sweep-draft-attention) timeout 120 python3 benchmarks/sweep_draft_attention.py --out "$OUT/draft_attention.json" ;;
     sweep-deltanet-tree) timeout 120 python3 benchmarks/sweep_deltanet_tree.py --out "$OUT/deltanet_tree.json" \
-                   > "$OUT/deltanet_tree.txt" 2>&1; echo "== sweep-deltanet-tree (rc $?)"; tail -6 "$OUT/deltanet_tree.txt" ;;
+                   > "$OUT/deltanet_tree.txt" 2>&1; echo "== sweep-deltanet-tree (rc $?)"
+                   grep -E "^(recurrent|chain|bushy|star|Traceback|[A-Za-z]*Error)" "$OUT/deltanet_tree.txt" | cut -c1-170 ;;
     # the commit's fold: 48 fold_path launches against one fold_layers launch, at each launch shape
     sweep-commit) timeout 90 python3 benchmarks/sweep_deltanet_tree.py --commit-only --out "$OUT/commit.json" \
                       > "$OUT/commit.txt" 2>&1; echo "== sweep-commit (rc $?)"; tail -12 "$OUT/commit.txt" ;;
@@ -98,6 +108,18 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
                         --matrices down,head --budget-s 130 --out "$OUT/ring_q6k.json" > "$OUT/ring_q6k.txt" 2>&1
                     echo "== sweep-q6k-ring (rc $?)"; grep -A20 "^summary" "$OUT/ring_q6k.txt" ;;
     # the 1K step with the Triton add + RMSNorm, then with the cluster kernel (same model build each)
+    # the MLP's SiLU(gate) * up in the gate + up matmul's epilogue (GluLinear) against the separate silu_mul launch
+    steps-glu-ab) for glu in 0 1; do
+                      FLASHTREE_GLU=$glu bench "steps-glu$glu" "${LIMIT_1K:-150}" --steps -n 32 --repeat 5 --replay-al 0 \
+                          --context 1024 --prefill-lengths 1024 ${PROFILE:+--profile}
+                  done ;;
+    # the 1K step with every switch in AB_ENV off, then on (default: the GLU epilogue and the CUDA C tree verify, the
+    # twenty-fifth and twenty-sixth sessions' changes); PROFILE=1 adds --profile (which kernel gained what)
+    steps-ab) for on in 0 1; do
+                  (for var in ${AB_ENV:-FLASHTREE_GLU FLASHTREE_TREE_CUDA}; do export "$var=$on"; done
+                   bench "steps-ab$on" "${LIMIT_1K:-150}" --steps -n 32 --repeat 5 --replay-al 0 --context 1024 \
+                       --prefill-lengths 1024 ${PROFILE:+--profile})
+              done ;;
     steps-norm-ab) for cluster in 0 1; do
                        FLASHTREE_CLUSTER_NORM=$cluster bench "steps-norm-cluster$cluster" "${LIMIT_1K:-150}" --steps -n 32 \
                            --repeat 5 --replay-al 0 --context 1024 --prefill-lengths 1024
@@ -167,8 +189,10 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
     capped-256k-bf16) ECHO= bench capped-256k-bf16 "${LIMIT_256K:-420}" --steps -n 128 --repeat 3 --replay-al 0 \
                           --context 262000 --prefill-chunk 512 --prefill-lengths 1024 -ctk tq3_0 -ctv tq3_0 \
                           --gpu-memory 24GiB ;;
-    steps-256k-tq3) ECHO= bench steps-256k-tq3 "${LIMIT_256K:-300}" --steps -n 8 --repeat 3 --replay-al 0 \
-                        --context 262000 --prefill-chunk 512 --prefill-lengths 1024 -ctk tq3_0 -ctv tq3_0 ;;
+    # PROFILE=1: and where the 262K step, verify and a 512-token prefill chunk spend their GPU time (`--profile`)
+    steps-256k-tq3) ECHO= TAIL=${PROFILE:+150} bench steps-256k-tq3 "${LIMIT_256K:-300}" --steps -n 8 --repeat 3 \
+                        --replay-al 0 --context 262000 --prefill-chunk 512 --prefill-lengths 1024 -ctk tq3_0 -ctv tq3_0 \
+                        ${PROFILE:+--profile} ;;
     *) echo "unknown part $part" ;;
   esac
 done

@@ -77,8 +77,9 @@ def add_parser(sub) -> None:
     p.add_argument("--steps", action="store_true",
                    help="per-step costs against measured floors, prefill, replay end to end (bench/steps.py)")
     p.add_argument("--profile", action="store_true",
-                   help="--steps: the kernels of one AR step (eager, and its graph replay on CUDA) and of a "
-                        "speculative step's draft, verify and commit (count and time per family, torch.profiler)")
+                   help="--steps: the kernels of one AR step (eager, and its graph replay on CUDA), of a "
+                        "speculative step's draft, verify and commit, and of a --prefill-chunk chunk on the context "
+                        "(count and time per family, torch.profiler)")
     p.add_argument("--context", type=int, default=1024, help="--steps: committed tokens before the timed steps")
     p.add_argument("--repeat", type=int, default=20, help="--steps: timed repetitions per step (median)")
     p.add_argument("--replay-al", type=float, default=5.17,

@@ -29,7 +29,7 @@ from flashtree.engine.config import DEFAULT_BUDGET, DEFAULT_DRAFT_TYPE, DENSE_DR
 from flashtree.engine.process_memory import measure_process_memory
 from flashtree.errors import out_of_memory_summary
 from flashtree.models.dflash import DFlashDraft, DraftConfig, build_target_layer_ids
-from flashtree.models.layers import Linear, Projections, QuantLinear
+from flashtree.models.layers import MATMUL_TYPES
 from flashtree.drafting.proposer import DFlashProposer
 from flashtree.engine.decode import make_tree, proposer_for, walk
 
@@ -40,7 +40,7 @@ def weight_bytes(model) -> int:
     """Bytes of matrix weights one target step reads (the embedding lookup excluded)."""
     return model.lm_head.nbytes + sum(value.nbytes for layer in model.layers for obj in (layer.mixer, layer.mlp)
                                       for value in vars(obj).values()
-                                      if isinstance(value, (Linear, QuantLinear, Projections)))
+                                      if isinstance(value, MATMUL_TYPES))
 
 
 def read_bandwidth(device: torch.device, gib: float = 4.0) -> float:
@@ -310,6 +310,7 @@ def run_steps(args, engine, device_name: str) -> int:
             report["profile_ar_step_graph"] = profile_call(lambda: engine.runner.step_forward(token, cache), device)
             print_profile("AR step (graph replay)", report["profile_ar_step_graph"], device)
         _profile_speculative_step(engine, cache, proposer, tree, capture, bonus, config.topk, report, device)
+        _profile_prefill_chunk(engine, cache, args.prefill_chunk, report, device)
     if device.type == "cuda":
         report.update(cuda_memory_report())
     report["rows"] = rows
@@ -435,17 +436,32 @@ def _chunk_rows(engine, cache, lengths, device, repeat: int, ar: float, roofline
     """A short prefill chunk of each length on the committed context, the way a prefix-cache hit or a chat
     message runs it (`ModelRunner.prefill_chunk`); each run writes the same cache rows again (the DeltaNet states
     move on, which changes no time)."""
-    committed = cache.length
-
-    def run_chunk(ids: list[int]) -> None:
-        engine.runner.prefill_chunk(cache, ids)
-        cache.length = committed
-
     for length in lengths:
         ids = _prompt(engine.target.model.config.vocab_size, length, seed=length)
-        seconds = timed(lambda: run_chunk(ids), device, repeat)
+        seconds = timed(lambda: _chunk_again(engine, cache, ids), device, repeat)
         row(f"prefill chunk {length}", seconds, roofline_s, vs_ar=round(seconds / ar, 2),
             tok_s=round(length / seconds, 1))
+
+
+def _chunk_again(engine, cache, ids: list[int]) -> None:
+    """A prefill chunk on the committed context, the cache length left as it was (its rows are written again)."""
+    committed = cache.length
+    engine.runner.prefill_chunk(cache, ids)
+    cache.length = committed
+
+
+def _profile_prefill_chunk(engine, cache, length: int, report: dict, device) -> None:
+    """Where a prefill chunk of `length` tokens spends its time on the committed context (`--profile`): at long
+    contexts the prefix's attention (its rows dequantized in pieces, flash attention, the pieces' merge) against
+    the chunk's own matmuls (shortened to the rows the cache has left). The chunk's rows are written again each
+    run, as in `_chunk_rows`."""
+    committed = cache.length
+    length = min(length, cache.capacity - committed)
+    if length < 1:
+        return
+    ids = _prompt(engine.target.model.config.vocab_size, length, seed=length)
+    report["profile_prefill_chunk"] = profile_call(lambda: _chunk_again(engine, cache, ids), device)
+    print_profile(f"prefill chunk of {length} tokens after {committed} rows", report["profile_prefill_chunk"], device)
 
 
 def _commit_time(engine, cache, proposer, tree, capture, repeat: int) -> float:

@@ -22,11 +22,12 @@ from flashtree.errors import FlashtreeError
 from flashtree.formats.chat_template import ChatTemplate
 from flashtree.formats.gguf_file import GGUFFile
 from flashtree.formats.tokenizer import Tokenizer, TokenizerSpec
-from flashtree.kernels import cuda_functions, rms_norm, triton_ahead
+from flashtree.kernels import cuda_functions, gated_delta_cuda, rms_norm, triton_ahead
 from flashtree.kernels.quant_matmul import mma
+from flashtree.models.deltanet import GatedDeltaNet
 from flashtree.models.dflash import DFlashDraft
 from flashtree.models.gguf_config import check_tensor_types, read_config
-from flashtree.models.layers import quant_weights
+from flashtree.models.layers import GluLinear, quant_weights, reachable
 from flashtree.models.qwen35 import Qwen35Model
 from flashtree.models.qwen35_config import Qwen35Config
 from flashtree.models.random_weights import RandomWeights, random_source
@@ -210,14 +211,18 @@ def engine_from_target(target: Target, args: EngineArgs = EngineArgs()):
 def compile_cuda_kernels(model, activations: torch.dtype, progress: bool = False) -> None:
     """Compile, at load and in parallel processes, every CUDA C kernel the model can launch on its `activations` (the
     dtype of x and out) into the on-disk cache: each tensor-core instance its fragment-ordered weights can take
-    (decode, verify, prefill), and the cluster add + RMSNorm (kernels/add_rms_norm.cu) of float32 activations on
-    Hopper. Otherwise NVRTC compiles them one by one, a second each, inside the first requests. A cached kernel
+    (decode, verify, prefill; a fused gate + up weight's with their GLU epilogue), the cluster add + RMSNorm
+    (kernels/add_rms_norm.cu) of float32 activations on Hopper, and the DeltaNet tree verify's node tiles
+    (kernels/deltanet_tree.cu). Otherwise NVRTC compiles them one by one, a second each, inside the first requests. A cached kernel
     costs nothing, so a second start compiles none. Says what it compiled (a bar with `progress`)."""
     weights = [w for w in quant_weights(model) if w.mma_layout]
     device = weights[0].device if weights else getattr(model, "device", torch.device("cpu"))
     shapes = {(w.qtype, *w.shape) for w in weights}
-    instances = mma.instances_for(shapes, mma.sm_count(device), activations) if weights else []
-    jobs = mma.with_source(instances) + rms_norm.cuda_jobs(device, activations)
+    glu_shapes = {(glu.quant.qtype, *glu.quant.shape) for glu in reachable(model, GluLinear)}
+    instances = mma.instances_for(shapes, mma.sm_count(device), activations, glu_shapes) if weights else []
+    tree_dims = {layer.config.gdn_head_dim for layer in reachable(model, GatedDeltaNet)}
+    jobs = (mma.with_source(instances) + rms_norm.cuda_jobs(device, activations)
+            + [job for dk in sorted(tree_dims) for job in gated_delta_cuda.cuda_jobs(device, dk)])
     if not jobs:
         return
     arch = mma.arch_of(device)

@@ -1,7 +1,7 @@
 """CUDA C kernels compiled at run time (NVRTC, `flashtree.nvrtc`), cached on disk per GPU architecture, loaded
 into the device's primary context (where torch allocates) and launched on torch's current stream, so that they
-capture into CUDA graphs like torch's own kernels. The tensor-core matmuls (`quant_matmul/mma.py`) and the
-cluster add + RMSNorm (`rms_norm.py`) use it.
+capture into CUDA graphs like torch's own kernels. The tensor-core matmuls (`quant_matmul/mma.py`), the
+cluster add + RMSNorm (`rms_norm.py`) and the DeltaNet tree verify (`gated_delta_cuda.py`) use it.
 """
 
 from __future__ import annotations
@@ -108,6 +108,14 @@ class Functions:
 @functools.cache
 def functions(device: torch.device) -> Functions:
     return Functions(device)
+
+
+@functools.cache
+def allow_shared(device: torch.device, name: str, size: int) -> None:
+    """Let the loaded kernel `name` take `size` bytes of dynamic shared memory (above 48 KB a function must opt in)."""
+    driver, _ = bindings()
+    attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    check(driver.cuFuncSetAttribute(functions(device).loaded[name], attribute, size), "cuFuncSetAttribute")
 
 
 @functools.cache

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from flashtree.errors import FlashtreeError
-from flashtree.kernels import address_table, gated_delta, triton_runs_on
+from flashtree.kernels import address_table, gated_delta, gated_delta_cuda, triton_runs_on
 
 try:  # the kernels need triton; the references and the fallback do not
     import triton
@@ -278,7 +278,8 @@ def _block_v(block_v: int | None, heads: int, dv: int) -> int:
 
 
 def tree_verify(q, k, v, g, beta, state, parents, block_v: int = 32, block_k: int = 32,
-                num_warps: int | None = None, precision: str = "tf32x3", num_stages: int | None = None) -> torch.Tensor:
+                num_warps: int | None = None, precision: str = "tf32x3", num_stages: int | None = None,
+                cuda: bool = True) -> torch.Tensor:
     """Outputs [T, H, dv] (float32) of every node of a draft tree of T <= 64 nodes, node i seeing the
     state reached along its root-to-node path. parents int64 [T]: parents[i] < i, -1 = child of the
     current state (values are not checked on the device: a parent >= i is treated as -1).
@@ -287,23 +288,25 @@ def tree_verify(q, k, v, g, beta, state, parents, block_v: int = 32, block_k: in
     (benchmarks/sweep_deltanet_tree.py, H200 2026-12-01): 32 columns and tf32x3 were each the faster choice
     (a 23-node tree 52 -> 35 and 28 us, the same error); dk 32 at a time, not 16: 40.0 -> 37.3 us on a 23-node chain,
     29.4 -> 27.0 on a bushy tree (the twenty-first session, with the fold's stores; 8 warps and 16 columns were
-    slower)."""
+    slower). Where `gated_delta_cuda.takes` the tree (and `cuda`), its CUDA C kernel runs instead, in float32 FMA,
+    and the launch arguments above do not apply; cuda=False keeps the Triton kernel (the sweeps time both)."""
     return _tree_verify(q, k, v, g, beta, state, parents, block_v, block_k, num_warps, precision, num_stages,
-                        fold=False)[0]
+                        fold=False, cuda=cuda)[0]
 
 
 def tree_verify_with_fold(q, k, v, g, beta, state, parents, block_v: int = 32, block_k: int = 32,
                           num_warps: int | None = None, precision: str = "tf32x3", num_stages: int | None = None,
-                          into: FoldBuffers | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          into: FoldBuffers | None = None, cuda: bool = True
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`tree_verify`, and what `fold_path` commits a path from: (o [T, H, dv], u [T, H, dv], gamma [T, H]), all
     float32, as `gated_delta.ancestor_chunk` returns them. `into`: the kernel writes u, Gamma and k (float32) into
     these buffers' first T rows (`fold_layers` reads them there) and returns views of them."""
     return _tree_verify(q, k, v, g, beta, state, parents, block_v, block_k, num_warps, precision, num_stages,
-                        fold=True, into=into)
+                        fold=True, into=into, cuda=cuda)
 
 
 def _tree_verify(q, k, v, g, beta, state, parents, block_v, block_k, num_warps, precision, num_stages, fold: bool,
-                 into: FoldBuffers | None = None):
+                 into: FoldBuffers | None = None, cuda: bool = True):
     _check(q, k, v, g, beta, state, parents)
     if triton is None or not triton_runs_on(state.device):
         o, u, gamma = _ancestor_chunk(q, k, v, g, beta, state, parents)
@@ -323,6 +326,9 @@ def _tree_verify(q, k, v, g, beta, state, parents, block_v, block_k, num_warps, 
     if t == 0:
         return (out, u, gamma) if fold else (out,)
     parents = parents.contiguous()
+    if cuda and gated_delta_cuda.takes(q, k, v, g, beta, state, parents):
+        gated_delta_cuda.tree_verify(q, k, v, g, beta, state, parents, out, u, gamma, k_out, fold, into is not None)
+        return (out, u, gamma) if fold else (out,)
     block_t = max(16, triton.next_power_of_2(t))
     block_v, block_k = min(block_v, dv), min(block_k, dk)
     if dv % block_v or dk % block_k:

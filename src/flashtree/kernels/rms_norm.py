@@ -129,20 +129,32 @@ def _runs(x: torch.Tensor) -> bool:
 def _launch(x, weight, eps, gate, out_dtype) -> torch.Tensor:
     dim = x.shape[-1]
     rows = x.reshape(-1, dim)  # a view for the strided per-head slices the model passes
-    gates = rows if gate is None else gate.reshape(-1, dim)
     out = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
     if rows.shape[0]:
-        _rms_norm_kernel[(rows.shape[0],)](rows, weight, gates, out, rows.stride(0), gates.stride(0), dim, eps,
+        gates, gate_strides = _gate_rows(gate, rows)
+        _rms_norm_kernel[(rows.shape[0],)](rows, weight, gates, out, rows.stride(0), *gate_strides, dim, eps,
                                            HAS_GATE=gate is not None, BLOCK=triton.next_power_of_2(dim),
                                            num_warps=4 if dim <= 1024 else 8)
     return out.reshape(x.shape)
 
 
+def _gate_rows(gate: torch.Tensor | None, rows: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """The gate and how row r of it is found: (stride between tokens, between heads, heads a token), row r at
+    (r // heads) tokens + (r % heads) heads. A [T, heads, D] gate is read in place (the DeltaNet's z, a slice of its
+    fused input projection: reshaping it to rows would copy it for every token past the first)."""
+    if gate is None:
+        return rows, (rows.stride(0), 0, 1)
+    if gate.dim() == 3:
+        return gate, (gate.stride(0), gate.stride(1), gate.shape[1])
+    gates = gate.reshape(-1, gate.shape[-1])
+    return gates, (gates.stride(0), 0, 1)
+
+
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, gate_ptr, out_ptr, row_stride, gate_stride, D, eps,
-                         HAS_GATE: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, w_ptr, gate_ptr, out_ptr, row_stride, gate_stride_t, gate_stride_h, gate_heads, D,
+                         eps, HAS_GATE: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < D
@@ -152,7 +164,8 @@ if triton is not None:
         y = x * inv * w
         if HAS_GATE:
             y = y.to(x_ptr.dtype.element_ty).to(tl.float32)  # the reference's rms_norm returns x's dtype
-            g = tl.load(gate_ptr + row * gate_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            gate_row = (row // gate_heads) * gate_stride_t + (row % gate_heads) * gate_stride_h
+            g = tl.load(gate_ptr + gate_row + cols, mask=mask, other=0.0).to(tl.float32)
             y = y * (g * tl.sigmoid(g))
         tl.store(out_ptr + row * D + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 

@@ -28,7 +28,9 @@ while the chunk before it is decoded, `row_fields`), scores go through
 tl.dot in float32 (bf16/f16 operands for bf16/f16 queries on GPU), masked, and an online softmax (base 2,
 float32 max / sum) accumulates P @ V. Each split writes its normalized partial output and log-sum-exp;
 a second kernel combines the splits per (head, token). With one split the first kernel writes the
-output directly. No host reads of device tensors: every shape and launch parameter depends only on the
+output directly. A group's few query rows past its last whole tile may take a second launch in a tile of their
+own size (`_tail_rows`: over long quantized rows a 128-row tile costs its decode of every K/V row), with its own
+splits and combine. No host reads of device tensors: every shape and launch parameter depends only on the
 Python arguments (T, kv_end, heads, D, dtypes), so the calls can be captured in a CUDA graph. (Under
 TRITON_INTERPRET=1 the chunk loop runs a fixed trip count with a per-chunk skip instead, since the
 interpreter cannot loop to a bound loaded from memory; the loop bodies are the same.)
@@ -70,6 +72,10 @@ _MAX_SPLITS = 256
 MAX_TREE_QUERIES = 128  # tokens per call (a tree of budget <= 127 plus its root, or a short prefill chunk)
 _MAX_GROUP = 8
 _SWAPPED_ROWS = 8  # a swapped decode's query tile: the MMA's narrowest N side
+# `_tail_rows`: at most this many rows past the last whole query tile go to a launch of their own, over at least
+# this many K/V rows (shorter ranges: the extra launch and combine cost more than the second tile's decode)
+_TAIL_MAX_ROWS = 16
+_TAIL_MIN_KV_ROWS = 16384
 KV_KINDS = {"f32": 0, "f16": 0, "bf16": 0, "q8_0": 1, "q4_0": 2, "tq3_0": 3}  # kernel's KIND per cache type
 TQ3_PAIRS = 4  # KIND of TQ3_0 rows decoded as float16 pairs (`_tq3_pairs`)
 _LOG2E = 1.4426950408889634
@@ -408,7 +414,7 @@ if triton is not None:
     def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, start_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, lse_ptr,
                                gate_ptr, stride_gt, stride_gh, qn_w_ptr, cos_ptr, sin_ptr, qn_eps,
                                stride_qh, stride_qt, stride_kh, stride_kr, stride_vh, stride_vr,
-                               T, kv_end, heads, scale_log2, window,
+                               T, kv_end, heads, scale_log2, window, m_base,
                                G: tl.constexpr, D: tl.constexpr, KIND_K: tl.constexpr, KIND_V: tl.constexpr,
                                OP: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
@@ -417,7 +423,7 @@ if triton is not None:
                                FIELDS_AHEAD: tl.constexpr, SWAP: tl.constexpr):
         kvh = tl.program_id(0)
         split = tl.program_id(2)
-        offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_m = m_base + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = offs_m < G * T
         m_safe = tl.where(m_ok, offs_m, 0)
         head = kvh * G + m_safe // T
@@ -523,11 +529,14 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(part_ptr, lse_ptr, out_ptr, rows_total, gate_ptr, stride_gt, stride_gh, signs_ptr, T, heads,
-                        D: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, GATED: tl.constexpr,
-                        UNROTATE: tl.constexpr):
-        """The splits' partial rows merged by their log-sum-exps; with UNROTATE (TQ3_0 values) the row, rounded
-        to the output dtype as `unrotate` of the kernel's output would take it, rotated back (R^T) first."""
-        row = tl.program_id(0).to(tl.int64)
+                        group_rows, m_base, m_rows, D: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+                        GATED: tl.constexpr, UNROTATE: tl.constexpr):
+        """The splits' partial rows merged by their log-sum-exps, a program a row: rows [m_base, m_base + m_rows)
+        of each KV head's `group_rows` (the rows one launch of `_tree_attention_kernel` covered); with UNROTATE
+        (TQ3_0 values) the row, rounded to the output dtype as `unrotate` of the kernel's output would take it,
+        rotated back (R^T) first."""
+        pid = tl.program_id(0)
+        row = ((pid // m_rows) * group_rows + m_base + pid % m_rows).to(tl.int64)  # = head * T + token
         sp = tl.arange(0, SPLITS_P2)
         lse = tl.load(lse_ptr + sp * rows_total + row, mask=sp < SPLITS, other=float("-inf"))
         mx = tl.max(lse, axis=0)
@@ -574,8 +583,8 @@ def choose_splits(kv_end: int, kv_heads: int, m_tiles: int, sms: int = _H200_SMS
                   programs_per_sm: int = _PROGRAMS_PER_SM, min_chunks: int = 4) -> int:
     """Splits of the row range: enough programs (kv_heads * m_tiles * splits) for ~`programs_per_sm` per SM,
     each split at least `min_chunks` chunks long (a swapped decode: 2; H200, 2026-12-05, 1 token over 1K TQ3_0 rows
-    8.9 us in 34 splits, 10.2 in 17). Short rows ranges are latency-bound (a chain of dependent chunk steps per program),
-    so they split as finely too: 23 tokens over 1K rows took 61 us in one split per query tile (12 programs
+    8.9 us in 34 splits, 10.2 in 17). Short rows ranges are latency-bound (a chain of dependent chunk steps per
+    program), so they split as finely too: 23 tokens over 1K rows took 61 us in one split per query tile (12 programs
     on 132 SMs, 66 chunks each, H200 2026-12-01), when a split had to be 8 x the query rows long (to keep
     the float32 partials small next to the K/V they summarize; they stay in L2 at these sizes)."""
     wanted = math.ceil(programs_per_sm * sms / (kv_heads * m_tiles))
@@ -648,7 +657,13 @@ def _launch_defaults(query_rows: int, d: int, quantized: bool, windowed: bool = 
     (the K rows the M side, the query rows the 8-wide N side: a [D, 8] accumulator, 128 registers a thread) on 2
     warps, 8 programs an SM (`programs_per_sm`; H200, 2026-12-05, 1 token, main's 4-warp 16-row tile -> this: 1K
     9.4 -> 8.9 us, 64K 119.8 -> 101.1, 262K 428.5 -> 334.2), except with a window (its mask spilled in 128
-    registers). Q8_0 / Q4_0 rows keep 4 warps capped at 128 registers on a 16-row tile: the swapped 2-warp decode
+    registers). Its registers are capped at 128, so that the 8 programs fit an SM's 64K registers: uncapped, the
+    launch taking `m_base` compiled to 153 (6 an SM), and 1 token over 64K / 262K TQ3_0 rows took 144.6 / 442.8 us
+    against 107.9 / 345.3 at 128 (H200, 2026-12-05, twenty-seventh session; offline sm_90, triton 3.6). 9-16
+    such rows (two tokens, or a verify's rows past its 128-row tile, `_tail_rows`) swap too, on 4
+    warps (offline sm_90, triton 3.6, TQ3_0 pairs at use: 553 loop instructions a warp a 16-row chunk, 112 registers,
+    no stack, against 826 for the 16-row tile's float32 decode; not yet timed). Q8_0 / Q4_0 rows keep 4 warps capped
+    at 128 registers on a 16-row tile: the swapped 2-warp decode
     took them 14.1 / 157.2 / 506.4 us at 1K / 64K / 262K Q8_0 rows against 12.6 / 150.0 / 538.2.
     `exact` (float32 operands: a float32 model) takes 16-row query tiles of 4 warps and the shortest chunks:
     its dots are FMA loops, and the quantized rows' 128-row tile compiled to 57K instructions with 10 KB of
@@ -658,7 +673,9 @@ def _launch_defaults(query_rows: int, d: int, quantized: bool, windowed: bool = 
     block_m = min(64, max(16, triton.next_power_of_2(query_rows)))
     if quantized:
         if query_rows <= _SWAPPED_ROWS and tq3 and not windowed:
-            return Launch(_SWAPPED_ROWS, max(16, 2 * max(1, 1024 // d)), 2, swap=True)
+            return Launch(_SWAPPED_ROWS, max(16, 2 * max(1, 1024 // d)), 2, max_registers=128, swap=True)
+        if query_rows <= 2 * _SWAPPED_ROWS and tq3 and not windowed:
+            return Launch(2 * _SWAPPED_ROWS, max(16, 4 * max(1, 1024 // d)), 4, max_registers=128, swap=True)
         wide = query_rows > 64
         warps = 8 if wide else 4
         rows = max(16, warps * max(1, 1024 // d))  # tl.dot takes 16 rows at least (head_dim 512 and up repeat rows)
@@ -668,10 +685,83 @@ def _launch_defaults(query_rows: int, d: int, quantized: bool, windowed: bool = 
     return Launch(block_m, 64 if d <= 128 else 16 if wide else 32, 4 if block_m * d <= 16 * 256 or wide else 8)
 
 
+def _query_in_operands(q: torch.Tensor, operands: torch.dtype) -> torch.Tensor:
+    """A float32 query rounded to the MMAs' operand type before the launch, as `_query_operand` rounds it in the
+    kernel (clamped to f16's range for f16 operands): a wide query tile loading float32 rows spilled 536 bytes a
+    thread, 10 spill loads and stores a chunk (the 128-row TQ3_0 verify tile, offline sm_90, triton 3.6; 112 bytes
+    and none in the loop from 16-bit rows), which a bf16 model's float32 activations brought (6a45de0) after
+    the sixteenth session's 262K verify at 33.06 ms (37.55 ms in the twenty-fourth)."""
+    if operands == torch.float16:
+        q = q.clamp(-65280.0, 65280.0)
+    return q.to(operands)
+
+
+def _tail_rows(query_rows: int, block_m: int, kv_end: int, quantized: bool) -> int:
+    """Query rows of a KV head's group that a launch of their own takes (0: none): the few rows past the last
+    whole query tile, over long quantized rows. A 128-row tile decodes every K/V row it reads, so a verify's
+    138 rows (23 tokens x 6 heads) in two such tiles decode the cache twice, the second time for 10 rows and 118
+    of padding in its MMAs; a 16-row tile (`_launch_defaults` of the tail) decodes it for them at a decode's
+    cost. Not measured on a GPU yet (`sweep_tree_attention.py --compare`, "tail" / "no tail")."""
+    rest = query_rows % block_m
+    wide = block_m >= 4 * _TAIL_MAX_ROWS  # a small tile (a float32 model's 16 rows) has nothing to save
+    if not (quantized and wide and query_rows > block_m and kv_end >= _TAIL_MIN_KV_ROWS and 0 < rest <= _TAIL_MAX_ROWS):
+        return 0
+    return rest
+
+
+class _Tiles(NamedTuple):
+    """One launch of `_tree_attention_kernel`: query rows [m_base, m_base + rows) of each KV head's group, in
+    `launch`'s tiles, over `splits` of the K/V rows, with these operands, K / V decode kinds and field loads."""
+    m_base: int
+    rows: int
+    launch: Launch
+    splits: int
+    operands: torch.dtype
+    kinds: tuple[int, int]
+    fields_ahead: bool
+
+
+def _tiles(m_base: int, rows: int, launch: Launch, split_tiles: int, quantized: bool, tk: KVType, tv: KVType,
+           operands: torch.dtype, interpreter: bool, tq3_pairs: bool | None, fields_ahead: bool | None,
+           split: int | None, kv_end: int, kv_heads: int, sms: int) -> _Tiles:
+    """The settings of a launch over `rows` query rows in `launch`'s tiles; its splits chosen as for
+    `split_tiles` query tiles (or `split`)."""
+    # a decode of few registers (2 warps, or its query rows the MMAs' N side): pairs, no fields ahead
+    small_decode = quantized and rows <= launch.block_m and (launch.warps <= 2 or launch.swap)
+    pairs = "tq3_0" in (tk.name, tv.name) and (
+        small_decode and _tq3_pairs_by_default(tk, tv, operands, interpreter) if tq3_pairs is None else tq3_pairs)
+    if pairs and operands != torch.float32:
+        operands = torch.float16  # the pairs are float16: f16 holds them, and q and P more finely than bf16
+    kinds = tuple(TQ3_PAIRS if pairs and t.name == "tq3_0" else KV_KINDS[t.name] for t in (tk, tv))
+    splits = split or choose_splits(kv_end, kv_heads, split_tiles, sms, launch.block_n,
+                                    programs_per_sm(quantized, split_tiles, launch.warps),
+                                    min_chunks=2 if launch.swap else 4)
+    return _Tiles(m_base, rows, launch, splits, operands, kinds,
+                  not small_decode if fields_ahead is None else fields_ahead)
+
+
+def _plan(rows: int, d: int, main: Launch, tail: bool | None, windowed: bool, quantized: bool, tk: KVType,
+          tv: KVType, operands: torch.dtype, interpreter: bool, tq3_pairs: bool | None, fields_ahead: bool | None,
+          split: int | None, kv_end: int, kv_heads: int, sms: int) -> list[_Tiles]:
+    """The launches over a KV head group's `rows` query rows: `main`'s tiles, and the rows past its last whole tile
+    in a tile of their own (`tail`; None: `_tail_rows`), `_launch_defaults` of their count. The main launch keeps
+    the splits it would take with those rows as one more of its tiles."""
+    tail_rows = (_tail_rows(rows, main.block_m, kv_end, quantized) if tail is None
+                 else rows % main.block_m if tail and rows > main.block_m else 0)
+    full_tiles = -(-(rows - tail_rows) // main.block_m)
+    settings = (quantized, tk, tv, operands, interpreter, tq3_pairs, fields_ahead, split, kv_end, kv_heads, sms)
+    tiles = [_tiles(0, rows - tail_rows, main, full_tiles + (tail_rows > 0), *settings)]
+    if tail_rows:
+        launch = _launch_defaults(tail_rows, d, quantized, windowed, exact=operands == torch.float32,
+                                  tq3="tq3_0" in (tk.name, tv.name))
+        tiles.append(_tiles(rows - tail_rows, tail_rows, launch, 1, *settings))
+    return tiles
+
+
 def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, positions, kv_end, scale,
                    window=0, split=None, *, gate=None, q_norm=None, unrotate_values=False, block_rows=None,
                    block_m=None, num_warps=None, num_stages=None, operands=None, max_registers=None, tq3_pairs=None,
-                   fields_ahead=None, swap=None):
+                   fields_ahead=None, swap=None, tail=None):
     """Attention of q [heads, T, D] (after RoPE) over cache rows [0, kv_end) of a graphed step; see the
     module docstring for the mask. -> [heads, T, D] in q.dtype; with `gate` [T, heads, D] (any strides, the
     last unit) `activations.gated_heads(result, gate)` instead, [T, heads * D], the gate applied at the store.
@@ -689,14 +779,16 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
     fewer barriers per chunk in the offline SASS; but the fused q norm's prologue then spills 960 bytes per
     thread instead of 336. f16 holds f16 rows exactly and probabilities more finely than bf16; a bf16
     query is clamped to f16's range, `_query_operand`). `tq3_pairs` decodes TQ3_0 rows as float16 pairs
-    (`_tq3_pairs`; f16 operands on the GPU); by default in a decode of one or two warps on the GPU with 16-bit
-    operands unless the other side is a bf16 or f32 float cache (`_tq3_pairs_by_default`; H200, 2026-12-05: 1 token
-    over 262K rows in 4-warp programs 438.4 -> 423.3 us, but 23 tokens 1158.5 -> 1237.4, a verify tile spilling
-    more); True in the interpreter runs the pair decode there (its byte permutes emulated). `fields_ahead` loads
-    TQ3_0 rows' fields a chunk ahead (`row_fields`; by default except in a decode of one or two warps, whose
-    registers they overfill). `swap` takes the MMAs with their sides swapped (`_scores`: q held as [D, BLOCK_M]),
-    by default in a decode over TQ3_0 rows (`_launch_defaults`). Falls back to `tree_attention_reference` where
-    the Triton path does not apply."""
+    (`_tq3_pairs`; f16 operands on the GPU); by default in a decode of one or two warps or a swapped one on the GPU
+    with 16-bit operands unless the other side is a bf16 or f32 float cache (`_tq3_pairs_by_default`; H200,
+    2026-12-05: 1 token over 262K rows in 4-warp programs 438.4 -> 423.3 us, but 23 tokens 1158.5 -> 1237.4, a
+    verify tile spilling more); True in the interpreter runs the pair decode there (its byte permutes emulated).
+    `fields_ahead` loads TQ3_0 rows' fields a chunk ahead (`row_fields`; by default except in a decode of one or two
+    warps or a swapped one, whose registers they overfill). `swap` takes the MMAs with their sides swapped
+    (`_scores`: q held as [D, BLOCK_M]), by default in a decode of up to 16 query rows over TQ3_0 rows
+    (`_launch_defaults`). `tail` gives the query rows past the last whole tile a launch of their own in a tile sized
+    to them (by default over long quantized rows, `_tail_rows`). Falls back to `tree_attention_reference` where the
+    Triton path does not apply."""
     tk, tv = kv_type(kv_type_k), kv_type(kv_type_v)
     _check(q, k_cache, v_cache, tk, tv, start_t, visible, positions, kv_end)
     unrotating = unrotate_values and tv.rotated
@@ -719,52 +811,53 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
     operands = operands or q.dtype  # a float32 q (a bf16 model's activations) may feed bf16 operands
     defaults = _launch_defaults(group * n, d, quantized, window > 0, exact=operands == torch.float32,
                                 tq3="tq3_0" in (tk.name, tv.name))
-    block_m, block_n = block_m or defaults.block_m, block_rows or defaults.block_n
-    num_warps, num_stages = num_warps or defaults.warps, num_stages or defaults.stages
-    max_registers = max_registers or defaults.max_registers
-    swap = defaults.swap if swap is None else swap
-    m_tiles = triton.cdiv(group * n, block_m)
-    small_decode = quantized and m_tiles == 1 and num_warps <= 2  # its registers: pairs, no fields ahead
-    pairs = "tq3_0" in (tk.name, tv.name) and (
-        small_decode and _tq3_pairs_by_default(tk, tv, operands, interpreter) if tq3_pairs is None else tq3_pairs)
-    if pairs and operands != torch.float32:
-        operands = torch.float16  # the pairs are float16: f16 holds them, and q and P more finely than bf16
-    fields_ahead = not small_decode if fields_ahead is None else fields_ahead
-    kind_k, kind_v = (TQ3_PAIRS if pairs and t.name == "tq3_0" else KV_KINDS[t.name] for t in (tk, tv))
-    low_precision = operands in (torch.bfloat16, torch.float16) and not interpreter
-    op = _TL_TYPES[operands] if low_precision else tl.float32
-    splits = split or choose_splits(kv_end, kv_heads, m_tiles, _sm_count(q.device), block_n,
-                                    programs_per_sm(quantized, m_tiles, num_warps), min_chunks=2 if swap else 4)
+    main = Launch(block_m or defaults.block_m, block_rows or defaults.block_n, num_warps or defaults.warps,
+                  num_stages or defaults.stages, max_registers or defaults.max_registers,
+                  defaults.swap if swap is None else swap)
+    tiles = _plan(group * n, d, main, tail, window > 0, quantized, tk, tv, operands, interpreter, tq3_pairs,
+                  fields_ahead, split, kv_end, kv_heads, _sm_count(q.device))
 
-    in_combine = unrotating and splits > 1  # one split: the kernel stores the rotated rows, torch unrotates
+    out_dtype = q.dtype
+    # a split launch stores the rotated rows unless its combine unrotates them: then torch unrotates them all
+    in_combine = unrotating and all(t.splits > 1 for t in tiles)
     gated = gate is not None and (in_combine or not unrotating)
-    out = torch.empty(*((n, heads * d) if gated else (heads, n, d)), dtype=q.dtype, device=q.device)
+    out = torch.empty(*((n, heads * d) if gated else (heads, n, d)), dtype=out_dtype, device=q.device)
     gate_args = (gate, gate.stride(0), gate.stride(1)) if gated else (out, 0, 0)
     weight, eps, cos, sin = q_norm if q_norm is not None else (out, 0.0, out, out)  # unused without NORM_Q
     norm_args = (weight, cos.contiguous(), sin.contiguous(), float(eps))
-    if splits > 1:
-        part = torch.empty(splits, heads, n, d, dtype=torch.float32, device=q.device)
-        lse = torch.empty(splits, heads, n, dtype=torch.float32, device=q.device)
-    else:
-        part = lse = out  # unused
-    _tree_attention_kernel[(kv_heads, m_tiles, splits)](
-        q, k_cache, v_cache, start_t, visible.contiguous().view(torch.uint8),
-        positions, out, part, lse, *gate_args, *norm_args,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        n, kv_end, heads, float(scale) * _LOG2E, int(window),
-        G=group, D=d, KIND_K=kind_k, KIND_V=kind_v, OP=op,
-        PRECISION=None if low_precision else "ieee",  # float32: exact FMA dots (bf16/f16: tensor cores)
-        HAS_WINDOW=window > 0, BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits,
-        FIXED_TRIPS=interpreter, TRIPS=triton.cdiv(triton.cdiv(kv_end, splits), block_n) if interpreter else 0,
-        TAIL_TRIPS=triton.cdiv(n, block_n) + 1 if interpreter else 0,
-        GATED=gated, NORM_Q=q_norm is not None, ROT=max(rot, 2), FIELDS_AHEAD=fields_ahead, SWAP=swap,
-        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
-        **({} if max_registers is None else {"maxnreg": max_registers}))
-    if splits > 1:
-        signs = rotation_signs(q.device) if in_combine else out  # unused unless UNROTATE
-        _combine_kernel[(heads * n,)](part, lse, out, heads * n, *gate_args, signs, n, heads, D=d, SPLITS=splits,
-                                      SPLITS_P2=triton.next_power_of_2(splits), GATED=gated, UNROTATE=in_combine,
-                                      num_warps=4 if d >= 128 else 1)
+    signs = rotation_signs(q.device) if in_combine else out  # unused unless UNROTATE
+    rows = group * n
+    visible_bytes = visible.contiguous().view(torch.uint8)
+    for t in tiles:
+        low_precision = t.operands in (torch.bfloat16, torch.float16) and not interpreter
+        q_t = q
+        if q.dtype == torch.float32 and low_precision and q_norm is None and t.launch.block_m >= 64:
+            q_t = _query_in_operands(q, t.operands)
+        if t.splits > 1:
+            part = torch.empty(t.splits, heads, n, d, dtype=torch.float32, device=q.device)
+            lse = torch.empty(t.splits, heads, n, dtype=torch.float32, device=q.device)
+        else:
+            part = lse = out  # unused
+        block_n = t.launch.block_n
+        _tree_attention_kernel[(kv_heads, triton.cdiv(t.rows, t.launch.block_m), t.splits)](
+            q_t, k_cache, v_cache, start_t, visible_bytes, positions, out, part, lse, *gate_args, *norm_args,
+            q_t.stride(0), q_t.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            n, kv_end, heads, float(scale) * _LOG2E, int(window), t.m_base,
+            G=group, D=d, KIND_K=t.kinds[0], KIND_V=t.kinds[1],
+            OP=_TL_TYPES[t.operands] if low_precision else tl.float32,
+            PRECISION=None if low_precision else "ieee",  # float32: exact FMA dots (bf16/f16: tensor cores)
+            HAS_WINDOW=window > 0, BLOCK_M=t.launch.block_m, BLOCK_N=block_n, SPLITS=t.splits,
+            FIXED_TRIPS=interpreter, TRIPS=triton.cdiv(triton.cdiv(kv_end, t.splits), block_n) if interpreter else 0,
+            TAIL_TRIPS=triton.cdiv(n, block_n) + 1 if interpreter else 0,
+            GATED=gated, NORM_Q=q_norm is not None, ROT=max(rot, 2), FIELDS_AHEAD=t.fields_ahead,
+            SWAP=t.launch.swap, num_warps=t.launch.warps,
+            **({} if t.launch.stages is None else {"num_stages": t.launch.stages}),
+            **({} if t.launch.max_registers is None else {"maxnreg": t.launch.max_registers}))
+        if t.splits > 1:
+            _combine_kernel[(kv_heads * t.rows,)](part, lse, out, heads * n, *gate_args, signs, n, heads, rows,
+                                                  t.m_base, t.rows, D=d, SPLITS=t.splits,
+                                                  SPLITS_P2=triton.next_power_of_2(t.splits), GATED=gated,
+                                                  UNROTATE=in_combine, num_warps=4 if d >= 128 else 1)
     if unrotating and not in_combine:
         out = unrotate(out)
         return out if gate is None else gated_heads(out, gate)

@@ -14,8 +14,8 @@ from flashtree.formats.quants import dequantize
 from flashtree.kernels import indexed, triton_runs_on
 from flashtree.kernels.host_rows import gather_rows, gpu_reads_host, pinned
 from flashtree.kernels.quant_matmul import KERNELS as QUANT_KERNELS
-from flashtree.kernels.quant_matmul import (QuantWeight, f16_rows_matmul, quant_matmul, quant_matmul_rounded,
-                                            round_rows_f16)
+from flashtree.kernels.quant_matmul import (QuantWeight, f16_rows_matmul, glu_parts, glu_weight, quant_matmul,
+                                            quant_matmul_glu, quant_matmul_rounded, round_rows_f16)
 
 
 def activation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -161,6 +161,31 @@ def _concatenated(linears: list[Linear | QuantLinear]) -> Linear | QuantLinear:
     return Linear(torch.cat([linear.weight for linear in linears]), linears[0].rounded_input)
 
 
+class GluLinear(QuantLinear):
+    """The MLP's gate and up projections as one matmul whose result is SiLU(gate) * up (`quant_matmul_glu`): their
+    rows interleaved in one tensor-core weight (`glu_weight`), whose kernels apply the product in their epilogue, so
+    a decode or verify step has no `silu_mul` launch nor a [T, 2F] intermediate."""
+
+    @classmethod
+    def of(cls, gate: Linear | QuantLinear, up: Linear | QuantLinear) -> GluLinear | None:
+        """The two as one, where they share a matrix (`_joinable`) in the tensor-core layout (the only kernels
+        with the epilogue); else None, and with FLASHTREE_GLU=0 (the separate `silu_mul`, for A/B timings)."""
+        if not (_joinable(gate, up) and type(gate) is QuantLinear and gate.quant.mma_layout):
+            return None
+        if os.environ.get("FLASHTREE_GLU", "1") == "0":
+            return None
+        return cls(glu_weight(gate.quant, up.quant), gate.rounded_input)
+
+    def parts(self) -> tuple[QuantLinear, QuantLinear]:
+        """The gate and up projections, their GGUF bytes as loaded."""
+        return tuple(QuantLinear(w, self.rounded_input) for w in glu_parts(self.quant))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        y = quant_matmul_glu(rows, self.quant, self.rounded_input and rows.dtype == torch.float32)
+        return y.reshape(*x.shape[:-1], self.quant.shape[0] // 2)
+
+
 def quant_weights(root) -> list[QuantWeight]:
     """Every QuantWeight reachable from `root` (a model: its layers, projections, head), each once."""
     return reachable(root, QuantWeight)
@@ -229,6 +254,11 @@ class Projections:
             y = linear(x)
             outputs.extend(y.split(sizes, dim=-1) if len(sizes) > 1 else (y,))
         return outputs
+
+
+# what a layer's matmul attributes can be (subclasses included: GluLinear, the tensor-parallel shards): what moves
+# with it between devices, and what a step reads
+MATMUL_TYPES = (Linear, QuantLinear, Projections)
 
 
 class QuantizedEmbedding:

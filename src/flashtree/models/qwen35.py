@@ -28,7 +28,8 @@ from flashtree.kernels.quant_matmul import DENSE_MIN_M
 from flashtree.kernels.rms_norm import add_rms_norm, rms_norm
 from flashtree.models.attention import GatedAttention
 from flashtree.models.deltanet import GatedDeltaNet, commit_layers
-from flashtree.models.layers import Linear, Projections, QuantizedEmbedding, activation_dtype, load_weight
+from flashtree.models.layers import (GluLinear, Linear, Projections, QuantizedEmbedding, activation_dtype,
+                                    load_weight)
 from flashtree.models.qwen35_config import Qwen35Config
 from flashtree.models.step import Step, padded_offsets
 
@@ -37,9 +38,11 @@ class MLP:
     def __init__(self, gate: Linear, up: Linear, down: Linear):
         self.inputs = Projections.separate([gate, up])  # one matmul once `fuse`d
         self.down = down
+        self.glu: GluLinear | None = None  # once `fuse`d, where gate and up take the tensor-core GLU epilogue
 
     def fuse(self) -> None:
-        self.inputs = self.inputs.fused()
+        self.glu = GluLinear.of(*self.inputs.linears)
+        self.inputs = None if self.glu is not None else self.inputs.fused()
 
     @classmethod
     def load(cls, gguf: GGUFFile, prefix: str, config: Qwen35Config, dtype, device) -> "MLP":
@@ -51,6 +54,8 @@ class MLP:
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.glu is not None:
+            return self.down(self.glu(x))
         gate, up = self.inputs(x)
         return self.down(silu_mul(gate, up))
 

@@ -14,7 +14,7 @@ import torch
 
 from flashtree.errors import FlashtreeError
 from flashtree.kernels import indexed
-from flashtree.models.layers import Linear, Projections, QuantLinear
+from flashtree.models.layers import MATMUL_TYPES
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -115,7 +115,7 @@ def _move_attributes(obj, device: torch.device) -> None:
     for name, value in vars(obj).items():
         if isinstance(value, torch.Tensor):
             setattr(obj, name, value.to(device))
-        elif isinstance(value, (Linear, QuantLinear, Projections)):
+        elif isinstance(value, MATMUL_TYPES):
             setattr(obj, name, value.to(device))
 
 

@@ -39,6 +39,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
 from flashtree.errors import FlashtreeError
 from flashtree.formats import quants
 from flashtree.kernels import triton_runs_on
+from flashtree.kernels.activations import GLU_GROUP, interleaved_silu_mul
 from flashtree.kernels.quant_matmul import mma
 
 
@@ -226,6 +227,12 @@ def quant_matmul(x: torch.Tensor, weight: QuantWeight, config=None) -> torch.Ten
     return KERNELS[weight.qtype].load().matmul(x, weight.fields(), n, k, config)  # in x.dtype
 
 
+def _kernel_rows(m: int, n: int, k: int) -> bool:
+    """Whether M rows of a fragment-ordered [n, k] weight go through the tensor-core kernels (up to DENSE_MIN_M rows,
+    and any count where the weight is too big for a dense temporary) rather than a dense temporary and cuBLAS."""
+    return m < DENSE_MIN_M or n * k * 2 > DENSE_MAX_BYTES
+
+
 def _mma_matmul(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
     """Fragment-ordered weights: bf16 x through the tensor-core kernels, 32 rows a launch, up to
     DENSE_MIN_M rows (and at any length when the weight is too big for a dense temporary); longer bf16 x
@@ -233,7 +240,7 @@ def _mma_matmul(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
     in x's dtype (float32 stays float32: no TF32 unless torch is told to allow it)."""
     n, k = weight.shape
     m = x.shape[0]
-    if x.dtype == torch.bfloat16 and (m < DENSE_MIN_M or n * k * 2 > DENSE_MAX_BYTES):
+    if x.dtype == torch.bfloat16 and _kernel_rows(m, n, k):
         return mma.matmul(x, weight.raw, weight.qtype, n, k)
     return _dense_blocks(x, weight, x.dtype, x.dtype, lambda w, out: torch.matmul(x, w.T, out=out))
 
@@ -287,7 +294,7 @@ def quant_matmul_rounded(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
     x = _check_x(x, weight)
     n, k = weight.shape
     if weight.mma_layout:
-        if x.shape[0] < DENSE_MIN_M or n * k * 2 > DENSE_MAX_BYTES:
+        if _kernel_rows(x.shape[0], n, k):
             return mma.matmul(x, weight.raw, weight.qtype, n, k, out_dtype=torch.float32)
         scaled, unscale = f16_rows(x)  # once for every block; each block's float16 product unscaled in float32
         return _dense_blocks(x, weight, torch.float16, torch.float32,
@@ -302,6 +309,42 @@ def quant_matmul_rounded(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
     if not _triton_runs(x):
         return round_rows_f16(x) @ weight.dequantize(torch.float32).T
     return KERNELS[weight.qtype].load().matmul(x.float(), weight.fields(), n, k, None)
+
+
+def glu_weight(gate: QuantWeight, up: QuantWeight) -> QuantWeight:
+    """A gate and an up projection (same type and shape [F, K], F % GLU_GROUP == 0) as one [2F, K] weight, their
+    rows interleaved GLU_GROUP at a time (each row's GGUF bytes unchanged; `glu_parts` gives the two back): a
+    16-row tile of the tensor-core kernels then holds output i's gate and up rows 8 apart, and their epilogue
+    writes SiLU(gate) * up (`quant_matmul_glu`)."""
+    if gate.qtype != up.qtype or gate.shape != up.shape or gate.shape[0] % GLU_GROUP:
+        raise FlashtreeError(f"a gate {gate.qtype.name} {gate.shape} and an up {up.qtype.name} {up.shape} projection "
+                             f"do not interleave: same type and shape, rows a multiple of {GLU_GROUP}")
+    f, k = gate.shape
+    rows = torch.stack([w.gguf_bytes().reshape(f // GLU_GROUP, GLU_GROUP, -1) for w in (gate, up)], dim=1)
+    return QuantWeight.from_gguf_bytes(rows.reshape(-1), gate.qtype, (2 * f, k))
+
+
+def glu_parts(weight: QuantWeight) -> tuple[QuantWeight, QuantWeight]:
+    """The gate and up weights a `glu_weight` holds, their GGUF bytes as they were."""
+    n, k = weight.shape
+    rows = weight.gguf_bytes().reshape(n // (2 * GLU_GROUP), 2, GLU_GROUP, -1)
+    return tuple(QuantWeight.from_gguf_bytes(rows[:, side].reshape(-1), weight.qtype, (n // 2, k)) for side in (0, 1))
+
+
+def quant_matmul_glu(x: torch.Tensor, weight: QuantWeight, rounded: bool = False) -> torch.Tensor:
+    """SiLU(x G^T) * (x U^T) [M, F] of a `glu_weight` [2F, K]: `quant_matmul` (or with `rounded`,
+    `quant_matmul_rounded`) and `activations.silu_mul` in one, rounded as they round. The tensor-core kernels
+    take the product in their epilogue (decode and verify rows); dense prefill chunks, small matrices, other types
+    and the CPU multiply, then apply `interleaved_silu_mul`."""
+    x = _check_x(x, weight)
+    n, k = weight.shape
+    m = x.shape[0]
+    fused = weight.mma_layout and _kernel_rows(m, n, k) and mma.glu_takes(weight.qtype, m, n, k)
+    if fused and rounded and x.dtype == torch.float32:
+        return mma.matmul(x, weight.raw, weight.qtype, n, k, out_dtype=torch.float32, glu=True)
+    if fused and not rounded and x.dtype == torch.bfloat16:
+        return mma.matmul(x, weight.raw, weight.qtype, n, k, glu=True)
+    return interleaved_silu_mul(quant_matmul_rounded(x, weight) if rounded else quant_matmul(x, weight))
 
 
 def f16_rows_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

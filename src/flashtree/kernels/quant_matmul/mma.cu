@@ -100,6 +100,18 @@ __device__ __forceinline__ void x8_f32(const float* p, float (&f)[8]) {
 __device__ __forceinline__ void store_out(u16* out, long i, float v) { out[i] = float_to_bf16(v); }
 __device__ __forceinline__ void store_out(float* out, long i, float v) { out[i] = v; }
 
+// A value as the output type holds it (bf16 rounded to nearest; float32 as it is)
+__device__ __forceinline__ float as_out(const u16*, float v) { return __uint_as_float((u32)float_to_bf16(v) << 16); }
+__device__ __forceinline__ float as_out(const float*, float v) { return v; }
+
+// GLU (the MLP's SiLU(gate) * up) of one output from its gate and up sums, rounded where the unfused path rounds
+// (activations.silu_mul after a matmul writing gate and up in the output type): each sum, SiLU, the product
+template <typename OT>
+__device__ __forceinline__ void store_glu(OT* out, long i, float gate, float up) {
+    const float g = as_out(out, gate), u = as_out(out, up);
+    store_out(out, i, as_out(out, g / (1.0f + __expf(-g))) * u);
+}
+
 // Constants the hot loop ORs and permutes with, made once into registers the compiler cannot see
 // through: otherwise it rematerializes them (a MOV per use) because LOP3/PRMT take one immediate.
 struct Consts {
@@ -519,11 +531,13 @@ __device__ __forceinline__ void finish_splits(OT* __restrict__ out, const float*
 }
 
 // The end of a CTA: its warps' partial sums of the CTA's RT tiles meet in shared memory, added in warp order
-// (and multiplied by the token's `scale`, when x was scaled: qmh).
-template <int RT, int TG, int WARPS, int SPLITS, typename OT>
+// (and multiplied by the token's `scale`, when x was scaled: qmh). GLU 1: the weight's rows are a gate row and its
+// up row 8 apart in each tile (`quant_matmul.glu_weight`), and the CTA writes SiLU(gate) * up, N / 2 outputs a token.
+template <int RT, int TG, int WARPS, int SPLITS, int GLU = 0, typename OT>
 __device__ __forceinline__ void epilogue(const float (&acc)[RT][TG][4], int tile0, OT* __restrict__ out,
                                          float* __restrict__ partial, int* __restrict__ tickets, int M, int N,
                                          const float* __restrict__ scale = nullptr) {
+    static_assert(!GLU || SPLITS == 1, "the GLU epilogue needs finished sums: one split");
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     constexpr int VALS = RT * TG * 4;
     __shared__ float red[WARPS][VALS][32];
@@ -534,6 +548,27 @@ __device__ __forceinline__ void epilogue(const float (&acc)[RT][TG][4], int tile
 #pragma unroll
             for (int c = 0; c < 4; ++c) red[warp][(rt * TG + tg) * 4 + c][lane] = acc[rt][tg][c];
     __syncthreads();
+    if constexpr (GLU) {
+        for (int e = threadIdx.x; e < VALS * 16; e += WARPS * 32) {  // e = (value index of rows g, lane)
+            const int half = e >> 5, l = e & 31;
+            const int rt = half / (TG * 2), tg = (half >> 1) % TG, c = half & 1;
+            const int v = (rt * TG + tg) * 4 + c;  // row g: the gate; v + 2, row g + 8: its up
+            const int tok = 8 * tg + 2 * (l & 3) + c;
+            if (tok >= M) continue;
+            float gate = 0.0f, up = 0.0f;
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) {
+                gate += red[w][v][l];
+                up += red[w][v + 2][l];
+            }
+            if (scale != nullptr) {
+                gate *= __ldg(scale + tok);
+                up *= __ldg(scale + tok);
+            }
+            store_glu(out, (long)tok * (N >> 1) + 8 * (tile0 + rt) + (l >> 2), gate, up);
+        }
+        return;
+    }
     for (int e = threadIdx.x; e < VALS * 32; e += WARPS * 32) {  // element e = (value index, lane)
         const int v = e >> 5, l = e & 31;
         const int rt = v / (TG * 4), tg = (v / 4) % TG, c = v & 3;
@@ -674,7 +709,7 @@ __device__ __forceinline__ void multiply_vector(const Weights<QT, RT>& w, const 
     }
 }
 
-template <int QT, int RT, int WARPS, int SPLITS, int CH, int RING, typename XT, typename OT>
+template <int QT, int RT, int WARPS, int SPLITS, int CH, int RING, int GLU, typename XT, typename OT>
 __device__ __forceinline__ void qmv(const XT* __restrict__ x, const unsigned char* __restrict__ quants,
                                     const unsigned char* __restrict__ high, const unsigned char* __restrict__ scales,
                                     const u16* __restrict__ dvals, OT* __restrict__ out, float* __restrict__ partial,
@@ -704,7 +739,7 @@ __device__ __forceinline__ void qmv(const XT* __restrict__ x, const unsigned cha
             v += __shfl_xor_sync(0xFFFFFFFFu, v, 2);
             sums[rt][0][2 * h] = sums[rt][0][2 * h + 1] = v;
         }
-    epilogue<RT, 1, WARPS, SPLITS>(sums, tile0, out, partial, tickets, M, N);
+    epilogue<RT, 1, WARPS, SPLITS, GLU>(sums, tile0, out, partial, tickets, M, N);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1048,11 +1083,28 @@ __device__ __forceinline__ void multiply_half(const Weights<Q6_K, RT>& w, XSourc
 }
 
 // qmh's end when its warps own tiles (OWN): each warp stores its own rows, no sum across warps.
-template <int RT, int TG, int WARPS, int SPLITS, typename OT>
+template <int RT, int TG, int WARPS, int SPLITS, int GLU, typename OT>
 __device__ __forceinline__ void epilogue_own(const float (&acc)[RT][TG][4], int tile0, OT* __restrict__ out,
                                              float* __restrict__ partial, int* __restrict__ tickets, int M, int N,
                                              const float* __restrict__ scale) {
+    static_assert(!GLU || SPLITS == 1, "the GLU epilogue needs finished sums: one split");
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    if constexpr (GLU) {  // accumulators 0, 1: the gate (row g); 2, 3: its up (row g + 8)
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+            for (int tg = 0; tg < TG; ++tg)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const int tok = 8 * tg + 2 * t + c;
+                    if (tok < M) {
+                        const float s = __ldg(scale + tok);
+                        store_glu(out, (long)tok * (N >> 1) + 8 * (tile0 + rt) + g, acc[rt][tg][c] * s,
+                                  acc[rt][tg][c + 2] * s);
+                    }
+                }
+        return;
+    }
 #pragma unroll
     for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
@@ -1087,7 +1139,7 @@ __device__ __forceinline__ void walk_half(XSource& x, const unsigned char* quant
 // all of x: at 23 rows 5.3 bytes of x per byte of weights); splits fill the GPU instead. OWN 2: the same with x
 // staged in shared memory (SharedX), the choice on wide matrices at 17-32 rows (2026-12-01, eighth session:
 // gate/up 23 rows 41.6 -> 36.1 us; OWN 1 and the second session's per-CTA double-buffered copy were slower).
-template <int QT, int RT, int TG, int WARPS, int SPLITS, int CH, int XA, int OWN, int RING, typename OT>
+template <int QT, int RT, int TG, int WARPS, int SPLITS, int CH, int XA, int OWN, int RING, int GLU, typename OT>
 __device__ __forceinline__ void qmh(const u16* __restrict__ xh, const u16* __restrict__ xsum,
                                     const float* __restrict__ scale, const unsigned char* __restrict__ quants,
                                     const unsigned char* __restrict__ high, const unsigned char* __restrict__ scales,
@@ -1111,8 +1163,8 @@ __device__ __forceinline__ void qmh(const u16* __restrict__ xh, const u16* __res
         GlobalX<TG, XA> x(xh, xsum, M, K, first);
         walk_half<QT, RT, TG, STRIDE, CH, RING, 0>(x, quants, high, scales, dvals, tile0, SB, first, ks.end, acc);
     }
-    if constexpr (OWN) epilogue_own<RT, TG, WARPS, SPLITS>(acc, tile0, out, partial, tickets, M, N, scale);
-    else epilogue<RT, TG, WARPS, SPLITS>(acc, tile0, out, partial, tickets, M, N, scale);
+    if constexpr (OWN) epilogue_own<RT, TG, WARPS, SPLITS, GLU>(acc, tile0, out, partial, tickets, M, N, scale);
+    else epilogue<RT, TG, WARPS, SPLITS, GLU>(acc, tile0, out, partial, tickets, M, N, scale);
 }
 
 // Q4_K's x sums: xsum [M, K / 256, 16] f16, per super-block and lane t the sums of sub-blocks 2t, 2t + 1 as hi

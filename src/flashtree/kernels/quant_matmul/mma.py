@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -425,11 +425,11 @@ def _dtype_suffix(x_dtype: torch.dtype, out_dtype: torch.dtype) -> str:
 
 
 def _instance(qtype: QType, config: MMAConfig, tg: int, kernel: str, x_dtype: torch.dtype = torch.bfloat16,
-              out_dtype: torch.dtype = torch.bfloat16) -> str:
+              out_dtype: torch.dtype = torch.bfloat16, glu: bool = False) -> str:
     c = config
     blocks = f"_b{c.min_blocks}" if c.min_blocks else ""
     ring = f"_g{c.ring}" if c.ring and kernel in ("qmv", "qmh") else ""
-    types = _dtype_suffix(torch.bfloat16 if kernel == "qmh" else x_dtype, out_dtype)
+    types = _dtype_suffix(torch.bfloat16 if kernel == "qmh" else x_dtype, out_dtype) + ("_glu" if glu else "")
     if kernel == "qmv":
         chains = f"_c{c.chains}" if c.chains > 1 else ""
         return f"qmv_{qtype.name.lower()}_r{c.rt}_w{c.warps}_s{c.splits}{chains}{blocks}{ring}{types}"
@@ -449,14 +449,15 @@ _DEQUANT_WARPS = {torch.bfloat16: 4, torch.float16: 4, torch.float32: 2}
 
 
 def _wrapper(name: str, qtype: QType, config: MMAConfig, tg: int, kernel: str, x_dtype: torch.dtype = torch.bfloat16,
-             out_dtype: torch.dtype = torch.bfloat16) -> str:
+             out_dtype: torch.dtype = torch.bfloat16, glu: bool = False) -> str:
     c = config
+    _check_glu(glu, kernel, config)
     bounds = f"{c.warps * 32}, {c.min_blocks}" if c.min_blocks else f"{c.warps * 32}"
     head = f'extern "C" __global__ void __launch_bounds__({bounds}) {name}'
     xt, ot = _C_TYPES[x_dtype], _C_TYPES[out_dtype]
     if kernel == "qmh":
         call = (f"qmh<{qtype.name}, {c.rt}, {tg}, {c.warps}, {c.splits}, {c.chains}, {c.x_ahead}, {c.own_tiles}, "
-                f"{c.ring}>")
+                f"{c.ring}, {int(glu)}>")
         tail = f"{ot}* out, float* part, int* tickets, int M, int N, int K"
         if qtype == QType.Q4_K:  # x's sums for the min term; no top bits, d inside the scale records
             return (f"{head}(const u16* xh, const u16* xs, const float* scale, const unsigned char* q, "
@@ -465,11 +466,23 @@ def _wrapper(name: str, qtype: QType, config: MMAConfig, tg: int, kernel: str, x
         return (f"{head}(const u16* xh, const float* scale, const unsigned char* q, const unsigned char* h, "
                 f"const unsigned char* s, const u16* d, {tail}) {{ {call}(xh, nullptr, scale, q, h, s, d, out, "
                 f"part, tickets, M, N, K); }}\n")
-    call = (f"qmv<{qtype.name}, {c.rt}, {c.warps}, {c.splits}, {c.chains}, {c.ring}>" if kernel == "qmv"
+    call = (f"qmv<{qtype.name}, {c.rt}, {c.warps}, {c.splits}, {c.chains}, {c.ring}, {int(glu)}>" if kernel == "qmv"
             else f"qmm<{qtype.name}, {c.rt}, {tg}, {c.warps}, {c.splits}>")
     return (f"{head}(const {xt}* x, const unsigned char* q, const unsigned char* h, const unsigned char* s, "
             f"const u16* d, {ot}* out, float* part, int* tickets, int M, int N, int K) {{ "
             f"{call}(x, q, h, s, d, out, part, tickets, M, N, K); }}\n")
+
+
+def _check_glu(glu: bool, kernel: str, config: MMAConfig) -> None:
+    """The GLU epilogue (mma.cu `epilogue`, `epilogue_own`) is qmv's and qmh's, over finished sums (one split)."""
+    if glu and (kernel not in ("qmv", "qmh") or config.splits != 1):
+        raise FlashtreeError(f"the GLU epilogue takes qmv or qmh with one split, not {kernel} with {config.splits}")
+
+
+def glu_config(config: MMAConfig) -> MMAConfig:
+    """`config` with K in one split: the GLU epilogue needs each output's gate and up sums in one CTA (a fused
+    gate + up matrix has enough row tiles to fill the GPU without splitting K)."""
+    return replace(config, splits=1)
 
 
 def _prep_x_instance(qtype: QType, x_dtype: torch.dtype = torch.bfloat16) -> str:
@@ -616,22 +629,29 @@ def _two_tiles_through_a_ring(ctas: int, tg: int, warps: int, sms: int) -> MMACo
 
 def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: QType, n: int, k: int,
            config: MMAConfig | None = None, kernel: str | None = None,
-           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+           out_dtype: torch.dtype | None = None, glu: bool = False) -> torch.Tensor:
     """x [M, K] bf16 or float32 @ W^T -> [M, N] in `out_dtype` (bf16 or float32; default x's), W in the fragment
     layout; 32 rows of x per launch (the float16 kernel converts all of x once first). `kernel` overrides
-    `kernel_for` (the sweeps time qmm where qmh runs)."""
+    `kernel_for` (the sweeps time qmm where qmh runs). `glu`: W's rows are a gate and an up projection interleaved
+    (`quant_matmul.glu_weight`) and the result is SiLU(gate) * up, [M, N / 2], from qmv or qmh (`glu_takes`)."""
     m = x.shape[0]
     out_dtype = out_dtype or x.dtype
     _check_dtypes(x.dtype, out_dtype)
     if m < 1:
         raise FlashtreeError("the MMA kernel takes at least one row of x")
     kernel = kernel or kernel_for(qtype, token_groups(min(m, MAX_M)), n, k)
-    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    out = torch.empty(m, n // 2 if glu else n, dtype=out_dtype, device=x.device)
     inputs = prepare_x(x, qtype) if kernel == "qmh" else (x,)  # row-major, so a launch takes the same rows of each
     for start in range(0, m, MAX_M):
         part = slice(start, start + MAX_M)
-        _launch_matmul(out[part], [t[part] for t in inputs], raw, qtype, n, k, config, kernel)
+        _launch_matmul(out[part], [t[part] for t in inputs], raw, qtype, n, k, config, kernel, glu)
     return out
+
+
+def glu_takes(qtype: QType, m: int, n: int, k: int) -> bool:
+    """Whether `matmul(..., glu=True)` runs for M rows of an [n, k] weight: the kernel `matmul` takes for them has
+    the GLU epilogue (qmv, qmh), not qmm (the small matrices')."""
+    return kernel_for(qtype, token_groups(min(m, MAX_M)), n, k) in ("qmv", "qmh")
 
 
 def prepare_x(x: torch.Tensor, qtype: QType) -> tuple[torch.Tensor, ...]:
@@ -657,17 +677,18 @@ def q6_k_x_order(k: int) -> torch.Tensor:
 
 
 def _launch_matmul(out: torch.Tensor, xs: list[torch.Tensor], raw: torch.Tensor, qtype: QType, n: int, k: int,
-                   config: MMAConfig | None, kernel: str) -> None:
-    """One launch: out [M <= 32, N] from x's piece(s) `xs` (qmh: `prepare_x`'s)."""
+                   config: MMAConfig | None, kernel: str, glu: bool = False) -> None:
+    """One launch: out [M <= 32, N] (GLU: [M, N / 2]) from x's piece(s) `xs` (qmh: `prepare_x`'s)."""
     m = out.shape[0]
     # a short last piece of a long x stays in its kernel, and in the configuration of 2-8 rows
     tg = ONE_ROW if kernel == "qmv" else (m + 7) // 8
     config = config or choose_config(qtype, m if kernel == "qmv" else max(m, 2), n, k, sm_count(out.device))
+    config = glu_config(config) if glu else config
     if n % config.rows_per_cta:
         raise FlashtreeError(f"{config} needs N % {config.rows_per_cta} == 0, N = {n}")
     x_dtype = xs[0].dtype if kernel != "qmh" else torch.bfloat16
-    name = _instance(qtype, config, tg, kernel, x_dtype, out.dtype)
-    fn = _function(out.device, name, _wrapper(name, qtype, config, tg, kernel, x_dtype, out.dtype))
+    name = _instance(qtype, config, tg, kernel, x_dtype, out.dtype, glu)
+    fn = _function(out.device, name, _wrapper(name, qtype, config, tg, kernel, x_dtype, out.dtype, glu))
     p = pieces_of(raw, qtype, n, k)
     partial = (torch.empty(config.splits, m, n, dtype=torch.float32, device=out.device) if config.splits > 1
                else out)
@@ -676,18 +697,9 @@ def _launch_matmul(out: torch.Tensor, xs: list[torch.Tensor], raw: torch.Tensor,
     tickets = _tickets(out.device, torch.cuda.current_stream(out.device).cuda_stream)
     shared = config.ring_bytes(qtype) if kernel in ("qmv", "qmh") else 0
     if shared:
-        _allow_shared(out.device, name, shared)
+        cuda_functions.allow_shared(out.device, name, shared)
     launch(fn, (n // config.rows_per_cta, config.splits), 32 * config.warps,
             [*xs, *weights, out, partial, tickets, m, n, k], out.device, shared)
-
-
-@functools.cache
-def _allow_shared(device: torch.device, name: str, size: int) -> None:
-    """Let kernel `name` take `size` bytes of dynamic shared memory (above 48 KB a function must opt in)."""
-    driver, _ = bindings()
-    fn = functions(device).loaded[name]
-    attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    check(driver.cuFuncSetAttribute(fn, attribute, size), "cuFuncSetAttribute")
 
 
 def dequantize(raw: torch.Tensor, qtype: QType, n: int, k: int, dtype: torch.dtype,
@@ -712,19 +724,23 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def instances_for(shapes, sms: int, dtype: torch.dtype = torch.bfloat16) -> list[tuple[str, str]]:
+def instances_for(shapes, sms: int, dtype: torch.dtype = torch.bfloat16, glu_shapes=()) -> list[tuple[str, str]]:
     """(name, wrapper) of every launch fragment-ordered weights of these (qtype, n, k) shapes can take in a model
     whose activations are `dtype` (x and out: bf16, or float32 in a bf16 model, docs/FIDELITY.md): one row
     (decode), each count of 8-token groups (verify, short chunks; `choose_config` depends on the matrix and the
-    group count only), and the dense dequantization of prefill (bf16 for bf16 x, float16 for float32 x)."""
+    group count only), and the dense dequantization of prefill (bf16 for bf16 x, float16 for float32 x). Shapes
+    also in `glu_shapes` (fused gate + up weights, `quant_matmul.GluWeight`) take their GLU instances instead."""
     _check_dtypes(dtype)
     jobs = {}
     for qtype, n, k in shapes:
+        glu = (qtype, n, k) in set(glu_shapes)
         for m in (1, 8, 16, 24, 32):
             config, tg = choose_config(qtype, m, n, k, sms), token_groups(m)
             kernel = kernel_for(qtype, tg, n, k)
-            name = _instance(qtype, config, tg, kernel, dtype, dtype)
-            jobs[name] = _wrapper(name, qtype, config, tg, kernel, dtype, dtype)
+            glu_here = glu and glu_takes(qtype, m, n, k)
+            config = glu_config(config) if glu_here else config
+            name = _instance(qtype, config, tg, kernel, dtype, dtype, glu_here)
+            jobs[name] = _wrapper(name, qtype, config, tg, kernel, dtype, dtype, glu_here)
             if kernel == "qmh":
                 jobs[_prep_x_instance(qtype, dtype)] = _prep_x_wrapper(qtype, dtype)
         out = _OUT_CODES[torch.bfloat16 if dtype == torch.bfloat16 else torch.float16]

@@ -1,0 +1,111 @@
+"""The DeltaNet tree verify in CUDA C (`deltanet_tree.cu`): `gated_delta_triton.tree_verify`'s math and outputs in
+float32 FMA, one CTA per value head and 32 value columns, for trees of up to 32 nodes on Hopper.
+
+Why: the Triton kernel's substitution runs a tree level a round through shared memory and a barrier (~0.84 us a
+level, 36.6 us a layer on the 27B verify's 23-node trees, H200, 2026-12-05); here one warp substitutes node by node
+with its column of U in registers. `gated_delta_triton._tree_verify` launches this where `takes` says so (float32
+inputs with 16-byte aligned rows, dk in `HEAD_DIMS`, dv a multiple of 32, at most 32 nodes, NVRTC and sm_90+, not
+FLASHTREE_TREE_CUDA=0), and the Triton kernel otherwise; both leave the same outputs (u, Gamma and k for the commit
+included), so the caller does not know which ran.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+from flashtree.kernels import cuda_functions
+from flashtree.kernels.cuda_functions import functions, launch, nvrtc_loads
+
+SOURCE = Path(__file__).with_name("deltanet_tree.cu")
+COLS = 32  # value columns a CTA owns (deltanet_tree.cu COLS)
+THREADS = 128  # and its THREADS
+NODE_TILES = (8, 16, 24, 32)  # node rows an instance reserves (multiples of 4: its warps take every fourth node)
+HEAD_DIMS = (32, 64, 128)  # key widths with instances (shared memory grows with dk: 128 takes 62 KB at 32 nodes)
+
+
+def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+          state: torch.Tensor, parents: torch.Tensor) -> bool:
+    """Whether the CUDA kernel runs this tree (inputs already checked by the caller)."""
+    t, _, dk = q.shape
+    dv = v.shape[2]
+    tensors = (q, k, v, g, beta, state)
+    return (q.is_cuda and _available(q.device) and 0 < t <= NODE_TILES[-1] and dk in HEAD_DIMS and dv % COLS == 0
+            and all(x.dtype == torch.float32 for x in tensors) and parents.dtype == torch.int64
+            and parents.is_contiguous() and _rows_aligned(q) and _rows_aligned(k) and v.stride(2) == 1
+            and state.stride(2) == 1 and state.stride(1) % 4 == 0 and state.stride(0) % 4 == 0
+            and state.data_ptr() % 16 == 0)
+
+
+def _rows_aligned(x: torch.Tensor) -> bool:
+    """Rows that the kernel reads as float4s: unit stride, 16-byte aligned starts."""
+    return x.stride(2) == 1 and x.stride(0) % 4 == 0 and x.stride(1) % 4 == 0 and x.data_ptr() % 16 == 0
+
+
+@functools.cache
+def _available(device: torch.device) -> bool:
+    # griddepcontrol and the shared-memory opt-in need sm_90 (the Triton kernel serves older GPUs)
+    return (os.environ.get("FLASHTREE_TREE_CUDA", "1") != "0" and torch.cuda.get_device_capability(device)[0] >= 9
+            and nvrtc_loads())
+
+
+def node_tile(t: int) -> int:
+    return next(tile for tile in NODE_TILES if t <= tile)
+
+
+def instance(dk: int, nodes: int) -> str:
+    return f"deltanet_tree_d{dk}_n{nodes}"
+
+
+def shared_bytes(dk: int, nodes: int) -> int:
+    """Dynamic shared memory of an instance: deltanet_tree.cu `TreeSmem::FLOATS` floats."""
+    return 4 * (2 * nodes * (dk + 4) + dk * COLS + 2 * nodes * (nodes + 1) + nodes * COLS + 5 * nodes)
+
+
+_PARAMS = ("q", "k", "v", "g", "beta", "state")
+_STRIDES = ("sq_t", "sq_h", "sk_t", "sk_h", "sv_t", "sv_h", "sg_t", "sg_h", "sb_t", "sb_h", "ss_h", "ss_k",
+            "so_t", "so_h", "su_t", "su_h", "sgm_t", "sko_t", "sko_h")
+
+
+def wrapper(dk: int, nodes: int) -> str:
+    """The extern "C" entry of one instance: flat arguments (as `launch` passes them) into deltanet_tree.cu's
+    TreeArgs."""
+    inputs = ", ".join(f"const float* {p}" for p in _PARAMS)
+    strides = ", ".join(f"int {s}" for s in _STRIDES)
+    fields = ", ".join((*_PARAMS, "parents", "o", "u", "gamma", "k_out", "T", "HK", *_STRIDES, "store_fold", "store_k"))
+    return (f'\nextern "C" __global__ void __launch_bounds__({THREADS}) {instance(dk, nodes)}({inputs}, '
+            f"const long long* parents, float* o, float* u, float* gamma, float* k_out, int T, int HK, {strides}, "
+            f"int store_fold, int store_k) {{\n    TreeArgs a = {{{fields}}};\n"
+            f"    tree_verify<{dk}, {nodes}>(a);\n}}\n")
+
+
+def source(dk: int, nodes: int) -> str:
+    return SOURCE.read_text() + wrapper(dk, nodes)
+
+
+def cuda_jobs(device: torch.device, dk: int) -> list[tuple[str, str]]:
+    """(name, CUDA C source) of every instance a model with DeltaNet key width `dk` can launch on `device`, for the
+    load-time compile (engine/loader.py); none where the kernel does not run."""
+    if torch.device(device).type != "cuda" or dk not in HEAD_DIMS or not _available(torch.device(device)):
+        return []
+    return [(instance(dk, nodes), source(dk, nodes)) for nodes in NODE_TILES]
+
+
+def tree_verify(q, k, v, g, beta, state, parents, out, u, gamma, k_out, store_fold: bool, store_k: bool) -> None:
+    """One launch writing out [T, H, dv] (and with `store_fold` u [T, H, dv] and gamma [T, H]; with `store_k` the
+    keys into k_out [T, Hk, dk]); the tensors as `gated_delta_triton._tree_verify` passes them, `takes` true."""
+    t, hk, dk = q.shape
+    h, dv = v.shape[1], v.shape[2]
+    nodes = node_tile(t)
+    name = instance(dk, nodes)
+    fn = functions(q.device).function(name, lambda: source(dk, nodes))
+    size = shared_bytes(dk, nodes)
+    cuda_functions.allow_shared(q.device, name, size)
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
+               g.stride(1), beta.stride(0), beta.stride(1), state.stride(0), state.stride(1), out.stride(0),
+               out.stride(1), u.stride(0), u.stride(1), gamma.stride(0), k_out.stride(0), k_out.stride(1))
+    launch(fn, (h, dv // COLS), THREADS, [q, k, v, g, beta, state, parents, out, u, gamma, k_out, t, hk, *strides,
+                                           int(store_fold), int(store_k)], q.device, size)
