@@ -659,10 +659,12 @@ def _launch_defaults(query_rows: int, d: int, quantized: bool, windowed: bool = 
     9.4 -> 8.9 us, 64K 119.8 -> 101.1, 262K 428.5 -> 334.2), except with a window (its mask spilled in 128
     registers). Its registers are capped at 128, so that the 8 programs fit an SM's 64K registers: uncapped, the
     launch taking `m_base` compiled to 153 (6 an SM), and 1 token over 64K / 262K TQ3_0 rows took 144.6 / 442.8 us
-    against 107.9 / 345.3 at 128 (H200, 2026-12-05, twenty-seventh session; offline sm_90, triton 3.6). 9-16
+    (H200, 2026-12-05; main's kernel at 128 registers: 107.9 / 345.3 in the twenty-fourth session; capped, on another
+    H200: 122.6 / 363.2 against the 3421ff9 kernel's 123.4 / 432.0; offline sm_90, triton 3.6). 9-16
     such rows (two tokens, or a verify's rows past its 128-row tile, `_tail_rows`) swap too, on 4
     warps (offline sm_90, triton 3.6, TQ3_0 pairs at use: 553 loop instructions a warp a 16-row chunk, 112 registers,
-    no stack, against 826 for the 16-row tile's float32 decode; not yet timed). Q8_0 / Q4_0 rows keep 4 warps capped
+    no stack, against 826 for the 16-row tile's float32 decode; H200, 2026-12-05: 2 tokens over 64K rows 125.7 us
+    against 121.5 for the old 16-row tile). Q8_0 / Q4_0 rows keep 4 warps capped
     at 128 registers on a 16-row tile: the swapped 2-warp decode
     took them 14.1 / 157.2 / 506.4 us at 1K / 64K / 262K Q8_0 rows against 12.6 / 150.0 / 538.2.
     `exact` (float32 operands: a float32 model) takes 16-row query tiles of 4 warps and the shortest chunks:
@@ -701,7 +703,8 @@ def _tail_rows(query_rows: int, block_m: int, kv_end: int, quantized: bool) -> i
     whole query tile, over long quantized rows. A 128-row tile decodes every K/V row it reads, so a verify's
     138 rows (23 tokens x 6 heads) in two such tiles decode the cache twice, the second time for 10 rows and 118
     of padding in its MMAs; a 16-row tile (`_launch_defaults` of the tail) decodes it for them at a decode's
-    cost. Not measured on a GPU yet (`sweep_tree_attention.py --compare`, "tail" / "no tail")."""
+    cost (H200, 2026-12-05, 23 tokens, tail / no tail: 262K TQ3_0 rows 1032 / 1185 us, Q8_0 1430 / 1778; 16K TQ3_0
+    102 / 99)."""
     rest = query_rows % block_m
     wide = block_m >= 4 * _TAIL_MAX_ROWS  # a small tile (a float32 model's 16 rows) has nothing to save
     if not (quantized and wide and query_rows > block_m and kv_end >= _TAIL_MIN_KV_ROWS and 0 < rest <= _TAIL_MAX_ROWS):
