@@ -189,6 +189,11 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
     capped-256k-bf16) ECHO= bench capped-256k-bf16 "${LIMIT_256K:-420}" --steps -n 128 --repeat 3 --replay-al 0 \
                           --context 262000 --prefill-chunk 512 --prefill-lengths 1024 -ctk tq3_0 -ctv tq3_0 \
                           --gpu-memory 24GiB ;;
+    # issue #20's configuration alone: the 262K context and budget-22 decoding (verify 22, draft, tree, walk, commit,
+    # the one-graph step), no other budget or prefill row; footprint_by_phase_GiB in the JSON, under 24 GiB
+    capped-256k-budget22) ECHO= bench capped-256k-budget22 "${LIMIT_256K:-300}" --steps -n 128 --repeat 3 \
+                              --replay-al 0 --context 262000 --prefill-chunk 512 --verify-budgets 22 \
+                              --chunk-lengths none --prefill-lengths none -ctk tq3_0 -ctv tq3_0 --gpu-memory 24GiB ;;
     # PROFILE=1: and where the 262K step, verify and a 512-token prefill chunk spend their GPU time (`--profile`)
     steps-256k-tq3) ECHO= TAIL=${PROFILE:+150} bench steps-256k-tq3 "${LIMIT_256K:-300}" --steps -n 8 --repeat 3 \
                         --replay-al 0 --context 262000 --prefill-chunk 512 --prefill-lengths 1024 -ctk tq3_0 -ctv tq3_0 \
