@@ -76,9 +76,11 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
                               > "$OUT/attention_tail.txt" 2>&1
                           echo "== sweep-attention-tail (rc $?)"; tail -8 "$OUT/attention_tail.txt" ;;
     sweep-draft-attention) timeout 120 python3 benchmarks/sweep_draft_attention.py --out "$OUT/draft_attention.json" ;;
-    sweep-deltanet-tree) timeout 120 python3 benchmarks/sweep_deltanet_tree.py --out "$OUT/deltanet_tree.json" \
+    # with each CUDA-kernel row its phases (the phase-clock instance: us a CTA spends in each, median / max)
+    sweep-deltanet-tree) timeout 120 python3 benchmarks/sweep_deltanet_tree.py --phases --out "$OUT/deltanet_tree.json" \
                    > "$OUT/deltanet_tree.txt" 2>&1; echo "== sweep-deltanet-tree (rc $?)"
-                   grep -E "^(recurrent|chain|bushy|star|Traceback|[A-Za-z]*Error)" "$OUT/deltanet_tree.txt" | cut -c1-170 ;;
+                   grep -E "^(recurrent|chain|bushy|star|Traceback|[A-Za-z]*Error)" "$OUT/deltanet_tree.txt" | cut -c1-170
+                   grep -E "^phases" "$OUT/deltanet_tree.txt" ;;
     # the commit's fold: 48 fold_path launches against one fold_layers launch, at each launch shape
     sweep-commit) timeout 90 python3 benchmarks/sweep_deltanet_tree.py --commit-only --out "$OUT/commit.json" \
                       > "$OUT/commit.txt" 2>&1; echo "== sweep-commit (rc $?)"; tail -12 "$OUT/commit.txt" ;;
