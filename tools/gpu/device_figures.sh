@@ -180,8 +180,8 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
     # the 27B AR step, verify and the 13K prefill without the replay (issue #17's prefill bar after a change)
     steps-1k-prefill) bench steps-1k-prefill 150 --steps -n 32 --repeat 5 --replay-al 0 --context 1024 --prefill-chunk 2048 \
                           --prefill-lengths 13000 ;;
-    steps-1k-short) ECHO= bench steps-1k-short "${LIMIT_1K:-150}" --steps -n 32 --repeat 5 --replay-al 0 --context 1024 \
-                        --prefill-lengths 1024 ;;
+    steps-1k-short) ECHO= TAIL=${PROFILE:+150} bench steps-1k-short "${LIMIT_1K:-150}" --steps -n 32 --repeat 5 \
+                        --replay-al 0 --context 1024 --prefill-lengths 1024 ${PROFILE:+--profile} ;;
     steps-64k-q8) ECHO= bench steps-64k-q8 "${LIMIT_64K:-200}" --steps -n 32 --repeat 5 --replay-al 0 --context 65536 \
                       --prefill-chunk 2048 --prefill-lengths 1024 -ctk q8_0 -ctv q8_0 ;;
     steps-64k-tq3) ECHO= bench steps-64k-tq3 "${LIMIT_64K:-200}" --steps -n 32 --repeat 5 --replay-al 0 --context 65536 \
