@@ -105,10 +105,9 @@ def test_profile_on_the_gpu_splits_the_one_graph_step(tmp_path):
     inside = report["profile_tree_walk_commit_kernels"]  # by name, the commit's kernels among them
     assert sum(entry["count"] for entry in inside.values()) == step["kernels"] - verify["kernels"] - draft["kernels"]
     assert any("fold" in name for name in inside)
-    # the whole process after each phase: at least the allocator's peak so far, never falling
+    # the whole process after each phase: at least the allocator's peak so far
     footprint, allocated = report["footprint_by_phase_GiB"], report["peak_memory_by_phase_GiB"]
     assert list(footprint) == list(allocated) and all(footprint[p] >= allocated[p] for p in footprint)
-    assert list(footprint.values()) == sorted(footprint.values())
 
 
 def test_family_names():
