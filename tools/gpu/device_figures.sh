@@ -75,6 +75,9 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
                               --candidates "new default,no tail,tail,tile pairs" --out "$OUT/attention_tail.json" \
                               > "$OUT/attention_tail.txt" 2>&1
                           echo "== sweep-attention-tail (rc $?)"; tail -8 "$OUT/attention_tail.txt" ;;
+    # x's L2 re-reads against the weight stream, qmh's access pattern at the fused gate + up (~20 s)
+    probe-x-traffic) timeout 90 python3 benchmarks/probe_x_traffic.py --out "$OUT/probe_x_traffic.json" \
+                         > "$OUT/probe_x_traffic.txt" 2>&1; echo "== probe-x-traffic (rc $?)"; cat "$OUT/probe_x_traffic.txt" ;;
     sweep-draft-attention) timeout 120 python3 benchmarks/sweep_draft_attention.py --out "$OUT/draft_attention.json" ;;
     # with each CUDA-kernel row its phases (the phase-clock instance: us a CTA spends in each, median / max)
     sweep-deltanet-tree) timeout 120 python3 benchmarks/sweep_deltanet_tree.py --phases --out "$OUT/deltanet_tree.json" \
