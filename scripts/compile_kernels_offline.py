@@ -504,7 +504,7 @@ def topk_logprobs() -> None:
     from flashtree.kernels.topk_logprobs import topk_logprobs as top
 
     for dtype in (torch.float32, torch.bfloat16):
-        top(torch.zeros(15, 248320, dtype=dtype), 8)
+        top(torch.zeros(15, 248320, dtype=dtype), 8, kernel=True)
 
 
 PARTS = {"quant_matmul": quant_matmul, "decode_issue_bound": decode_issue_bound, "mma": mma,

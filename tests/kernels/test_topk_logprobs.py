@@ -24,6 +24,7 @@ def test_triton_kernels_equal_log_softmax_topk(interpreter_results, case):
 
 
 def test_the_torch_form_and_errors_on_the_cpu():
+    """CPU tensors take torch unless the kernels are asked for (the interpreter cases above)."""
     logits = torch.randn(3, 50)
     assert all(torch.equal(a, b) for a, b in zip(topk_logprobs(logits, 4), topk_logprobs_reference(logits, 4)))
     assert topk_logprobs(logits, 50)[1].shape == (3, 50)  # any k up to V (torch past the kernels' 32)

@@ -24,7 +24,7 @@ def compare(logits: torch.Tensor, k: int) -> list:
     largest |log-prob difference| from torch's log-softmax top-k]."""
     from flashtree.kernels.topk_logprobs import topk_logprobs, topk_logprobs_reference
 
-    values, ids = topk_logprobs(logits, k)
+    values, ids = topk_logprobs(logits, k, kernel=True)
     want_ids = torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices[:, :k]
     return [torch.equal(ids, want_ids), (values - topk_logprobs_reference(logits, k)[0]).abs().max().item()]
 
@@ -40,13 +40,13 @@ def main() -> None:
     # equal logits: the lower column first (the key's reversed column), the log-prob the same for each
     tied = torch.zeros(2, 5000)
     tied[:, [4999, 17, 2500, 3]] = 2.0
-    values, ids = topk_logprobs(tied, 6)
+    values, ids = topk_logprobs(tied, 6, kernel=True)
     result["ties"] = [ids.tolist() == [[3, 17, 2500, 4999, 0, 1]] * 2,
                       (values - torch.log_softmax(tied, -1).topk(6).values).abs().max().item()]
     # -inf logits (a masked vocabulary) are never picked while finite ones remain
     masked = torch.full((1, 7000), float("-inf"))
     masked[0, [6999, 10, 3000]] = torch.tensor([1.0, 3.0, 2.0])
-    values, ids = topk_logprobs(masked, 3)
+    values, ids = topk_logprobs(masked, 3, kernel=True)
     result["masked"] = [ids.tolist() == [[10, 3000, 6999]],
                         (values - torch.log_softmax(masked, -1).topk(3).values).abs().max().item()]
     json.dump(result, sys.stdout)

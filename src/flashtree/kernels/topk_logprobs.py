@@ -11,7 +11,7 @@ A value and its column travel as one int64 key: the float32 bits mapped to an or
 column reversed in the low half, so that a max picks the larger logit and, between equal logits, the lower column.
 The order is the logits', which log-softmax keeps; a log-prob is logit - logsumexp, where torch computes
 (logit - max) - log(sum): the two differ by float32 rounding (a few ulp). NaN logits are not handled (the draft's
-nonfinite rows are counted upstream). Without Triton (CPU) torch runs.
+nonfinite rows are counted upstream). On the CPU torch runs (the interpreter tests ask for the kernels).
 """
 
 from __future__ import annotations
@@ -32,11 +32,16 @@ _BLOCK = 2048  # logits a program reads per step of its slice
 _PROGRAMS = 264  # programs the first launch aims for (two an SM on the H200's 132)
 
 
-def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [L, V] (float32, bf16 or f16) -> (log-probs float32 [L, k] sorted descending, ids int64 [L, k])."""
+def topk_logprobs(logits: torch.Tensor, k: int, kernel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [L, V] (float32, bf16 or f16) -> (log-probs float32 [L, k] sorted descending, ids int64 [L, k]).
+    `kernel`: None runs the kernels on a GPU only (in the CPU interpreter a bitonic top-k of a 2048-logit block
+    takes seconds, which the model-level interpreter tests would pay every step), True wherever Triton runs (the
+    interpreter tests of this file), False never."""
     if logits.dim() != 2 or not 1 <= k <= logits.shape[-1]:
         raise FlashtreeError(f"topk_logprobs takes [L, V] logits and 1 <= k <= V, got {tuple(logits.shape)} and k={k}")
-    if triton is None or not triton_runs_on(logits.device) or logits.stride(-1) != 1 or k > MAX_K:
+    wanted = logits.is_cuda if kernel is None else kernel
+    if (not wanted or triton is None or not triton_runs_on(logits.device) or logits.stride(-1) != 1
+            or k > MAX_K):
         return topk_logprobs_reference(logits, k)
     rows, vocab = logits.shape
     k_p2 = triton.next_power_of_2(k)
