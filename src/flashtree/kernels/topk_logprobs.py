@@ -2,7 +2,7 @@
 float32 [L, k] sorted descending, ids int64 [L, k]), what `torch.log_softmax(logits.float(), -1).topk(k)` gives.
 
 Why: the draft's 27B logits ([15, 248320] float32) went through torch's log-softmax (16 MB written back) and its
-radix top-k (eleven launches): 0.065 + ~0.075 ms of the 0.54 ms that the tree build, walk and commit take in the
+radix top-k (14 launches): 0.065 + ~0.075 ms of the 0.54 ms that the tree build, walk and commit take in the
 27B step graph (H200, 2026-12-05, `bench --steps --profile`), where issue #18 asks for 0.5 ms. Here the logits are
 read once: each program of the first launch keeps a running max, sum of exponentials and top-k of its slice of a
 row; the second merges a row's slices and takes the log-sum-exp off the k logits.
