@@ -1,8 +1,8 @@
 """`flashtree bench --synthetic SHAPE --steps`: the cost of every part of the decode loop at a real
 model shape, each held against a floor measured in the same run.
 
-- AR step and tree-verify steps (`--verify-budgets`, by default 15/22/32/64) against the weight-read roofline: bytes of the
-  matrices one step reads / read bandwidth measured here (a sum over a large buffer).
+- AR step and tree-verify steps (`--verify-budgets`, by default 15/22/32/64) against the weight-read
+  roofline: bytes of the matrices one step reads / read bandwidth measured here (a sum over a large buffer).
 - Draft step against the draft's own floor (its weights + the LM head it borrows from the target).
 - Host-side tree build, walk and commit.
 - Prefill throughput at 1K and 13K prompt tokens; peak GPU memory: the allocator's, and the whole

@@ -23,7 +23,6 @@ from torch import Tensor
 from flashtree.kernels.topk_logprobs import topk_logprobs
 
 
-
 @dataclass(frozen=True, eq=False)
 class DraftTree:
     tokens: Tensor   # int64 [n+1]: 0 = root (bonus token), then nodes in topological order
