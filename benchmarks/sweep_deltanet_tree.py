@@ -81,8 +81,8 @@ PHASES = ("wait for the kernel before", "loads landed", "K S0, Q S0, K K^T, Q K^
 
 def phase_rows(name: str, q, k, v, g, beta, state, parents) -> dict:
     """Where a CTA of the CUDA kernel spends its time (the phase-clock instance, deltanet_tree.cu TREE_PHASE_CLOCKS):
-    each phase's SM cycles in every CTA, converted to ns by the CTA's own global-timer span, and when the CTAs
-    started and ended against the first start (one launch, after warm-up calls)."""
+    each phase's SM cycles in every CTA, converted to ns by the median of the CTAs' global-timer spans over their
+    cycles, and when the CTAs started and ended against the first start (one launch, after warm-up calls)."""
     t, h, dv = v.shape
     out, u = torch.empty_like(v), torch.empty_like(v)
     gamma = torch.empty(t, h, device="cuda")
@@ -92,8 +92,9 @@ def phase_rows(name: str, q, k, v, g, beta, state, parents) -> dict:
     torch.cuda.synchronize()
     w = clocks.view(-1, gdc.PHASE_WORDS).double()
     stamps, start_ns, end_ns = w[:, :7], w[:, 8], w[:, 9]
-    ns_per_cycle = (end_ns - start_ns) / (stamps[:, 6] - stamps[:, 0]).clamp(min=1)
-    phases = (stamps[:, 1:] - stamps[:, :-1]) * ns_per_cycle[:, None] / 1e3  # us
+    # one conversion for all CTAs (the global timer ticks coarsely on some GPUs): their spans' median
+    ns_per_cycle = ((end_ns - start_ns) / (stamps[:, 6] - stamps[:, 0]).clamp(min=1)).median()
+    phases = (stamps[:, 1:] - stamps[:, :-1]) * ns_per_cycle / 1e3  # us
     first = start_ns.min()
     report = {"tree": name, "ctas": w.shape[0], "sms": int(w[:, 7].unique().numel()),
               "phases_us": {label: {"median": round(phases[:, i].median().item(), 2),
