@@ -100,7 +100,7 @@ def main() -> int:
         added = both - weights_only
         rows.append({"x_rows": x_rows, "x_MB": x_mb, "x_only_us": x_only, "both_us": both, "added_us": added})
         print(f"{x_rows:>6} {x_mb:>7.0f} {x_only:>8.1f} {both:>8.1f} {added:>15.1f} "
-              f"{(x_mb / added / 1e6 if added > 0 else float('inf')):>10.2f} TB/s", flush=True)
+              f"{(x_mb / added if added > 0 else float('inf')):>10.2f} TB/s", flush=True)
     Path(args.out).write_text(json.dumps({"bandwidth_TBps": bandwidth / 1e12, "weights_MB": weight_bytes / 1e6,
                                           "rows": rows}, indent=2))
     return 0
