@@ -3,7 +3,7 @@
 GPU, the CUDA C kernel (deltanet_tree.cu) and the Triton kernel's launch shapes, at several tree shapes, beside the
 one-token recurrent step.
 
-    python3 benchmarks/sweep_deltanet_tree.py [--out tree.json]
+    python3 benchmarks/sweep_deltanet_tree.py [--out tree.json] [--phases]
 
 Each point runs under a CUDA graph with the state rotated past the L2 (`flashtree bench --kernels` timing)
 and is checked against the torch reference (max |error| / max |reference|). Prints one table.
@@ -24,6 +24,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from flashtree.bench.kernels import rotation, time_graph  # noqa: E402
+from flashtree.kernels import gated_delta_cuda as gdc  # noqa: E402
 from flashtree.kernels import gated_delta_triton as gdt  # noqa: E402
 
 HK, H, D = 16, 48, 128
@@ -74,10 +75,47 @@ def commit_rows(parents: list[int], layers: int = 48) -> list[dict]:
     return results
 
 
+PHASES = ("wait for the kernel before", "loads landed", "K S0, Q S0, K K^T, Q K^T", "A, rhs, decayed Q K^T",
+          "substitution (warp 0)", "outputs and stores")
+
+
+def phase_rows(name: str, q, k, v, g, beta, state, parents) -> dict:
+    """Where a CTA of the CUDA kernel spends its time (the phase-clock instance, deltanet_tree.cu TREE_PHASE_CLOCKS):
+    each phase's SM cycles in every CTA, converted to ns by the median of the CTAs' global-timer spans over their
+    cycles, and when the CTAs started and ended against the first start (one launch, after warm-up calls)."""
+    t, h, dv = v.shape
+    out, u = torch.empty_like(v), torch.empty_like(v)
+    gamma = torch.empty(t, h, device="cuda")
+    clocks = torch.zeros(dv // gdc.COLS, h, gdc.PHASE_WORDS, dtype=torch.int64, device="cuda")
+    for _ in range(3):
+        gdc.tree_verify(q, k, v, g, beta, state, parents, out, u, gamma, out, True, False, clocks=clocks)
+    torch.cuda.synchronize()
+    w = clocks.view(-1, gdc.PHASE_WORDS).double()
+    stamps, start_ns, end_ns = w[:, :7], w[:, 8], w[:, 9]
+    # one conversion for all CTAs (the global timer ticks coarsely on some GPUs): their spans' median
+    ns_per_cycle = ((end_ns - start_ns) / (stamps[:, 6] - stamps[:, 0]).clamp(min=1)).median()
+    phases = (stamps[:, 1:] - stamps[:, :-1]) * ns_per_cycle / 1e3  # us
+    first = start_ns.min()
+    report = {"tree": name, "ctas": w.shape[0], "sms": int(w[:, 7].unique().numel()),
+              "phases_us": {label: {"median": round(phases[:, i].median().item(), 2),
+                                    "max": round(phases[:, i].max().item(), 2)} for i, label in enumerate(PHASES)},
+              "start_us": {"median": round(((start_ns - first).median() / 1e3).item(), 2),
+                           "max": round(((start_ns - first).max() / 1e3).item(), 2)},
+              "end_us": {"median": round(((end_ns - first).median() / 1e3).item(), 2),
+                         "max": round(((end_ns - first).max() / 1e3).item(), 2)}}
+    cells = " | ".join(f"{label} {v['median']:.2f}/{v['max']:.2f}" for label, v in report["phases_us"].items())
+    print(f"phases {name:8} us median/max over {report['ctas']} CTAs on {report['sms']} SMs: {cells} | CTA start "
+          f"{report['start_us']['median']:.2f}/{report['start_us']['max']:.2f}, end {report['end_us']['median']:.2f}/"
+          f"{report['end_us']['max']:.2f} after the first start", flush=True)
+    return report
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="tree.json")
     parser.add_argument("--commit-only", action="store_true", help="only the commit rows (fold_path, fold_layers)")
+    parser.add_argument("--phases", action="store_true",
+                        help="also where the CUDA kernel's CTAs spend their time, phase by phase (phase clocks)")
     args = parser.parse_args()
     if args.commit_only:
         Path(args.out).write_text(json.dumps(commit_rows(trees(random.Random(0))["bushy23"]), indent=2))
@@ -109,6 +147,8 @@ def main() -> int:
             results.append({"tree": name, "variant": label, "us": us, "err": err})
             cells.append(f"{label} {us:.1f} {err:.0e}")
         print(f"{name:8} " + " | ".join(cells), flush=True)
+        if args.phases:
+            results.append(phase_rows(name, q, k, v, g, beta, states[0], p))
     results += commit_rows(trees(random.Random(0))["bushy23"])
     Path(args.out).write_text(json.dumps(results, indent=2))
     return 0

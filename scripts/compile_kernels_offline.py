@@ -499,11 +499,20 @@ def deltanet_tree() -> None:
             results[key] = {"error": str(e).splitlines()[-1]}
 
 
+def topk_logprobs() -> None:
+    """The draft's [15, 248320] float32 logits of the 27B (and a bf16 row set), the tree's top 8."""
+    from flashtree.kernels.topk_logprobs import topk_logprobs as top
+
+    for dtype in (torch.float32, torch.bfloat16):
+        top(torch.zeros(15, 248320, dtype=dtype), 8, kernel=True)
+
+
 PARTS = {"quant_matmul": quant_matmul, "decode_issue_bound": decode_issue_bound, "mma": mma,
          "tree_attention": tree_attention,
          "kv_dequant": kv_dequant, "kv_write": kv_write,
          "norms_and_conv": norms_and_conv, "fusion": fusion, "draft": draft, "gated_delta": gated_delta,
-         "commit_rows": commit_rows, "host_rows": host_rows, "deltanet_tree": deltanet_tree}
+         "commit_rows": commit_rows, "host_rows": host_rows, "deltanet_tree": deltanet_tree,
+         "topk_logprobs": topk_logprobs}
 
 
 def main() -> None:

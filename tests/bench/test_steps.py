@@ -105,6 +105,9 @@ def test_profile_on_the_gpu_splits_the_one_graph_step(tmp_path):
     inside = report["profile_tree_walk_commit_kernels"]  # by name, the commit's kernels among them
     assert sum(entry["count"] for entry in inside.values()) == step["kernels"] - verify["kernels"] - draft["kernels"]
     assert any("fold" in name for name in inside)
+    # the whole process after each phase: at least the allocator's peak so far
+    footprint, allocated = report["footprint_by_phase_GiB"], report["peak_memory_by_phase_GiB"]
+    assert list(footprint) == list(allocated) and all(footprint[p] >= allocated[p] for p in footprint)
 
 
 def test_family_names():
@@ -162,3 +165,31 @@ def test_a_row_out_of_memory_is_reported_and_the_run_goes_on(tmp_path, capsys, m
     assert rows["prefill 1024"]["detail"].endswith("22.20 GiB allowed")
     assert rows["ar step"]["ms"] > 0 and rows["verify budget 64"]["ms"] > 0
     assert "prefill 1024             out of memory  CUDA out of memory. Tried to allocate 340.00 MiB." in capsys.readouterr().out
+
+
+def test_steps_of_one_configuration_only(tmp_path):
+    """`--verify-budgets 22 --chunk-lengths none --prefill-lengths none`: the context and budget-22 decoding alone
+    (issue #20's 24 GiB configuration), so that the run's memory is that configuration's."""
+    out = tmp_path / "steps.json"
+    assert main(["bench", "--synthetic", "tiny", "--steps", "--device", "cpu", "-n", "16", "--repeat", "1",
+                 "--replay-al", "0", "--verify-budgets", "22", "--chunk-lengths", "none", "--prefill-lengths", "none",
+                 "--out", str(out)]) == 0
+    steps = [r["step"] for r in json.loads(out.read_text())["rows"]]
+    assert steps[:2] == ["ar step", "verify budget 22"]
+    assert not [s for s in steps if s.startswith(("verify budget 15", "verify budget 32", "verify budget 64",
+                                                   "prefill"))]
+    assert {"draft step", "tree build (budget 22)", "walk", "commit (depth-4 path)"} <= set(steps)
+
+
+@pytest.mark.parametrize("flag, value, expected", [
+    ("--verify-budgets", "0", "positive tree budgets up to 127"),
+    ("--verify-budgets", "22,128", "positive tree budgets up to 127"),
+    ("--verify-budgets", "", "or none"),
+    ("--chunk-lengths", "8,x", "positive token counts, or none"),
+])
+def test_steps_row_lists_name_the_problem(flag, value, expected, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--synthetic", "tiny", "--steps", "--device", "cpu", flag, value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and expected in err and "Traceback" not in err

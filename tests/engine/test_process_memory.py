@@ -159,11 +159,13 @@ def test_bench_reports_the_process_next_to_the_allocator_peak(monkeypatch, capsy
     assert report["process_memory_GiB"]["cuda:0"]["outside_allocator"] == 1.0
     assert report["process_memory_GiB"]["cuda:0"]["peak_footprint"] == 41.0
     steps._print({"context_prefill": {"tokens": 8, "s": 1.0, "tok_s": 8.0}, "peak_memory_by_phase_GiB": {},
-                  "outside_allocator_by_phase_GiB": {"context prefill": 1.0}, **report})
+                  "outside_allocator_by_phase_GiB": {"context prefill": 1.0},
+                  "footprint_by_phase_GiB": {"context prefill": 41.0}, **report})
     printed = capsys.readouterr().out
     assert "process on cuda:0: peak footprint 41.0 GiB = allocator peak reserved 40.0 + outside the allocator 1.0" \
         in printed
     assert "outside the allocator after each phase: {'context prefill': 1.0}" in printed
+    assert "process footprint so far after each phase: {'context prefill': 41.0}" in printed
 
 
 @pytest.mark.gpu

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from flashtree.errors import FlashtreeError
 from flashtree.kernels import gated_delta, gated_delta_cuda
 from flashtree.kernels.gated_delta_triton import (FOLD_ROWS, FoldBuffers, ancestors_from_parents,
                                                   tree_verify_reference, tree_verify_with_fold)
@@ -21,14 +22,25 @@ from flashtree.kernels.gated_delta_triton import (FOLD_ROWS, FoldBuffers, ancest
 from tests.kernels import gated_delta_triton_cases as cases
 
 
-def test_entry_passes_the_struct_fields_in_order():
-    """The extern "C" entry builds TreeArgs by position: its field list must be the struct's, name for name."""
+@pytest.mark.parametrize("clocks", [False, True])
+def test_entry_passes_the_struct_fields_in_order(clocks):
+    """The extern "C" entry builds TreeArgs by position: its field list must be the struct's, name for name (the
+    phase-clock instance's struct with its TREE_PHASE_CLOCKS field)."""
     text = gated_delta_cuda.SOURCE.read_text()
     body = re.search(r"struct TreeArgs \{(.*?)\};", text, re.S).group(1)
+    body = re.sub(r"#ifdef TREE_PHASE_CLOCKS(.*?)#endif", r"\1" if clocks else "", body, flags=re.S)
     declared = re.findall(r"\*?(\w+)\s*(?=[,;])", re.sub(r"(const )?(float|long long|int)\s*", "", body))
-    entry = gated_delta_cuda.wrapper(128, 24)
+    entry = gated_delta_cuda.wrapper(128, 24, clocks)
     passed = re.search(r"TreeArgs a = \{(.*?)\};", entry).group(1).replace(" ", "").split(",")
-    assert declared == passed
+    assert declared == passed and ("clocks" in passed) == clocks
+
+
+def test_phase_clocks_take_one_row_of_words_a_cta():
+    q = torch.zeros(3, 2, 128)
+    args = (q, q, torch.zeros(3, 2, 64), torch.zeros(3, 2), torch.zeros(3, 2), torch.zeros(2, 128, 64),
+            torch.tensor([-1, 0, 1]), *(torch.zeros(3, 2, 64),) * 3, q, True, False)
+    with pytest.raises(FlashtreeError, match=r"int64 \[2, 2, 10\]"):
+        gated_delta_cuda.tree_verify(*args, clocks=torch.zeros(2, 2, 9, dtype=torch.int64))
 
 
 def test_shared_memory_fits_hopper_and_tiles_cover_the_verify():
@@ -53,8 +65,8 @@ def test_instances_compile_for_sm90_without_a_gpu():
         compile_cubin('extern "C" __global__ void probe() {}', "sm_90")
     except Exception:  # noqa: BLE001 - no libnvrtc: nothing to compile with
         pytest.skip("needs NVRTC")
-    for dk, nodes in ((128, 24), (128, 32), (32, 8)):
-        assert compile_cubin(gated_delta_cuda.source(dk, nodes), "sm_90")[:4] == b"\x7fELF"
+    for dk, nodes, clocks in ((128, 24, False), (128, 32, False), (32, 8, False), (128, 24, True)):
+        assert compile_cubin(gated_delta_cuda.source(dk, nodes, clocks), "sm_90")[:4] == b"\x7fELF"
 
 
 hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
@@ -130,6 +142,26 @@ def test_cuda_tree_verify_replays_in_a_graph_and_treats_bad_parents_as_roots():
     fixed[[4, 9]] = -1
     assert torch.equal(tree_verify_with_fold(q, k, v, g, beta, state, bad)[0],
                        tree_verify_with_fold(q, k, v, g, beta, state, fixed)[0])
+
+
+@pytest.mark.gpu
+@hopper
+def test_phase_clock_instance_gives_the_same_outputs_and_ordered_stamps():
+    """The phase-clock instance (`sweep_deltanet_tree.py --phases`) leaves the outputs bit for bit, and each CTA's
+    stamps rise through the phases on one SM, its global-timer span positive."""
+    q, k, v, g, beta, state = _inputs(23, 16, 48, 128, 128, seed=3)
+    parents = cases.random_parents(23, 4).cuda()
+    outs = [torch.empty_like(v) for _ in range(4)]
+    gammas = [torch.empty(23, 48, device="cuda") for _ in range(2)]
+    clocks = torch.zeros(128 // gated_delta_cuda.COLS, 48, gated_delta_cuda.PHASE_WORDS, dtype=torch.int64,
+                         device="cuda")
+    gated_delta_cuda.tree_verify(q, k, v, g, beta, state, parents, outs[0], outs[1], gammas[0], outs[0], True, False)
+    gated_delta_cuda.tree_verify(q, k, v, g, beta, state, parents, outs[2], outs[3], gammas[1], outs[2], True, False,
+                                 clocks=clocks)
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3]) and torch.equal(gammas[0], gammas[1])
+    words = clocks.view(-1, gated_delta_cuda.PHASE_WORDS)
+    assert bool((words[:, 1:7] >= words[:, :6]).all()) and bool((words[:, 9] > words[:, 8]).all())
+    assert bool((words[:, 7] < torch.cuda.get_device_properties(0).multi_processor_count).all())
 
 
 HOST_HARNESS = Path(__file__).with_name("deltanet_tree_host.cpp")

@@ -75,10 +75,15 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
                               --candidates "new default,no tail,tail,tile pairs" --out "$OUT/attention_tail.json" \
                               > "$OUT/attention_tail.txt" 2>&1
                           echo "== sweep-attention-tail (rc $?)"; tail -8 "$OUT/attention_tail.txt" ;;
+    # x's L2 re-reads against the weight stream, qmh's access pattern at the fused gate + up (~20 s)
+    probe-x-traffic) timeout 90 python3 benchmarks/probe_x_traffic.py --out "$OUT/probe_x_traffic.json" \
+                         > "$OUT/probe_x_traffic.txt" 2>&1; echo "== probe-x-traffic (rc $?)"; cat "$OUT/probe_x_traffic.txt" ;;
     sweep-draft-attention) timeout 120 python3 benchmarks/sweep_draft_attention.py --out "$OUT/draft_attention.json" ;;
-    sweep-deltanet-tree) timeout 120 python3 benchmarks/sweep_deltanet_tree.py --out "$OUT/deltanet_tree.json" \
+    # with each CUDA-kernel row its phases (the phase-clock instance: us a CTA spends in each, median / max)
+    sweep-deltanet-tree) timeout 120 python3 benchmarks/sweep_deltanet_tree.py --phases --out "$OUT/deltanet_tree.json" \
                    > "$OUT/deltanet_tree.txt" 2>&1; echo "== sweep-deltanet-tree (rc $?)"
-                   grep -E "^(recurrent|chain|bushy|star|Traceback|[A-Za-z]*Error)" "$OUT/deltanet_tree.txt" | cut -c1-170 ;;
+                   grep -E "^(recurrent|chain|bushy|star|Traceback|[A-Za-z]*Error)" "$OUT/deltanet_tree.txt" | cut -c1-170
+                   grep -E "^phases" "$OUT/deltanet_tree.txt" ;;
     # the commit's fold: 48 fold_path launches against one fold_layers launch, at each launch shape
     sweep-commit) timeout 90 python3 benchmarks/sweep_deltanet_tree.py --commit-only --out "$OUT/commit.json" \
                       > "$OUT/commit.txt" 2>&1; echo "== sweep-commit (rc $?)"; tail -12 "$OUT/commit.txt" ;;
@@ -178,8 +183,8 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
     # the 27B AR step, verify and the 13K prefill without the replay (issue #17's prefill bar after a change)
     steps-1k-prefill) bench steps-1k-prefill 150 --steps -n 32 --repeat 5 --replay-al 0 --context 1024 --prefill-chunk 2048 \
                           --prefill-lengths 13000 ;;
-    steps-1k-short) ECHO= bench steps-1k-short "${LIMIT_1K:-150}" --steps -n 32 --repeat 5 --replay-al 0 --context 1024 \
-                        --prefill-lengths 1024 ;;
+    steps-1k-short) ECHO= TAIL=${PROFILE:+150} bench steps-1k-short "${LIMIT_1K:-150}" --steps -n 32 --repeat 5 \
+                        --replay-al 0 --context 1024 --prefill-lengths 1024 ${PROFILE:+--profile} ;;
     steps-64k-q8) ECHO= bench steps-64k-q8 "${LIMIT_64K:-200}" --steps -n 32 --repeat 5 --replay-al 0 --context 65536 \
                       --prefill-chunk 2048 --prefill-lengths 1024 -ctk q8_0 -ctv q8_0 ;;
     steps-64k-tq3) ECHO= bench steps-64k-tq3 "${LIMIT_64K:-200}" --steps -n 32 --repeat 5 --replay-al 0 --context 65536 \
@@ -189,6 +194,11 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
     capped-256k-bf16) ECHO= bench capped-256k-bf16 "${LIMIT_256K:-420}" --steps -n 128 --repeat 3 --replay-al 0 \
                           --context 262000 --prefill-chunk 512 --prefill-lengths 1024 -ctk tq3_0 -ctv tq3_0 \
                           --gpu-memory 24GiB ;;
+    # issue #20's configuration alone: the 262K context and budget-22 decoding (verify 22, draft, tree, walk, commit,
+    # the one-graph step), no other budget or prefill row; footprint_by_phase_GiB in the JSON, under 24 GiB
+    capped-256k-budget22) ECHO= bench capped-256k-budget22 "${LIMIT_256K:-300}" --steps -n 128 --repeat 3 \
+                              --replay-al 0 --context 262000 --prefill-chunk 512 --verify-budgets 22 \
+                              --chunk-lengths none --prefill-lengths none -ctk tq3_0 -ctv tq3_0 --gpu-memory 24GiB ;;
     # PROFILE=1: and where the 262K step, verify and a 512-token prefill chunk spend their GPU time (`--profile`)
     steps-256k-tq3) ECHO= TAIL=${PROFILE:+150} bench steps-256k-tq3 "${LIMIT_256K:-300}" --steps -n 8 --repeat 3 \
                         --replay-al 0 --context 262000 --prefill-chunk 512 --prefill-lengths 1024 -ctk tq3_0 -ctv tq3_0 \

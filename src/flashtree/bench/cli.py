@@ -25,6 +25,11 @@ from flashtree.engine.config import MODES, EngineArgs
 from flashtree.engine.prefix_cache_flags import DEFAULT_DEVICE_BYTES, DEFAULT_INTERVAL, GIB
 from flashtree.errors import FlashtreeError
 
+# `--steps`' verify rows: the default budget between a small tree and the largest the seed runs; a verify takes
+# budget + 1 rows, which the attention kernel takes up to 128 of (kernels/tree_attention.py MAX_TREE_QUERIES)
+STEP_VERIFY_BUDGETS = (15, 22, 32, 64)
+MAX_STEP_BUDGET = 127
+
 
 def synthetic_shapes() -> dict:
     from flashtree.models.random_weights import SHAPES  # deferred: imports torch, which --help must not wait for
@@ -84,11 +89,14 @@ def add_parser(sub) -> None:
     p.add_argument("--repeat", type=int, default=20, help="--steps: timed repetitions per step (median)")
     p.add_argument("--replay-al", type=float, default=5.17,
                    help="--steps: acceptance length of the replay run (0: no replay run)")
+    p.add_argument("--verify-budgets", type=_budgets, default=STEP_VERIFY_BUDGETS,
+                   help="--steps: comma-separated tree budgets whose verify is timed, or none "
+                        f"(default {','.join(map(str, STEP_VERIFY_BUDGETS))})")
     p.add_argument("--prefill-lengths", type=_lengths, default=(1024, 13000),
-                   help="--steps: comma-separated prompt lengths whose prefill is timed (default 1024,13000)")
+                   help="--steps: comma-separated prompt lengths whose prefill is timed, or none (default 1024,13000)")
     p.add_argument("--chunk-lengths", type=_lengths, default=(1, 8, 16, 23, 32, 51, 64),
                    help="--steps: comma-separated short prefill chunks (tokens) timed one by one on the context, "
-                        "as a prefix-cache hit or a message runs them (default 1,8,16,23,32,51,64)")
+                        "as a prefix-cache hit or a message runs them, or none (default 1,8,16,23,32,51,64)")
     p.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per prefill forward")
     p.set_defaults(handler=run)
 
@@ -116,14 +124,26 @@ def _modes(text: str) -> list[str]:
     return modes
 
 
-def _lengths(text: str) -> tuple[int, ...]:
+def _counts(text: str, what: str, largest: int | None = None) -> tuple[int, ...]:
+    """Comma-separated positive counts (at most `largest`), or "none" for no rows at all."""
+    if text.strip().lower() == "none":
+        return ()
     try:
         values = tuple(int(v) for v in text.split(","))
     except ValueError:
         values = ()
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive token counts, got {text!r}")
+    if not values or min(values) < 1 or (largest is not None and max(values) > largest):
+        bound = f" up to {largest}" if largest is not None else ""
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive {what}{bound}, or none; got {text!r}")
     return values
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+    return _counts(text, "token counts")
+
+
+def _budgets(text: str) -> tuple[int, ...]:
+    return _counts(text, "tree budgets", MAX_STEP_BUDGET)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,12 +1,14 @@
 """`flashtree bench --synthetic SHAPE --steps`: the cost of every part of the decode loop at a real
 model shape, each held against a floor measured in the same run.
 
-- AR step and tree-verify steps (budgets 15/22/32/64) against the weight-read roofline: bytes of the
-  matrices one step reads / read bandwidth measured here (a sum over a large buffer).
+- AR step and tree-verify steps (`--verify-budgets`, by default 15/22/32/64) against the weight-read
+  roofline: bytes of the matrices one step reads / read bandwidth measured here (a sum over a large buffer).
 - Draft step against the draft's own floor (its weights + the LM head it borrows from the target).
 - Host-side tree build, walk and commit.
 - Prefill throughput at 1K and 13K prompt tokens; peak GPU memory: the allocator's, and the whole
-  process's (the device's used memory, CUDA context and library modules included: engine/process_memory.py).
+  process's (the device's used memory, CUDA context and library modules included: engine/process_memory.py),
+  also after each phase, so that a run of fewer rows (`--verify-budgets 22 --chunk-lengths none
+  --prefill-lengths none`: a context and budget-22 decoding) measures that configuration's footprint alone.
 - Replay end to end: the real draft runs every step, but its proposal is replaced by the target's own
   recorded continuation cut so that accepted lengths average --replay-al (the seed reports 5.17); the
   whole loop (draft, tree, verify, walk, commit, rollback of rejected nodes) is timed against AR on the
@@ -32,8 +34,6 @@ from flashtree.models.dflash import DFlashDraft, DraftConfig, build_target_layer
 from flashtree.models.layers import MATMUL_TYPES
 from flashtree.drafting.proposer import DFlashProposer
 from flashtree.engine.decode import make_tree, proposer_for, walk
-
-VERIFY_BUDGETS = (15, 22, 32, 64)
 
 
 def weight_bytes(model) -> int:
@@ -232,11 +232,13 @@ def run_steps(args, engine, device_name: str) -> int:
     peaks = report["peak_memory_by_phase_GiB"] = {}  # the peak so far after each phase (main device)
 
     outside = report["outside_allocator_by_phase_GiB"] = {}  # what grows outside PyTorch's allocator, and when
+    footprint = report["footprint_by_phase_GiB"] = {}  # the allocator's peak reservation so far + outside it now
 
     def mark(phase: str) -> None:
         if device.type == "cuda":
             peaks[phase] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
             outside[phase] = measure_process_memory(device).as_gib()["outside_allocator"]
+            footprint[phase] = round(torch.cuda.max_memory_reserved(device) / 2**30 + outside[phase], 2)
 
     mark("context prefill")
     token = torch.tensor([prompt[-1]])
@@ -246,7 +248,7 @@ def run_steps(args, engine, device_name: str) -> int:
     bonus = prompt[-1]
     draft_logits = proposer.propose(bonus, cache.length)
     capture = proposer.capture_layers
-    for budget in VERIFY_BUDGETS:
+    for budget in args.verify_budgets:
         tree = make_tree("ddtree", bonus, draft_logits, budget, config.topk)
         try:
             verify = timed(lambda: engine.runner.step_forward(tree.tokens, cache, tree, capture, pad_to=budget + 1),
@@ -538,7 +540,8 @@ def _print(report: dict) -> None:
     if "peak_memory_GiB" in report:
         print(f"peak GPU memory (allocated): {report['peak_memory_GiB']} GiB; peak so far after each phase: "
               f"{report['peak_memory_by_phase_GiB']}; outside the allocator after each phase: "
-              f"{report['outside_allocator_by_phase_GiB']}")
+              f"{report['outside_allocator_by_phase_GiB']}; process footprint so far after each phase: "
+              f"{report['footprint_by_phase_GiB']}")
         for name, m in report["process_memory_GiB"].items():
             print(f"process on {name}: peak footprint {m['peak_footprint']} GiB = allocator peak reserved "
                   f"{m['allocator_peak_reserved']} + outside the allocator {m['outside_allocator']} (CUDA context, "

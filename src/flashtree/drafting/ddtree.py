@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from flashtree.kernels.topk_logprobs import topk_logprobs
 
 
 @dataclass(frozen=True, eq=False)
@@ -78,12 +79,11 @@ def _tree(tokens: list[int], parents: list[int], depths: list[int]) -> DraftTree
 def topk_table(draft_logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """[L, V] draft logits -> (log-probs [L, k] float32 sorted descending, token ids [L, k]).
 
-    True log-softmax values, not ranks or raw logits: the tree compares cumulative scores across
-    depths, and Luce measured acceptance dropping 7.1 -> 5.3 with approximate log-probs."""
+    True log-softmax values (to float32 rounding), not ranks or raw logits: the tree compares cumulative scores
+    across depths, and Luce measured acceptance dropping 7.1 -> 5.3 with approximate log-probs."""
     if not 1 <= k <= draft_logits.shape[-1]:
         raise ValueError(f"top-k must be in [1, {draft_logits.shape[-1]}], got {k}")
-    values, ids = torch.log_softmax(draft_logits.float(), dim=-1).topk(k, dim=-1, sorted=True)
-    return values, ids
+    return topk_logprobs(draft_logits, k)  # on the GPU without the log-softmax's 16 MB (kernels/topk_logprobs.py)
 
 
 def build_tree(root_token: int, top_logprobs: Tensor, top_ids: Tensor, budget: int,

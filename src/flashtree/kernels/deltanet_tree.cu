@@ -48,7 +48,41 @@ struct TreeArgs {
     int sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, sb_t, sb_h, ss_h, ss_k, so_t, so_h, su_t, su_h, sgm_t,
         sko_t, sko_h;
     int store_fold, store_k;
+#ifdef TREE_PHASE_CLOCKS
+    long long* clocks;
+#endif
 };
+
+#ifdef TREE_PHASE_CLOCKS
+// The phase-clock instance (gated_delta_cuda.source(..., clocks=True), `sweep_deltanet_tree.py --phases`): thread 0
+// of each CTA writes PHASE_WORDS words, the SM clock at each phase boundary (stamps 0-6), its SM, and the global
+// timer (ns) at the start and the end, which also convert the cycles to time.
+constexpr int PHASE_STAMPS = 7;
+constexpr int PHASE_WORDS = PHASE_STAMPS + 3;
+__device__ __forceinline__ long long* phase_words(const TreeArgs& a) {
+    return a.clocks + ((long)blockIdx.y * gridDim.x + blockIdx.x) * PHASE_WORDS;
+}
+__device__ __forceinline__ long long global_ns() {
+    long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ void stamp(const TreeArgs& a, int k) {
+    if (threadIdx.x != 0) return;
+    long long* w = phase_words(a);
+    if (k == 0) {
+        unsigned sm;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        w[PHASE_STAMPS] = sm;
+        w[PHASE_STAMPS + 1] = global_ns();
+    }
+    w[k] = clock64();
+    if (k == PHASE_STAMPS - 1) w[PHASE_STAMPS + 2] = global_ns();
+}
+#define PHASE(a, k) stamp(a, k)
+#else
+#define PHASE(a, k)
+#endif
 
 __device__ __forceinline__ float dot4(float4 a, float4 b, float acc) {
     acc = fmaf(a.x, b.x, acc);
@@ -139,7 +173,9 @@ __device__ __forceinline__ void tree_verify(const TreeArgs& a) {
     typedef TreeSmem<DK, NODES> L;
     constexpr int PER_WARP = NODES / 4;  // nodes a thread takes in the column-wise phases
     SHARED_FLOATS(sm);
+    PHASE(a, 0);
     start_after_predecessors();
+    PHASE(a, 1);
     const int h = blockIdx.x, hq = h % a.HK, c0 = blockIdx.y * COLS;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     load_inputs<DK, NODES>(a, sm, h, hq, c0);
@@ -150,6 +186,7 @@ __device__ __forceinline__ void tree_verify(const TreeArgs& a) {
         v[n] = i < a.T ? a.v[(long)i * a.sv_t + (long)h * a.sv_h + c0 + lane] : 0.f;
     }
     __syncthreads();
+    PHASE(a, 2);
     chase_parents<DK, NODES>(a, sm);
 
     // 2b. K S0 and Q S0 for (node warp + 4n, column lane); K K^T and Q K^T for (node tid / 4, node tid % 4 + 4m)
@@ -179,6 +216,7 @@ __device__ __forceinline__ void tree_verify(const TreeArgs& a) {
         }
     }
     __syncthreads();  // Gamma and the ancestor bits
+    PHASE(a, 3);
 
     // 3. A = beta_i exp(Gamma_i - Gamma_j) k_i.k_j over strict ancestors j, the decayed q_i.k_j over
     // ancestors-or-self, the right-hand side beta (V - exp(Gamma) K S0) into U, and exp(Gamma) Q S0 kept
@@ -203,6 +241,7 @@ __device__ __forceinline__ void tree_verify(const TreeArgs& a) {
         out[n] = e * qs[n];
     }
     __syncthreads();
+    PHASE(a, 4);
 
     // 4. (I + A) U = rhs, node by node (parents precede children): warp 0, a column a lane, U in registers; node i's
     // sum runs over j in order, so it waits only on the last rows' FMAs
@@ -218,6 +257,7 @@ __device__ __forceinline__ void tree_verify(const TreeArgs& a) {
         }
     }
     __syncthreads();
+    PHASE(a, 5);
 
     // 5. O = exp(Gamma) Q S0 + (decayed Q K^T) U; the stores
 #pragma unroll
@@ -239,4 +279,5 @@ __device__ __forceinline__ void tree_verify(const TreeArgs& a) {
             a.k_out[(long)i * a.sko_t + (long)h * a.sko_h + d] = sm[L::K + i * L::PITCH + d];
         }
     }
+    PHASE(a, 6);
 }

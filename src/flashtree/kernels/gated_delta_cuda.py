@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from flashtree.kernels import cuda_functions
+from flashtree.errors import FlashtreeError
 from flashtree.kernels.cuda_functions import functions, launch, nvrtc_loads
 
 SOURCE = Path(__file__).with_name("deltanet_tree.cu")
@@ -25,6 +26,8 @@ COLS = 32  # value columns a CTA owns (deltanet_tree.cu COLS)
 THREADS = 128  # and its THREADS
 NODE_TILES = (8, 16, 24, 32)  # node rows an instance reserves (multiples of 4: its warps take every fourth node)
 HEAD_DIMS = (32, 64, 128)  # key widths with instances (shared memory grows with dk: 128 takes 62 KB at 32 nodes)
+PHASE_WORDS = 10  # words a CTA writes in the phase-clock instance (deltanet_tree.cu PHASE_WORDS): 7 SM-clock stamps,
+# its SM, the global timer (ns) at the start and the end
 
 
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -56,8 +59,8 @@ def node_tile(t: int) -> int:
     return next(tile for tile in NODE_TILES if t <= tile)
 
 
-def instance(dk: int, nodes: int) -> str:
-    return f"deltanet_tree_d{dk}_n{nodes}"
+def instance(dk: int, nodes: int, clocks: bool = False) -> str:
+    return f"deltanet_tree_d{dk}_n{nodes}" + ("_clocks" if clocks else "")
 
 
 def shared_bytes(dk: int, nodes: int) -> int:
@@ -70,20 +73,22 @@ _STRIDES = ("sq_t", "sq_h", "sk_t", "sk_h", "sv_t", "sv_h", "sg_t", "sg_h", "sb_
             "so_t", "so_h", "su_t", "su_h", "sgm_t", "sko_t", "sko_h")
 
 
-def wrapper(dk: int, nodes: int) -> str:
+def wrapper(dk: int, nodes: int, clocks: bool = False) -> str:
     """The extern "C" entry of one instance: flat arguments (as `launch` passes them) into deltanet_tree.cu's
-    TreeArgs."""
+    TreeArgs; `clocks` adds the phase-clock buffer (the TREE_PHASE_CLOCKS field)."""
     inputs = ", ".join(f"const float* {p}" for p in _PARAMS)
     strides = ", ".join(f"int {s}" for s in _STRIDES)
-    fields = ", ".join((*_PARAMS, "parents", "o", "u", "gamma", "k_out", "T", "HK", *_STRIDES, "store_fold", "store_k"))
-    return (f'\nextern "C" __global__ void __launch_bounds__({THREADS}) {instance(dk, nodes)}({inputs}, '
+    fields = ", ".join((*_PARAMS, "parents", "o", "u", "gamma", "k_out", "T", "HK", *_STRIDES, "store_fold", "store_k",
+                        *(("clocks",) if clocks else ())))
+    return (f'\nextern "C" __global__ void __launch_bounds__({THREADS}) {instance(dk, nodes, clocks)}({inputs}, '
             f"const long long* parents, float* o, float* u, float* gamma, float* k_out, int T, int HK, {strides}, "
-            f"int store_fold, int store_k) {{\n    TreeArgs a = {{{fields}}};\n"
-            f"    tree_verify<{dk}, {nodes}>(a);\n}}\n")
+            f"int store_fold, int store_k{', long long* clocks' if clocks else ''}) {{\n"
+            f"    TreeArgs a = {{{fields}}};\n    tree_verify<{dk}, {nodes}>(a);\n}}\n")
 
 
-def source(dk: int, nodes: int) -> str:
-    return SOURCE.read_text() + wrapper(dk, nodes)
+def source(dk: int, nodes: int, clocks: bool = False) -> str:
+    """An instance's CUDA C; `clocks` the phase-clock one (where each CTA's time goes: `tree_verify(clocks=...)`)."""
+    return ("#define TREE_PHASE_CLOCKS\n" if clocks else "") + SOURCE.read_text() + wrapper(dk, nodes, clocks)
 
 
 def cuda_jobs(device: torch.device, dk: int) -> list[tuple[str, str]]:
@@ -94,18 +99,25 @@ def cuda_jobs(device: torch.device, dk: int) -> list[tuple[str, str]]:
     return [(instance(dk, nodes), source(dk, nodes)) for nodes in NODE_TILES]
 
 
-def tree_verify(q, k, v, g, beta, state, parents, out, u, gamma, k_out, store_fold: bool, store_k: bool) -> None:
+def tree_verify(q, k, v, g, beta, state, parents, out, u, gamma, k_out, store_fold: bool, store_k: bool,
+                clocks: torch.Tensor | None = None) -> None:
     """One launch writing out [T, H, dv] (and with `store_fold` u [T, H, dv] and gamma [T, H]; with `store_k` the
-    keys into k_out [T, Hk, dk]); the tensors as `gated_delta_triton._tree_verify` passes them, `takes` true."""
+    keys into k_out [T, Hk, dk]); the tensors as `gated_delta_triton._tree_verify` passes them, `takes` true. With
+    `clocks` (int64 [dv / 32, H, PHASE_WORDS]) the phase-clock instance runs and each CTA writes its stamps there."""
     t, hk, dk = q.shape
     h, dv = v.shape[1], v.shape[2]
     nodes = node_tile(t)
-    name = instance(dk, nodes)
-    fn = functions(q.device).function(name, lambda: source(dk, nodes))
+    timed = clocks is not None
+    if timed and (clocks.dtype != torch.int64 or tuple(clocks.shape) != (dv // COLS, h, PHASE_WORDS)
+                  or not clocks.is_contiguous()):
+        raise FlashtreeError(f"clocks must be a contiguous int64 [{dv // COLS}, {h}, {PHASE_WORDS}] tensor")
+    name = instance(dk, nodes, timed)
+    fn = functions(q.device).function(name, lambda: source(dk, nodes, timed))
     size = shared_bytes(dk, nodes)
     cuda_functions.allow_shared(q.device, name, size)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
                g.stride(1), beta.stride(0), beta.stride(1), state.stride(0), state.stride(1), out.stride(0),
                out.stride(1), u.stride(0), u.stride(1), gamma.stride(0), k_out.stride(0), k_out.stride(1))
     launch(fn, (h, dv // COLS), THREADS, [q, k, v, g, beta, state, parents, out, u, gamma, k_out, t, hk, *strides,
-                                           int(store_fold), int(store_k)], q.device, size)
+                                           int(store_fold), int(store_k), *((clocks,) if timed else ())], q.device,
+           size)

@@ -76,6 +76,8 @@ _SWAPPED_ROWS = 8  # a swapped decode's query tile: the MMA's narrowest N side
 # this many K/V rows (shorter ranges: the extra launch and combine cost more than the second tile's decode)
 _TAIL_MAX_ROWS = 16
 _TAIL_MIN_KV_ROWS = 16384
+# from this many K/V rows any tile decodes TQ3_0 rows as float16 pairs (`_tiles`), not only a small decode
+_PAIRS_MIN_KV_ROWS = 16384
 KV_KINDS = {"f32": 0, "f16": 0, "bf16": 0, "q8_0": 1, "q4_0": 2, "tq3_0": 3}  # kernel's KIND per cache type
 TQ3_PAIRS = 4  # KIND of TQ3_0 rows decoded as float16 pairs (`_tq3_pairs`)
 _LOG2E = 1.4426950408889634
@@ -729,10 +731,13 @@ def _tiles(m_base: int, rows: int, launch: Launch, split_tiles: int, quantized: 
            split: int | None, kv_end: int, kv_heads: int, sms: int) -> _Tiles:
     """The settings of a launch over `rows` query rows in `launch`'s tiles; its splits chosen as for
     `split_tiles` query tiles (or `split`)."""
-    # a decode of few registers (2 warps, or its query rows the MMAs' N side): pairs, no fields ahead
+    # a decode of few registers (2 warps, or its query rows the MMAs' N side): pairs, no fields ahead; a wide tile
+    # over long rows: pairs with its fields ahead (H200, 2026-12-05, 23 tokens over 16K / 64K / 262K TQ3_0 rows
+    # 102.1 -> 99.5, 296.0 -> 281.0, 1032.2 -> 977.4 us; over 1K rows 22.2 -> 23.2)
     small_decode = quantized and rows <= launch.block_m and (launch.warps <= 2 or launch.swap)
     pairs = "tq3_0" in (tk.name, tv.name) and (
-        small_decode and _tq3_pairs_by_default(tk, tv, operands, interpreter) if tq3_pairs is None else tq3_pairs)
+        (small_decode or kv_end >= _PAIRS_MIN_KV_ROWS) and _tq3_pairs_by_default(tk, tv, operands, interpreter)
+        if tq3_pairs is None else tq3_pairs)
     if pairs and operands != torch.float32:
         operands = torch.float16  # the pairs are float16: f16 holds them, and q and P more finely than bf16
     kinds = tuple(TQ3_PAIRS if pairs and t.name == "tq3_0" else KV_KINDS[t.name] for t in (tk, tv))
@@ -782,8 +787,8 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
     fewer barriers per chunk in the offline SASS; but the fused q norm's prologue then spills 960 bytes per
     thread instead of 336. f16 holds f16 rows exactly and probabilities more finely than bf16; a bf16
     query is clamped to f16's range, `_query_operand`). `tq3_pairs` decodes TQ3_0 rows as float16 pairs
-    (`_tq3_pairs`; f16 operands on the GPU); by default in a decode of one or two warps or a swapped one on the GPU
-    with 16-bit operands unless the other side is a bf16 or f32 float cache (`_tq3_pairs_by_default`; H200,
+    (`_tq3_pairs`; f16 operands on the GPU); by default in a decode of one or two warps or a swapped one, and in any
+    tile over 16K rows or more (`_PAIRS_MIN_KV_ROWS`), on the GPU with 16-bit operands unless the other side is a bf16 or f32 float cache (`_tq3_pairs_by_default`; H200,
     2026-12-05: 1 token over 262K rows in 4-warp programs 438.4 -> 423.3 us, but 23 tokens 1158.5 -> 1237.4, a
     verify tile spilling more); True in the interpreter runs the pair decode there (its byte permutes emulated).
     `fields_ahead` loads TQ3_0 rows' fields a chunk ahead (`row_fields`; by default except in a decode of one or two
