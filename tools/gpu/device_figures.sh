@@ -34,6 +34,12 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
     # Q4_K at 2-64 rows, qmh's launch shapes including one row tile at 3 and 4 CTAs per SM (MMAConfig.min_blocks)
     sweep-q4k) timeout 150 python3 benchmarks/sweep_mma_rows.py --types Q4_K --budget-s 120 --out "$OUT/rows_q4k.json" \
                    > "$OUT/rows_q4k.txt" 2>&1; echo "== sweep-q4k (rc $?)"; tail -26 "$OUT/rows_q4k.txt" ;;
+    # Q4_K's wide matrices at 16/23/32 rows: one CTA an SM (the default since the twenty-eighth session) against the
+    # two-tile ring before it and its other forms (benchmarks/sweep_mma_rows.py --one-cta)
+    sweep-one-cta) timeout $(( ${BUDGET_ONE_CTA:-110} + 60 )) python3 benchmarks/sweep_mma_rows.py --types Q4_K --one-cta \
+                       --matrices gate+up,qkvz,q+gate --rows 16,23,32 --budget-s "${BUDGET_ONE_CTA:-110}" \
+                       --out "$OUT/one_cta.json" > "$OUT/one_cta.txt" 2>&1
+                   echo "== sweep-one-cta (rc $?)"; tail -11 "$OUT/one_cta.txt" ;;
     # CASES=T:ROWS:CACHE,... instead of the f16 model shapes, e.g. CASES=1:262144:tq3_0,23:65536:q8_0 BUDGET_COMPARE=200,
     # CANDIDATES="new default,splits x2" some of the sweep's COMPARED launches
     sweep-attention-compare) timeout $(( ${BUDGET_COMPARE:-110} + 60 )) python3 benchmarks/sweep_tree_attention.py --compare \
