@@ -131,6 +131,12 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
                    bench "steps-ab$on" "${LIMIT_1K:-150}" --steps -n 32 --repeat 5 --replay-al 0 --context 1024 \
                        --prefill-lengths 1024 ${PROFILE:+--profile})
               done ;;
+    # the same A/B on AR, verify-22 and the one-graph step only (no other budget, chunk or prefill row: ~45 s a side)
+    steps-ab-short) for on in 0 1; do
+                        (for var in ${AB_ENV:-FLASHTREE_GLU FLASHTREE_TREE_CUDA}; do export "$var=$on"; done
+                         bench "steps-ab$on" "${LIMIT_1K:-150}" --steps -n 32 --repeat 5 --replay-al 0 --context 1024 \
+                             --verify-budgets 22 --chunk-lengths none --prefill-lengths none ${PROFILE:+--profile})
+                    done ;;
     steps-norm-ab) for cluster in 0 1; do
                        FLASHTREE_CLUSTER_NORM=$cluster bench "steps-norm-cluster$cluster" "${LIMIT_1K:-150}" --steps -n 32 \
                            --repeat 5 --replay-al 0 --context 1024 --prefill-lengths 1024
