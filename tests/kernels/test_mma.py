@@ -124,15 +124,18 @@ def test_configurations_follow_the_sweep():
     assert [mma.choose_config(QType.Q4_K, m, 10240, 5120) for m in (8, 16, 23, 32)] == [
         mma.MMAConfig(1, 4, 1, 2), mma.MMAConfig(1, 4, 1, 2), mma.MMAConfig(1, 4, 1, 2, min_blocks=3, own_tiles=2),
         mma.MMAConfig(1, 4, 1, 2, min_blocks=3, own_tiles=2)]
-    # the wide matrices (at least 5 row tiles an SM) at 9-32 rows: one CTA an SM, a tile a warp, x staged once a
-    # super-block: the fused gate + up (2176 tiles: 17 warps, 96 registers, one chain), q + gate (768: 6), a DeltaNet
+    # the wide matrices (at least 5 row tiles an SM) at 9-32 rows with 8-20 warps an SM: one CTA an SM, a tile a warp,
+    # x staged once a super-block: the fused gate + up (2176 tiles: 17 warps, 96 registers, one chain), a DeltaNet
     # layer's qkv + z + beta + alpha (1030: 8, its 129th CTA 6 tiles), an unfused gate or up (1088: 9); the ring
     # deep enough for ~64 KB of weights in flight an SM
-    for n, warps, chains, depth in ((34816, 17, 1, 3), (12288, 6, 2, 4), (16480, 8, 2, 4), (17408, 9, 2, 4)):
+    for n, warps, chains, depth in ((34816, 17, 1, 3), (16480, 8, 2, 4), (17408, 9, 2, 4)):
         one_cta = mma.MMAConfig(1, warps, 1, chains, own_tiles=2, ring=depth)
         assert [mma.choose_config(QType.Q4_K, m, n, 5120) for m in (8, 9, 16, 23, 32)] == [
             mma.MMAConfig(1, 4, 1, 2), one_cta, one_cta, one_cta, one_cta], n
         assert one_cta.row_groups(n) == 128 + (n == 16480) - 7 * (n == 17408)
+    # q + gate (768 tiles: 6 warps an SM, too few) keeps two tiles a warp through the weight ring (384 CTAs)
+    assert [mma.choose_config(QType.Q4_K, m, 12288, 5120) for m in (9, 23, 32)] == [
+        mma.MMAConfig(2, 4, 1, 1, min_blocks=3, ring=2)] * 3
     assert mma.MMAConfig(1, 17, 1, 1, own_tiles=2, ring=3).ring_bytes(QType.Q4_K) + mma._shared_x_bytes(3) <= 227 * 1024
     # Q6_K's LM head at 17-24 rows (the verify's) through the weight ring, its down projection not
     assert [mma.choose_config(QType.Q6_K, m, 248320, 5120) for m in (16, 23, 32)] == [

@@ -649,6 +649,9 @@ _RING_BYTES_IN_FLIGHT = 64 * 1024
 # accumulator chain and no stack (offline, sm_90, NVRTC 13); two chains need 13-16 warps or fewer (124 registers)
 _ONE_CTA_MAX_WARPS = 20
 _ONE_CTA_MAX_WARPS_TWO_CHAINS = 16
+# and the fewest: at 6 warps an SM (q + gate, 768 tiles) the launch lost to the two-tile ring by 3-10 % at 16-32 rows
+# where 8 (qkvz) and 17 (gate + up) won by 5-25 % (H100, 2026-12-05, docs/runs/h100-2026-12-05-s28/call7-one_cta.txt)
+_ONE_CTA_MIN_WARPS = 8
 
 
 def one_cta_an_sm_enabled() -> bool:
@@ -671,10 +674,11 @@ def _own_tiles_one_cta_an_sm(tiles: int, tg: int, sms: int) -> MMAConfig | None:
     The launch it replaces reads x from L2 once per 32 rows: at 23 rows 2.7x the weights' bytes on gate + up, the
     cost the twenty-seventh session's analysis and the twenty-eighth's probe (benchmarks/probe_x_traffic.py: 44.2
     against 26.4 us for the weights alone) put on the verify's matmuls; here x's L2 traffic is one CTA an SM.
-    Two accumulator chains where the warps' registers allow them. None where the warps would exceed
-    `_ONE_CTA_MAX_WARPS` or shared memory."""
+    Two accumulator chains where the warps' registers allow them. None where the warps would be fewer than
+    `_ONE_CTA_MIN_WARPS` (too few warps an SM to hide the loads' latency) or more than `_ONE_CTA_MAX_WARPS`, or
+    the shared memory would not fit."""
     warps = -(-tiles // sms)
-    if warps > _ONE_CTA_MAX_WARPS:
+    if not _ONE_CTA_MIN_WARPS <= warps <= _ONE_CTA_MAX_WARPS:
         return None
     stage = sum(size for _, size in PIECES[QType.Q4_K])  # one warp's tile super-block
     ring = min(4, max(2, 1 + -(-_RING_BYTES_IN_FLIGHT // (warps * stage))))
