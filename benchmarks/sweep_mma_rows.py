@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -66,6 +67,11 @@ QMV_ALTERNATIVES = ((2, 0), (4, 0), (2, 5), (1, 6))
 RING_ALTERNATIVES = ((1, 2, 3, None, 1, 2, None), (2, 1, 3, 0, 1, 2, 0), (2, 1, 3, 0, 1, 2, 1), (2, 1, 0, 0, 1, 2, 0),
                      (2, 1, 0, 0, 1, 2, 1), (2, 1, 0, 2, 1, 2, None))
 QMV_RING_ALTERNATIVES = ((2, 0), (3, 0))
+# `--one-cta`, in place of the alternatives above, on the wide Q4_K matrices at 9-32 rows: the launch of one CTA an SM
+# (`mma._own_tiles_one_cta_an_sm`, the default) against the two-tile ring before it (FLASHTREE_QMH_ONE_CTA=0) and its
+# other forms: rt, chains, ring stages, CTAs an SM (the warps then cover the tiles in that many CTAs an SM)
+ONE_CTA_ALTERNATIVES = ((1, 1, 2, 1), (1, 1, 3, 1), (1, 1, 4, 1), (1, 2, 3, 1), (2, 1, 2, 1), (2, 1, 3, 1),
+                        (1, 1, 2, 2), (1, 1, 3, 2))
 # and what `choose_config` took on these matrices before the ring (by token groups): the register-buffered qmh
 PRE_RING = {2: mma.MMAConfig(1, 4, 1, 2), 3: mma.MMAConfig(1, 4, 1, 2, min_blocks=3, own_tiles=2),
             4: mma.MMAConfig(1, 4, 1, 2, min_blocks=3, own_tiles=2)}
@@ -93,7 +99,27 @@ def ring_variants(default: mma.MMAConfig, kernel: str, n: int, k: int, rows: int
             if c != default and n % c.rows_per_cta == 0 and (k // 256) >= 2 * c.splits]
 
 
-def variants(qtype: QType, m: int, n: int, k: int, ring: bool = False) -> list[tuple[str, str, mma.MMAConfig]]:
+def one_cta_variants(default: mma.MMAConfig, qtype: QType, n: int, k: int, rows: int,
+                     sms: int) -> list[tuple[str, str, mma.MMAConfig]]:
+    """The one-CTA-an-SM launch's other forms (`ONE_CTA_ALTERNATIVES`, those whose registers and shared memory fit)
+    and the launch before it."""
+    os.environ["FLASHTREE_QMH_ONE_CTA"] = "0"
+    try:
+        configs = [mma.choose_config(qtype, rows, n, k, sms)]
+    finally:
+        del os.environ["FLASHTREE_QMH_ONE_CTA"]
+    tiles, tg = n // 16, mma.token_groups(rows)
+    for rt, chains, ring, per_sm in ONE_CTA_ALTERNATIVES:
+        warps = -(-tiles // (rt * per_sm * sms))
+        c = mma.MMAConfig(rt, warps, 1, chains, min_blocks=per_sm if per_sm > 1 else 0, own_tiles=2, ring=ring)
+        fits = per_sm * (c.ring_bytes(qtype) + mma._shared_x_bytes(tg)) <= 227 * 1024 and warps * per_sm <= 32
+        if fits and tiles % rt == 0 and c not in configs:
+            configs.append(c)
+    return [(_label("qmh", c), "qmh", c) for c in configs if c != default]
+
+
+def variants(qtype: QType, m: int, n: int, k: int, ring: bool = False,
+             one_cta: bool = False) -> list[tuple[str, str, mma.MMAConfig]]:
     """qmm and qmh in their own launch shapes (marked *), and qmh at the other shapes that fit the matrix; one
     row: qmv in its own shape and at the other chain counts and CTA targets. `ring`: the defaults' weight-ring
     forms instead of the other shapes."""
@@ -116,6 +142,8 @@ def variants(qtype: QType, m: int, n: int, k: int, ring: bool = False) -> list[t
     default = out[-1][2]
     if ring:
         return out + ring_variants(default, "qmh", n, k, m)
+    if one_cta:
+        return out + one_cta_variants(default, qtype, n, k, rows, sms)
     for rt, warps, split, chains, min_blocks, x_ahead in QMH_ALTERNATIVES:
         c = mma.MMAConfig(rt, warps, split * default.splits, chains, min_blocks, x_ahead)
         if c != default and n % (16 * rt) == 0 and (k // 256) >= warps * c.splits:
@@ -127,7 +155,7 @@ def variants(qtype: QType, m: int, n: int, k: int, ring: bool = False) -> list[t
     return out
 
 
-def precompile(types: list[QType], arch: str, ring: bool) -> None:
+def precompile(types: list[QType], arch: str, ring: bool, one_cta: bool) -> None:
     """Every instance the sweep launches, and qmh's x conversions, compiled in parallel into the on-disk cache."""
     jobs = {}
     for qtype in types:
@@ -135,14 +163,14 @@ def precompile(types: list[QType], arch: str, ring: bool) -> None:
         for n, k, rows in SHAPES[qtype].values():
             for m in rows:
                 tg = mma.token_groups(min(m, mma.MAX_M))
-                for _, kernel, c in variants(qtype, m, n, k, ring):
+                for _, kernel, c in variants(qtype, m, n, k, ring, one_cta):
                     name = mma._instance(qtype, c, tg, kernel)
                     jobs[name] = mma._wrapper(name, qtype, c, tg, kernel)
     mma.precompile(list(jobs.items()), arch)
 
 
 def sweep_shape(qtype: QType, label: str, n: int, k: int, rows, read_bps: float, deadline: float,
-                results: dict, ring: bool) -> None:
+                results: dict, ring: bool, one_cta: bool) -> None:
     first = random_quant_weight(qtype, n, k, "cuda", seed=0)
     weights = [first] + [random_quant_weight(qtype, n, k, "cuda", seed=i) for i in range(1, rotation(first.nbytes))]
     dense = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(rotation(n * k * 2))]
@@ -157,7 +185,7 @@ def sweep_shape(qtype: QType, label: str, n: int, k: int, rows, read_bps: float,
         us = time_graph([lambda w=w: F.linear(x, w) for w in dense]) * 1e6
         cells.append(f"bf16 {us:.1f}")
         results["points"].append({"type": qtype.name, "matrix": label, "rows": m, "variant": "dense bf16", "us": us})
-        for name, kernel, config in variants(qtype, m, n, k, ring):
+        for name, kernel, config in variants(qtype, m, n, k, ring, one_cta):
             try:
                 out = mma.matmul(x, first.raw, qtype, n, k, config, kernel).float()
             except Exception as e:  # noqa: BLE001 - a variant that fails is reported, the sweep goes on
@@ -181,6 +209,8 @@ def main() -> int:
     parser.add_argument("--rows", default=None, help="comma-separated row counts (default: each shape's own)")
     parser.add_argument("--matrices", default=None, help="comma-separated matrix labels' first words (gate/up, down, ...)")
     parser.add_argument("--ring", action="store_true", help="the defaults against their weight-ring forms only")
+    parser.add_argument("--one-cta", action="store_true",
+                        help="Q4_K's one-CTA-an-SM launch against the launch before it and its other forms only")
     args = parser.parse_args()
     types = [QType[name] for name in args.types.split(",")]
     for qtype in types:
@@ -189,14 +219,14 @@ def main() -> int:
                   if args.matrices is None or label.split()[0] in args.matrices.split(",")}
         SHAPES[qtype] = chosen
     t0 = time.time()
-    precompile(types, mma.arch_of(torch.device("cuda")), args.ring)
+    precompile(types, mma.arch_of(torch.device("cuda")), args.ring, args.one_cta)
     print(f"compiled in {time.time() - t0:.0f} s; * = the kernel's own launch shape", flush=True)
     read_bps = read_bandwidth(torch.device("cuda"))
     print(f"read bandwidth {read_bps / 1e12:.2f} TB/s", flush=True)
     results = {"read_tbs": read_bps / 1e12, "points": []}
     for qtype in types:
         for label, (n, k, rows) in SHAPES[qtype].items():
-            sweep_shape(qtype, label, n, k, rows, read_bps, t0 + args.budget_s, results, args.ring)
+            sweep_shape(qtype, label, n, k, rows, read_bps, t0 + args.budget_s, results, args.ring, args.one_cta)
             Path(args.out).write_text(json.dumps(results, indent=2))
     print_summary(results["points"])
     return 0

@@ -92,16 +92,21 @@ def test_cpu_weights_keep_the_gguf_field_layout():
 
 
 def test_warps_and_splits_do_not_depend_on_the_row_count():
-    """They fix a row's summation order, so that rows of a class of row counts round the same whatever the other
-    rows. One matrix has a class of its own: the Q6_K LM head at 17-24 rows runs on 4 warps, not 2 (its chains
-    differ there anyway)."""
+    """Where a CTA's warps split K, they and the splits fix a row's summation order, so that rows of a class of row
+    counts round the same whatever the other rows. One matrix has a class of its own: the Q6_K LM head at 17-24
+    rows runs on 4 warps, not 2 (its chains differ there anyway). Warps that own tiles each sum all of K, whatever
+    their count: on a wide Q4_K matrix (17408 x 5120) qmh at 9-32 rows runs one CTA an SM, 9 warps of a tile each."""
     for qtype in TYPES:
         for n, k in [(17408, 5120), (5120, 17408), (1024, 5120), (248320, 5120)]:
             configs = {m: mma.choose_config(qtype, m, n, k) for m in range(1, 33)}
             if qtype == QType.Q6_K and n == 248320:
                 assert {(configs[m].warps, configs[m].chains) for m in range(17, 25)} == {(4, 1)}
                 configs = {m: c for m, c in configs.items() if not 17 <= m <= 24}
-            assert len({(c.warps, c.splits) for c in configs.values()}) == 1, (qtype, n, k)
+            if qtype == QType.Q4_K and n == 17408:
+                assert {configs[m] for m in range(9, 33)} == {mma.MMAConfig(1, 9, 1, 2, own_tiles=2, ring=4)}
+            splitting_k = {(c.warps, c.splits) for c in configs.values() if not c.own_tiles}
+            assert len(splitting_k) == 1, (qtype, n, k)
+            assert {c.splits for c in configs.values()} == {splitting_k.pop()[1]}, (qtype, n, k)
 
 
 def test_configurations_follow_the_sweep():
@@ -119,22 +124,22 @@ def test_configurations_follow_the_sweep():
     assert [mma.choose_config(QType.Q4_K, m, 10240, 5120) for m in (8, 16, 23, 32)] == [
         mma.MMAConfig(1, 4, 1, 2), mma.MMAConfig(1, 4, 1, 2), mma.MMAConfig(1, 4, 1, 2, min_blocks=3, own_tiles=2),
         mma.MMAConfig(1, 4, 1, 2, min_blocks=3, own_tiles=2)]
-    ring = mma.MMAConfig(2, 4, 1, 1, min_blocks=3, ring=2)
-    # the fused gate + up (1088 CTAs of 32 rows: 2.75 waves at 3 per SM) and q + gate (384: 0.97)
-    for n in (34816, 12288):
+    # the wide matrices (at least 5 row tiles an SM) at 9-32 rows with 8-20 warps an SM: one CTA an SM, a tile a warp,
+    # x staged once a super-block: the fused gate + up (2176 tiles: 17 warps, 96 registers, one chain), a DeltaNet
+    # layer's qkv + z + beta + alpha (1030: 8, its 129th CTA 6 tiles), an unfused gate or up (1088: 9); the ring
+    # deep enough for ~64 KB of weights in flight an SM
+    for n, warps, chains, depth in ((34816, 17, 1, 3), (16480, 8, 2, 4), (17408, 9, 2, 4)):
+        one_cta = mma.MMAConfig(1, warps, 1, chains, own_tiles=2, ring=depth)
         assert [mma.choose_config(QType.Q4_K, m, n, 5120) for m in (8, 9, 16, 23, 32)] == [
-            mma.MMAConfig(1, 4, 1, 2), ring, ring, ring, ring], n
-    # a DeltaNet layer's qkv + z + beta + alpha (515 CTAs): 4 per SM at 2 token groups (0.98 of a wave), 2 at 3 and 4
-    assert [mma.choose_config(QType.Q4_K, m, 16480, 5120) for m in (16, 23, 32)] == [
-        dataclasses.replace(ring, min_blocks=4), dataclasses.replace(ring, min_blocks=0),
-        dataclasses.replace(ring, min_blocks=0)]
-    assert mma._wave_fill(515, 528) == 515 / 528 and mma._wave_fill(1088, 396) == 1088 / 1188
-    # an unfused gate or up (544 CTAs: 0.69 of their waves at 2, 3 or 4 per SM) keeps the register-buffered qmh
-    assert [mma.choose_config(QType.Q4_K, m, 17408, 5120) for m in (16, 23)] == [
-        mma.MMAConfig(1, 4, 1, 2), mma.MMAConfig(1, 4, 1, 2, min_blocks=3, own_tiles=2)]
+            mma.MMAConfig(1, 4, 1, 2), one_cta, one_cta, one_cta, one_cta], n
+        assert one_cta.row_groups(n) == 128 + (n == 16480) - 7 * (n == 17408)
+    # q + gate (768 tiles: 6 warps an SM, too few) keeps two tiles a warp through the weight ring (384 CTAs)
+    assert [mma.choose_config(QType.Q4_K, m, 12288, 5120) for m in (9, 23, 32)] == [
+        mma.MMAConfig(2, 4, 1, 1, min_blocks=3, ring=2)] * 3
+    assert mma.MMAConfig(1, 17, 1, 1, own_tiles=2, ring=3).ring_bytes(QType.Q4_K) + mma._shared_x_bytes(3) <= 227 * 1024
     # Q6_K's LM head at 17-24 rows (the verify's) through the weight ring, its down projection not
     assert [mma.choose_config(QType.Q6_K, m, 248320, 5120) for m in (16, 23, 32)] == [
-        mma.MMAConfig(1, 2, 1, 2), ring, mma.MMAConfig(1, 2, 1, 2)]
+        mma.MMAConfig(1, 2, 1, 2), mma.MMAConfig(2, 4, 1, 1, min_blocks=3, ring=2), mma.MMAConfig(1, 2, 1, 2)]
     assert mma.choose_config(QType.Q6_K, 23, 5120, 17408) == mma.MMAConfig(1, 4, 1, 1, min_blocks=3, x_ahead=1)
     # the FFN down projection: too few 64-row groups to own tiles
     assert [mma.choose_config(QType.Q4_K, m, 5120, 17408) for m in (16, 23, 32)] == [
@@ -490,6 +495,28 @@ def test_weight_ring_gives_the_register_kernels_bits(qtype):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("warps, chains, ring", [(17, 1, 3), (8, 2, 4), (6, 2, 2)])
+def test_one_cta_an_sm_gives_the_bits_of_warps_owning_tiles(warps, chains, ring):
+    """The wide Q4_K matrices' launch at 9-32 rows (`_own_tiles_one_cta_an_sm`: CTAs of `warps` warps, a tile each)
+    on 52 tiles, so that its last CTA is partly past the matrix: each warp sums its tile's K as a 4-warp CTA of warps
+    owning tiles does (the same chains; the weight ring and the warp count change no arithmetic), so every row has
+    those bits, and is right against the float32 reference; with the GLU epilogue too."""
+    n, k = 832, 2560
+    config = mma.MMAConfig(1, warps, 1, chains, own_tiles=2, ring=ring)
+    assert n % config.rows_per_cta and config.row_groups(n) == -(-52 // warps)
+    weight = random_quant_weight(QType.Q4_K, n, k, "cuda")
+    x = torch.randn(32, k, device="cuda", dtype=torch.bfloat16)
+    four_warps = mma.MMAConfig(1, 4, 1, chains, min_blocks=3, own_tiles=2)
+    for m in (9, 23, 32):
+        y = mma.matmul(x[:m], weight.raw, QType.Q4_K, n, k, config, "qmh")
+        assert torch.equal(y, mma.matmul(x[:m], weight.raw, QType.Q4_K, n, k, four_warps, "qmh")), m
+        _check_close(y, quant_matmul_reference(x[:m].float(), weight))
+        glu = mma.matmul(x[:m], weight.raw, QType.Q4_K, n, k, config, "qmh", glu=True)
+        assert torch.equal(glu, mma.matmul(x[:m], weight.raw, QType.Q4_K, n, k, four_warps, "qmh", glu=True)), m
+
+
+@pytest.mark.gpu
+@gpu
 def test_the_lm_heads_verify_shape_keeps_the_bits_of_its_class():
     """Q6_K's LM head at 17-24 rows takes two tiles a warp through a weight ring (`_Q6_K_HEAD_VERIFY`): the K order
     and the chain of the one-tile form it replaced, so a row keeps its bits (on a smaller matrix, same K)."""
@@ -501,6 +528,37 @@ def test_the_lm_heads_verify_shape_keeps_the_bits_of_its_class():
         ringed = mma.matmul(x[:m], weight.raw, QType.Q6_K, n, k, mma._Q6_K_HEAD_VERIFY, "qmh")
         assert torch.equal(ringed, mma.matmul(x[:m], weight.raw, QType.Q6_K, n, k, one_tile, "qmh")), m
     _check_close(ringed, quant_matmul_reference(x.float(), weight))
+
+
+def test_without_one_cta_an_sm_the_wide_matrices_take_the_two_tile_ring(monkeypatch):
+    """FLASHTREE_QMH_ONE_CTA=0 (A/B timings) keeps the launch before it: two tiles a warp through a weight ring at the
+    CTAs per SM whose waves are fullest, or the register-buffered qmh where no count fills them."""
+    monkeypatch.setenv("FLASHTREE_QMH_ONE_CTA", "0")
+    ring = mma.MMAConfig(2, 4, 1, 1, min_blocks=3, ring=2)
+    # the fused gate + up (1088 CTAs of 32 rows: 2.75 waves at 3 per SM) and q + gate (384: 0.97)
+    for n in (34816, 12288):
+        assert [mma.choose_config(QType.Q4_K, m, n, 5120) for m in (8, 9, 16, 23, 32)] == [
+            mma.MMAConfig(1, 4, 1, 2), ring, ring, ring, ring], n
+    # a DeltaNet layer's qkv + z + beta + alpha (515 CTAs): 4 per SM at 2 token groups (0.98 of a wave), 2 at 3 and 4
+    assert [mma.choose_config(QType.Q4_K, m, 16480, 5120) for m in (16, 23, 32)] == [
+        dataclasses.replace(ring, min_blocks=4), dataclasses.replace(ring, min_blocks=0),
+        dataclasses.replace(ring, min_blocks=0)]
+    assert mma._wave_fill(515, 528) == 515 / 528 and mma._wave_fill(1088, 396) == 1088 / 1188
+    # an unfused gate or up (544 CTAs: 0.69 of their waves at 2, 3 or 4 per SM) keeps the register-buffered qmh
+    assert [mma.choose_config(QType.Q4_K, m, 17408, 5120) for m in (16, 23)] == [
+        mma.MMAConfig(1, 4, 1, 2), mma.MMAConfig(1, 4, 1, 2, min_blocks=3, own_tiles=2)]
+
+
+def test_only_warps_owning_tiles_in_one_split_take_a_partial_last_cta():
+    """A launch's CTAs along N: whole CTAs, except where the warps own tiles and K is one split (the last CTA's spare
+    warps walk the last tile again and store nothing); a row count that is not whole tiles is refused."""
+    own = mma.MMAConfig(1, 8, 1, 2, own_tiles=2, ring=4)
+    assert own.row_groups(16480) == 129 and own.row_groups(16384) == 128
+    for config, n in ((mma.MMAConfig(1, 8, 2, 2, own_tiles=2), 16480), (mma.MMAConfig(2, 4, 1), 16400),
+                      (own, 16488)):
+        with pytest.raises(FlashtreeError, match="needs N %"):
+            config.row_groups(n)
+    assert mma.MMAConfig(2, 4, 1).row_groups(16384) == 512
 
 
 def test_a_weight_ring_of_one_stage_is_refused():

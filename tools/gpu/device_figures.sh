@@ -34,6 +34,12 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
     # Q4_K at 2-64 rows, qmh's launch shapes including one row tile at 3 and 4 CTAs per SM (MMAConfig.min_blocks)
     sweep-q4k) timeout 150 python3 benchmarks/sweep_mma_rows.py --types Q4_K --budget-s 120 --out "$OUT/rows_q4k.json" \
                    > "$OUT/rows_q4k.txt" 2>&1; echo "== sweep-q4k (rc $?)"; tail -26 "$OUT/rows_q4k.txt" ;;
+    # Q4_K's wide matrices at 16/23/32 rows: one CTA an SM (the default since the twenty-eighth session) against the
+    # two-tile ring before it and its other forms (benchmarks/sweep_mma_rows.py --one-cta)
+    sweep-one-cta) timeout $(( ${BUDGET_ONE_CTA:-110} + 60 )) python3 benchmarks/sweep_mma_rows.py --types Q4_K --one-cta \
+                       --matrices gate+up,qkvz,q+gate --rows 16,23,32 --budget-s "${BUDGET_ONE_CTA:-110}" \
+                       --out "$OUT/one_cta.json" > "$OUT/one_cta.txt" 2>&1
+                   echo "== sweep-one-cta (rc $?)"; tail -11 "$OUT/one_cta.txt" ;;
     # CASES=T:ROWS:CACHE,... instead of the f16 model shapes, e.g. CASES=1:262144:tq3_0,23:65536:q8_0 BUDGET_COMPARE=200,
     # CANDIDATES="new default,splits x2" some of the sweep's COMPARED launches
     sweep-attention-compare) timeout $(( ${BUDGET_COMPARE:-110} + 60 )) python3 benchmarks/sweep_tree_attention.py --compare \
@@ -125,6 +131,12 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
                    bench "steps-ab$on" "${LIMIT_1K:-150}" --steps -n 32 --repeat 5 --replay-al 0 --context 1024 \
                        --prefill-lengths 1024 ${PROFILE:+--profile})
               done ;;
+    # the same A/B on AR, verify-22 and the one-graph step only (no other budget, chunk or prefill row: ~45 s a side)
+    steps-ab-short) for on in 0 1; do
+                        (for var in ${AB_ENV:-FLASHTREE_GLU FLASHTREE_TREE_CUDA}; do export "$var=$on"; done
+                         bench "steps-ab$on" "${LIMIT_1K:-150}" --steps -n 32 --repeat 5 --replay-al 0 --context 1024 \
+                             --verify-budgets 22 --chunk-lengths none --prefill-lengths none ${PROFILE:+--profile})
+                    done ;;
     steps-norm-ab) for cluster in 0 1; do
                        FLASHTREE_CLUSTER_NORM=$cluster bench "steps-norm-cluster$cluster" "${LIMIT_1K:-150}" --steps -n 32 \
                            --repeat 5 --replay-al 0 --context 1024 --prefill-lengths 1024

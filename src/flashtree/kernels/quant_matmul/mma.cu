@@ -1082,13 +1082,16 @@ __device__ __forceinline__ void multiply_half(const Weights<Q6_K, RT>& w, XSourc
     }
 }
 
-// qmh's end when its warps own tiles (OWN): each warp stores its own rows, no sum across warps.
+// qmh's end when its warps own tiles (OWN): each warp stores its own rows, no sum across warps. `stores` false: a
+// warp past the matrix's last tile (one CTA an SM, `own_tiles_one_cta_an_sm` in mma.py), which walked the last tile
+// again to keep the CTA's barriers and stores nothing.
 template <int RT, int TG, int WARPS, int SPLITS, int GLU, typename OT>
-__device__ __forceinline__ void epilogue_own(const float (&acc)[RT][TG][4], int tile0, OT* __restrict__ out,
+__device__ __forceinline__ void epilogue_own(const float (&acc)[RT][TG][4], int tile0, bool stores, OT* __restrict__ out,
                                              float* __restrict__ partial, int* __restrict__ tickets, int M, int N,
                                              const float* __restrict__ scale) {
     static_assert(!GLU || SPLITS == 1, "the GLU epilogue needs finished sums: one split");
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    if (!stores) return;  // only with one split (mma.py refuses a partial CTA otherwise): no ticket to take
     if constexpr (GLU) {  // accumulators 0, 1: the gate (row g); 2, 3: its up (row g + 8)
 #pragma unroll
         for (int rt = 0; rt < RT; ++rt)
@@ -1147,7 +1150,11 @@ __device__ __forceinline__ void qmh(const u16* __restrict__ xh, const u16* __res
                                     int* __restrict__ tickets, int M, int N, int K) {
     const int warp = threadIdx.x >> 5;
     const int SB = K >> 8;
-    const int tile0 = OWN ? (blockIdx.x * WARPS + warp) * RT : blockIdx.x * RT;
+    int tile0 = OWN ? (blockIdx.x * WARPS + warp) * RT : blockIdx.x * RT;
+    // OWN: the last CTA of a launch whose CTAs do not divide the tiles has warps past the end; they walk the last
+    // tiles again (their loads hit L2) so that the CTA's barriers stay whole, and store nothing
+    const bool stores = tile0 + RT <= (N >> 4);
+    if (OWN && !stores) tile0 = (N >> 4) - RT;
     constexpr int STRIDE = OWN ? 1 : WARPS;  // between a warp's super-blocks
     const KRange ks = split_k<SPLITS>(SB);
     start_after_predecessors();
@@ -1163,7 +1170,7 @@ __device__ __forceinline__ void qmh(const u16* __restrict__ xh, const u16* __res
         GlobalX<TG, XA> x(xh, xsum, M, K, first);
         walk_half<QT, RT, TG, STRIDE, CH, RING, 0>(x, quants, high, scales, dvals, tile0, SB, first, ks.end, acc);
     }
-    if constexpr (OWN) epilogue_own<RT, TG, WARPS, SPLITS, GLU>(acc, tile0, out, partial, tickets, M, N, scale);
+    if constexpr (OWN) epilogue_own<RT, TG, WARPS, SPLITS, GLU>(acc, tile0, stores, out, partial, tickets, M, N, scale);
     else epilogue<RT, TG, WARPS, SPLITS, GLU>(acc, tile0, out, partial, tickets, M, N, scale);
 }
 

@@ -381,6 +381,14 @@ class MMAConfig:
         """Output rows one CTA computes: its warps split K (16 rt), or with own_tiles each has rt tiles."""
         return 16 * self.rt * (self.warps if self.own_tiles else 1)
 
+    def row_groups(self, n: int) -> int:
+        """CTAs along N for an [n, k] weight. With own_tiles and one split the last CTA may hold fewer tiles than
+        warps (its other warps store nothing, mma.cu `qmh`); any other launch needs N to be whole CTAs."""
+        partial_ok = self.own_tiles and self.splits == 1
+        if n % (16 * self.rt) or (n % self.rows_per_cta and not partial_ok):
+            raise FlashtreeError(f"{self} needs N % {16 * self.rt if partial_ok else self.rows_per_cta} == 0, N = {n}")
+        return -(-n // self.rows_per_cta)
+
     def ring_bytes(self, qtype: QType) -> int:
         """Dynamic shared memory of the weight ring (mma.cu `RingStage`): per warp and stage the tile super-blocks'
         bytes (Q6_K's d included)."""
@@ -555,8 +563,12 @@ def choose_config(qtype: QType, m: int, n: int, k: int, sms: int = _H200_SMS, ke
     tg = token_groups(m)
     half = (kernel or kernel_for(qtype, tg, n, k)) == "qmh"  # `kernel`: the config another kernel would take
     warps = 2 if tiles >= 32 * sms else 4
+    wide_q4_k = half and qtype == QType.Q4_K and tg >= 2 and n % 32 == 0 and tiles >= 5 * sms
+    one_cta = _own_tiles_one_cta_an_sm(tiles, tg, sms) if wide_q4_k and one_cta_an_sm_enabled() else None
+    if one_cta is not None:
+        return one_cta
     ring = _two_tiles_through_a_ring(tiles // 2, tg, warps, sms) if (
-        half and qtype == QType.Q4_K and tg >= 2 and n % 32 == 0 and tiles >= 5 * sms) else None
+        wide_q4_k) else None
     if ring is not None:
         return ring
     # Q6_K's qmh at 17-32 rows on 4-warp matrices (the FFN down projections) and at 17-24 on the LM head (there
@@ -627,6 +639,56 @@ def _two_tiles_through_a_ring(ctas: int, tg: int, warps: int, sms: int) -> MMACo
     return MMAConfig(2, warps, 1, chains=1, min_blocks=per_sm if per_sm > 2 else 0, ring=2)
 
 
+# Shared memory of one SM's CTA: the 227 KB an H100/H200 CTA may take
+_SHARED_PER_CTA = 227 * 1024
+# Weight bytes each SM keeps in flight through its warps' rings: at ~4.1 TB/s and about a microsecond of loaded
+# latency an SM needs ~31 KB; twice that for margin
+_RING_BYTES_IN_FLIGHT = 64 * 1024
+# The most warps of one tile each a CTA of one SM takes: an SM's 4 schedulers each hold a quarter of its 64K
+# registers, so 17-20 warps leave a thread 96 (5 warps a scheduler), where qmh at 3 token groups fits with one
+# accumulator chain and no stack (offline, sm_90, NVRTC 13); two chains need 13-16 warps or fewer (124 registers)
+_ONE_CTA_MAX_WARPS = 20
+_ONE_CTA_MAX_WARPS_TWO_CHAINS = 16
+# and the fewest: at 6 warps an SM (q + gate, 768 tiles) the launch lost to the two-tile ring by 3-10 % at 16-32 rows
+# where 8 (qkvz) and 17 (gate + up) won by 5-25 % (H100, 2026-12-05, docs/runs/h100-2026-12-05-s28/call7-one_cta.txt)
+_ONE_CTA_MIN_WARPS = 8
+
+
+def one_cta_an_sm_enabled() -> bool:
+    """Q4_K's qmh on the wide matrices as one CTA an SM (`_own_tiles_one_cta_an_sm`); FLASHTREE_QMH_ONE_CTA=0 keeps
+    the two-tile weight-ring launch before it (for A/B timings)."""
+    return os.environ.get("FLASHTREE_QMH_ONE_CTA", "1") != "0"
+
+
+def _shared_x_bytes(tg: int) -> int:
+    """mma.cu `SharedX`'s static shared memory: its stages of 8 tg rows of x (X_PITCH bytes) and their sums."""
+    stages = 3 if tg <= 3 else 2
+    return stages * 8 * tg * (576 + 32)
+
+
+def _own_tiles_one_cta_an_sm(tiles: int, tg: int, sms: int) -> MMAConfig | None:
+    """Q4_K's qmh at 9-32 rows on the wide matrices (the fused gate + up, a DeltaNet layer's qkv + z + beta + alpha,
+    q + gate): one CTA an SM (one wave, no partial one), each of its warps owning one row tile and walking all of K
+    (so a row's sum has one order whatever the launch), the CTA's x staged once a super-block in shared memory
+    (mma.cu `SharedX`) and the weights through a ring a warp deep enough for `_RING_BYTES_IN_FLIGHT` an SM.
+    The launch it replaces reads x from L2 once per 32 rows: at 23 rows 2.7x the weights' bytes on gate + up, the
+    cost the twenty-seventh session's analysis and the twenty-eighth's probe (benchmarks/probe_x_traffic.py: 44.2
+    against 26.4 us for the weights alone) put on the verify's matmuls; here x's L2 traffic is one CTA an SM.
+    Two accumulator chains where the warps' registers allow them. None where the warps would be fewer than
+    `_ONE_CTA_MIN_WARPS` (too few warps an SM to hide the loads' latency) or more than `_ONE_CTA_MAX_WARPS`, or
+    the shared memory would not fit."""
+    warps = -(-tiles // sms)
+    if not _ONE_CTA_MIN_WARPS <= warps <= _ONE_CTA_MAX_WARPS:
+        return None
+    stage = sum(size for _, size in PIECES[QType.Q4_K])  # one warp's tile super-block
+    ring = min(4, max(2, 1 + -(-_RING_BYTES_IN_FLIGHT // (warps * stage))))
+    while ring > 2 and _shared_x_bytes(tg) + warps * ring * stage > _SHARED_PER_CTA:
+        ring -= 1
+    if _shared_x_bytes(tg) + warps * ring * stage > _SHARED_PER_CTA:
+        return None
+    return MMAConfig(1, warps, 1, chains=2 if warps <= _ONE_CTA_MAX_WARPS_TWO_CHAINS else 1, own_tiles=2, ring=ring)
+
+
 def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: QType, n: int, k: int,
            config: MMAConfig | None = None, kernel: str | None = None,
            out_dtype: torch.dtype | None = None, glu: bool = False) -> torch.Tensor:
@@ -684,8 +746,7 @@ def _launch_matmul(out: torch.Tensor, xs: list[torch.Tensor], raw: torch.Tensor,
     tg = ONE_ROW if kernel == "qmv" else (m + 7) // 8
     config = config or choose_config(qtype, m if kernel == "qmv" else max(m, 2), n, k, sm_count(out.device))
     config = glu_config(config) if glu else config
-    if n % config.rows_per_cta:
-        raise FlashtreeError(f"{config} needs N % {config.rows_per_cta} == 0, N = {n}")
+    row_groups = config.row_groups(n)
     x_dtype = xs[0].dtype if kernel != "qmh" else torch.bfloat16
     name = _instance(qtype, config, tg, kernel, x_dtype, out.dtype, glu)
     fn = _function(out.device, name, _wrapper(name, qtype, config, tg, kernel, x_dtype, out.dtype, glu))
@@ -698,7 +759,7 @@ def _launch_matmul(out: torch.Tensor, xs: list[torch.Tensor], raw: torch.Tensor,
     shared = config.ring_bytes(qtype) if kernel in ("qmv", "qmh") else 0
     if shared:
         cuda_functions.allow_shared(out.device, name, shared)
-    launch(fn, (n // config.rows_per_cta, config.splits), 32 * config.warps,
+    launch(fn, (row_groups, config.splits), 32 * config.warps,
             [*xs, *weights, out, partial, tickets, m, n, k], out.device, shared)
 
 
