@@ -1,6 +1,7 @@
 """Against a real uvicorn server on 127.0.0.1: the official openai client, and client disconnects."""
 
 import json
+import threading
 import time
 
 import httpx
@@ -125,9 +126,11 @@ def test_disconnect_cancels_streaming_generation(tiny_target):
 
 
 def test_disconnect_cancels_non_streaming_generation(tiny_target):
-    engine = ScriptedEngine(tiny_target, script="word " * 500, delay=0.01)
+    # the generation waits on a gate nobody opens: only the client's leaving can end it (a script of timed tokens
+    # raced the disconnect's detection, and lost it on CI's two loaded cores, 2026-12-05)
+    engine = ScriptedEngine(tiny_target, script="word " * 500, gate=threading.Event())
     with live_server(build_app(engine, MODEL)) as url:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{url}/v1/chat/completions", json={"messages": USER}, timeout=0.3)
-        result = wait_for_result(engine)
-        assert result.finish_reason == "cancelled" and len(result.token_ids) < 150
+        result = wait_for_result(engine, timeout=30)
+        assert result.finish_reason == "cancelled" and len(result.token_ids) <= 1
