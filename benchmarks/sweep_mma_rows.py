@@ -72,6 +72,12 @@ QMV_RING_ALTERNATIVES = ((2, 0), (3, 0))
 # other forms: rt, chains, ring stages, CTAs an SM (the warps then cover the tiles in that many CTAs an SM)
 ONE_CTA_ALTERNATIVES = ((1, 1, 2, 1), (1, 1, 3, 1), (1, 1, 4, 1), (1, 2, 3, 1), (2, 1, 2, 1), (2, 1, 3, 1),
                         (1, 1, 2, 2), (1, 1, 3, 2))
+# `--narrow`, in place of the alternatives above, on the narrow matrices (the FFN down and out projections: 320 row
+# tiles, fewer than 3 an SM): warps owning tiles with x staged in shared memory and K split over a thread-block
+# cluster of the splits, which add their sums through distributed shared memory (`MMAConfig.cluster_splits`):
+# warps, splits, chains, ring stages, CTAs an SM asked of ptxas
+NARROW_ALTERNATIVES = ((8, 3, 2, 3, 0), (10, 4, 1, 3, 0), (10, 4, 2, 3, 0), (16, 6, 2, 2, 0), (8, 4, 2, 2, 2),
+                       (8, 6, 2, 2, 2), (4, 3, 2, 3, 2), (5, 6, 2, 2, 3), (10, 8, 1, 2, 2))
 # and what `choose_config` took on these matrices before the ring (by token groups): the register-buffered qmh
 PRE_RING = {2: mma.MMAConfig(1, 4, 1, 2), 3: mma.MMAConfig(1, 4, 1, 2, min_blocks=3, own_tiles=2),
             4: mma.MMAConfig(1, 4, 1, 2, min_blocks=3, own_tiles=2)}
@@ -118,8 +124,16 @@ def one_cta_variants(default: mma.MMAConfig, qtype: QType, n: int, k: int, rows:
     return [(_label("qmh", c), "qmh", c) for c in configs if c != default]
 
 
+def narrow_variants(default: mma.MMAConfig, n: int, k: int) -> list[tuple[str, str, mma.MMAConfig]]:
+    """`NARROW_ALTERNATIVES` that divide the matrix's tiles and leave every split a super-block."""
+    configs = [mma.MMAConfig(1, warps, splits, chains, min_blocks=blocks, own_tiles=2, ring=ring)
+               for warps, splits, chains, ring, blocks in NARROW_ALTERNATIVES]
+    return [(_label("qmh", c), "qmh", c) for c in configs
+            if c != default and n % c.rows_per_cta == 0 and k // 256 >= c.splits]
+
+
 def variants(qtype: QType, m: int, n: int, k: int, ring: bool = False,
-             one_cta: bool = False) -> list[tuple[str, str, mma.MMAConfig]]:
+             one_cta: bool = False, narrow: bool = False) -> list[tuple[str, str, mma.MMAConfig]]:
     """qmm and qmh in their own launch shapes (marked *), and qmh at the other shapes that fit the matrix; one
     row: qmv in its own shape and at the other chain counts and CTA targets. `ring`: the defaults' weight-ring
     forms instead of the other shapes."""
@@ -144,6 +158,8 @@ def variants(qtype: QType, m: int, n: int, k: int, ring: bool = False,
         return out + ring_variants(default, "qmh", n, k, m)
     if one_cta:
         return out + one_cta_variants(default, qtype, n, k, rows, sms)
+    if narrow:
+        return out + narrow_variants(default, n, k)
     for rt, warps, split, chains, min_blocks, x_ahead in QMH_ALTERNATIVES:
         c = mma.MMAConfig(rt, warps, split * default.splits, chains, min_blocks, x_ahead)
         if c != default and n % (16 * rt) == 0 and (k // 256) >= warps * c.splits:
@@ -155,7 +171,7 @@ def variants(qtype: QType, m: int, n: int, k: int, ring: bool = False,
     return out
 
 
-def precompile(types: list[QType], arch: str, ring: bool, one_cta: bool) -> None:
+def precompile(types: list[QType], arch: str, ring: bool, one_cta: bool, narrow: bool) -> None:
     """Every instance the sweep launches, and qmh's x conversions, compiled in parallel into the on-disk cache."""
     jobs = {}
     for qtype in types:
@@ -163,14 +179,14 @@ def precompile(types: list[QType], arch: str, ring: bool, one_cta: bool) -> None
         for n, k, rows in SHAPES[qtype].values():
             for m in rows:
                 tg = mma.token_groups(min(m, mma.MAX_M))
-                for _, kernel, c in variants(qtype, m, n, k, ring, one_cta):
+                for _, kernel, c in variants(qtype, m, n, k, ring, one_cta, narrow):
                     name = mma._instance(qtype, c, tg, kernel)
                     jobs[name] = mma._wrapper(name, qtype, c, tg, kernel)
     mma.precompile(list(jobs.items()), arch)
 
 
 def sweep_shape(qtype: QType, label: str, n: int, k: int, rows, read_bps: float, deadline: float,
-                results: dict, ring: bool, one_cta: bool) -> None:
+                results: dict, ring: bool, one_cta: bool, narrow: bool) -> None:
     first = random_quant_weight(qtype, n, k, "cuda", seed=0)
     weights = [first] + [random_quant_weight(qtype, n, k, "cuda", seed=i) for i in range(1, rotation(first.nbytes))]
     dense = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(rotation(n * k * 2))]
@@ -185,7 +201,7 @@ def sweep_shape(qtype: QType, label: str, n: int, k: int, rows, read_bps: float,
         us = time_graph([lambda w=w: F.linear(x, w) for w in dense]) * 1e6
         cells.append(f"bf16 {us:.1f}")
         results["points"].append({"type": qtype.name, "matrix": label, "rows": m, "variant": "dense bf16", "us": us})
-        for name, kernel, config in variants(qtype, m, n, k, ring, one_cta):
+        for name, kernel, config in variants(qtype, m, n, k, ring, one_cta, narrow):
             try:
                 out = mma.matmul(x, first.raw, qtype, n, k, config, kernel).float()
             except Exception as e:  # noqa: BLE001 - a variant that fails is reported, the sweep goes on
@@ -211,6 +227,8 @@ def main() -> int:
     parser.add_argument("--ring", action="store_true", help="the defaults against their weight-ring forms only")
     parser.add_argument("--one-cta", action="store_true",
                         help="Q4_K's one-CTA-an-SM launch against the launch before it and its other forms only")
+    parser.add_argument("--narrow", action="store_true",
+                        help="the narrow matrices' K split over a thread-block cluster against the defaults only")
     args = parser.parse_args()
     types = [QType[name] for name in args.types.split(",")]
     for qtype in types:
@@ -219,14 +237,15 @@ def main() -> int:
                   if args.matrices is None or label.split()[0] in args.matrices.split(",")}
         SHAPES[qtype] = chosen
     t0 = time.time()
-    precompile(types, mma.arch_of(torch.device("cuda")), args.ring, args.one_cta)
+    precompile(types, mma.arch_of(torch.device("cuda")), args.ring, args.one_cta, args.narrow)
     print(f"compiled in {time.time() - t0:.0f} s; * = the kernel's own launch shape", flush=True)
     read_bps = read_bandwidth(torch.device("cuda"))
     print(f"read bandwidth {read_bps / 1e12:.2f} TB/s", flush=True)
     results = {"read_tbs": read_bps / 1e12, "points": []}
     for qtype in types:
         for label, (n, k, rows) in SHAPES[qtype].items():
-            sweep_shape(qtype, label, n, k, rows, read_bps, t0 + args.budget_s, results, args.ring, args.one_cta)
+            sweep_shape(qtype, label, n, k, rows, read_bps, t0 + args.budget_s, results, args.ring, args.one_cta,
+                        args.narrow)
             Path(args.out).write_text(json.dumps(results, indent=2))
     print_summary(results["points"])
     return 0

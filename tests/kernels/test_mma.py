@@ -304,9 +304,27 @@ def test_cuda_source_compiles_for_sm90():
                                torch.float32, glu=True)
                 + mma._wrapper("r", QType.Q4_K, mma.MMAConfig(2, 4, 1, 1, 3, ring=2), 3, "qmh", glu=True)
                 + mma._wrapper("s", QType.Q6_K, mma.MMAConfig(1, 4, 1, 1, 3, own_tiles=2), 3, "qmh", torch.bfloat16,
-                               torch.float32, glu=True))
+                               torch.float32, glu=True)
+                # K split over a thread-block cluster, the splits' sums added through distributed shared memory
+                + mma._wrapper("t", QType.Q4_K, mma.MMAConfig(1, 8, 3, 2, own_tiles=2, ring=3), 4, "qmh")
+                + mma._wrapper("u", QType.Q6_K, mma.MMAConfig(1, 4, 8, 1, own_tiles=2, ring=2), 2, "qmh",
+                               torch.bfloat16, torch.float32))
     cubin = mma.compile_cubin(mma._SOURCE.read_text() + wrappers, "sm_90")
     assert cubin[:4] == b"\x7fELF"
+
+
+def test_cluster_split_k_is_a_cluster_of_at_most_8_ctas():
+    """qmh's warps owning tiles with x in shared memory split K over a thread-block cluster (`cluster_splits`): the
+    instance declares the cluster of its splits, allocates no global partials, and a portable cluster caps the
+    splits at 8 (the error says so); other split-K launches keep their tickets."""
+    config = mma.MMAConfig(1, 8, 3, 2, own_tiles=2, ring=3)
+    assert config.cluster_splits and not mma.MMAConfig(1, 8, 1, 2, own_tiles=2).cluster_splits
+    assert not mma.MMAConfig(1, 4, 2, 2, own_tiles=1).cluster_splits and not mma.MMAConfig(1, 4, 2).cluster_splits
+    wrapper = mma._wrapper("w", QType.Q4_K, config, 3, "qmh")
+    assert "__cluster_dims__(1, 3, 1) __launch_bounds__(256)" in wrapper
+    assert "__cluster_dims__" not in mma._wrapper("v", QType.Q4_K, mma.MMAConfig(1, 4, 2, 2, own_tiles=1), 3, "qmh")
+    with pytest.raises(FlashtreeError, match="at most 8 CTAs"):
+        mma.MMAConfig(1, 4, 9, 2, own_tiles=2)
 
 
 @pytest.mark.skipif(not _nvrtc_available(), reason="needs cuda-python and NVRTC")
@@ -513,6 +531,39 @@ def test_one_cta_an_sm_gives_the_bits_of_warps_owning_tiles(warps, chains, ring)
         _check_close(y, quant_matmul_reference(x[:m].float(), weight))
         glu = mma.matmul(x[:m], weight.raw, QType.Q4_K, n, k, config, "qmh", glu=True)
         assert torch.equal(glu, mma.matmul(x[:m], weight.raw, QType.Q4_K, n, k, four_warps, "qmh", glu=True)), m
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q6_K])
+@pytest.mark.parametrize("warps, splits, chains, ring, blocks", [(8, 3, 2, 3, 20), (4, 8, 2, 2, 24), (16, 6, 1, 2, 24)])
+def test_cluster_split_k_adds_the_splits_sums_in_split_order(qtype, warps, splits, chains, ring, blocks):
+    """K split over a thread-block cluster (`MMAConfig.cluster_splits`): each split sums its super-blocks as the
+    one-split launch of the same warps does on those super-blocks alone, and the cluster adds the splits' sums in
+    split order. So float32 outputs equal the in-order float32 sum of one-split launches on the K slices, bit for
+    bit (every slice holds the row's largest |x|, so prep_x scales each slice as the whole row, by a power of two
+    that commutes with the additions); and the bf16 outputs are right against the float32 reference."""
+    n, k = 32 * warps, 256 * blocks  # two row groups
+    weight = random_quant_weight(qtype, n, k, "cuda")
+    per = -(-blocks // splits)
+    bounds = [(256 * b, 256 * min(blocks, b + per)) for b in range(0, blocks, per)]
+    x = torch.randn(32, k, device="cuda", dtype=torch.bfloat16)
+    x[:, [lo for lo, _ in bounds]] = 8.0
+    config = mma.MMAConfig(1, warps, splits, chains, own_tiles=2, ring=ring)
+    one_split = mma.MMAConfig(1, warps, 1, chains, own_tiles=2, ring=ring)
+    type_size = weight.gguf_bytes().shape[1] // blocks
+    rows = weight.gguf_bytes().reshape(n, blocks, type_size)
+    slices = [(lo, hi, QuantWeight.from_gguf_bytes(rows[:, lo // 256:hi // 256].reshape(-1, type_size), qtype,
+                                                   (n, hi - lo)).raw) for lo, hi in bounds]
+    for m in (2, 9, 23, 32):
+        y = mma.matmul(x[:m], weight.raw, qtype, n, k, config, "qmh", out_dtype=torch.float32)
+        total = torch.zeros_like(y)
+        for lo, hi, raw in slices:
+            total += mma.matmul(x[:m, lo:hi].contiguous(), raw, qtype, n, hi - lo, one_split, "qmh",
+                                out_dtype=torch.float32)
+        assert torch.equal(y, total), m
+        _check_close(mma.matmul(x[:m], weight.raw, qtype, n, k, config, "qmh"),
+                     quant_matmul_reference(x[:m].float(), weight))
 
 
 @pytest.mark.gpu

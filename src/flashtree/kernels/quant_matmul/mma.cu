@@ -305,6 +305,29 @@ __device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_gr
 template <int PENDING>
 __device__ __forceinline__ void copy_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory"); }
 
+// Thread-block clusters (sm_90): the CTAs of one cluster read each other's shared memory (qmh's split-K sums)
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+// every thread of the cluster arrives (its shared-memory writes released) and waits for all the others
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// the same with nothing to publish (before leaving: no CTA may exit while another reads its shared memory)
+__device__ __forceinline__ void cluster_sync_relaxed() {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
+}
+// the float at `local` (this CTA's shared memory) as it stands in CTA `rank` of the cluster
+__device__ __forceinline__ float load_from_rank(const float* local, unsigned rank) {
+    unsigned remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(shared_address(local)), "r"(rank));
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    return v;
+}
+
 
 // The K loop of every kernel: this warp's super-blocks sb, sb + STRIDE, ... below `end`, each handed to
 // `multiply(weights, sb, next)` (next: the warp's following super-block, or sb again at the end).
@@ -1122,6 +1145,52 @@ __device__ __forceinline__ void epilogue_own(const float (&acc)[RT][TG][4], int 
     if constexpr (SPLITS > 1) finish_splits<SPLITS, WARPS * 32>(out, partial, tickets, 16 * RT * WARPS * blockIdx.x, 16 * RT * WARPS, M, N);
 }
 
+// qmh's end when its warps own tiles and the SPLITS CTAs of a row group, one thread-block cluster (`__cluster_dims__`
+// (1, SPLITS, 1), mma.py `_wrapper`), split K: each CTA puts its warps' sums in its own shared memory (`red`, x's
+// stages, free once the K loop is done), and after a cluster barrier CTA r adds the SPLITS sums of its SPLITS-th of
+// the outputs in split order, reading the other CTAs' shared memory (distributed shared memory: no global partials,
+// no ticket, no dependent L2 round trips; the order is fixed, so the bits do not depend on timing). The loads of a
+// thread are issued together, then added.
+template <int RT, int TG, int WARPS, int SPLITS, typename OT>
+__device__ __forceinline__ void epilogue_cluster(const float (&acc)[RT][TG][4], float* red, OT* __restrict__ out,
+                                                 int M, int N, const float* __restrict__ scale) {
+    constexpr int VALS = RT * TG * 4, ALL = WARPS * VALS * 32, THREADS = WARPS * 32;
+    constexpr int SHARE = (ALL + SPLITS - 1) / SPLITS, ITERS = (SHARE + THREADS - 1) / THREADS;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    copy_wait<0>();   // no copy of x or of the weights still lands in the stages
+    __syncthreads();  // and every warp is done reading them
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int tg = 0; tg < TG; ++tg)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) red[(warp * VALS + (rt * TG + tg) * 4 + c) * 32 + lane] = acc[rt][tg][c];
+    cluster_sync();
+    const int begin = (int)cluster_rank() * SHARE;
+    float part[ITERS][SPLITS];
+#pragma unroll
+    for (int i = 0; i < ITERS; ++i) {
+        const int e = min(begin + i * THREADS + (int)threadIdx.x, ALL - 1);
+#pragma unroll
+        for (int s = 0; s < SPLITS; ++s) part[i][s] = load_from_rank(red + e, s);
+    }
+#pragma unroll
+    for (int i = 0; i < ITERS; ++i) {
+        const int e = begin + i * THREADS + (int)threadIdx.x;  // (warp w, value v, lane l)
+        if (e >= min(ALL, begin + SHARE)) continue;
+        const int w = e / (VALS * 32), v = (e >> 5) % VALS, l = e & 31;
+        const int rt = v / (TG * 4), tg = (v >> 2) % TG, c = v & 3;
+        const int tok = 8 * tg + 2 * (l & 3) + (c & 1);
+        if (tok >= M) continue;
+        float total = 0.0f;
+#pragma unroll
+        for (int s = 0; s < SPLITS; ++s) total += part[i][s];
+        const int tile = (blockIdx.x * WARPS + w) * RT + rt;
+        store_out(out, (long)tok * N + 16 * tile + (l >> 2) + 8 * (c >> 1), total * __ldg(scale + tok));
+    }
+    cluster_sync_relaxed();
+}
+
 // qmh's K loop with x from `x` (GlobalX or SharedX: SHARED_X 1), the weights through a ring of RING stages (0: none)
 template <int QT, int RT, int TG, int STRIDE, int CH, int RING, int SHARED_X, typename XSource>
 __device__ __forceinline__ void walk_half(XSource& x, const unsigned char* quants, const unsigned char* high,
@@ -1142,6 +1211,8 @@ __device__ __forceinline__ void walk_half(XSource& x, const unsigned char* quant
 // all of x: at 23 rows 5.3 bytes of x per byte of weights); splits fill the GPU instead. OWN 2: the same with x
 // staged in shared memory (SharedX), the choice on wide matrices at 17-32 rows (2026-12-01, eighth session:
 // gate/up 23 rows 41.6 -> 36.1 us; OWN 1 and the second session's per-CTA double-buffered copy were slower).
+// OWN 2 with SPLITS > 1: the row group's splits are one thread-block cluster and add their sums through distributed
+// shared memory (`epilogue_cluster`), not through global partials and a ticket (`finish_splits`).
 template <int QT, int RT, int TG, int WARPS, int SPLITS, int CH, int XA, int OWN, int RING, int GLU, typename OT>
 __device__ __forceinline__ void qmh(const u16* __restrict__ xh, const u16* __restrict__ xsum,
                                     const float* __restrict__ scale, const unsigned char* __restrict__ quants,
@@ -1166,6 +1237,12 @@ __device__ __forceinline__ void qmh(const u16* __restrict__ xh, const u16* __res
         __shared__ __align__(16) unsigned char ring[Source::STAGES * Source::STAGE_BYTES];
         Source x(ring, xh, xsum, M, K, first, ks.end);
         walk_half<QT, RT, TG, STRIDE, CH, RING, 1>(x, quants, high, scales, dvals, tile0, SB, first, ks.end, acc);
+        if constexpr (SPLITS > 1) {  // the row group's splits are one cluster: their sums meet in shared memory
+            static_assert(SPLITS <= 8, "a portable cluster holds at most 8 CTAs");
+            static_assert(WARPS * RT * TG * 4 * 32 * 4 <= (int)sizeof(ring), "the warps' sums must fit x's stages");
+            epilogue_cluster<RT, TG, WARPS, SPLITS>(acc, reinterpret_cast<float*>(ring), out, M, N, scale);
+            return;
+        }
     } else {
         GlobalX<TG, XA> x(xh, xsum, M, K, first);
         walk_half<QT, RT, TG, STRIDE, CH, RING, 0>(x, quants, high, scales, dvals, tile0, SB, first, ks.end, acc);

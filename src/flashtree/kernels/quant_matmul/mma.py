@@ -37,6 +37,7 @@ TILE_ROWS = 16
 SUPER = 256
 MMA_TYPES = (QType.Q4_K, QType.Q6_K)
 MAX_M = 32  # rows of x one launch multiplies (four groups of 8 tokens)
+MAX_CLUSTER = 8  # CTAs of a portable thread-block cluster (sm_90)
 # bytes per tile super-block of each piece, in storage order
 PIECES: dict[QType, tuple[tuple[str, int], ...]] = {
     QType.Q4_K: (("quants", 2048), ("scales", 256)),
@@ -375,6 +376,16 @@ class MMAConfig:
     def __post_init__(self):
         if self.ring == 1 or self.ring < 0:
             raise FlashtreeError(f"a weight ring needs at least 2 stages (or 0 for none), not {self.ring}")
+        if self.cluster_splits and self.splits > MAX_CLUSTER:
+            raise FlashtreeError(f"own_tiles 2 splits K over a thread-block cluster of at most {MAX_CLUSTER} CTAs, "
+                                 f"not {self.splits}")
+
+    @property
+    def cluster_splits(self) -> bool:
+        """qmh's warps own tiles with x in shared memory (own_tiles 2) and K is split: the splits of a row group
+        are one thread-block cluster and add their sums through distributed shared memory (mma.cu
+        `epilogue_cluster`), with no global partials."""
+        return self.own_tiles == 2 and self.splits > 1
 
     @property
     def rows_per_cta(self) -> int:
@@ -461,7 +472,8 @@ def _wrapper(name: str, qtype: QType, config: MMAConfig, tg: int, kernel: str, x
     c = config
     _check_glu(glu, kernel, config)
     bounds = f"{c.warps * 32}, {c.min_blocks}" if c.min_blocks else f"{c.warps * 32}"
-    head = f'extern "C" __global__ void __launch_bounds__({bounds}) {name}'
+    cluster = f"__cluster_dims__(1, {c.splits}, 1) " if kernel == "qmh" and c.cluster_splits else ""
+    head = f'extern "C" __global__ void {cluster}__launch_bounds__({bounds}) {name}'
     xt, ot = _C_TYPES[x_dtype], _C_TYPES[out_dtype]
     if kernel == "qmh":
         call = (f"qmh<{qtype.name}, {c.rt}, {tg}, {c.warps}, {c.splits}, {c.chains}, {c.x_ahead}, {c.own_tiles}, "
@@ -751,8 +763,8 @@ def _launch_matmul(out: torch.Tensor, xs: list[torch.Tensor], raw: torch.Tensor,
     name = _instance(qtype, config, tg, kernel, x_dtype, out.dtype, glu)
     fn = _function(out.device, name, _wrapper(name, qtype, config, tg, kernel, x_dtype, out.dtype, glu))
     p = pieces_of(raw, qtype, n, k)
-    partial = (torch.empty(config.splits, m, n, dtype=torch.float32, device=out.device) if config.splits > 1
-               else out)
+    partial = (torch.empty(config.splits, m, n, dtype=torch.float32, device=out.device)
+               if config.splits > 1 and not (kernel == "qmh" and config.cluster_splits) else out)
     weights = ([p["quants"], p["scales"]] if kernel == "qmh" and qtype == QType.Q4_K else
                [p["quants"], p.get("high", p["quants"]), p["scales"], p.get("d", p["scales"])])
     tickets = _tickets(out.device, torch.cuda.current_stream(out.device).cuda_stream)
