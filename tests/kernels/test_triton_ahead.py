@@ -14,6 +14,31 @@ def test_the_installed_triton_compiles_through_the_step_this_records():
     assert triton_ahead.supported()
 
 
+def test_recording_keeps_autotuning_out_of_the_disk_cache():
+    """Inside `recorded_launches` an autotuner benchmarks its configs (their launches are what is recorded) but
+    reads and writes nothing of Triton's on-disk cache, whose choice later processes would take; after it the
+    cache step is Triton's again."""
+    from triton.runtime.autotuner import Autotuner
+
+    before = Autotuner.check_disk_cache
+    benched = []
+    with triton_ahead.recorded_launches():
+        assert Autotuner.check_disk_cache(None, ("key",), [], lambda: benched.append(1)) is False
+    assert benched == [1] and Autotuner.check_disk_cache is before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_autotuned_launch_recorded_writes_no_choice_to_disk_cuda(tmp_path, monkeypatch):
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))
+    tuned = triton.autotune([triton.Config({"BLOCK": 128}), triton.Config({"BLOCK": 256})], key=["n"],
+                            cache_results=True)(_add_one_kernel)
+    x = torch.zeros(1000, device="cuda")
+    with triton_ahead.recorded_launches() as launches:
+        tuned[(lambda meta: (triton.cdiv(x.numel(), meta["BLOCK"]),))](x, x.numel())
+    assert len(launches) == 2 and not list(tmp_path.rglob("*.autotune.json"))
+
+
 @triton.jit
 def _add_one_kernel(x_ptr, n, BLOCK: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

@@ -56,10 +56,20 @@ class Launch:
         return getattr(self.kernel, "__name__", repr(self.kernel))
 
 
+def _bench_without_the_disk_cache(self, tuning_key, configs, bench_fn) -> bool:
+    """`Autotuner.check_disk_cache` while recording: the configs are benchmarked (their launches recorded) and
+    nothing is read from or written to Triton's on-disk autotuning cache. Its timings are of launches that ran
+    nothing, so a choice written there would be taken by every later process: on an H100 fla's chunked
+    DeltaNet kernel then launched a config its shared memory does not hold (OutOfResources, 2026-12-05)."""
+    bench_fn()
+    return False
+
+
 @contextmanager
 def recorded_launches() -> Iterator[list[Launch]]:
     """Within: uncompiled launches are recorded (each specialization once) and not run. Autotuners' choices
-    made inside (from timings of launches that ran nothing) are forgotten at the end."""
+    made inside (from timings of launches that ran nothing) are forgotten at the end and never reach Triton's
+    on-disk autotuning cache."""
     launches: list[Launch] = []
     if not supported():
         yield launches
@@ -74,11 +84,16 @@ def recorded_launches() -> Iterator[list[Launch]]:
             launches.append(Launch(self, (key, signature, device, constexprs, options, attrs, warmup)))
         return None  # Triton's launch returns without running when its compile step gives nothing
 
+    disk_cache = getattr(Autotuner, "check_disk_cache", None)
     JITFunction._do_compile = record
+    if disk_cache is not None:
+        Autotuner.check_disk_cache = _bench_without_the_disk_cache
     try:
         yield launches
     finally:
         JITFunction._do_compile = compile_step
+        if disk_cache is not None:
+            Autotuner.check_disk_cache = disk_cache
         _restore_autotuner_choices(tuned)
 
 
