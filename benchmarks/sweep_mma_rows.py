@@ -73,9 +73,9 @@ QMV_RING_ALTERNATIVES = ((2, 0), (3, 0))
 ONE_CTA_ALTERNATIVES = ((1, 1, 2, 1), (1, 1, 3, 1), (1, 1, 4, 1), (1, 2, 3, 1), (2, 1, 2, 1), (2, 1, 3, 1),
                         (1, 1, 2, 2), (1, 1, 3, 2))
 # `--narrow`, in place of the alternatives above, on the narrow matrices (the FFN down and out projections: 320 row
-# tiles, fewer than 3 an SM): warps owning tiles with x staged in shared memory and K split over a thread-block
-# cluster of the splits, which add their sums through distributed shared memory (`MMAConfig.cluster_splits`):
-# warps, splits, chains, ring stages, CTAs an SM asked of ptxas
+# tiles, fewer than 3 an SM): the default (warps owning tiles with x staged in shared memory and K split over a
+# thread-block cluster, `mma._warps_owning_tiles_split_over_a_cluster`) against the launch before it and these other
+# forms of it: warps, splits, chains, ring stages, CTAs an SM asked of ptxas
 NARROW_ALTERNATIVES = ((8, 3, 2, 3, 0), (10, 4, 1, 3, 0), (10, 4, 2, 3, 0), (16, 6, 2, 2, 0), (8, 4, 2, 2, 2),
                        (8, 6, 2, 2, 2), (4, 3, 2, 3, 2), (5, 6, 2, 2, 3), (10, 8, 1, 2, 2))
 # and what `choose_config` took on these matrices before the ring (by token groups): the register-buffered qmh
@@ -124,10 +124,17 @@ def one_cta_variants(default: mma.MMAConfig, qtype: QType, n: int, k: int, rows:
     return [(_label("qmh", c), "qmh", c) for c in configs if c != default]
 
 
-def narrow_variants(default: mma.MMAConfig, n: int, k: int) -> list[tuple[str, str, mma.MMAConfig]]:
-    """`NARROW_ALTERNATIVES` that divide the matrix's tiles and leave every split a super-block."""
-    configs = [mma.MMAConfig(1, warps, splits, chains, min_blocks=blocks, own_tiles=2, ring=ring)
-               for warps, splits, chains, ring, blocks in NARROW_ALTERNATIVES]
+def narrow_variants(default: mma.MMAConfig, qtype: QType, n: int, k: int, rows: int,
+                    sms: int) -> list[tuple[str, str, mma.MMAConfig]]:
+    """The launch before the cluster split (FLASHTREE_QMH_CLUSTER_SPLITS=0) and the `NARROW_ALTERNATIVES` that divide
+    the matrix's tiles and leave every split a super-block."""
+    os.environ["FLASHTREE_QMH_CLUSTER_SPLITS"] = "0"
+    try:
+        configs = [mma.choose_config(qtype, rows, n, k, sms)]
+    finally:
+        del os.environ["FLASHTREE_QMH_CLUSTER_SPLITS"]
+    configs += [mma.MMAConfig(1, warps, splits, chains, min_blocks=blocks, own_tiles=2, ring=ring)
+                for warps, splits, chains, ring, blocks in NARROW_ALTERNATIVES]
     return [(_label("qmh", c), "qmh", c) for c in configs
             if c != default and n % c.rows_per_cta == 0 and k // 256 >= c.splits]
 
@@ -159,7 +166,7 @@ def variants(qtype: QType, m: int, n: int, k: int, ring: bool = False,
     if one_cta:
         return out + one_cta_variants(default, qtype, n, k, rows, sms)
     if narrow:
-        return out + narrow_variants(default, n, k)
+        return out + narrow_variants(default, qtype, n, k, rows, sms)
     for rt, warps, split, chains, min_blocks, x_ahead in QMH_ALTERNATIVES:
         c = mma.MMAConfig(rt, warps, split * default.splits, chains, min_blocks, x_ahead)
         if c != default and n % (16 * rt) == 0 and (k // 256) >= warps * c.splits:

@@ -313,6 +313,23 @@ def test_cuda_source_compiles_for_sm90():
     assert cubin[:4] == b"\x7fELF"
 
 
+def test_the_narrow_matrices_split_k_over_a_cluster_at_9_to_32_rows(monkeypatch):
+    """The FFN down and out projections (320 row tiles, fewer than 3 an SM) at 9-32 rows: 8 warps owning a tile
+    each, 40 row groups, K split over a cluster of 3 (120 CTAs, one an SM on 132); the same launch at 9-32 rows
+    (one row class), none at 2-8 rows, on the wide matrices or where qmm runs; FLASHTREE_QMH_CLUSTER_SPLITS=0
+    keeps the launch before it."""
+    cluster = mma.MMAConfig(1, 8, 3, 2, own_tiles=2, ring=3)
+    for qtype, n, k in ((QType.Q4_K, 5120, 17408), (QType.Q6_K, 5120, 17408), (QType.Q4_K, 5120, 6144)):
+        assert {mma.choose_config(qtype, m, n, k, 132) for m in (9, 16, 17, 23, 24, 25, 32)} == {cluster}
+        assert cluster.row_groups(n) * cluster.splits == 120
+        assert not mma.choose_config(qtype, 8, n, k, 132).cluster_splits
+    assert not mma.choose_config(QType.Q4_K, 23, 17408, 5120, 132).cluster_splits
+    assert not mma.choose_config(QType.Q6_K, 23, 1024, 5120, 132).cluster_splits  # qmm's
+    assert mma.choose_config(QType.Q4_K, 23, 5120, 1024, 132).splits <= 4  # K of 4 super-blocks: a split each
+    monkeypatch.setenv("FLASHTREE_QMH_CLUSTER_SPLITS", "0")
+    assert mma.choose_config(QType.Q6_K, 23, 5120, 17408, 132) == mma.MMAConfig(1, 4, 1, 1, 3, 1)
+
+
 def test_cluster_split_k_is_a_cluster_of_at_most_8_ctas():
     """qmh's warps owning tiles with x in shared memory split K over a thread-block cluster (`cluster_splits`): the
     instance declares the cluster of its splits, allocates no global partials, and a portable cluster caps the
@@ -623,19 +640,20 @@ def test_a_weight_ring_of_one_stage_is_refused():
 @gpu
 def test_q6_k_takes_the_float16_kernel_and_a_row_keeps_its_bits():
     """The down projection's verify rows go through qmh (quant_matmul gives the same bits as asking for it), and
-    a row's bits do not depend on the other rows within a class of row counts (2-16, and 17-32 with the
-    pieces of longer x), across classes within a rounding."""
+    a row's bits do not depend on the other rows within a class of row counts (2-8, and 9-32 with the pieces of
+    longer x: K split over a cluster, `_warps_owning_tiles_split_over_a_cluster`), across classes within a
+    rounding."""
     n, k = 5120, 17408
     weight, dense = _gpu_q6_k(n, k)
     x = torch.randn(40, k, device="cuda", dtype=torch.bfloat16)
     y = quant_matmul(x, weight)
     assert torch.equal(y, mma.matmul(x, weight.raw, QType.Q6_K, n, k, kernel="qmh"))
     _check_close(y, x.float() @ dense.T)
-    for m in (17, 23, 25, 32, 33):
+    for m in (9, 16, 17, 23, 25, 32, 33):
         assert torch.equal(quant_matmul(x[:m], weight), y[:m]), m
-    few = quant_matmul(x[:16], weight)
-    _check_close(few, x[:16].float() @ dense.T)
-    for m in (2, 8):
+    few = quant_matmul(x[:8], weight)
+    _check_close(few, x[:8].float() @ dense.T)
+    for m in (2, 5):
         assert torch.equal(quant_matmul(x[:m], weight), few[:m]), m
 
 

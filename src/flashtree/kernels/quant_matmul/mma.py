@@ -554,9 +554,10 @@ def choose_config(qtype: QType, m: int, n: int, k: int, sms: int = _H200_SMS, ke
 
     Warps and splits depend on the matrix only, never on M: they fix the order in which a row's K is
     summed. qmm (small matrices) then gives a row the same bits whatever the other rows; qmh does within
-    classes of row counts whose chains or K orders differ (they agree within an output rounding): Q4_K 2-16 and
-    17-32 where the warps own tiles (17-32, `own_tiles`: each warp sums all of K), else 2-24 and 25-32; Q6_K
-    17-32 and 2-16 on the FFN down projections, 17-24 and the rest on the LM head. Loading x a sub-block ahead
+    classes of row counts whose chains or K orders differ (they agree within an output rounding): on the narrow
+    matrices (the FFN down and out projections, Q4_K and Q6_K) 2-8 and 9-32 (`_warps_owning_tiles_split_over_a_
+    cluster`); Q4_K elsewhere 2-16 and 17-32 where the warps own tiles (17-32, `own_tiles`: each warp sums all of
+    K), else 2-24 and 25-32; Q6_K 17-24 and the rest on the LM head. Loading x a sub-block ahead
     (`x_ahead`) changes no arithmetic.
     The one-row kernel (decode) sums each sub-block in its own MMA column (Q4_K's MMAs in two chains) and
     adds them per lane, another order: a decode row and a verify row of the same token can differ in the last
@@ -583,6 +584,10 @@ def choose_config(qtype: QType, m: int, n: int, k: int, sms: int = _H200_SMS, ke
         wide_q4_k) else None
     if ring is not None:
         return ring
+    narrow = half and tg >= 2 and tiles < _NARROW_MAX_TILES_PER_SM * sms and cluster_splits_enabled()
+    cluster = _warps_owning_tiles_split_over_a_cluster(tiles, sb, sms) if narrow else None
+    if cluster is not None:
+        return cluster
     # Q6_K's qmh at 17-32 rows on 4-warp matrices (the FFN down projections) and at 17-24 on the LM head (there
     # on 4 warps too): one tile and one chain at 3 CTAs per SM, x a sub-block ahead (eighth session's sweeps: down
     # 5120x17408 at 23 rows 70.0 -> 49.3 us, at 32 rows 123.4 -> 59.1 us; the head at 23 rows 645.6 -> 569.1 us)
@@ -699,6 +704,38 @@ def _own_tiles_one_cta_an_sm(tiles: int, tg: int, sms: int) -> MMAConfig | None:
     if _shared_x_bytes(tg) + warps * ring * stage > _SHARED_PER_CTA:
         return None
     return MMAConfig(1, warps, 1, chains=2 if warps <= _ONE_CTA_MAX_WARPS_TWO_CHAINS else 1, own_tiles=2, ring=ring)
+
+
+# The narrow matrices: fewer row tiles than this an SM (the 27B's FFN down and out projections, 320 tiles)
+_NARROW_MAX_TILES_PER_SM = 3
+# their launch at 9-32 rows (`_warps_owning_tiles_split_over_a_cluster`): warps a CTA (a tile each), CTAs an SM,
+# accumulator chains, weight-ring stages
+_NARROW_WARPS, _NARROW_CTAS_PER_SM, _NARROW_CHAINS, _NARROW_RING = 8, 1, 2, 3
+
+
+def cluster_splits_enabled() -> bool:
+    """qmh on the narrow matrices with K split over a thread-block cluster (`_warps_owning_tiles_split_over_a_cluster`);
+    FLASHTREE_QMH_CLUSTER_SPLITS=0 keeps the launch before it (for A/B timings)."""
+    return os.environ.get("FLASHTREE_QMH_CLUSTER_SPLITS", "1") != "0"
+
+
+def _warps_owning_tiles_split_over_a_cluster(tiles: int, sb: int, sms: int) -> MMAConfig | None:
+    """Q4_K's and Q6_K's qmh at 9-32 rows on the narrow matrices (the FFN down and out projections): the launch
+    before it had each CTA's 4 warps split K over one 16-row tile, so every tile read all of x from L2 (at 23 rows
+    and K 17408, 800 KB of x per 72 KB of weights). Here `_NARROW_WARPS` warps own a tile each and share x staged
+    in shared memory (mma.cu `SharedX`), and the row group's K is split over a thread-block cluster of as many
+    CTAs as fill `_NARROW_CTAS_PER_SM` an SM (at most `MAX_CLUSTER`), whose sums meet through distributed shared
+    memory (mma.cu `epilogue_cluster`): x's L2 traffic falls by the warps' count, and no global partials or
+    tickets. One arithmetic for 9-32 rows. None where the warps do not divide the tiles or the CTAs would not
+    reach two splits."""
+    if tiles % _NARROW_WARPS:
+        return None
+    groups = tiles // _NARROW_WARPS
+    splits = min(MAX_CLUSTER, sb, _NARROW_CTAS_PER_SM * sms // groups)
+    if splits < 2:
+        return None
+    return MMAConfig(1, _NARROW_WARPS, splits, _NARROW_CHAINS, min_blocks=_NARROW_CTAS_PER_SM if
+                     _NARROW_CTAS_PER_SM > 1 else 0, own_tiles=2, ring=_NARROW_RING)
 
 
 def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: QType, n: int, k: int,
