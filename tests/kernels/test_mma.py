@@ -95,7 +95,8 @@ def test_warps_and_splits_do_not_depend_on_the_row_count():
     """Where a CTA's warps split K, they and the splits fix a row's summation order, so that rows of a class of row
     counts round the same whatever the other rows. One matrix has a class of its own: the Q6_K LM head at 17-24
     rows runs on 4 warps, not 2 (its chains differ there anyway). Warps that own tiles each sum all of K, whatever
-    their count: on a wide Q4_K matrix (17408 x 5120) qmh at 9-32 rows runs one CTA an SM, 9 warps of a tile each."""
+    their count: on a wide Q4_K matrix (17408 x 5120) qmh at 9-32 rows runs one CTA an SM, 9 warps of a tile each;
+    on the narrow ones (5120 x 17408) one split of K over a cluster at 9-32 rows."""
     for qtype in TYPES:
         for n, k in [(17408, 5120), (5120, 17408), (1024, 5120), (248320, 5120)]:
             configs = {m: mma.choose_config(qtype, m, n, k) for m in range(1, 33)}
@@ -104,18 +105,23 @@ def test_warps_and_splits_do_not_depend_on_the_row_count():
                 configs = {m: c for m, c in configs.items() if not 17 <= m <= 24}
             if qtype == QType.Q4_K and n == 17408:
                 assert {configs[m] for m in range(9, 33)} == {mma.MMAConfig(1, 9, 1, 2, own_tiles=2, ring=4)}
+            cluster = {m: c for m, c in configs.items() if c.cluster_splits}
+            assert len(set(cluster.values())) <= 1 and set(cluster) <= set(range(9, 33)), (qtype, n, k)
+            configs = {m: c for m, c in configs.items() if m not in cluster}
             splitting_k = {(c.warps, c.splits) for c in configs.values() if not c.own_tiles}
             assert len(splitting_k) == 1, (qtype, n, k)
             assert {c.splits for c in configs.values()} == {splitting_k.pop()[1]}, (qtype, n, k)
 
 
-def test_configurations_follow_the_sweep():
+def test_configurations_follow_the_sweep(monkeypatch):
     """The H200 sweeps' choices (docs/PERFORMANCE.md): the LM head on 2 warps, small matrices split K, Q4_K's
     one-row kernel on two accumulator chains, Q6_K's bf16 kernel pairs row tiles from 17 rows, Q4_K's bf16
     kernel at 9-16 and 25-32; Q4_K's float16 kernel at 17-32 rows runs 3 CTAs per SM, its warps owning a tile
     each (x shared in shared memory) where the matrix has a 64-row group per SM, else x a sub-block ahead (one
     chain at 25-32 rows); on the wide Q4_K matrices (at least 5 row tiles per SM) from 9 rows two tiles a warp,
-    the weights through a shared-memory ring, at the CTAs per SM whose waves are fullest."""
+    the weights through a shared-memory ring, at the CTAs per SM whose waves are fullest. (The narrow matrices'
+    launch at 9-32 rows, K split over a cluster, has a test of its own: here the one before it.)"""
+    monkeypatch.setenv("FLASHTREE_QMH_CLUSTER_SPLITS", "0")
     assert mma.choose_config(QType.Q6_K, 1, 248320, 5120) == mma.MMAConfig(1, 2, 1)
     assert mma.choose_config(QType.Q6_K, 23, 248320, 5120, kernel="qmm") == mma.MMAConfig(2, 2, 1)
     assert mma.choose_config(QType.Q4_K, 1, 5120, 17408) == mma.MMAConfig(1, 4, 1, chains=2)
@@ -167,16 +173,20 @@ def test_q6_k_takes_the_float16_kernel_where_q4_k_does():
 
 
 def test_q6_k_float16_kernel_has_two_classes_of_row_counts():
-    """Each class gives a row the same bits whatever the other rows. On 4-warp matrices (the FFN down
-    projections): one tile and two chains at 2-16 rows, one tile and one chain at 17-32 (3 CTAs per SM,
-    x a sub-block ahead; also attention V when qmh is asked for it). On the LM head (2 warps): 4 warps splitting K and
+    """Each class gives a row the same bits whatever the other rows. On the FFN down projections: one tile and
+    two chains at 2-8 rows, K split over a cluster at 9-32 (`_warps_owning_tiles_split_over_a_cluster`). On other
+    4-warp matrices: one tile and two chains at 2-16 rows, one tile and one chain at 17-32 (3 CTAs per SM, x a
+    sub-block ahead; also attention V when qmh is asked for it). On the LM head (2 warps): 4 warps splitting K and
     one chain at 17-24 rows (two tiles a warp through a weight ring), one tile and two chains elsewhere."""
     for n, k in Q6_K_SHAPES:
         head = n == 248320
         warps = 2 if head else 4
         classes = {m: mma.choose_config(QType.Q6_K, m, n, k, kernel="qmh") for m in range(2, 33)}
         splits = classes[2].splits
-        if head:
+        if n == 5120:
+            assert {classes[m] for m in range(9, 33)} == {mma.MMAConfig(1, 8, 3, 2, own_tiles=2, ring=3)}
+            assert {classes[m] for m in range(2, 9)} == {mma.MMAConfig(1, warps, splits, 2)}
+        elif head:
             assert {classes[m] for m in range(17, 25)} == {mma.MMAConfig(2, 4, splits, 1, min_blocks=3, ring=2)}
             assert {classes[m] for m in (*range(2, 17), *range(25, 33))} == {mma.MMAConfig(1, warps, splits, 2)}
         else:
@@ -189,9 +199,10 @@ def test_load_time_compile_plans_the_q6_k_float16_kernel_and_its_x_conversion():
     jobs = dict(mma.instances_for({(QType.Q6_K, 5120, 17408)}, 132))
     assert "prep_x_f16_q6_k" in jobs and "prep_x_f16" not in jobs
     assert sorted(name for name in jobs if name.startswith("qmh")) == [
-        "qmh_q6_k_r1_t1_w4_s1_c2", "qmh_q6_k_r1_t2_w4_s1_c2", "qmh_q6_k_r1_t3_w4_s1_c1_b3_x1",
-        "qmh_q6_k_r1_t4_w4_s1_c1_b3_x1"]
-    assert "qmh<Q6_K, 1, 3, 4, 1, 1, 1, 0, 0, 0>(xh, nullptr, scale, q, h, s, d," in jobs["qmh_q6_k_r1_t3_w4_s1_c1_b3_x1"]
+        "qmh_q6_k_r1_t1_w4_s1_c2", "qmh_q6_k_r1_t2_w8_s3_c2_own2_g3", "qmh_q6_k_r1_t3_w8_s3_c2_own2_g3",
+        "qmh_q6_k_r1_t4_w8_s3_c2_own2_g3"]
+    assert ("qmh<Q6_K, 1, 3, 8, 3, 2, 0, 2, 3, 0>(xh, nullptr, scale, q, h, s, d,"
+            in jobs["qmh_q6_k_r1_t3_w8_s3_c2_own2_g3"])
     assert "prep_x<Q6_K>(x, xh, nullptr, scale, K)" in jobs["prep_x_f16_q6_k"]
     small = [name for name, _ in mma.instances_for({(QType.Q6_K, 1024, 5120)}, 132)]
     assert not any(name.startswith(("qmh", "prep_x")) for name in small)

@@ -584,7 +584,8 @@ def choose_config(qtype: QType, m: int, n: int, k: int, sms: int = _H200_SMS, ke
         wide_q4_k) else None
     if ring is not None:
         return ring
-    narrow = half and tg >= 2 and tiles < _NARROW_MAX_TILES_PER_SM * sms and cluster_splits_enabled()
+    narrow = (half and tg >= 2 and tiles < _NARROW_MAX_TILES_PER_SM * sms and n * k >= QMH_MIN_WEIGHTS
+              and cluster_splits_enabled())
     cluster = _warps_owning_tiles_split_over_a_cluster(tiles, sb, sms) if narrow else None
     if cluster is not None:
         return cluster
