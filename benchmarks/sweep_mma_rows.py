@@ -76,8 +76,8 @@ ONE_CTA_ALTERNATIVES = ((1, 1, 2, 1), (1, 1, 3, 1), (1, 1, 4, 1), (1, 2, 3, 1), 
 # tiles, fewer than 3 an SM): the default (warps owning tiles with x staged in shared memory and K split over a
 # thread-block cluster, `mma._warps_owning_tiles_split_over_a_cluster`) against the launch before it and these other
 # forms of it: warps, splits, chains, ring stages, CTAs an SM asked of ptxas
-NARROW_ALTERNATIVES = ((8, 3, 2, 3, 0), (10, 4, 1, 3, 0), (10, 4, 2, 3, 0), (16, 6, 2, 2, 0), (8, 4, 2, 2, 2),
-                       (8, 6, 2, 2, 2), (4, 3, 2, 3, 2), (5, 6, 2, 2, 3), (10, 8, 1, 2, 2))
+NARROW_ALTERNATIVES = ((8, 3, 2, 3, 0), (10, 4, 1, 3, 0), (16, 6, 2, 2, 0), (8, 6, 2, 2, 2), (4, 3, 2, 3, 2),
+                       (5, 6, 2, 2, 3), (10, 8, 1, 2, 2))
 # and what `choose_config` took on these matrices before the ring (by token groups): the register-buffered qmh
 PRE_RING = {2: mma.MMAConfig(1, 4, 1, 2), 3: mma.MMAConfig(1, 4, 1, 2, min_blocks=3, own_tiles=2),
             4: mma.MMAConfig(1, 4, 1, 2, min_blocks=3, own_tiles=2)}

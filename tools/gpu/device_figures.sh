@@ -38,7 +38,7 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
     # two-tile ring before it and its other forms (benchmarks/sweep_mma_rows.py --one-cta)
     # the narrow matrices (FFN down, out projections) with K split over a thread-block cluster against the defaults
     sweep-narrow) timeout $(( ${BUDGET_NARROW:-190} + 60 )) python3 benchmarks/sweep_mma_rows.py --types Q4_K,Q6_K --narrow \
-                      --matrices down,out --rows "${NARROW_ROWS:-16,23,32}" --budget-s "${BUDGET_NARROW:-190}" \
+                      --matrices down,out --rows "${NARROW_ROWS:-16,23}" --budget-s "${BUDGET_NARROW:-190}" \
                       --out "$OUT/narrow.json" > "$OUT/narrow.txt" 2>&1
                   echo "== sweep-narrow (rc $?)"; grep -A12 summary "$OUT/narrow.txt" ;;
     sweep-one-cta) timeout $(( ${BUDGET_ONE_CTA:-110} + 60 )) python3 benchmarks/sweep_mma_rows.py --types Q4_K --one-cta \
