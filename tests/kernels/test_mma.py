@@ -172,12 +172,13 @@ def test_q6_k_takes_the_float16_kernel_where_q4_k_does():
     assert mma.kernel_for(QType.Q6_K, 3, 1024, 5120) == "qmm" and mma.kernel_for(QType.Q6_K, 3, 5120, 17408) == "qmh"
 
 
-def test_q6_k_float16_kernel_has_two_classes_of_row_counts():
+def test_q6_k_float16_kernel_has_two_classes_of_row_counts(monkeypatch):
     """Each class gives a row the same bits whatever the other rows. On the FFN down projections: one tile and
     two chains at 2-8 rows, K split over a cluster at 9-32 (`_warps_owning_tiles_split_over_a_cluster`). On other
     4-warp matrices: one tile and two chains at 2-16 rows, one tile and one chain at 17-32 (3 CTAs per SM, x a
     sub-block ahead; also attention V when qmh is asked for it). On the LM head (2 warps): 4 warps splitting K and
     one chain at 17-24 rows (two tiles a warp through a weight ring), one tile and two chains elsewhere."""
+    monkeypatch.setenv("FLASHTREE_QMH_CLUSTER_SPLITS", "1")
     for n, k in Q6_K_SHAPES:
         head = n == 248320
         warps = 2 if head else 4
@@ -195,7 +196,8 @@ def test_q6_k_float16_kernel_has_two_classes_of_row_counts():
             assert {classes[m] for m in range(2, 17)} == {mma.MMAConfig(1, warps, splits, 2)}, (n, k)
 
 
-def test_load_time_compile_plans_the_q6_k_float16_kernel_and_its_x_conversion():
+def test_load_time_compile_plans_the_q6_k_float16_kernel_and_its_x_conversion(monkeypatch):
+    monkeypatch.setenv("FLASHTREE_QMH_CLUSTER_SPLITS", "1")
     jobs = dict(mma.instances_for({(QType.Q6_K, 5120, 17408)}, 132))
     assert "prep_x_f16_q6_k" in jobs and "prep_x_f16" not in jobs
     assert sorted(name for name in jobs if name.startswith("qmh")) == [
@@ -329,6 +331,7 @@ def test_the_narrow_matrices_split_k_over_a_cluster_at_9_to_32_rows(monkeypatch)
     each, 40 row groups, K split over a cluster of 3 (120 CTAs, one an SM on 132); the same launch at 9-32 rows
     (one row class), none at 2-8 rows, on the wide matrices or where qmm runs; FLASHTREE_QMH_CLUSTER_SPLITS=0
     keeps the launch before it."""
+    monkeypatch.setenv("FLASHTREE_QMH_CLUSTER_SPLITS", "1")
     cluster = mma.MMAConfig(1, 8, 3, 2, own_tiles=2, ring=3)
     for qtype, n, k in ((QType.Q4_K, 5120, 17408), (QType.Q6_K, 5120, 17408), (QType.Q4_K, 5120, 6144)):
         assert {mma.choose_config(qtype, m, n, k, 132) for m in (9, 16, 17, 23, 24, 25, 32)} == {cluster}
@@ -649,23 +652,26 @@ def test_a_weight_ring_of_one_stage_is_refused():
 
 @pytest.mark.gpu
 @gpu
-def test_q6_k_takes_the_float16_kernel_and_a_row_keeps_its_bits():
+@pytest.mark.parametrize("cluster, same, few, other", [("1", (9, 16, 17, 23, 25, 32, 33), 8, (2, 5)),
+                                                       ("0", (17, 23, 25, 32, 33), 16, (2, 8))])
+def test_q6_k_takes_the_float16_kernel_and_a_row_keeps_its_bits(monkeypatch, cluster, same, few, other):
     """The down projection's verify rows go through qmh (quant_matmul gives the same bits as asking for it), and
-    a row's bits do not depend on the other rows within a class of row counts (2-8, and 9-32 with the pieces of
-    longer x: K split over a cluster, `_warps_owning_tiles_split_over_a_cluster`), across classes within a
-    rounding."""
+    a row's bits do not depend on the other rows within a class of row counts (with K split over a cluster,
+    `_warps_owning_tiles_split_over_a_cluster`: 2-8 and 9-32 with the pieces of longer x; without: 2-16 and
+    17-32), across classes within a rounding."""
+    monkeypatch.setenv("FLASHTREE_QMH_CLUSTER_SPLITS", cluster)
     n, k = 5120, 17408
     weight, dense = _gpu_q6_k(n, k)
     x = torch.randn(40, k, device="cuda", dtype=torch.bfloat16)
     y = quant_matmul(x, weight)
     assert torch.equal(y, mma.matmul(x, weight.raw, QType.Q6_K, n, k, kernel="qmh"))
     _check_close(y, x.float() @ dense.T)
-    for m in (9, 16, 17, 23, 25, 32, 33):
+    for m in same:
         assert torch.equal(quant_matmul(x[:m], weight), y[:m]), m
-    few = quant_matmul(x[:8], weight)
-    _check_close(few, x[:8].float() @ dense.T)
-    for m in (2, 5):
-        assert torch.equal(quant_matmul(x[:m], weight), few[:m]), m
+    fewer = quant_matmul(x[:few], weight)
+    _check_close(fewer, x[:few].float() @ dense.T)
+    for m in other:
+        assert torch.equal(quant_matmul(x[:m], weight), fewer[:m]), m
 
 
 @pytest.mark.gpu
