@@ -44,7 +44,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="ablate.json")
     args = parser.parse_args()
-    shipped = mma._SOURCE.read_text()
+    shipped = mma.source()
     arch = mma.arch_of(torch.device("cuda"))
     sources = {}
     for label, patch in ABLATIONS.items():

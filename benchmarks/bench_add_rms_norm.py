@@ -39,7 +39,7 @@ def variant_function(name: str, edits, device: torch.device):
     """The kernel of add_rms_norm.cu with `edits` applied (compiled here; the shipped one when there are none)."""
     if not edits:
         return norm._cluster_function(device)
-    source = norm._CLUSTER_SOURCE.read_text()
+    source = norm.cluster_source()
     for old, new in edits:
         assert old in source, (name, old)
         source = source.replace(old, new)

@@ -132,8 +132,9 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=300)
     args = parser.parse_args()
     t0 = time.time()
-    head = Path(args.head).read_text() if args.head else mma._SOURCE.read_text()
-    candidate = Path(args.candidate).read_text()
+    # mma.cu files as NVRTC compiles them: the cluster helpers first
+    head = mma.cuda_functions.with_cluster_helpers(Path(args.head)) if args.head else mma.source()
+    candidate = mma.cuda_functions.with_cluster_helpers(Path(args.candidate))
     arch = mma.arch_of(torch.device("cuda"))
     plan = []
     for qtype in (QType.Q4_K, QType.Q6_K):

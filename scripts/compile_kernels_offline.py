@@ -248,7 +248,7 @@ def mma() -> None:
                     continue
                 try:
                     wrapper = kernels._wrapper(name, qtype, c, tg, kernel, dtype, dtype, glu)
-                    cubin = kernels.compile_cubin(kernels._SOURCE.read_text() + wrapper, "sm_90")
+                    cubin = kernels.compile_cubin(kernels.source() + wrapper, "sm_90")
                     results[key] = _machine_code_facts(cubin)
                 except Exception as e:  # noqa: BLE001 - report and go on
                     results[key] = {"error": str(e).splitlines()[-1]}

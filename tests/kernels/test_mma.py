@@ -322,7 +322,7 @@ def test_cuda_source_compiles_for_sm90():
                 + mma._wrapper("t", QType.Q4_K, mma.MMAConfig(1, 8, 3, 2, own_tiles=2, ring=3), 4, "qmh")
                 + mma._wrapper("u", QType.Q6_K, mma.MMAConfig(1, 4, 8, 1, own_tiles=2, ring=2), 2, "qmh",
                                torch.bfloat16, torch.float32))
-    cubin = mma.compile_cubin(mma._SOURCE.read_text() + wrappers, "sm_90")
+    cubin = mma.compile_cubin(mma.source() + wrappers, "sm_90")
     assert cubin[:4] == b"\x7fELF"
 
 
@@ -367,7 +367,7 @@ def test_min_blocks_caps_the_registers_ptxas_may_use():
     assert name.endswith("_c2_b3") and name != mma._instance(QType.Q4_K, mma.MMAConfig(1, 4, 1, 2), 3, "qmh")
     wrapper = mma._wrapper(name, QType.Q4_K, config, 3, "qmh")
     assert "__launch_bounds__(128, 3)" in wrapper
-    cubin = mma.compile_cubin(mma._SOURCE.read_text() + wrapper, "sm_90")
+    cubin = mma.compile_cubin(mma.source() + wrapper, "sm_90")
     # the function's register count (EIATTR_REGCOUNT: attribute 0x2f, then its 4-byte size, symbol, value)
     regcount = cubin.find(bytes([0x04, 0x2F, 0x08, 0x00]))
     assert regcount >= 0 and int.from_bytes(cubin[regcount + 8 : regcount + 12], "little") <= 170

@@ -33,7 +33,7 @@ def test_cluster_kernel_compiles_for_sm90_without_a_gpu():
     pytest.importorskip("cuda.bindings")
     from flashtree.nvrtc import compile_cubin
 
-    assert compile_cubin(rms_norm_module._CLUSTER_SOURCE.read_text(), "sm_90")[:4] == b"\x7fELF"
+    assert compile_cubin(rms_norm_module.cluster_source(), "sm_90")[:4] == b"\x7fELF"
 
 
 def test_cluster_kernel_takes_only_few_float32_gpu_rows():

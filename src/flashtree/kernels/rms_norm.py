@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from flashtree.kernels import triton_runs_on
-from flashtree.kernels.cuda_functions import functions, launch, nvrtc_loads
+from flashtree.kernels.cuda_functions import functions, launch, nvrtc_loads, with_cluster_helpers
 
 try:  # the kernel needs triton; the reference does not
     import triton
@@ -75,6 +75,11 @@ CLUSTER_MAX_ROWS = 64  # decode, verify and short chunks; longer ones fill the G
 _CLUSTER_SOURCE = Path(__file__).with_name("add_rms_norm.cu")
 
 
+def cluster_source() -> str:
+    """add_rms_norm.cu as NVRTC compiles it, the cluster helpers first."""
+    return with_cluster_helpers(_CLUSTER_SOURCE)
+
+
 def _cluster_kernel_takes(h: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor | None = None) -> bool:
     """float32 rows (and weight) on a GPU with thread-block clusters (sm_90+), few enough rows, columns that split
     into whole float4s per CTA and fit its registers, and 16-byte aligned inputs (its float4 loads);
@@ -96,7 +101,7 @@ _CLUSTER_KERNEL = "add_rms_norm_f32"
 
 
 def _cluster_function(device: torch.device):
-    return functions(device).function(_CLUSTER_KERNEL, _CLUSTER_SOURCE.read_text)
+    return functions(device).function(_CLUSTER_KERNEL, cluster_source)
 
 
 def cuda_jobs(device: torch.device, activations: torch.dtype) -> list[tuple[str, str]]:
@@ -104,7 +109,7 @@ def cuda_jobs(device: torch.device, activations: torch.dtype) -> list[tuple[str,
     on `device`, for the load-time compile (engine/loader.py); none elsewhere."""
     if torch.device(device).type != "cuda" or activations != torch.float32 or not _clusters_available(device):
         return []
-    return [(_CLUSTER_KERNEL, _CLUSTER_SOURCE.read_text())]
+    return [(_CLUSTER_KERNEL, cluster_source())]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

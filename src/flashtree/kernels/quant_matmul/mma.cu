@@ -305,30 +305,6 @@ __device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_gr
 template <int PENDING>
 __device__ __forceinline__ void copy_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory"); }
 
-// Thread-block clusters (sm_90): the CTAs of one cluster read each other's shared memory (qmh's split-K sums)
-__device__ __forceinline__ unsigned cluster_rank() {
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-// every thread of the cluster arrives (its shared-memory writes released) and waits for all the others
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-// the same with nothing to publish (before leaving: no CTA may exit while another reads its shared memory)
-__device__ __forceinline__ void cluster_sync_relaxed() {
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
-}
-// the float at `local` (this CTA's shared memory) as it stands in CTA `rank` of the cluster
-__device__ __forceinline__ float load_from_rank(const float* local, unsigned rank) {
-    unsigned remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(shared_address(local)), "r"(rank));
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-    return v;
-}
-
-
 // The K loop of every kernel: this warp's super-blocks sb, sb + STRIDE, ... below `end`, each handed to
 // `multiply(weights, sb, next)` (next: the warp's following super-block, or sb again at the end).
 // RING 0: double-buffered in registers: the next super-block's weights are requested before this one is

@@ -46,6 +46,11 @@ PIECES: dict[QType, tuple[tuple[str, int], ...]] = {
 _SOURCE = Path(__file__).with_name("mma.cu")
 
 
+def source() -> str:
+    """mma.cu as NVRTC compiles it (the cluster helpers first): an instance is this and its wrapper."""
+    return cuda_functions.with_cluster_helpers(_SOURCE)
+
+
 def supports(qtype: QType, shape: tuple[int, int]) -> bool:
     n, k = shape
     return qtype in MMA_TYPES and n % TILE_ROWS == 0 and k % SUPER == 0
@@ -526,7 +531,7 @@ def _dequant_wrapper(name: str, qtype: QType, out: int) -> str:
 
 def _function(device: torch.device, name: str, wrapper: str):
     """Instance `name` (mma.cu with its `wrapper`) on `device`."""
-    return functions(device).function(name, lambda: _SOURCE.read_text() + wrapper)
+    return functions(device).function(name, lambda: source() + wrapper)
 
 
 @functools.cache
@@ -861,7 +866,7 @@ def instances_for(shapes, sms: int, dtype: torch.dtype = torch.bfloat16, glu_sha
 
 def with_source(jobs: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """(name, wrapper) instances as (name, whole source): mma.cu with the wrapper, what `cuda_functions` compiles."""
-    base = _SOURCE.read_text()
+    base = source()
     return [(name, base + wrapper) for name, wrapper in jobs]
 
 
