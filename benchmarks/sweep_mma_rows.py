@@ -73,9 +73,9 @@ QMV_RING_ALTERNATIVES = ((2, 0), (3, 0))
 ONE_CTA_ALTERNATIVES = ((1, 1, 2, 1), (1, 1, 3, 1), (1, 1, 4, 1), (1, 2, 3, 1), (2, 1, 2, 1), (2, 1, 3, 1),
                         (1, 1, 2, 2), (1, 1, 3, 2))
 # `--narrow`, in place of the alternatives above, on the narrow matrices (the FFN down and out projections: 320 row
-# tiles, fewer than 3 an SM): the default (warps owning tiles with x staged in shared memory and K split over a
-# thread-block cluster, `mma._warps_owning_tiles_split_over_a_cluster`) against the launch before it and these other
-# forms of it: warps, splits, chains, ring stages, CTAs an SM asked of ptxas
+# tiles, fewer than 3 an SM): warps owning tiles with x staged in shared memory and K split over a thread-block
+# cluster (`mma._warps_owning_tiles_split_over_a_cluster`, FLASHTREE_QMH_CLUSTER_SPLITS=1) against the launch without
+# it and these other forms of it: warps, splits, chains, ring stages, CTAs an SM asked of ptxas
 NARROW_ALTERNATIVES = ((8, 3, 2, 3, 0), (10, 4, 1, 3, 0), (16, 6, 2, 2, 0), (8, 6, 2, 2, 2), (4, 3, 2, 3, 2),
                        (5, 6, 2, 2, 3), (10, 8, 1, 2, 2))
 # and what `choose_config` took on these matrices before the ring (by token groups): the register-buffered qmh
@@ -126,13 +126,19 @@ def one_cta_variants(default: mma.MMAConfig, qtype: QType, n: int, k: int, rows:
 
 def narrow_variants(default: mma.MMAConfig, qtype: QType, n: int, k: int, rows: int,
                     sms: int) -> list[tuple[str, str, mma.MMAConfig]]:
-    """The launch before the cluster split (FLASHTREE_QMH_CLUSTER_SPLITS=0) and the `NARROW_ALTERNATIVES` that divide
-    the matrix's tiles and leave every split a super-block."""
+    """The launch without the cluster split (FLASHTREE_QMH_CLUSTER_SPLITS=0), the one with it (=1), and the
+    `NARROW_ALTERNATIVES` that divide the matrix's tiles and leave every split a super-block."""
+    before = os.environ.get("FLASHTREE_QMH_CLUSTER_SPLITS")
     os.environ["FLASHTREE_QMH_CLUSTER_SPLITS"] = "0"
     try:
         configs = [mma.choose_config(qtype, rows, n, k, sms)]
+        os.environ["FLASHTREE_QMH_CLUSTER_SPLITS"] = "1"
+        configs.append(mma.choose_config(qtype, rows, n, k, sms))
     finally:
-        del os.environ["FLASHTREE_QMH_CLUSTER_SPLITS"]
+        if before is None:
+            del os.environ["FLASHTREE_QMH_CLUSTER_SPLITS"]
+        else:
+            os.environ["FLASHTREE_QMH_CLUSTER_SPLITS"] = before
     configs += [mma.MMAConfig(1, warps, splits, chains, min_blocks=blocks, own_tiles=2, ring=ring)
                 for warps, splits, chains, ring, blocks in NARROW_ALTERNATIVES]
     return [(_label("qmh", c), "qmh", c) for c in configs

@@ -560,9 +560,10 @@ def choose_config(qtype: QType, m: int, n: int, k: int, sms: int = _H200_SMS, ke
     Warps and splits depend on the matrix only, never on M: they fix the order in which a row's K is
     summed. qmm (small matrices) then gives a row the same bits whatever the other rows; qmh does within
     classes of row counts whose chains or K orders differ (they agree within an output rounding): on the narrow
-    matrices (the FFN down and out projections, Q4_K and Q6_K) 2-8 and 9-32 (`_warps_owning_tiles_split_over_a_
-    cluster`); Q4_K elsewhere 2-16 and 17-32 where the warps own tiles (17-32, `own_tiles`: each warp sums all of
-    K), else 2-24 and 25-32; Q6_K 17-24 and the rest on the LM head. Loading x a sub-block ahead
+    matrices (the FFN down and out projections, Q4_K and Q6_K) with FLASHTREE_QMH_CLUSTER_SPLITS=1 2-8 and 9-32
+    (`_warps_owning_tiles_split_over_a_cluster`); Q4_K elsewhere 2-16 and 17-32 where the warps own tiles (17-32,
+    `own_tiles`: each warp sums all of K), else 2-24 and 25-32; Q6_K 17-32 and 2-16 on the FFN down projections
+    (without the cluster split), 17-24 and the rest on the LM head. Loading x a sub-block ahead
     (`x_ahead`) changes no arithmetic.
     The one-row kernel (decode) sums each sub-block in its own MMA column (Q4_K's MMAs in two chains) and
     adds them per lane, another order: a decode row and a verify row of the same token can differ in the last
@@ -720,9 +721,10 @@ _NARROW_WARPS, _NARROW_CTAS_PER_SM, _NARROW_CHAINS, _NARROW_RING = 8, 1, 2, 3
 
 
 def cluster_splits_enabled() -> bool:
-    """qmh on the narrow matrices with K split over a thread-block cluster (`_warps_owning_tiles_split_over_a_cluster`);
-    FLASHTREE_QMH_CLUSTER_SPLITS=0 keeps the launch before it (for A/B timings)."""
-    return os.environ.get("FLASHTREE_QMH_CLUSTER_SPLITS", "1") != "0"
+    """qmh on the narrow matrices with K split over a thread-block cluster (`_warps_owning_tiles_split_over_a_cluster`)
+    where FLASHTREE_QMH_CLUSTER_SPLITS=1. Off by default until a GPU has timed and tested it (no device could be
+    started in the twenty-ninth session, docs/PERFORMANCE.md); its sweep is `sweep_mma_rows.py --narrow`."""
+    return os.environ.get("FLASHTREE_QMH_CLUSTER_SPLITS", "0") == "1"
 
 
 def _warps_owning_tiles_split_over_a_cluster(tiles: int, sb: int, sms: int) -> MMAConfig | None:
