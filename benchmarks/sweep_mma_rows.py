@@ -78,6 +78,10 @@ ONE_CTA_ALTERNATIVES = ((1, 1, 2, 1), (1, 1, 3, 1), (1, 1, 4, 1), (1, 2, 3, 1), 
 # it and these other forms of it: warps, splits, chains, ring stages, CTAs an SM asked of ptxas
 NARROW_ALTERNATIVES = ((8, 3, 2, 3, 0), (10, 4, 1, 3, 0), (16, 6, 2, 2, 0), (8, 6, 2, 2, 2), (4, 3, 2, 3, 2),
                        (5, 6, 2, 2, 3), (10, 8, 1, 2, 2))
+# `--resident`, in place of the alternatives above, on the LM head at 2-16 rows: x resident in shared memory, warps
+# walking whole tiles grid-wide (`mma._RESIDENT_X_HEAD`, FLASHTREE_QMH_RESIDENT_X=1) against the launch without it and
+# these other forms: warps, chains, ring stages
+RESIDENT_ALTERNATIVES = ((16, 2, 0), (8, 2, 0), (16, 1, 0), (12, 2, 0), (8, 2, 2))
 # and what `choose_config` took on these matrices before the ring (by token groups): the register-buffered qmh
 PRE_RING = {2: mma.MMAConfig(1, 4, 1, 2), 3: mma.MMAConfig(1, 4, 1, 2, min_blocks=3, own_tiles=2),
             4: mma.MMAConfig(1, 4, 1, 2, min_blocks=3, own_tiles=2)}
@@ -124,29 +128,46 @@ def one_cta_variants(default: mma.MMAConfig, qtype: QType, n: int, k: int, rows:
     return [(_label("qmh", c), "qmh", c) for c in configs if c != default]
 
 
+def _without_and_with(switch: str, qtype: QType, n: int, k: int, rows: int, sms: int) -> list[mma.MMAConfig]:
+    """`choose_config`'s launch with the environment switch at 0, then at 1 (the switch left as it was)."""
+    before = os.environ.get(switch)
+    configs = []
+    try:
+        for value in ("0", "1"):
+            os.environ[switch] = value
+            configs.append(mma.choose_config(qtype, rows, n, k, sms))
+    finally:
+        if before is None:
+            del os.environ[switch]
+        else:
+            os.environ[switch] = before
+    return configs
+
+
+def resident_variants(default: mma.MMAConfig, qtype: QType, n: int, k: int, rows: int,
+                      sms: int) -> list[tuple[str, str, mma.MMAConfig]]:
+    """The launch without x resident (FLASHTREE_QMH_RESIDENT_X=0), the one with it (=1), and the
+    `RESIDENT_ALTERNATIVES` whose shared memory fits."""
+    configs = _without_and_with("FLASHTREE_QMH_RESIDENT_X", qtype, n, k, rows, sms)
+    configs += [mma.MMAConfig(1, warps, 1, chains, own_tiles=3, ring=ring) for warps, chains, ring in RESIDENT_ALTERNATIVES]
+    tg = mma.token_groups(rows)
+    return [(_label("qmh", c), "qmh", c) for c in dict.fromkeys(configs)
+            if c != default and c.dynamic_shared_bytes(qtype, tg, k) <= 227 * 1024]
+
+
 def narrow_variants(default: mma.MMAConfig, qtype: QType, n: int, k: int, rows: int,
                     sms: int) -> list[tuple[str, str, mma.MMAConfig]]:
     """The launch without the cluster split (FLASHTREE_QMH_CLUSTER_SPLITS=0), the one with it (=1), and the
     `NARROW_ALTERNATIVES` that divide the matrix's tiles and leave every split a super-block."""
-    before = os.environ.get("FLASHTREE_QMH_CLUSTER_SPLITS")
-    os.environ["FLASHTREE_QMH_CLUSTER_SPLITS"] = "0"
-    try:
-        configs = [mma.choose_config(qtype, rows, n, k, sms)]
-        os.environ["FLASHTREE_QMH_CLUSTER_SPLITS"] = "1"
-        configs.append(mma.choose_config(qtype, rows, n, k, sms))
-    finally:
-        if before is None:
-            del os.environ["FLASHTREE_QMH_CLUSTER_SPLITS"]
-        else:
-            os.environ["FLASHTREE_QMH_CLUSTER_SPLITS"] = before
+    configs = _without_and_with("FLASHTREE_QMH_CLUSTER_SPLITS", qtype, n, k, rows, sms)
     configs += [mma.MMAConfig(1, warps, splits, chains, min_blocks=blocks, own_tiles=2, ring=ring)
                 for warps, splits, chains, ring, blocks in NARROW_ALTERNATIVES]
     return [(_label("qmh", c), "qmh", c) for c in configs
             if c != default and n % c.rows_per_cta == 0 and k // 256 >= c.splits]
 
 
-def variants(qtype: QType, m: int, n: int, k: int, ring: bool = False,
-             one_cta: bool = False, narrow: bool = False) -> list[tuple[str, str, mma.MMAConfig]]:
+def variants(qtype: QType, m: int, n: int, k: int, ring: bool = False, one_cta: bool = False, narrow: bool = False,
+             resident: bool = False) -> list[tuple[str, str, mma.MMAConfig]]:
     """qmm and qmh in their own launch shapes (marked *), and qmh at the other shapes that fit the matrix; one
     row: qmv in its own shape and at the other chain counts and CTA targets. `ring`: the defaults' weight-ring
     forms instead of the other shapes."""
@@ -173,6 +194,8 @@ def variants(qtype: QType, m: int, n: int, k: int, ring: bool = False,
         return out + one_cta_variants(default, qtype, n, k, rows, sms)
     if narrow:
         return out + narrow_variants(default, qtype, n, k, rows, sms)
+    if resident:
+        return out + resident_variants(default, qtype, n, k, rows, sms)
     for rt, warps, split, chains, min_blocks, x_ahead in QMH_ALTERNATIVES:
         c = mma.MMAConfig(rt, warps, split * default.splits, chains, min_blocks, x_ahead)
         if c != default and n % (16 * rt) == 0 and (k // 256) >= warps * c.splits:
@@ -184,7 +207,7 @@ def variants(qtype: QType, m: int, n: int, k: int, ring: bool = False,
     return out
 
 
-def precompile(types: list[QType], arch: str, ring: bool, one_cta: bool, narrow: bool) -> None:
+def precompile(types: list[QType], arch: str, ring: bool, one_cta: bool, narrow: bool, resident: bool) -> None:
     """Every instance the sweep launches, and qmh's x conversions, compiled in parallel into the on-disk cache."""
     jobs = {}
     for qtype in types:
@@ -192,14 +215,14 @@ def precompile(types: list[QType], arch: str, ring: bool, one_cta: bool, narrow:
         for n, k, rows in SHAPES[qtype].values():
             for m in rows:
                 tg = mma.token_groups(min(m, mma.MAX_M))
-                for _, kernel, c in variants(qtype, m, n, k, ring, one_cta, narrow):
+                for _, kernel, c in variants(qtype, m, n, k, ring, one_cta, narrow, resident):
                     name = mma._instance(qtype, c, tg, kernel)
                     jobs[name] = mma._wrapper(name, qtype, c, tg, kernel)
     mma.precompile(list(jobs.items()), arch)
 
 
 def sweep_shape(qtype: QType, label: str, n: int, k: int, rows, read_bps: float, deadline: float,
-                results: dict, ring: bool, one_cta: bool, narrow: bool) -> None:
+                results: dict, ring: bool, one_cta: bool, narrow: bool, resident: bool) -> None:
     first = random_quant_weight(qtype, n, k, "cuda", seed=0)
     weights = [first] + [random_quant_weight(qtype, n, k, "cuda", seed=i) for i in range(1, rotation(first.nbytes))]
     dense = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(rotation(n * k * 2))]
@@ -214,7 +237,7 @@ def sweep_shape(qtype: QType, label: str, n: int, k: int, rows, read_bps: float,
         us = time_graph([lambda w=w: F.linear(x, w) for w in dense]) * 1e6
         cells.append(f"bf16 {us:.1f}")
         results["points"].append({"type": qtype.name, "matrix": label, "rows": m, "variant": "dense bf16", "us": us})
-        for name, kernel, config in variants(qtype, m, n, k, ring, one_cta, narrow):
+        for name, kernel, config in variants(qtype, m, n, k, ring, one_cta, narrow, resident):
             try:
                 out = mma.matmul(x, first.raw, qtype, n, k, config, kernel).float()
             except Exception as e:  # noqa: BLE001 - a variant that fails is reported, the sweep goes on
@@ -242,6 +265,8 @@ def main() -> int:
                         help="Q4_K's one-CTA-an-SM launch against the launch before it and its other forms only")
     parser.add_argument("--narrow", action="store_true",
                         help="the narrow matrices' K split over a thread-block cluster against the defaults only")
+    parser.add_argument("--resident", action="store_true",
+                        help="the LM head at 2-16 rows with x resident in shared memory against the default only")
     args = parser.parse_args()
     types = [QType[name] for name in args.types.split(",")]
     for qtype in types:
@@ -250,7 +275,7 @@ def main() -> int:
                   if args.matrices is None or label.split()[0] in args.matrices.split(",")}
         SHAPES[qtype] = chosen
     t0 = time.time()
-    precompile(types, mma.arch_of(torch.device("cuda")), args.ring, args.one_cta, args.narrow)
+    precompile(types, mma.arch_of(torch.device("cuda")), args.ring, args.one_cta, args.narrow, args.resident)
     print(f"compiled in {time.time() - t0:.0f} s; * = the kernel's own launch shape", flush=True)
     read_bps = read_bandwidth(torch.device("cuda"))
     print(f"read bandwidth {read_bps / 1e12:.2f} TB/s", flush=True)
@@ -258,7 +283,7 @@ def main() -> int:
     for qtype in types:
         for label, (n, k, rows) in SHAPES[qtype].items():
             sweep_shape(qtype, label, n, k, rows, read_bps, t0 + args.budget_s, results, args.ring, args.one_cta,
-                        args.narrow)
+                        args.narrow, args.resident)
             Path(args.out).write_text(json.dumps(results, indent=2))
     print_summary(results["points"])
     return 0

@@ -321,6 +321,10 @@ def test_cuda_source_compiles_for_sm90():
                 # K split over a thread-block cluster, the splits' sums added through distributed shared memory
                 + mma._wrapper("t", QType.Q4_K, mma.MMAConfig(1, 8, 3, 2, own_tiles=2, ring=3), 4, "qmh")
                 + mma._wrapper("u", QType.Q6_K, mma.MMAConfig(1, 4, 8, 1, own_tiles=2, ring=2), 2, "qmh",
+                               torch.bfloat16, torch.float32)
+                # x resident in shared memory, warps walking whole tiles: with register buffers, with a weight ring
+                + mma._wrapper("v", QType.Q6_K, mma.MMAConfig(1, 16, 1, 2, own_tiles=3), 2, "qmh")
+                + mma._wrapper("w", QType.Q4_K, mma.MMAConfig(1, 8, 1, 2, own_tiles=3, ring=2), 1, "qmh",
                                torch.bfloat16, torch.float32))
     cubin = mma.compile_cubin(mma.source() + wrappers, "sm_90")
     assert cubin[:4] == b"\x7fELF"
@@ -342,6 +346,27 @@ def test_the_narrow_matrices_split_k_over_a_cluster_at_9_to_32_rows(monkeypatch)
     assert not mma.choose_config(QType.Q4_K, 23, 17408, 5120, 132).cluster_splits
     assert not mma.choose_config(QType.Q6_K, 23, 1024, 5120, 132).cluster_splits  # qmm's
     assert mma.choose_config(QType.Q4_K, 23, 5120, 1024, 132).splits <= 4  # K of 4 super-blocks: a split each
+
+
+def test_the_lm_head_takes_x_resident_at_2_to_16_rows_where_asked(monkeypatch):
+    """FLASHTREE_QMH_RESIDENT_X=1: the LM head (Q6_K 248320 x 5120) at 2-16 rows takes x resident in shared memory
+    (`_RESIDENT_X_HEAD`: 16 warps walking whole tiles, one CTA an SM); not at 1 or 17+ rows (24 rows of x would not
+    fit), not on other matrices, not by default. Its grid is one CTA an SM at most, its dynamic shared memory the
+    8 or 16 rows of x (rows 64 bytes apart past their 2 K bytes) and Q4_K's sums; a K split is refused."""
+    head = (QType.Q6_K, 248320, 5120)
+    assert not mma.choose_config(*head[:1], 16, *head[1:], 132).own_tiles == 3
+    monkeypatch.setenv("FLASHTREE_QMH_RESIDENT_X", "1")
+    assert [mma.choose_config(QType.Q6_K, m, 248320, 5120, 132).own_tiles for m in (1, 2, 8, 9, 16, 17, 23)] == [
+        0, 3, 3, 3, 3, 0, 0]
+    assert mma.choose_config(QType.Q6_K, 16, 5120, 17408, 132).own_tiles != 3
+    resident = mma._RESIDENT_X_HEAD
+    assert resident.grid(248320, 132) == 132 and resident.grid(2048, 132) == 8
+    assert resident.dynamic_shared_bytes(QType.Q6_K, 2, 5120) == 16 * (2 * 5120 + 64)
+    assert resident.dynamic_shared_bytes(QType.Q4_K, 1, 5120) == 8 * (2 * 5120 + 64) + 8 * 32 * 20
+    assert mma.MMAConfig(1, 8, 1, 2, own_tiles=3, ring=2).dynamic_shared_bytes(QType.Q6_K, 2, 5120) == (
+        8 * 2 * 3360 + 16 * (2 * 5120 + 64))
+    with pytest.raises(FlashtreeError, match="one split"):
+        mma.MMAConfig(1, 8, 2, 2, own_tiles=3)
 
 
 def test_cluster_split_k_is_a_cluster_of_at_most_8_ctas():
@@ -595,6 +620,25 @@ def test_cluster_split_k_adds_the_splits_sums_in_split_order(qtype, warps, split
         assert torch.equal(y, total), m
         _check_close(mma.matmul(x[:m], weight.raw, qtype, n, k, config, "qmh"),
                      quant_matmul_reference(x[:m].float(), weight))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q6_K])
+@pytest.mark.parametrize("warps, chains, ring", [(4, 2, 0), (8, 2, 2), (16, 1, 0)])
+def test_resident_x_gives_the_bits_of_warps_owning_tiles(qtype, warps, chains, ring):
+    """x resident in shared memory (own_tiles 3): each warp sums its tiles' K in the order of warps owning tiles with
+    one split (own_tiles 2, the same chains), so every row has those bits, and is right against the float32
+    reference; on 1088 row tiles, more than 132 CTAs of 4 or 8 warps hold, so warps walk several tiles."""
+    n, k = 17408, 5120
+    weight = random_quant_weight(qtype, n, k, "cuda")
+    x = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
+    config = mma.MMAConfig(1, warps, 1, chains, own_tiles=3, ring=ring)
+    owning = mma.MMAConfig(1, 4, 1, chains, own_tiles=2)
+    for m in (2, 8, 9, 16):
+        y = mma.matmul(x[:m], weight.raw, qtype, n, k, config, "qmh")
+        assert torch.equal(y, mma.matmul(x[:m], weight.raw, qtype, n, k, owning, "qmh")), m
+        _check_close(y, quant_matmul_reference(x[:m].float(), weight))
 
 
 @pytest.mark.gpu

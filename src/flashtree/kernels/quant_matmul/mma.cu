@@ -938,6 +938,59 @@ struct SharedX {
     }
 };
 
+// ResidentX: all of x's rows (8 TG of them, K values each) and Q4_K's sums copied once into dynamic shared memory
+// (cp.async) before any warp starts, for qmh's OWN 3 kernels (the LM head at 2-16 rows), whose warps then walk whole
+// row tiles each, on their own, with no CTA barrier: x crosses L2 once a CTA instead of once a 16-row tile (the LM
+// head's 15520 tiles at 16 rows read 2.5 GB of x against 1.04 GB of weights). Rows are `pitch` bytes apart, 64 more
+// than a multiple of 128, so that a warp's 16-byte reads of 8 rows take 4 wavefronts (as SharedX's X_PITCH).
+template <int TG, int THREADS>
+struct ResidentX {
+    static constexpr int ROWS = 8 * TG;
+    const unsigned char* x_base;     // the lane's row g, byte 16t
+    const unsigned char* sums_base;  // the lane's row g's records, byte 8t
+    const unsigned char* here;
+    const unsigned char* sums_here;
+    int pitch, SB;
+    __device__ __forceinline__ ResidentX(unsigned char* shared, const u16* xh, const u16* xsum, int M, int K)
+        : pitch(2 * K + 64), SB(K >> 8) {  // 2K: a multiple of 512 (K % 256 == 0)
+        const int per_row = K >> 3;  // 16-byte pieces of a row
+        const unsigned base = shared_address(shared);
+        for (int c = threadIdx.x; c < ROWS * per_row; c += THREADS) {
+            const int row = c / per_row, piece = c - row * per_row;
+            copy_async16(base + row * pitch + 16 * piece, xh + (long)(row < M ? row : 0) * K + 8 * piece);
+        }
+        unsigned char* sums = shared + ROWS * pitch;
+        if (xsum != nullptr) {
+            const int per_row_sums = 2 * SB;  // 32 bytes a super-block
+            for (int c = threadIdx.x; c < ROWS * per_row_sums; c += THREADS) {
+                const int row = c / per_row_sums, piece = c - row * per_row_sums;
+                copy_async16(shared_address(sums) + row * 32 * SB + 16 * piece,
+                             xsum + (long)(row < M ? row : 0) * (SB << 4) + 8 * piece);
+            }
+        }
+        copy_commit();
+        copy_wait<0>();
+        __syncthreads();
+        const int lane = threadIdx.x & 31;
+        x_base = shared + (lane >> 2) * pitch + 16 * (lane & 3);
+        sums_base = sums + (lane >> 2) * 32 * SB + 8 * (lane & 3);
+    }
+    __device__ __forceinline__ void start(int at, int) {
+        here = x_base + 512 * at;
+        sums_here = sums_base + 32 * at;
+    }
+    __device__ __forceinline__ void sub_block(int j, int, u32 (&bx)[TG][2][2]) const {
+#pragma unroll
+        for (int tg = 0; tg < TG; ++tg) {
+            const uint4 v = *reinterpret_cast<const uint4*>(here + tg * 8 * pitch + 64 * j);
+            bx[tg][0][0] = v.x; bx[tg][0][1] = v.y; bx[tg][1][0] = v.z; bx[tg][1][1] = v.w;
+        }
+    }
+    __device__ __forceinline__ uint2 sums(int tg) const {
+        return *reinterpret_cast<const uint2*>(sums_here + tg * 8 * 32 * SB);
+    }
+};
+
 // the chains of tile rt, token group tg added into chain 0
 template <int CH, int RT, int TG>
 __device__ __forceinline__ void add_chains(float (&p)[CH][RT][TG][4], int rt, int tg) {
@@ -1189,6 +1242,8 @@ __device__ __forceinline__ void walk_half(XSource& x, const unsigned char* quant
 // gate/up 23 rows 41.6 -> 36.1 us; OWN 1 and the second session's per-CTA double-buffered copy were slower).
 // OWN 2 with SPLITS > 1: the row group's splits are one thread-block cluster and add their sums through distributed
 // shared memory (`epilogue_cluster`), not through global partials and a ticket (`finish_splits`).
+// OWN 3: x resident in shared memory (`ResidentX`, copied once), a grid of about one CTA an SM whose warps each walk
+// whole row tiles (all of K, the order of OWN 2 with one split) grid-wide, with no barrier between warps.
 template <int QT, int RT, int TG, int WARPS, int SPLITS, int CH, int XA, int OWN, int RING, int GLU, typename OT>
 __device__ __forceinline__ void qmh(const u16* __restrict__ xh, const u16* __restrict__ xsum,
                                     const float* __restrict__ scale, const unsigned char* __restrict__ quants,
@@ -1205,6 +1260,17 @@ __device__ __forceinline__ void qmh(const u16* __restrict__ xh, const u16* __res
     constexpr int STRIDE = OWN ? 1 : WARPS;  // between a warp's super-blocks
     const KRange ks = split_k<SPLITS>(SB);
     start_after_predecessors();
+    if constexpr (OWN == 3) {  // x resident in shared memory after the weight rings; each warp walks whole tiles
+        static_assert(SPLITS == 1, "warps walking whole tiles with x resident sum all of K");
+        ResidentX<TG, WARPS * 32> x(dynamic_shared + WARPS * RING * RingStage<QT, RT>::BYTES, xh, xsum, M, K);
+        for (int tile = (blockIdx.x * WARPS + warp) * RT; tile + RT <= (N >> 4); tile += gridDim.x * WARPS * RT) {
+            float acc[RT][TG][4];
+            zero(acc);
+            walk_half<QT, RT, TG, 1, CH, RING, 0>(x, quants, high, scales, dvals, tile, SB, 0, SB, acc);
+            epilogue_own<RT, TG, WARPS, 1, GLU>(acc, tile, true, out, partial, tickets, M, N, scale);
+        }
+        return;
+    }
     const int first = OWN ? ks.begin : ks.begin + warp;
     float acc[RT][TG][4];
     zero(acc);

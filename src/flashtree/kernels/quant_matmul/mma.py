@@ -381,6 +381,9 @@ class MMAConfig:
     def __post_init__(self):
         if self.ring == 1 or self.ring < 0:
             raise FlashtreeError(f"a weight ring needs at least 2 stages (or 0 for none), not {self.ring}")
+        if self.own_tiles == 3 and self.splits != 1:
+            raise FlashtreeError(f"own_tiles 3 (x resident, warps walking whole tiles) sums all of K: one split, not "
+                                 f"{self.splits}")
         if self.cluster_splits and self.splits > MAX_CLUSTER:
             raise FlashtreeError(f"own_tiles 2 splits K over a thread-block cluster of at most {MAX_CLUSTER} CTAs, "
                                  f"not {self.splits}")
@@ -397,6 +400,15 @@ class MMAConfig:
         """Output rows one CTA computes: its warps split K (16 rt), or with own_tiles each has rt tiles."""
         return 16 * self.rt * (self.warps if self.own_tiles else 1)
 
+    def grid(self, n: int, sms: int) -> int:
+        """CTAs along N: `row_groups`, or for own_tiles 3 (warps walking whole tiles grid-wide, x resident) one CTA an
+        SM at most, no more than the tiles need."""
+        if self.own_tiles == 3:
+            if n % (16 * self.rt):
+                raise FlashtreeError(f"{self} needs N % {16 * self.rt} == 0, N = {n}")
+            return min(sms, -(-n // self.rows_per_cta))
+        return self.row_groups(n)
+
     def row_groups(self, n: int) -> int:
         """CTAs along N for an [n, k] weight. With own_tiles and one split the last CTA may hold fewer tiles than
         warps (its other warps store nothing, mma.cu `qmh`); any other launch needs N to be whole CTAs."""
@@ -404,6 +416,18 @@ class MMAConfig:
         if n % (16 * self.rt) or (n % self.rows_per_cta and not partial_ok):
             raise FlashtreeError(f"{self} needs N % {16 * self.rt if partial_ok else self.rows_per_cta} == 0, N = {n}")
         return -(-n // self.rows_per_cta)
+
+    def resident_x_bytes(self, qtype: QType, tg: int, k: int) -> int:
+        """own_tiles 3's x in dynamic shared memory (mma.cu `ResidentX`): 8 tg rows of k float16 values, each row
+        64 bytes longer, then Q4_K's sums (32 bytes a row and super-block); 0 for the other launches."""
+        if self.own_tiles != 3:
+            return 0
+        rows = 8 * max(tg, 1)
+        return rows * (2 * k + 64) + (rows * 32 * (k // SUPER) if qtype == QType.Q4_K else 0)
+
+    def dynamic_shared_bytes(self, qtype: QType, tg: int, k: int) -> int:
+        """The launch's dynamic shared memory: the weight rings, then own_tiles 3's resident x."""
+        return self.ring_bytes(qtype) + self.resident_x_bytes(qtype, tg, k)
 
     def ring_bytes(self, qtype: QType) -> int:
         """Dynamic shared memory of the weight ring (mma.cu `RingStage`): per warp and stage the tile super-blocks'
@@ -582,6 +606,9 @@ def choose_config(qtype: QType, m: int, n: int, k: int, sms: int = _H200_SMS, ke
     tg = token_groups(m)
     half = (kernel or kernel_for(qtype, tg, n, k)) == "qmh"  # `kernel`: the config another kernel would take
     warps = 2 if tiles >= 32 * sms else 4
+    resident = _RESIDENT_X_HEAD if half and tg <= 2 and warps == 2 and resident_x_enabled() else None
+    if resident is not None and resident.dynamic_shared_bytes(qtype, tg, k) <= _SHARED_PER_CTA:
+        return resident
     wide_q4_k = half and qtype == QType.Q4_K and tg >= 2 and n % 32 == 0 and tiles >= 5 * sms
     one_cta = _own_tiles_one_cta_an_sm(tiles, tg, sms) if wide_q4_k and one_cta_an_sm_enabled() else None
     if one_cta is not None:
@@ -713,6 +740,20 @@ def _own_tiles_one_cta_an_sm(tiles: int, tg: int, sms: int) -> MMAConfig | None:
     return MMAConfig(1, warps, 1, chains=2 if warps <= _ONE_CTA_MAX_WARPS_TWO_CHAINS else 1, own_tiles=2, ring=ring)
 
 
+# The LM head (at least 32 row tiles an SM) at 2-16 rows, the draft's and the budget-15 verify's, with
+# FLASHTREE_QMH_RESIDENT_X=1: x resident in shared memory (mma.cu `ResidentX`, 161 KB at 16 rows of K 5120, Q6_K) and 16
+# warps walking whole tiles grid-wide, one CTA an SM (128 registers, no stack: offline, sm_90, NVRTC 13). Its launch
+# today reads x from L2 once a 16-row tile, 2.5 GB at 16 rows against the head's 1.04 GB of weights (the draft's head
+# at 16 rows: 392 us against a 254 us floor, twenty-eighth session). Not yet timed on a GPU.
+_RESIDENT_X_HEAD = MMAConfig(1, 16, 1, 2, own_tiles=3)
+
+
+def resident_x_enabled() -> bool:
+    """The LM head's qmh at 2-16 rows with x resident in shared memory (`_RESIDENT_X_HEAD`) where
+    FLASHTREE_QMH_RESIDENT_X=1; off by default until timed on a GPU (`sweep_mma_rows.py --resident`)."""
+    return os.environ.get("FLASHTREE_QMH_RESIDENT_X", "0") == "1"
+
+
 # The narrow matrices: fewer row tiles than this an SM (the 27B's FFN down and out projections, 320 tiles)
 _NARROW_MAX_TILES_PER_SM = 3
 # their launch at 9-32 rows (`_warps_owning_tiles_split_over_a_cluster`): warps a CTA (a tile each), CTAs an SM,
@@ -803,7 +844,7 @@ def _launch_matmul(out: torch.Tensor, xs: list[torch.Tensor], raw: torch.Tensor,
     tg = ONE_ROW if kernel == "qmv" else (m + 7) // 8
     config = config or choose_config(qtype, m if kernel == "qmv" else max(m, 2), n, k, sm_count(out.device))
     config = glu_config(config) if glu else config
-    row_groups = config.row_groups(n)
+    row_groups = config.grid(n, sm_count(out.device))
     x_dtype = xs[0].dtype if kernel != "qmh" else torch.bfloat16
     name = _instance(qtype, config, tg, kernel, x_dtype, out.dtype, glu)
     fn = _function(out.device, name, _wrapper(name, qtype, config, tg, kernel, x_dtype, out.dtype, glu))
@@ -813,7 +854,10 @@ def _launch_matmul(out: torch.Tensor, xs: list[torch.Tensor], raw: torch.Tensor,
     weights = ([p["quants"], p["scales"]] if kernel == "qmh" and qtype == QType.Q4_K else
                [p["quants"], p.get("high", p["quants"]), p["scales"], p.get("d", p["scales"])])
     tickets = _tickets(out.device, torch.cuda.current_stream(out.device).cuda_stream)
-    shared = config.ring_bytes(qtype) if kernel in ("qmv", "qmh") else 0
+    shared = config.dynamic_shared_bytes(qtype, tg, k) if kernel in ("qmv", "qmh") else 0
+    if shared > _SHARED_PER_CTA:
+        raise FlashtreeError(f"{config} needs {shared} bytes of shared memory at {m} rows of K {k}; a CTA holds "
+                             f"{_SHARED_PER_CTA}")
     if shared:
         cuda_functions.allow_shared(out.device, name, shared)
     launch(fn, (row_groups, config.splits), 32 * config.warps,
