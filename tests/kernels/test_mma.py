@@ -369,6 +369,21 @@ def test_the_lm_head_takes_x_resident_at_2_to_16_rows_where_asked(monkeypatch):
         mma.MMAConfig(1, 8, 2, 2, own_tiles=3)
 
 
+def test_prep_x_on_a_cluster_is_an_instance_of_its_own(monkeypatch):
+    """FLASHTREE_PREP_X_CLUSTER=1 (off by default): qmh's x conversion on 8 CTAs a row (`prep_x_cluster`), an instance
+    of its own that declares its cluster, whole warps of 8 values a thread over its eighth of K (at most 256), and
+    what the load-time compile plans when asked."""
+    wrapper = mma._prep_x_wrapper(QType.Q4_K, torch.float32, cluster=True)
+    assert "__cluster_dims__(8, 1, 1) __launch_bounds__(256) prep_x_f16_xf32_cl8(" in wrapper
+    assert "prep_x_cluster<Q4_K, 8>(x, xh, xs, scale, K)" in wrapper
+    assert "prep_x_cluster<Q6_K, 8>(x, xh, nullptr, scale, K)" in mma._prep_x_wrapper(QType.Q6_K, cluster=True)
+    assert [mma._prep_x_threads(k) for k in (256, 5120, 6144, 17408)] == [32, 96, 96, 256]
+    jobs = [name for name, _ in mma.instances_for({(QType.Q4_K, 17408, 5120)}, 132, prep_x_cluster=True)]
+    assert "prep_x_f16_cl8" in jobs and "prep_x_f16" not in jobs
+    monkeypatch.delenv("FLASHTREE_PREP_X_CLUSTER", raising=False)
+    assert "prep_x_f16" in [name for name, _ in mma.instances_for({(QType.Q4_K, 17408, 5120)}, 132)]
+
+
 def test_cluster_split_k_is_a_cluster_of_at_most_8_ctas():
     """qmh's warps owning tiles with x in shared memory split K over a thread-block cluster (`cluster_splits`): the
     instance declares the cluster of its splits, allocates no global partials, and a portable cluster caps the
@@ -639,6 +654,29 @@ def test_resident_x_gives_the_bits_of_warps_owning_tiles(qtype, warps, chains, r
         y = mma.matmul(x[:m], weight.raw, qtype, n, k, config, "qmh")
         assert torch.equal(y, mma.matmul(x[:m], weight.raw, qtype, n, k, owning, "qmh")), m
         _check_close(y, quant_matmul_reference(x[:m].float(), weight))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q6_K])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prep_x_on_a_cluster_gives_prep_xs_bits(monkeypatch, qtype, dtype):
+    """`prep_x_cluster` (8 CTAs a row, the row's largest |x| through distributed shared memory) writes what `prep_x`
+    (one CTA a row) writes, bit for bit: x scaled to float16 in the kernel's order, Q4_K's sub-block sums, the
+    scale; for K whose eighth is not whole warps of 8 values a thread, and rows of zeros, tiny and huge values."""
+    for k in (256, 5120, 17408):
+        x = torch.randn(32, k, device="cuda") * torch.logspace(-30, 30, 32, device="cuda")[:, None]
+        x[3] = 0.0
+        x = x.to(dtype)
+        for m in (1, 23, 32):
+            monkeypatch.setenv("FLASHTREE_PREP_X_CLUSTER", "0")
+            one = mma.prepare_x(x[:m], qtype)
+            monkeypatch.setenv("FLASHTREE_PREP_X_CLUSTER", "1")
+            clustered = mma.prepare_x(x[:m], qtype)
+            assert len(one) == len(clustered)
+            for a, b in zip(one, clustered):
+                assert torch.equal(a.view(torch.int16) if a.dtype == torch.float16 else a,
+                                   b.view(torch.int16) if b.dtype == torch.float16 else b), (k, m)
 
 
 @pytest.mark.gpu

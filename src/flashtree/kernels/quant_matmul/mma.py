@@ -534,18 +534,37 @@ def glu_config(config: MMAConfig) -> MMAConfig:
     return replace(config, splits=1)
 
 
-def _prep_x_instance(qtype: QType, x_dtype: torch.dtype = torch.bfloat16) -> str:
-    types = _dtype_suffix(x_dtype, torch.bfloat16)
+PREP_X_CLUSTER = 8  # CTAs a row of x takes in `prep_x_cluster` (mma.cu), the portable cluster size
+
+
+def prep_x_cluster_enabled(device: torch.device) -> bool:
+    """qmh's x conversion on a cluster of `PREP_X_CLUSTER` CTAs a row (mma.cu `prep_x_cluster`, the same bits as
+    `prep_x` on one CTA a row) where FLASHTREE_PREP_X_CLUSTER=1 on a GPU with clusters (sm_90+); off by default until
+    timed and tested on a GPU."""
+    return (os.environ.get("FLASHTREE_PREP_X_CLUSTER", "0") == "1"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def _prep_x_instance(qtype: QType, x_dtype: torch.dtype = torch.bfloat16, cluster: bool = False) -> str:
+    types = _dtype_suffix(x_dtype, torch.bfloat16) + (f"_cl{PREP_X_CLUSTER}" if cluster else "")
     return f"prep_x_f16{types}" if qtype == QType.Q4_K else f"prep_x_f16_{qtype.name.lower()}{types}"
 
 
-def _prep_x_wrapper(qtype: QType, x_dtype: torch.dtype = torch.bfloat16) -> str:
-    """x's conversion for qmh: Q4_K's also writes the sub-block sums of x (its min term), Q6_K's has none."""
-    head = (f'extern "C" __global__ void __launch_bounds__(256) {_prep_x_instance(qtype, x_dtype)}'
+def _prep_x_wrapper(qtype: QType, x_dtype: torch.dtype = torch.bfloat16, cluster: bool = False) -> str:
+    """x's conversion for qmh: Q4_K's also writes the sub-block sums of x (its min term), Q6_K's has none. `cluster`:
+    a row on `PREP_X_CLUSTER` CTAs (`prep_x_cluster`)."""
+    dims = f"__cluster_dims__({PREP_X_CLUSTER}, 1, 1) " if cluster else ""
+    call = f"prep_x_cluster<{qtype.name}, {PREP_X_CLUSTER}>" if cluster else f"prep_x<{qtype.name}>"
+    head = (f'extern "C" __global__ void {dims}__launch_bounds__(256) {_prep_x_instance(qtype, x_dtype, cluster)}'
             f"(const {_C_TYPES[x_dtype]}* x, u16* xh, ")
     if qtype == QType.Q4_K:
-        return f"{head}u16* xs, float* scale, int K) {{ prep_x<Q4_K>(x, xh, xs, scale, K); }}\n"
-    return f"{head}float* scale, int K) {{ prep_x<{qtype.name}>(x, xh, nullptr, scale, K); }}\n"
+        return f"{head}u16* xs, float* scale, int K) {{ {call}(x, xh, xs, scale, K); }}\n"
+    return f"{head}float* scale, int K) {{ {call}(x, xh, nullptr, scale, K); }}\n"
+
+
+def _prep_x_threads(k: int) -> int:
+    """Threads of a `prep_x_cluster` CTA: 8 values each over its K / PREP_X_CLUSTER, whole warps, at most 256."""
+    return min(256, -(-k // (8 * PREP_X_CLUSTER * 32)) * 32)
 
 
 def _dequant_wrapper(name: str, qtype: QType, out: int) -> str:
@@ -815,16 +834,21 @@ def glu_takes(qtype: QType, m: int, n: int, k: int) -> bool:
 
 
 def prepare_x(x: torch.Tensor, qtype: QType) -> tuple[torch.Tensor, ...]:
-    """x [M, K] (bf16 or float32) -> the inputs of `qtype`'s float16 kernel (mma.cu `prep_x`), one launch for all rows:
+    """x [M, K] (bf16 or float32) -> the inputs of `qtype`'s float16 kernel (mma.cu `prep_x`, or `prep_x_cluster` where
+    `prep_x_cluster_enabled`: the same bits), one launch for all rows:
     Q4_K (float16 x 2^e per row, its sub-block sums [M, K/256, 16] as float16 hi/lo, 2^-e [M]); Q6_K (float16
     x 2^e with each 32 values in the kernel's order, `q6_k_x_order`, and 2^-e)."""
     m, k = x.shape
-    name = _prep_x_instance(qtype, x.dtype)
-    fn = _function(x.device, name, _prep_x_wrapper(qtype, x.dtype))
+    cluster = prep_x_cluster_enabled(x.device)
+    name = _prep_x_instance(qtype, x.dtype, cluster)
+    fn = _function(x.device, name, _prep_x_wrapper(qtype, x.dtype, cluster))
     xh = torch.empty(m, k, dtype=torch.float16, device=x.device)
     sums = (torch.empty(m, k // SUPER, 16, dtype=torch.float16, device=x.device),) if qtype == QType.Q4_K else ()
     scale = torch.empty(m, dtype=torch.float32, device=x.device)
-    launch(fn, (m, 1), 256, [x, xh, *sums, scale, k], x.device)
+    if cluster:
+        launch(fn, (m * PREP_X_CLUSTER, 1), _prep_x_threads(k), [x, xh, *sums, scale, k], x.device)
+    else:
+        launch(fn, (m, 1), 256, [x, xh, *sums, scale, k], x.device)
     return (xh, *sums, scale)
 
 
@@ -886,12 +910,14 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def instances_for(shapes, sms: int, dtype: torch.dtype = torch.bfloat16, glu_shapes=()) -> list[tuple[str, str]]:
+def instances_for(shapes, sms: int, dtype: torch.dtype = torch.bfloat16, glu_shapes=(),
+                  prep_x_cluster: bool = False) -> list[tuple[str, str]]:
     """(name, wrapper) of every launch fragment-ordered weights of these (qtype, n, k) shapes can take in a model
     whose activations are `dtype` (x and out: bf16, or float32 in a bf16 model, docs/FIDELITY.md): one row
     (decode), each count of 8-token groups (verify, short chunks; `choose_config` depends on the matrix and the
     group count only), and the dense dequantization of prefill (bf16 for bf16 x, float16 for float32 x). Shapes
-    also in `glu_shapes` (fused gate + up weights, `quant_matmul.GluWeight`) take their GLU instances instead."""
+    also in `glu_shapes` (fused gate + up weights, `quant_matmul.GluWeight`) take their GLU instances instead.
+    `prep_x_cluster`: qmh's x conversion as `prepare_x` takes it where `prep_x_cluster_enabled`."""
     _check_dtypes(dtype)
     jobs = {}
     for qtype, n, k in shapes:
@@ -904,7 +930,7 @@ def instances_for(shapes, sms: int, dtype: torch.dtype = torch.bfloat16, glu_sha
             name = _instance(qtype, config, tg, kernel, dtype, dtype, glu_here)
             jobs[name] = _wrapper(name, qtype, config, tg, kernel, dtype, dtype, glu_here)
             if kernel == "qmh":
-                jobs[_prep_x_instance(qtype, dtype)] = _prep_x_wrapper(qtype, dtype)
+                jobs[_prep_x_instance(qtype, dtype, prep_x_cluster)] = _prep_x_wrapper(qtype, dtype, prep_x_cluster)
         out = _OUT_CODES[torch.bfloat16 if dtype == torch.bfloat16 else torch.float16]
         jobs[_dequant_instance(qtype, out)] = _dequant_wrapper(_dequant_instance(qtype, out), qtype, out)
     return list(jobs.items())
