@@ -78,10 +78,14 @@ ONE_CTA_ALTERNATIVES = ((1, 1, 2, 1), (1, 1, 3, 1), (1, 1, 4, 1), (1, 2, 3, 1), 
 # it and these other forms of it: warps, splits, chains, ring stages, CTAs an SM asked of ptxas
 NARROW_ALTERNATIVES = ((8, 3, 2, 3, 0), (10, 4, 1, 3, 0), (16, 6, 2, 2, 0), (8, 6, 2, 2, 2), (4, 3, 2, 3, 2),
                        (5, 6, 2, 2, 3), (10, 8, 1, 2, 2))
-# `--resident`, in place of the alternatives above, on the LM head at 2-16 rows: x resident in shared memory, warps
-# walking whole tiles grid-wide (`mma._RESIDENT_X_HEAD`, FLASHTREE_QMH_RESIDENT_X=1) against the launch without it and
-# these other forms: warps, chains, ring stages
-RESIDENT_ALTERNATIVES = ((16, 2, 0), (8, 2, 0), (16, 1, 0), (12, 2, 0), (8, 2, 2))
+# `--resident`, in place of the alternatives above, on the LM head at 2-24 rows: x resident in shared memory, warps
+# walking whole tiles grid-wide (`mma._RESIDENT_X_HEAD`, FLASHTREE_QMH_RESIDENT_X=1; 2-16 rows, 24 do not fit) against
+# the launch without it and these other forms: own tiles (3: x resident; 2: x staged a super-block at a time for a
+# CTA of that many warps a tile each, 970 CTAs of 16 on the head, which also fits 17-24 rows), warps, chains, ring
+# stages. The head's launches today read x once per 32 rows (2-16 rows: 16, 2 warps splitting K): 1.9 GB of x at 23
+# rows against 1.04 GB of weights; 16 warps owning tiles read it once per 256 rows (238 MB)
+RESIDENT_ALTERNATIVES = ((3, 16, 2, 0), (3, 8, 2, 0), (3, 16, 1, 0), (3, 12, 2, 0), (3, 8, 2, 2),
+                         (2, 16, 1, 3), (2, 16, 1, 2), (2, 16, 2, 2), (2, 8, 2, 3))
 # and what `choose_config` took on these matrices before the ring (by token groups): the register-buffered qmh
 PRE_RING = {2: mma.MMAConfig(1, 4, 1, 2), 3: mma.MMAConfig(1, 4, 1, 2, min_blocks=3, own_tiles=2),
             4: mma.MMAConfig(1, 4, 1, 2, min_blocks=3, own_tiles=2)}
@@ -149,10 +153,13 @@ def resident_variants(default: mma.MMAConfig, qtype: QType, n: int, k: int, rows
     """The launch without x resident (FLASHTREE_QMH_RESIDENT_X=0), the one with it (=1), and the
     `RESIDENT_ALTERNATIVES` whose shared memory fits."""
     configs = _without_and_with("FLASHTREE_QMH_RESIDENT_X", qtype, n, k, rows, sms)
-    configs += [mma.MMAConfig(1, warps, 1, chains, own_tiles=3, ring=ring) for warps, chains, ring in RESIDENT_ALTERNATIVES]
+    configs += [mma.MMAConfig(1, warps, 1, chains, own_tiles=own, ring=ring)
+                for own, warps, chains, ring in RESIDENT_ALTERNATIVES]
     tg = mma.token_groups(rows)
+    static = {2: mma._shared_x_bytes(tg)}  # own tiles 2's x stages (static shared memory)
     return [(_label("qmh", c), "qmh", c) for c in dict.fromkeys(configs)
-            if c != default and c.dynamic_shared_bytes(qtype, tg, k) <= 227 * 1024]
+            if c != default and n % (16 * c.rt) == 0
+            and c.dynamic_shared_bytes(qtype, tg, k) + static.get(c.own_tiles, 0) <= 227 * 1024]
 
 
 def narrow_variants(default: mma.MMAConfig, qtype: QType, n: int, k: int, rows: int,

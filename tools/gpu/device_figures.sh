@@ -41,9 +41,9 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
                       --matrices down,out --rows "${NARROW_ROWS:-16,23}" --budget-s "${BUDGET_NARROW:-190}" \
                       --out "$OUT/narrow.json" > "$OUT/narrow.txt" 2>&1
                   echo "== sweep-narrow (rc $?)"; grep -A12 summary "$OUT/narrow.txt" ;;
-    # the LM head at 2-16 rows (the draft's) with x resident in shared memory against the default
+    # the LM head at 2-23 rows (the draft's, the verify's) with x resident or staged for many warps against the default
     sweep-resident) timeout $(( ${BUDGET_RESIDENT:-120} + 60 )) python3 benchmarks/sweep_mma_rows.py --types Q6_K --resident \
-                        --matrices head --rows "${RESIDENT_ROWS:-2,8,16}" --budget-s "${BUDGET_RESIDENT:-120}" \
+                        --matrices head --rows "${RESIDENT_ROWS:-2,8,16,23}" --budget-s "${BUDGET_RESIDENT:-120}" \
                         --out "$OUT/resident.json" > "$OUT/resident.txt" 2>&1
                     echo "== sweep-resident (rc $?)"; grep -A6 summary "$OUT/resident.txt" ;;
     sweep-one-cta) timeout $(( ${BUDGET_ONE_CTA:-110} + 60 )) python3 benchmarks/sweep_mma_rows.py --types Q4_K --one-cta \
