@@ -487,14 +487,15 @@ def host_rows() -> None:
 
 def deltanet_tree() -> None:
     """The DeltaNet tree verify in CUDA C (kernels/deltanet_tree.cu, NVRTC like `mma`): every node tile at each key
-    width it has instances for."""
+    width it has instances for, on 4 warps and on 8 (FLASHTREE_TREE_EIGHT_WARPS=1)."""
     from flashtree.kernels import gated_delta_cuda
     from flashtree.nvrtc import compile_cubin
 
-    for dk, nodes in itertools.product(gated_delta_cuda.HEAD_DIMS, gated_delta_cuda.NODE_TILES):
-        key = (gated_delta_cuda.instance(dk, nodes), (("shared", gated_delta_cuda.shared_bytes(dk, nodes)),), ())
+    for dk, nodes, warps in itertools.product(gated_delta_cuda.HEAD_DIMS, gated_delta_cuda.NODE_TILES, (4, 8)):
+        key = (gated_delta_cuda.instance(dk, nodes, warps=warps),
+               (("shared", gated_delta_cuda.shared_bytes(dk, nodes)),), ())
         try:
-            results[key] = _machine_code_facts(compile_cubin(gated_delta_cuda.source(dk, nodes), "sm_90"))
+            results[key] = _machine_code_facts(compile_cubin(gated_delta_cuda.source(dk, nodes, warps=warps), "sm_90"))
         except Exception as e:  # noqa: BLE001 - no NVRTC here, or the source does not compile: report and go on
             results[key] = {"error": str(e).splitlines()[-1]}
 

@@ -65,8 +65,20 @@ def test_instances_compile_for_sm90_without_a_gpu():
         compile_cubin('extern "C" __global__ void probe() {}', "sm_90")
     except Exception:  # noqa: BLE001 - no libnvrtc: nothing to compile with
         pytest.skip("needs NVRTC")
-    for dk, nodes, clocks in ((128, 24, False), (128, 32, False), (32, 8, False), (128, 24, True)):
-        assert compile_cubin(gated_delta_cuda.source(dk, nodes, clocks), "sm_90")[:4] == b"\x7fELF"
+    for dk, nodes, clocks, warps in ((128, 24, False, 4), (128, 32, False, 4), (32, 8, False, 4), (128, 24, True, 4),
+                                     (128, 24, False, 8), (32, 8, True, 8)):
+        assert compile_cubin(gated_delta_cuda.source(dk, nodes, clocks, warps), "sm_90")[:4] == b"\x7fELF"
+
+
+def test_the_tree_kernel_takes_8_warps_where_asked(monkeypatch):
+    """FLASHTREE_TREE_EIGHT_WARPS=1 takes the 8-warp instances (a name and a define of their own); 4 by default."""
+    monkeypatch.delenv("FLASHTREE_TREE_EIGHT_WARPS", raising=False)
+    assert gated_delta_cuda.tree_warps() == 4 and gated_delta_cuda.instance(128, 24) == "deltanet_tree_d128_n24"
+    monkeypatch.setenv("FLASHTREE_TREE_EIGHT_WARPS", "1")
+    assert gated_delta_cuda.tree_warps() == 8
+    assert gated_delta_cuda.instance(128, 24, warps=8) == "deltanet_tree_d128_n24_w8"
+    source = gated_delta_cuda.source(128, 24, warps=8)
+    assert source.startswith("#define TREE_WARPS 8\n") and "__launch_bounds__(256) deltanet_tree_d128_n24_w8(" in source
 
 
 hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
@@ -171,14 +183,15 @@ HOST_CASES = [("chain23", 128, 64, 2, 4), ("random23", 128, 64, 2, 4), ("star23"
 
 
 @functools.cache
-def _host_build(dk: int, nodes: int, tmp: Path) -> Path:
+def _host_build(dk: int, nodes: int, warps: int, tmp: Path) -> Path:
     """deltanet_tree.cu with one entry, built for the host around tests/kernels/deltanet_tree_host.cpp."""
-    folder = tmp / f"d{dk}_n{nodes}"
+    folder = tmp / f"d{dk}_n{nodes}_w{warps}"
     folder.mkdir()
-    (folder / "kernel.cu").write_text(gated_delta_cuda.source(dk, nodes))
+    (folder / "kernel.cu").write_text(gated_delta_cuda.source(dk, nodes, warps=warps))
     binary = folder / "tree"
-    subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", f"-DENTRY={gated_delta_cuda.instance(dk, nodes)}",
-                    f"-I{folder}", str(HOST_HARNESS), "-o", str(binary)], check=True, capture_output=True)
+    entry = gated_delta_cuda.instance(dk, nodes, warps=warps)
+    subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", f"-DENTRY={entry}", f"-I{folder}", str(HOST_HARNESS),
+                    "-o", str(binary)], check=True, capture_output=True)
     return binary
 
 
@@ -187,14 +200,24 @@ def host_builds(tmp_path_factory):
     if shutil.which("g++") is None:
         pytest.skip("needs g++ (the CUDA C kernel built for the host)")
     tmp = tmp_path_factory.mktemp("deltanet_tree_host")
-    return lambda dk, nodes: _host_build(dk, nodes, tmp)
+    return lambda dk, nodes, warps=gated_delta_cuda.WARPS: _host_build(dk, nodes, warps, tmp)
 
 
+def _run_host(binary: Path, stdin: bytes, t: int, h: int, hk: int, dk: int, dv: int):
+    run = subprocess.run([str(binary)], input=stdin, capture_output=True, check=True)
+    flat = torch.from_numpy(np.frombuffer(run.stdout, dtype=np.float32).copy())
+    sizes = (t * h * dv, t * h * dv, t * h, t * hk * dk)
+    shapes = ((t, h, dv), (t, h, dv), (t, h), (t, hk, dk))
+    return [part.reshape(shape) for part, shape in zip(flat.split(sizes), shapes)]
+
+
+@pytest.mark.parametrize("warps", [4, 8])
 @pytest.mark.parametrize("case", HOST_CASES, ids=[c[0] for c in HOST_CASES])
-def test_cuda_kernel_built_for_the_host_matches_the_reference(host_builds, case):
+def test_cuda_kernel_built_for_the_host_matches_the_reference(host_builds, case, warps):
     """The CUDA C kernel's threads as host threads (deltanet_tree_host.cpp): o, and the commit's u, Gamma and keys,
     against the torch reference at every node tile, with the q/k heads shared by several value heads; shared memory
-    starts as NaN, so a read before a write shows."""
+    starts as NaN, so a read before a write shows. On 8 warps (FLASHTREE_TREE_EIGHT_WARPS=1) every sum keeps its
+    order, so the outputs are the 4-warp kernel's bit for bit."""
     tree, dk, dv, hk, h = case
     parents = TREES[tree]
     t = len(parents) if parents is not None else int(tree.removeprefix("random"))
@@ -207,12 +230,11 @@ def test_cuda_kernel_built_for_the_host_matches_the_reference(host_builds, case)
     stdin = (np.array([t, hk, h, dk, dv], dtype=np.int32).tobytes()
              + b"".join(x.numpy().astype(np.float32).tobytes() for x in (q, k, v, g, beta, state))
              + parents.numpy().astype(np.int64).tobytes())
-    run = subprocess.run([str(host_builds(dk, gated_delta_cuda.node_tile(t)))], input=stdin, capture_output=True,
-                         check=True)
-    flat = torch.from_numpy(np.frombuffer(run.stdout, dtype=np.float32).copy())
-    sizes = (t * h * dv, t * h * dv, t * h, t * hk * dk)
-    o, u, gamma, k_out = (part.reshape(shape) for part, shape in zip(
-        flat.split(sizes), ((t, h, dv), (t, h, dv), (t, h), (t, hk, dk))))
+    nodes = gated_delta_cuda.node_tile(t)
+    o, u, gamma, k_out = _run_host(host_builds(dk, nodes, warps), stdin, t, h, hk, dk, dv)
+    if warps != gated_delta_cuda.WARPS:
+        four = _run_host(host_builds(dk, nodes), stdin, t, h, hk, dk, dv)
+        assert all(torch.equal(a, b) for a, b in zip((o, u, gamma, k_out), four))
     rep = h // hk
     ref_o, ref_u, ref_gamma = gated_delta.ancestor_chunk(q.repeat(1, rep, 1), k.repeat(1, rep, 1), v, g, beta, state,
                                                          ancestors_from_parents(parents))

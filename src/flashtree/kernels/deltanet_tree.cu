@@ -17,8 +17,12 @@
 #define SHARED_FLOATS(name) float* name = host_shared()
 #endif
 
-constexpr int COLS = 32;     // value columns a CTA owns (a lane's column in the substitution)
-constexpr int THREADS = 128; // 4 warps: warp w takes nodes w, w + 4, ... in the column-wise phases
+#ifndef TREE_WARPS
+#define TREE_WARPS 4  // gated_delta_cuda.py `source` defines it for an instance of another warp count
+#endif
+constexpr int COLS = 32;                  // value columns a CTA owns (a lane's column in the substitution)
+constexpr int WARPS = TREE_WARPS;         // warp w takes nodes w, w + WARPS, ... in the column-wise phases
+constexpr int THREADS = 32 * WARPS;
 
 // Shared memory (dynamic, floats): K and Q rows [NODES][DK + 4] (the pad keeps the LDS.128 of 4 rows apart in
 // banks), S0's columns [DK][COLS], A and the decayed Q K^T [NODES][NODES + 1], U [NODES][COLS], then per node
@@ -171,7 +175,8 @@ __device__ __forceinline__ void chase_parents(const TreeArgs& a, float* sm) {
 template <int DK, int NODES>
 __device__ __forceinline__ void tree_verify(const TreeArgs& a) {
     typedef TreeSmem<DK, NODES> L;
-    constexpr int PER_WARP = NODES / 4;  // nodes a thread takes in the column-wise phases
+    static_assert(NODES % WARPS == 0 && NODES <= 32, "the warps take whole rounds of nodes; a lane's bit a node");
+    constexpr int PER_WARP = NODES / WARPS;  // nodes a thread takes in the column-wise phases
     SHARED_FLOATS(sm);
     PHASE(a, 0);
     start_after_predecessors();
@@ -182,18 +187,19 @@ __device__ __forceinline__ void tree_verify(const TreeArgs& a) {
     float v[PER_WARP];  // this thread's values of V, first needed after the products: loaded under them
 #pragma unroll
     for (int n = 0; n < PER_WARP; ++n) {
-        const int i = warp + 4 * n;
+        const int i = warp + WARPS * n;
         v[n] = i < a.T ? a.v[(long)i * a.sv_t + (long)h * a.sv_h + c0 + lane] : 0.f;
     }
     __syncthreads();
     PHASE(a, 2);
     chase_parents<DK, NODES>(a, sm);
 
-    // 2b. K S0 and Q S0 for (node warp + 4n, column lane); K K^T and Q K^T for (node tid / 4, node tid % 4 + 4m)
+    // 2b. K S0 and Q S0 for (node warp + WARPS n, column lane); K K^T and Q K^T for (node tid / WARPS, node
+    // tid % WARPS + WARPS m): 32 rows of NODES pairs over the CTA's threads either way
     float ks[PER_WARP], qs[PER_WARP], kk[PER_WARP], qk[PER_WARP];
 #pragma unroll
     for (int n = 0; n < PER_WARP; ++n) ks[n] = qs[n] = kk[n] = qk[n] = 0.f;
-    const int row = tid >> 2, jb = tid & 3;
+    const int row = tid / WARPS, jb = tid % WARPS;
     const bool pairs = row < NODES;
     const float* krow = sm + L::K + (pairs ? row : 0) * L::PITCH;
     const float* qrow = sm + L::Q + (pairs ? row : 0) * L::PITCH;
@@ -205,12 +211,12 @@ __device__ __forceinline__ void tree_verify(const TreeArgs& a) {
         const float4 qi = *reinterpret_cast<const float4*>(qrow + d);
 #pragma unroll
         for (int n = 0; n < PER_WARP; ++n) {
-            const int i = warp + 4 * n;
+            const int i = warp + WARPS * n;
             const float4 kv = *reinterpret_cast<const float4*>(sm + L::K + i * L::PITCH + d);
             const float4 qv = *reinterpret_cast<const float4*>(sm + L::Q + i * L::PITCH + d);
             ks[n] = dot4(kv, make_float4(s0, s1, s2, s3), ks[n]);
             qs[n] = dot4(qv, make_float4(s0, s1, s2, s3), qs[n]);
-            const float4 kj = *reinterpret_cast<const float4*>(sm + L::K + (jb + 4 * n) * L::PITCH + d);
+            const float4 kj = *reinterpret_cast<const float4*>(sm + L::K + (jb + WARPS * n) * L::PITCH + d);
             kk[n] = dot4(ki, kj, kk[n]);
             qk[n] = dot4(qi, kj, qk[n]);
         }
@@ -226,7 +232,7 @@ __device__ __forceinline__ void tree_verify(const TreeArgs& a) {
         const float gamma_i = sm[L::GAMMA + row], beta_i = sm[L::BETA + row];
 #pragma unroll
         for (int m = 0; m < PER_WARP; ++m) {
-            const int j = jb + 4 * m;
+            const int j = jb + WARPS * m;
             const float decay = (bits >> j) & 1u ? expf(gamma_i - sm[L::GAMMA + j]) : 0.f;
             sm[L::A + row * L::TRI + j] = j == row ? 0.f : beta_i * decay * kk[m];
             sm[L::QK + row * L::TRI + j] = decay * qk[m];
@@ -235,7 +241,7 @@ __device__ __forceinline__ void tree_verify(const TreeArgs& a) {
     float out[PER_WARP];
 #pragma unroll
     for (int n = 0; n < PER_WARP; ++n) {
-        const int i = warp + 4 * n;
+        const int i = warp + WARPS * n;
         const float e = expf(sm[L::GAMMA + i]);
         sm[L::U + i * COLS + lane] = sm[L::BETA + i] * (v[n] - e * ks[n]);
         out[n] = e * qs[n];
@@ -262,7 +268,7 @@ __device__ __forceinline__ void tree_verify(const TreeArgs& a) {
     // 5. O = exp(Gamma) Q S0 + (decayed Q K^T) U; the stores
 #pragma unroll
     for (int n = 0; n < PER_WARP; ++n) {
-        const int i = warp + 4 * n;
+        const int i = warp + WARPS * n;
         float acc = out[n];
 #pragma unroll 4
         for (int j = 0; j < NODES; ++j)  // QK is 0 past node i

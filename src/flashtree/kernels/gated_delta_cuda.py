@@ -23,8 +23,8 @@ from flashtree.kernels.cuda_functions import functions, launch, nvrtc_loads
 
 SOURCE = Path(__file__).with_name("deltanet_tree.cu")
 COLS = 32  # value columns a CTA owns (deltanet_tree.cu COLS)
-THREADS = 128  # and its THREADS
-NODE_TILES = (8, 16, 24, 32)  # node rows an instance reserves (multiples of 4: its warps take every fourth node)
+WARPS = 4  # warps a CTA (deltanet_tree.cu TREE_WARPS): FLASHTREE_TREE_EIGHT_WARPS=1 takes 8 (`tree_warps`)
+NODE_TILES = (8, 16, 24, 32)  # node rows an instance reserves (multiples of 8: its warps take every 4th or 8th node)
 HEAD_DIMS = (32, 64, 128)  # key widths with instances (shared memory grows with dk: 128 takes 62 KB at 32 nodes)
 PHASE_WORDS = 10  # words a CTA writes in the phase-clock instance (deltanet_tree.cu PHASE_WORDS): 7 SM-clock stamps,
 # its SM, the global timer (ns) at the start and the end
@@ -59,8 +59,16 @@ def node_tile(t: int) -> int:
     return next(tile for tile in NODE_TILES if t <= tile)
 
 
-def instance(dk: int, nodes: int, clocks: bool = False) -> str:
-    return f"deltanet_tree_d{dk}_n{nodes}" + ("_clocks" if clocks else "")
+def tree_warps() -> int:
+    """Warps a CTA of the tree kernel: 4, or 8 where FLASHTREE_TREE_EIGHT_WARPS=1 (the products, 8.7 of a CTA's 14.1 us
+    at the 27B's 23-node trees on the H200, wait on shared-memory loads with 4 warps: twenty-seventh session; on 8 the
+    24-node instance's products loop is 134 instructions a warp against 250, no stack against 32 bytes: offline,
+    sm_90. Not yet timed on a GPU; the host build checks its bits equal the 4-warp kernel's)."""
+    return 8 if os.environ.get("FLASHTREE_TREE_EIGHT_WARPS", "0") == "1" else WARPS
+
+
+def instance(dk: int, nodes: int, clocks: bool = False, warps: int = WARPS) -> str:
+    return f"deltanet_tree_d{dk}_n{nodes}" + (f"_w{warps}" if warps != WARPS else "") + ("_clocks" if clocks else "")
 
 
 def shared_bytes(dk: int, nodes: int) -> int:
@@ -73,22 +81,25 @@ _STRIDES = ("sq_t", "sq_h", "sk_t", "sk_h", "sv_t", "sv_h", "sg_t", "sg_h", "sb_
             "so_t", "so_h", "su_t", "su_h", "sgm_t", "sko_t", "sko_h")
 
 
-def wrapper(dk: int, nodes: int, clocks: bool = False) -> str:
+def wrapper(dk: int, nodes: int, clocks: bool = False, warps: int = WARPS) -> str:
     """The extern "C" entry of one instance: flat arguments (as `launch` passes them) into deltanet_tree.cu's
     TreeArgs; `clocks` adds the phase-clock buffer (the TREE_PHASE_CLOCKS field)."""
     inputs = ", ".join(f"const float* {p}" for p in _PARAMS)
     strides = ", ".join(f"int {s}" for s in _STRIDES)
     fields = ", ".join((*_PARAMS, "parents", "o", "u", "gamma", "k_out", "T", "HK", *_STRIDES, "store_fold", "store_k",
                         *(("clocks",) if clocks else ())))
-    return (f'\nextern "C" __global__ void __launch_bounds__({THREADS}) {instance(dk, nodes, clocks)}({inputs}, '
+    name = instance(dk, nodes, clocks, warps)
+    return (f'\nextern "C" __global__ void __launch_bounds__({32 * warps}) {name}({inputs}, '
             f"const long long* parents, float* o, float* u, float* gamma, float* k_out, int T, int HK, {strides}, "
             f"int store_fold, int store_k{', long long* clocks' if clocks else ''}) {{\n"
             f"    TreeArgs a = {{{fields}}};\n    tree_verify<{dk}, {nodes}>(a);\n}}\n")
 
 
-def source(dk: int, nodes: int, clocks: bool = False) -> str:
+def source(dk: int, nodes: int, clocks: bool = False, warps: int = WARPS) -> str:
     """An instance's CUDA C; `clocks` the phase-clock one (where each CTA's time goes: `tree_verify(clocks=...)`)."""
-    return ("#define TREE_PHASE_CLOCKS\n" if clocks else "") + SOURCE.read_text() + wrapper(dk, nodes, clocks)
+    defines = (("#define TREE_PHASE_CLOCKS\n" if clocks else "")
+               + (f"#define TREE_WARPS {warps}\n" if warps != WARPS else ""))
+    return defines + SOURCE.read_text() + wrapper(dk, nodes, clocks, warps)
 
 
 def cuda_jobs(device: torch.device, dk: int) -> list[tuple[str, str]]:
@@ -96,7 +107,8 @@ def cuda_jobs(device: torch.device, dk: int) -> list[tuple[str, str]]:
     load-time compile (engine/loader.py); none where the kernel does not run."""
     if torch.device(device).type != "cuda" or dk not in HEAD_DIMS or not _available(torch.device(device)):
         return []
-    return [(instance(dk, nodes), source(dk, nodes)) for nodes in NODE_TILES]
+    warps = tree_warps()
+    return [(instance(dk, nodes, warps=warps), source(dk, nodes, warps=warps)) for nodes in NODE_TILES]
 
 
 def tree_verify(q, k, v, g, beta, state, parents, out, u, gamma, k_out, store_fold: bool, store_k: bool,
@@ -111,13 +123,14 @@ def tree_verify(q, k, v, g, beta, state, parents, out, u, gamma, k_out, store_fo
     if timed and (clocks.dtype != torch.int64 or tuple(clocks.shape) != (dv // COLS, h, PHASE_WORDS)
                   or not clocks.is_contiguous()):
         raise FlashtreeError(f"clocks must be a contiguous int64 [{dv // COLS}, {h}, {PHASE_WORDS}] tensor")
-    name = instance(dk, nodes, timed)
-    fn = functions(q.device).function(name, lambda: source(dk, nodes, timed))
+    warps = tree_warps()
+    name = instance(dk, nodes, timed, warps)
+    fn = functions(q.device).function(name, lambda: source(dk, nodes, timed, warps))
     size = shared_bytes(dk, nodes)
     cuda_functions.allow_shared(q.device, name, size)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
                g.stride(1), beta.stride(0), beta.stride(1), state.stride(0), state.stride(1), out.stride(0),
                out.stride(1), u.stride(0), u.stride(1), gamma.stride(0), k_out.stride(0), k_out.stride(1))
-    launch(fn, (h, dv // COLS), THREADS, [q, k, v, g, beta, state, parents, out, u, gamma, k_out, t, hk, *strides,
+    launch(fn, (h, dv // COLS), 32 * warps, [q, k, v, g, beta, state, parents, out, u, gamma, k_out, t, hk, *strides,
                                            int(store_fold), int(store_k), *((clocks,) if timed else ())], q.device,
            size)
