@@ -136,6 +136,23 @@ def test_cuda_tree_verify_against_reference_and_triton(tree, shape):
 
 @pytest.mark.gpu
 @hopper
+@pytest.mark.parametrize("tree", ["chain23", "random23", "star23", "chain8", "random32"])
+def test_cuda_tree_verify_on_8_warps_gives_the_4_warp_bits(monkeypatch, tree):
+    """FLASHTREE_TREE_EIGHT_WARPS=1: the same sums in the same order on twice the warps, so o, u and Gamma equal the
+    4-warp kernel's bit for bit (at the 27B shape, 48 value heads over 16 key heads)."""
+    parents = TREES[tree]
+    t = len(parents) if parents is not None else int(tree.removeprefix("random"))
+    parents = (torch.tensor(parents) if parents is not None else cases.random_parents(t, t)).cuda()
+    q, k, v, g, beta, state = _inputs(t, 16, 48, 128, 128, seed=t)
+    monkeypatch.setenv("FLASHTREE_TREE_EIGHT_WARPS", "0")
+    four = tree_verify_with_fold(q, k, v, g, beta, state, parents)
+    monkeypatch.setenv("FLASHTREE_TREE_EIGHT_WARPS", "1")
+    eight = tree_verify_with_fold(q, k, v, g, beta, state, parents)
+    assert all(torch.equal(a, b) for a, b in zip(four, eight))
+
+
+@pytest.mark.gpu
+@hopper
 def test_cuda_tree_verify_replays_in_a_graph_and_treats_bad_parents_as_roots():
     """Captured once, a replay reads the inputs' new values; a parent at or after its node counts as -1 (the
     Triton kernel's rule), and the launch does not read past the tree."""
