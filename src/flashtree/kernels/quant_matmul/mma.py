@@ -541,7 +541,7 @@ def prep_x_cluster_enabled(device: torch.device) -> bool:
     """qmh's x conversion on a cluster of `PREP_X_CLUSTER` CTAs a row (mma.cu `prep_x_cluster`, the same bits as
     `prep_x` on one CTA a row) where FLASHTREE_PREP_X_CLUSTER=1 on a GPU with clusters (sm_90+); off by default until
     timed and tested on a GPU."""
-    return (os.environ.get("FLASHTREE_PREP_X_CLUSTER", "0") == "1"
+    return (os.environ.get("FLASHTREE_PREP_X_CLUSTER", "0") == "1" and torch.device(device).type == "cuda"
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
