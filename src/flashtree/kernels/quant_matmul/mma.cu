@@ -1323,46 +1323,70 @@ __device__ __forceinline__ void store_in_step_pairs(const u32 (&h)[4], int i, u1
     *reinterpret_cast<uint2*>(at + 8) = make_uint2(h[2], h[3]);
 }
 
+// The largest |x| of this thread's values of a row: 8 from first + 8 tid, then every 8 * threads, below end
+template <typename XT>
+__device__ __forceinline__ float thread_max(const XT* row, int first, int end, int threads) {
+    float amax = 0.0f;
+    for (int i = first + threadIdx.x * 8; i < end; i += threads * 8) {
+        float f[8];
+        x8_f32(row + i, f);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) amax = fmaxf(amax, fabsf(f[q]));
+    }
+    return amax;
+}
+
+// The CTA's largest of every thread's `amax` (warps a CTA: `warps`), in every thread
+__device__ __forceinline__ float cta_max(float amax, int warps) {
+    __shared__ float warp_max[32];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+    if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = amax;
+    __syncthreads();
+    amax = warp_max[0];
+    for (int w = 1; w < warps; ++w) amax = fmaxf(amax, warp_max[w]);
+    return amax;
+}
+
+// e with max |x 2^e| in [256, 512): amax = m 2^p, m in [0.5, 1), 2^(9 - p) (0 for a row of zeros or of infinities)
+__device__ __forceinline__ int scale_exponent(float amax) {
+    if (!(amax > 0.0f && amax <= 3.0e38f)) return 0;
+    return min(125, max(-125, 9 - (((int)(__float_as_uint(amax) >> 23) & 0xFF) - 126)));
+}
+
+// 8 values of row tok from i (f) times `up` into xh in QT's order, and Q4_K's sub-block sums; `mine` false: this
+// thread's lanes take part in the sums' shuffles (whole warps) and store nothing
+template <int QT>
+__device__ __forceinline__ void store_scaled(const float (&f)[8], float up, int i, int tok, int K, u16* __restrict__ hrow,
+                                             u16* __restrict__ xsum, bool mine) {
+    u32 h[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) h[q] = (u32)float_to_half(f[2 * q] * up) | ((u32)float_to_half(f[2 * q + 1] * up) << 16);
+    if constexpr (QT == Q4_K) {
+        if (mine) *reinterpret_cast<uint4*>(hrow + i) = make_uint4(h[0], h[1], h[2], h[3]);
+        store_sub_block_sum(h, i, tok, K, xsum, mine);
+    } else if (mine) {
+        store_in_step_pairs(h, i, hrow);
+    }
+}
+
 // x [M, K] bf16 or float32 -> xh [M, K] f16 = x 2^e (per row, max |x 2^e| in [256, 512)) in the order QT's qmh reads it
-// (Q4_K: as it is; Q6_K: store_in_step_pairs), scale [M] = 2^-e, and Q4_K's xsum. One CTA of 256 threads per row.
+// (Q4_K: as it is; Q6_K: store_in_step_pairs), scale [M] = 2^-e, and Q4_K's xsum. One CTA of 256 threads per row
+// (K % 256 == 0, so that each step's threads are whole warps).
 template <int QT, typename XT>
 __device__ __forceinline__ void prep_x(const XT* __restrict__ x, u16* __restrict__ xh, u16* __restrict__ xsum,
                                        float* __restrict__ scale, int K) {
     start_after_predecessors();
     const int tok = blockIdx.x;
     const XT* row = x + (long)tok * K;
-    __shared__ float warp_max[8];
-    float amax = 0.0f;
-    for (int i = threadIdx.x * 8; i < K; i += 256 * 8) {
-        float f[8];
-        x8_f32(row + i, f);
-#pragma unroll
-        for (int q = 0; q < 8; ++q) amax = fmaxf(amax, fabsf(f[q]));
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
-    if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = amax;
-    __syncthreads();
-    amax = warp_max[0];
-#pragma unroll
-    for (int w = 1; w < 8; ++w) amax = fmaxf(amax, warp_max[w]);
-    int e = 0;  // amax = m 2^p, m in [0.5, 1): 2^(9 - p) brings it to [256, 512)
-    if (amax > 0.0f && amax <= 3.0e38f) e = min(125, max(-125, 9 - (((int)(__float_as_uint(amax) >> 23) & 0xFF) - 126)));
+    const int e = scale_exponent(cta_max(thread_max(row, 0, K, 256), 8));
     const float up = __uint_as_float((u32)(127 + e) << 23);
     if (threadIdx.x == 0) scale[tok] = __uint_as_float((u32)(127 - e) << 23);
     u16* hrow = xh + (long)tok * K;
     for (int i = threadIdx.x * 8; i < K; i += 256 * 8) {
         float f[8];
         x8_f32(row + i, f);
-        u32 h[4];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) h[q] = (u32)float_to_half(f[2 * q] * up) | ((u32)float_to_half(f[2 * q + 1] * up) << 16);
-        if constexpr (QT == Q4_K) {
-            *reinterpret_cast<uint4*>(hrow + i) = make_uint4(h[0], h[1], h[2], h[3]);
-            store_sub_block_sum(h, i, tok, K, xsum);
-        } else {
-            store_in_step_pairs(h, i, hrow);
-        }
+        store_scaled<QT>(f, up, i, tok, K, hrow, xsum, true);
     }
 }
 
@@ -1378,30 +1402,14 @@ __device__ __forceinline__ void prep_x_cluster(const XT* __restrict__ x, u16* __
     const int tok = blockIdx.x / CLUSTER, rank = (int)cluster_rank(), width = K / CLUSTER;
     const int first = rank * width, threads = blockDim.x;
     const XT* row = x + (long)tok * K;
-    __shared__ float warp_max[32];
-    __shared__ float cta_max;
-    float amax = 0.0f;
-    for (int i = first + threadIdx.x * 8; i < first + width; i += threads * 8) {
-        float f[8];
-        x8_f32(row + i, f);
-#pragma unroll
-        for (int q = 0; q < 8; ++q) amax = fmaxf(amax, fabsf(f[q]));
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
-    if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = amax;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float m = warp_max[0];
-        for (int w = 1; w < (threads >> 5); ++w) m = fmaxf(m, warp_max[w]);
-        cta_max = m;
-    }
+    __shared__ float this_cta;
+    const float mine_max = cta_max(thread_max(row, first, first + width, threads), threads >> 5);
+    if (threadIdx.x == 0) this_cta = mine_max;
     cluster_sync();
-    amax = 0.0f;
+    float amax = 0.0f;
 #pragma unroll
-    for (int r = 0; r < CLUSTER; ++r) amax = fmaxf(amax, load_from_rank(&cta_max, r));
-    int e = 0;  // as prep_x
-    if (amax > 0.0f && amax <= 3.0e38f) e = min(125, max(-125, 9 - (((int)(__float_as_uint(amax) >> 23) & 0xFF) - 126)));
+    for (int r = 0; r < CLUSTER; ++r) amax = fmaxf(amax, load_from_rank(&this_cta, r));
+    const int e = scale_exponent(amax);
     const float up = __uint_as_float((u32)(127 + e) << 23);
     if (rank == 0 && threadIdx.x == 0) scale[tok] = __uint_as_float((u32)(127 - e) << 23);
     u16* hrow = xh + (long)tok * K;
@@ -1413,15 +1421,7 @@ __device__ __forceinline__ void prep_x_cluster(const XT* __restrict__ x, u16* __
         const bool mine = i < first + width;
         float f[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
         if (mine) x8_f32(row + i, f);
-        u32 h[4];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) h[q] = (u32)float_to_half(f[2 * q] * up) | ((u32)float_to_half(f[2 * q + 1] * up) << 16);
-        if constexpr (QT == Q4_K) {
-            if (mine) *reinterpret_cast<uint4*>(hrow + i) = make_uint4(h[0], h[1], h[2], h[3]);
-            store_sub_block_sum(h, i, tok, K, xsum, mine);
-        } else if (mine) {
-            store_in_step_pairs(h, i, hrow);
-        }
+        store_scaled<QT>(f, up, i, tok, K, hrow, xsum, mine);
     }
     cluster_sync_relaxed();  // no CTA leaves while another reads its maximum
 }
