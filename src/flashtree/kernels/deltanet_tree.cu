@@ -23,6 +23,8 @@
 constexpr int COLS = 32;                  // value columns a CTA owns (a lane's column in the substitution)
 constexpr int WARPS = TREE_WARPS;         // warp w takes nodes w, w + WARPS, ... in the column-wise phases
 constexpr int THREADS = 32 * WARPS;
+constexpr int WARP_BITS = WARPS == 8 ? 3 : 2;  // tid >> WARP_BITS is tid / WARPS (shifts, as the 4-warp kernel was)
+static_assert(WARPS == 4 || WARPS == 8, "the tree kernel runs on 4 or 8 warps");
 
 // Shared memory (dynamic, floats): K and Q rows [NODES][DK + 4] (the pad keeps the LDS.128 of 4 rows apart in
 // banks), S0's columns [DK][COLS], A and the decayed Q K^T [NODES][NODES + 1], U [NODES][COLS], then per node
@@ -199,7 +201,7 @@ __device__ __forceinline__ void tree_verify(const TreeArgs& a) {
     float ks[PER_WARP], qs[PER_WARP], kk[PER_WARP], qk[PER_WARP];
 #pragma unroll
     for (int n = 0; n < PER_WARP; ++n) ks[n] = qs[n] = kk[n] = qk[n] = 0.f;
-    const int row = tid / WARPS, jb = tid % WARPS;
+    const int row = tid >> WARP_BITS, jb = tid & (WARPS - 1);
     const bool pairs = row < NODES;
     const float* krow = sm + L::K + (pairs ? row : 0) * L::PITCH;
     const float* qrow = sm + L::Q + (pairs ? row : 0) * L::PITCH;

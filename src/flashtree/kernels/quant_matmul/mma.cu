@@ -1350,8 +1350,9 @@ __device__ __forceinline__ float cta_max(float amax, int warps) {
 
 // e with max |x 2^e| in [256, 512): amax = m 2^p, m in [0.5, 1), 2^(9 - p) (0 for a row of zeros or of infinities)
 __device__ __forceinline__ int scale_exponent(float amax) {
-    if (!(amax > 0.0f && amax <= 3.0e38f)) return 0;
-    return min(125, max(-125, 9 - (((int)(__float_as_uint(amax) >> 23) & 0xFF) - 126)));
+    int e = 0;
+    if (amax > 0.0f && amax <= 3.0e38f) e = min(125, max(-125, 9 - (((int)(__float_as_uint(amax) >> 23) & 0xFF) - 126)));
+    return e;
 }
 
 // 8 values of row tok from i (f) times `up` into xh in QT's order, and Q4_K's sub-block sums; `mine` false: this
