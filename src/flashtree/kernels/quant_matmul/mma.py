@@ -790,7 +790,7 @@ def cluster_splits_enabled() -> bool:
 def _warps_owning_tiles_split_over_a_cluster(tiles: int, sb: int, sms: int) -> MMAConfig | None:
     """Q4_K's and Q6_K's qmh at 9-32 rows on the narrow matrices (the FFN down and out projections): the launch
     before it had each CTA's 4 warps split K over one 16-row tile, so every tile read all of x from L2 (at 23 rows
-    and K 17408, 800 KB of x per 72 KB of weights). Here `_NARROW_WARPS` warps own a tile each and share x staged
+    and K 17408, 800 KB of x per 157 KB of Q4_K weights). Here `_NARROW_WARPS` warps own a tile each and share x staged
     in shared memory (mma.cu `SharedX`), and the row group's K is split over a thread-block cluster of as many
     CTAs as fill `_NARROW_CTAS_PER_SM` an SM (at most `MAX_CLUSTER`), whose sums meet through distributed shared
     memory (mma.cu `epilogue_cluster`): x's L2 traffic falls by the warps' count, and no global partials or
