@@ -866,6 +866,17 @@ struct GlobalX {
     }
 };
 
+// The B fragments of sub-block j for each token group, from a lane's x in shared memory (`here`: its row g, byte 16t;
+// token groups `pitch` * 8 bytes apart): one 16-byte read each (SharedX's stages, ResidentX's rows)
+template <int TG>
+__device__ __forceinline__ void shared_fragments(const unsigned char* here, int pitch, int j, u32 (&bx)[TG][2][2]) {
+#pragma unroll
+    for (int tg = 0; tg < TG; ++tg) {
+        const uint4 v = *reinterpret_cast<const uint4*>(here + tg * 8 * pitch + 64 * j);
+        bx[tg][0][0] = v.x; bx[tg][0][1] = v.y; bx[tg][1][0] = v.z; bx[tg][1][1] = v.w;
+    }
+}
+
 // SharedX: the CTA's threads copy each super-block's x (8 TG rows) and sums into a ring of STAGES stages in
 // shared memory (cp.async, STAGES - 1 super-blocks ahead), so that x is read from L2 once per CTA and super-block,
 // and each warp reads its fragments from there. For qmh's OWN kernels, whose warps walk the same super-blocks:
@@ -927,11 +938,7 @@ struct SharedX {
         stage = stage == STAGES - 1 ? 0 : stage + 1;
     }
     __device__ __forceinline__ void sub_block(int j, int, u32 (&bx)[TG][2][2]) const {
-#pragma unroll
-        for (int tg = 0; tg < TG; ++tg) {
-            const uint4 v = *reinterpret_cast<const uint4*>(here + tg * 8 * X_PITCH + 64 * j);
-            bx[tg][0][0] = v.x; bx[tg][0][1] = v.y; bx[tg][1][0] = v.z; bx[tg][1][1] = v.w;
-        }
+        shared_fragments<TG>(here, X_PITCH, j, bx);
     }
     __device__ __forceinline__ uint2 sums(int tg) const {
         return *reinterpret_cast<const uint2*>(sums_here + tg * 8 * 32);
@@ -980,11 +987,7 @@ struct ResidentX {
         sums_here = sums_base + 32 * at;
     }
     __device__ __forceinline__ void sub_block(int j, int, u32 (&bx)[TG][2][2]) const {
-#pragma unroll
-        for (int tg = 0; tg < TG; ++tg) {
-            const uint4 v = *reinterpret_cast<const uint4*>(here + tg * 8 * pitch + 64 * j);
-            bx[tg][0][0] = v.x; bx[tg][0][1] = v.y; bx[tg][1][0] = v.z; bx[tg][1][1] = v.w;
-        }
+        shared_fragments<TG>(here, pitch, j, bx);
     }
     __device__ __forceinline__ uint2 sums(int tg) const {
         return *reinterpret_cast<const uint2*>(sums_here + tg * 8 * 32 * SB);
