@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from flashtree.bench.kernels import time_graph  # noqa: E402
 from flashtree.kernels.kv_quant import kv_type  # noqa: E402
-from flashtree.kernels.qk_norm_rope import rope_tables  # noqa: E402
+from flashtree.kernels.qk_norm_rope import qk_norm_rope, rope_tables  # noqa: E402
 from flashtree.kernels.tree_attention import (  # noqa: E402
     KV_KINDS, _launch_defaults, choose_splits, programs_per_sm, tree_attention)
 
@@ -168,6 +168,15 @@ COMPARED = [
                                         "fields_ahead": True}, 0.75),
     ("swap 2 warps pairs ahead x1", {"swap": True, "block_m": 8, "num_warps": 2, "tq3_pairs": True,
                                      "fields_ahead": True}, 1),
+    # the query normed and roped by its own launch (`qk_norm_rope`, stored as the bf16 operand) and read as it is:
+    # with float32 activations (`--float32-query`, the 27B's) the default verify tile's fused norm holds the float32
+    # [64, 256] query tile and compiles to 2144 bytes a thread of stack (offline sm_90, triton 3.9, 2026-12-06;
+    # 360 with a bf16 query), in each split's prologue; the verify's attention took 50 us a layer in the H100 step
+    # profile where this sweep's bf16 query took 23 on the H200 (f16 cases only: TQ3_0 queries are normed apart)
+    ("q normed before", {"norm_before": True}, 1),
+    ("q normed before M32 32-row", {"norm_before": True, "block_m": 32, "block_rows": 32}, 1),
+    ("q normed before splits x0.5", {"norm_before": True}, 0.5),
+    ("splits x0.25", {}, 0.25),
     # a verify's rows past its 128-row tile (10 of 138 a KV head) in a tile of their own, by default from 16K rows:
     # without it, and forced at shorter ranges (offline sm_90, triton 3.6, warp instructions a 16 K/V rows: TQ3_0's
     # second 128-row tile 5256, its swapped 16-row tail 2212; Q8_0's 4360 and 2424)
@@ -183,9 +192,10 @@ TQ3_ONLY = {"float32 TQ3 decode", "32-row chunks 8 warps", "1 warp at use splits
             "swap 2 warps pairs ahead x1", "tile pairs"}
 
 
-def model_inputs(n: int, committed: int, cache: str) -> dict:
+def model_inputs(n: int, committed: int, cache: str, query_dtype: torch.dtype = torch.bfloat16) -> dict:
     """`inputs` as attention.py passes them for a bf16 model (float32 activations, bf16 operands): the raw query
-    rows (strided, beside the gate rows of the same projection), the q norm and RoPE tables, and the gate; over
+    rows (strided, beside the gate rows of the same projection; `query_dtype`, float32 as the 27B engine's
+    activations, bf16 as the sweeps before 2026-12-06), the q norm and RoPE tables, and the gate; over
     TQ3_0 rows the query normed and rotated in a launch before (float32), the values rotated back in the call."""
     args = inputs(n, committed, cache)
     if kv_type(cache).rotated:
@@ -194,11 +204,23 @@ def model_inputs(n: int, committed: int, cache: str) -> dict:
         args.update(q=args["q"].float(), gate=rows[:, :, 1], unrotate_values=True, operands=torch.bfloat16)
         return args
     g = torch.Generator(device="cuda").manual_seed(1)
-    rows = torch.randn(n, HEADS, 2, HEAD_DIM, device="cuda", generator=g).to(torch.bfloat16)
+    rows = torch.randn(n, HEADS, 2, HEAD_DIM, device="cuda", generator=g).to(query_dtype)
     weight = 1 + 0.1 * torch.randn(HEAD_DIM, device="cuda", generator=g)
     args.update(q=rows[:, :, 0].transpose(0, 1), gate=rows[:, :, 1],
-                q_norm=(weight, 1e-6, *rope_tables(args["positions"], 64, 1e7)))
+                q_norm=(weight, 1e-6, *rope_tables(args["positions"], 64, 1e7)), operands=torch.bfloat16)
     return args
+
+
+def normed_before(args: dict, launch: dict):
+    """The call with the query normed and roped by `qk_norm_rope` first (into the operands' dtype), then attended
+    without the fused norm: both launches, as one callable."""
+    raw, (weight, eps, cos, sin) = args["q"], args["q_norm"]
+    rest = {key: value for key, value in args.items() if key not in ("q", "q_norm")}
+
+    def call():
+        q = qk_norm_rope(raw.transpose(0, 1), weight, eps, cos, sin, out_dtype=args["operands"]).transpose(0, 1)
+        return tree_attention(q, **{**rest, **launch}, out_dtype=raw.dtype)
+    return call
 
 
 def graph_timed(fn) -> float:
@@ -210,7 +232,7 @@ def compared_launch(n: int, committed: int, cache: str, overrides: dict, split_s
                     tq3_only: bool = False) -> dict | None:
     """The launch overrides of one COMPARED entry at (n, committed, cache), the default's tile and chunk unless
     overridden; None where a query-tile, register-cap or TQ3_0 candidate does not apply."""
-    if tq3_only and cache != "tq3_0":
+    if (tq3_only and cache != "tq3_0") or (overrides.get("norm_before") and kv_type(cache).rotated):
         return None
     group_rows = HEADS // KV_HEADS * n
     quantized = KV_KINDS[kv_type(cache).name] > 0
@@ -229,7 +251,8 @@ def compared_launch(n: int, committed: int, cache: str, overrides: dict, split_s
     return launch
 
 
-def compare(baseline: str | None, cases: list[tuple[int, int, str]], names: list[str], deadline: float) -> list[dict]:
+def compare(baseline: str | None, cases: list[tuple[int, int, str]], names: list[str], deadline: float,
+            query_dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     old = None
     if baseline:
         spec = importlib.util.spec_from_file_location("tree_attention_baseline", baseline)
@@ -237,7 +260,7 @@ def compare(baseline: str | None, cases: list[tuple[int, int, str]], names: list
         spec.loader.exec_module(old)
     rows = []
     for n, committed, cache in cases:
-        args = model_inputs(n, committed, cache)
+        args = model_inputs(n, committed, cache, query_dtype)
         reference = tree_attention(**args)
         k = args["k_cache"][:, : committed + n]
         row = {"tokens": n, "committed": committed, "cache": cache, "kv_bytes": 2 * k.numel() * k.element_size()}
@@ -249,10 +272,12 @@ def compare(baseline: str | None, cases: list[tuple[int, int, str]], names: list
             launch = compared_launch(n, committed, cache, overrides, scale, tq3_only=name in TQ3_ONLY)
             if launch is None or time.time() > deadline:
                 continue
+            call = (normed_before(args, {k: v for k, v in launch.items() if k != "norm_before"})
+                    if launch.get("norm_before") else lambda: tree_attention(**{**args, **launch}))
             try:
-                out = tree_attention(**args, **launch)
+                out = call()
                 error = ((out.float() - reference.float()).abs().max() / reference.float().abs().max()).item()
-                us = graph_timed(lambda: tree_attention(**args, **launch))
+                us = graph_timed(call)
             except Exception as exc:  # noqa: BLE001 - out of shared memory / registers: not a candidate
                 row[name] = str(exc).splitlines()[0][:60]
                 continue
@@ -303,9 +328,12 @@ def main() -> None:
                              "e.g. 1:262144:tq3_0,23:65536:q8_0")
     parser.add_argument("--candidates", type=parse_candidates, default=[name for name, _, _ in COMPARED],
                         help="with --compare: NAME[,...] of COMPARED (default all)")
+    parser.add_argument("--float32-query", action="store_true",
+                        help="with --compare: the raw query and gate in float32, as the 27B engine's activations")
     args = parser.parse_args()
     if args.compare:
-        rows = compare(args.baseline, args.cases or COMPARE_CASES, args.candidates, time.time() + args.budget_s)
+        rows = compare(args.baseline, args.cases or COMPARE_CASES, args.candidates, time.time() + args.budget_s,
+                       torch.float32 if args.float32_query else torch.bfloat16)
         Path(args.out).write_text(json.dumps(rows, indent=1))
         print_compared(rows, args.candidates)
         return

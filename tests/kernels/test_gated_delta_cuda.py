@@ -70,11 +70,12 @@ def test_instances_compile_for_sm90_without_a_gpu():
         assert compile_cubin(gated_delta_cuda.source(dk, nodes, clocks, warps), "sm_90")[:4] == b"\x7fELF"
 
 
-def test_the_tree_kernel_takes_8_warps_where_asked(monkeypatch):
-    """FLASHTREE_TREE_EIGHT_WARPS=1 takes the 8-warp instances (a name and a define of their own); 4 by default."""
-    monkeypatch.delenv("FLASHTREE_TREE_EIGHT_WARPS", raising=False)
+def test_the_tree_kernel_takes_8_warps_unless_asked_for_4(monkeypatch):
+    """The tree kernel takes the 8-warp instances (a name and a define of their own) by default, the 4-warp ones
+    with FLASHTREE_TREE_EIGHT_WARPS=0."""
+    monkeypatch.setenv("FLASHTREE_TREE_EIGHT_WARPS", "0")
     assert gated_delta_cuda.tree_warps() == 4 and gated_delta_cuda.instance(128, 24) == "deltanet_tree_d128_n24"
-    monkeypatch.setenv("FLASHTREE_TREE_EIGHT_WARPS", "1")
+    monkeypatch.delenv("FLASHTREE_TREE_EIGHT_WARPS")
     assert gated_delta_cuda.tree_warps() == 8
     assert gated_delta_cuda.instance(128, 24, warps=8) == "deltanet_tree_d128_n24_w8"
     source = gated_delta_cuda.source(128, 24, warps=8)

@@ -143,9 +143,11 @@ def test_configurations_follow_the_sweep(monkeypatch):
     assert [mma.choose_config(QType.Q4_K, m, 12288, 5120) for m in (9, 23, 32)] == [
         mma.MMAConfig(2, 4, 1, 1, min_blocks=3, ring=2)] * 3
     assert mma.MMAConfig(1, 17, 1, 1, own_tiles=2, ring=3).ring_bytes(QType.Q4_K) + mma._shared_x_bytes(3) <= 227 * 1024
-    # Q6_K's LM head at 17-24 rows (the verify's) through the weight ring, its down projection not
-    assert [mma.choose_config(QType.Q6_K, m, 248320, 5120) for m in (16, 23, 32)] == [
-        mma.MMAConfig(1, 2, 1, 2), mma.MMAConfig(2, 4, 1, 1, min_blocks=3, ring=2), mma.MMAConfig(1, 2, 1, 2)]
+    # Q6_K's LM head at 17-24 rows (the verify's) through the weight ring, its down projection not; at 9-16 rows with x
+    # resident in shared memory
+    assert [mma.choose_config(QType.Q6_K, m, 248320, 5120) for m in (8, 16, 23, 32)] == [
+        mma.MMAConfig(1, 2, 1, 2), mma._RESIDENT_X_HEAD, mma.MMAConfig(2, 4, 1, 1, min_blocks=3, ring=2),
+        mma.MMAConfig(1, 2, 1, 2)]
     assert mma.choose_config(QType.Q6_K, 23, 5120, 17408) == mma.MMAConfig(1, 4, 1, 1, min_blocks=3, x_ahead=1)
     # the FFN down projection: too few 64-row groups to own tiles
     assert [mma.choose_config(QType.Q4_K, m, 5120, 17408) for m in (16, 23, 32)] == [
@@ -176,8 +178,9 @@ def test_q6_k_float16_kernel_has_two_classes_of_row_counts(monkeypatch):
     """Each class gives a row the same bits whatever the other rows. On the FFN down projections: one tile and
     two chains at 2-8 rows, K split over a cluster at 9-32 (`_warps_owning_tiles_split_over_a_cluster`). On other
     4-warp matrices: one tile and two chains at 2-16 rows, one tile and one chain at 17-32 (3 CTAs per SM, x a
-    sub-block ahead; also attention V when qmh is asked for it). On the LM head (2 warps): 4 warps splitting K and
-    one chain at 17-24 rows (two tiles a warp through a weight ring), one tile and two chains elsewhere."""
+    sub-block ahead; also attention V when qmh is asked for it). On the LM head (2 warps): 16 warps walking whole
+    tiles over x resident in shared memory at 9-16 rows, 4 warps splitting K and one chain at 17-24 rows (two tiles
+    a warp through a weight ring), one tile and two chains elsewhere."""
     monkeypatch.setenv("FLASHTREE_QMH_CLUSTER_SPLITS", "1")
     for n, k in Q6_K_SHAPES:
         head = n == 248320
@@ -188,8 +191,9 @@ def test_q6_k_float16_kernel_has_two_classes_of_row_counts(monkeypatch):
             assert {classes[m] for m in range(9, 33)} == {mma.MMAConfig(1, 8, 3, 2, own_tiles=2, ring=3)}
             assert {classes[m] for m in range(2, 9)} == {mma.MMAConfig(1, warps, splits, 2)}
         elif head:
+            assert {classes[m] for m in range(9, 17)} == {mma._RESIDENT_X_HEAD}
             assert {classes[m] for m in range(17, 25)} == {mma.MMAConfig(2, 4, splits, 1, min_blocks=3, ring=2)}
-            assert {classes[m] for m in (*range(2, 17), *range(25, 33))} == {mma.MMAConfig(1, warps, splits, 2)}
+            assert {classes[m] for m in (*range(2, 9), *range(25, 33))} == {mma.MMAConfig(1, warps, splits, 2)}
         else:
             wide = mma.MMAConfig(1, warps, splits, 1, min_blocks=3, x_ahead=1)
             assert {classes[m] for m in range(17, 33)} == {wide}, (n, k)
@@ -348,16 +352,17 @@ def test_the_narrow_matrices_split_k_over_a_cluster_at_9_to_32_rows(monkeypatch)
     assert mma.choose_config(QType.Q4_K, 23, 5120, 1024, 132).splits <= 4  # K of 4 super-blocks: a split each
 
 
-def test_the_lm_head_takes_x_resident_at_2_to_16_rows_where_asked(monkeypatch):
-    """FLASHTREE_QMH_RESIDENT_X=1: the LM head (Q6_K 248320 x 5120) at 2-16 rows takes x resident in shared memory
-    (`_RESIDENT_X_HEAD`: 16 warps walking whole tiles, one CTA an SM); not at 1 or 17+ rows (24 rows of x would not
-    fit), not on other matrices, not by default. Its grid is one CTA an SM at most, its dynamic shared memory the
-    8 or 16 rows of x (rows 64 bytes apart past their 2 K bytes) and Q4_K's sums; a K split is refused."""
-    head = (QType.Q6_K, 248320, 5120)
-    assert not mma.choose_config(*head[:1], 16, *head[1:], 132).own_tiles == 3
-    monkeypatch.setenv("FLASHTREE_QMH_RESIDENT_X", "1")
+def test_the_lm_head_takes_x_resident_at_9_to_16_rows(monkeypatch):
+    """The LM head (Q6_K 248320 x 5120) at 9-16 rows takes x resident in shared memory (`_RESIDENT_X_HEAD`: 16 warps
+    walking whole tiles, one CTA an SM); not at 1-8 rows (slower there on the H100) or 17+ (24 rows of x would not
+    fit), not on other matrices, not with FLASHTREE_QMH_RESIDENT_X=0. Its grid is one CTA an SM at most, its dynamic
+    shared memory the 8 or 16 rows of x (rows 64 bytes apart past their 2 K bytes) and Q4_K's sums; a K split is
+    refused."""
+    monkeypatch.delenv("FLASHTREE_QMH_RESIDENT_X", raising=False)
     assert [mma.choose_config(QType.Q6_K, m, 248320, 5120, 132).own_tiles for m in (1, 2, 8, 9, 16, 17, 23)] == [
-        0, 3, 3, 3, 3, 0, 0]
+        0, 0, 0, 3, 3, 0, 0]
+    monkeypatch.setenv("FLASHTREE_QMH_RESIDENT_X", "0")
+    assert mma.choose_config(QType.Q6_K, 16, 248320, 5120, 132).own_tiles != 3
     assert mma.choose_config(QType.Q6_K, 16, 5120, 17408, 132).own_tiles != 3
     resident = mma._RESIDENT_X_HEAD
     assert resident.grid(248320, 132) == 132 and resident.grid(2048, 132) == 8

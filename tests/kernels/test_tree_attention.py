@@ -403,6 +403,26 @@ def test_output_gate_at_the_store_on_gpu(n, split):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("split", [1, None])
+@pytest.mark.parametrize("n", [5, 23])
+def test_a_query_normed_apart_gives_the_fused_output_on_gpu(n, split):
+    """attention.py's verify with float32 activations (FLASHTREE_QUERY_NORM_APART=1): the raw query normed and roped
+    by `qk_norm_rope` into the bf16 operands, then attended with a float32 output, against the same query normed at
+    the kernel's load. Both feed the MMAs the same bf16 query but for the norm's sums (an RMS a few ulps apart can
+    move a bf16 rounding of a few query values), so the outputs agree within half a bf16 rounding."""
+    args = _real_inputs("bf16", n, 4096)
+    rows = torch.randn(n, 24, 2, 256, device="cuda")
+    weight, (cos, sin) = 1 + 0.1 * torch.randn(256, device="cuda"), rope_tables(args["positions"], 64, 1e7)
+    common = dict(args, split=split, gate=rows[:, :, 1], operands=torch.bfloat16)
+    fused = tree_attention(**{**common, "q": rows[:, :, 0].transpose(0, 1)}, q_norm=(weight, 1e-6, cos, sin))
+    q = qk_norm_rope(rows[:, :, 0], weight, 1e-6, cos, sin, out_dtype=torch.bfloat16).transpose(0, 1)
+    apart = tree_attention(**{**common, "q": q}, out_dtype=torch.float32)
+    assert apart.dtype == fused.dtype == torch.float32 and apart.shape == fused.shape == (n, 24 * 256)
+    assert cases.relative_error(apart, fused) <= 2e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("split", [1, None])  # rotated back in torch, and in the combine launch
 @pytest.mark.parametrize("n", [1, 23])
 def test_tq3_0_values_rotated_back_in_the_call_on_gpu(n, split):

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from flashtree.kernels.activations import gated_heads_reference
 from flashtree.kernels.kv_quant import rotate, kv_type, unrotate
-from flashtree.kernels.qk_norm_rope import qk_norm_rope_reference, rope_tables_reference
+from flashtree.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference, rope_tables_reference
 from flashtree.kernels.tree_attention import _byte_perm, tq3_pair_values, tree_attention, tree_attention_reference
 
 KV_HEADS, HEAD_DIM, KV_END, CAPACITY = 2, 64, 96, 100
@@ -182,6 +182,12 @@ def _cases():
     cases["normed-gated-f32-t5-g4-w0-onesplit-float32"] = (dict(cache="f32", n=5, group=4), 0, {"split": 1}, "normed")
     cases["normed-gated-bf16-t5-g4-w0-onesplit-bfloat16"] = (dict(cache="bf16", n=5, group=4, q_dtype=torch.bfloat16),
                                                              0, {"split": 1}, "normed")
+    # a float32 query normed apart (`qk_norm_rope` into the bf16 operands, attention.py's verify) against the same
+    # query normed at the kernel's load, a float32 output each: the interpreter multiplies the fused query in float32
+    # (bf16 operands are the GPU's), so here they differ by the query's bf16 rounding (on the GPU:
+    # test_a_query_normed_apart_gives_the_fused_output_on_gpu)
+    cases["apart-gated-bf16-t23-g4-w9-bfloat16"] = (dict(cache="bf16", n=23, group=4), WINDOW, forced, "apart")
+    cases["apart-gated-bf16-t5-g4-w0-onesplit-bfloat16"] = (dict(cache="bf16", n=5, group=4), 0, {"split": 1}, "apart")
     # TQ3_0 rows decoded as float16 pairs (the GPU's default; here with the byte permutes emulated), against the
     # reference over the values the pair decode gives (`tq3_pair_values`)
     pairs = dict(forced, tq3_pairs=True)
@@ -296,6 +302,18 @@ def main() -> None:
             want = gated_heads_reference(tree_attention_reference(**{**args, "q": normed}, window=window), rows[:, :, 1])
             errors[case] = relative_error(out, want)
             assert out.shape == (n, heads * d) and out.dtype == args["q"].dtype, case
+            continue
+        elif expected == "apart":  # attention.py's float32 verify query: normed in the kernel, or apart into bf16
+            heads, n, d = args["q"].shape
+            rows = torch.randn(n, heads, 2, d, generator=torch.Generator().manual_seed(n)) * 3
+            weight = 1 + 0.1 * torch.randn(d, generator=torch.Generator().manual_seed(d))
+            cos, sin = rope_tables_reference(args["positions"], d // 2, 1e7)
+            common = dict(args, window=window, gate=rows[:, :, 1], operands=torch.bfloat16, **launch)
+            fused = tree_attention(**{**common, "q": rows[:, :, 0].transpose(0, 1)}, q_norm=(weight, 1e-6, cos, sin))
+            q = qk_norm_rope(rows[:, :, 0], weight, 1e-6, cos, sin, out_dtype=torch.bfloat16).transpose(0, 1)
+            out = tree_attention(**{**common, "q": q}, out_dtype=torch.float32)
+            errors[case] = relative_error(out, fused)
+            assert out.shape == fused.shape == (n, heads * d) and out.dtype == fused.dtype == torch.float32, case
             continue
         elif expected == "gated":  # the gate as attention.py passes it: strided rows of the [query ; gate] projection
             heads, n, d = args["q"].shape

@@ -23,7 +23,7 @@ from flashtree.kernels.cuda_functions import functions, launch, nvrtc_loads
 
 SOURCE = Path(__file__).with_name("deltanet_tree.cu")
 COLS = 32  # value columns a CTA owns (deltanet_tree.cu COLS)
-WARPS = 4  # warps a CTA (deltanet_tree.cu TREE_WARPS): FLASHTREE_TREE_EIGHT_WARPS=1 takes 8 (`tree_warps`)
+WARPS = 4  # warps a CTA of the instances named without `_w8` (deltanet_tree.cu TREE_WARPS; `tree_warps`)
 NODE_TILES = (8, 16, 24, 32)  # node rows an instance reserves (multiples of 8: its warps take every 4th or 8th node)
 HEAD_DIMS = (32, 64, 128)  # key widths with instances (shared memory grows with dk: 128 takes 62 KB at 32 nodes)
 PHASE_WORDS = 10  # words a CTA writes in the phase-clock instance (deltanet_tree.cu PHASE_WORDS): 7 SM-clock stamps,
@@ -60,11 +60,12 @@ def node_tile(t: int) -> int:
 
 
 def tree_warps() -> int:
-    """Warps a CTA of the tree kernel: 4, or 8 where FLASHTREE_TREE_EIGHT_WARPS=1 (the products, 8.7 of a CTA's 14.1 us
-    at the 27B's 23-node trees on the H200, wait on shared-memory loads with 4 warps: twenty-seventh session; on 8 the
-    24-node instance's products loop is 134 instructions a warp against 250, no stack against 32 bytes: offline,
-    sm_90. Not yet timed on a GPU; the host build checks its bits equal the 4-warp kernel's)."""
-    return 8 if os.environ.get("FLASHTREE_TREE_EIGHT_WARPS", "0") == "1" else WARPS
+    """Warps a CTA of the tree kernel: 8, or 4 where FLASHTREE_TREE_EIGHT_WARPS=0. The same sums in the same order
+    (the host build and a GPU test check the bits equal); on 8 the 24-node instance's products loop is 134
+    instructions a warp against 250 (offline, sm_90), and the 27B verify's DeltaNet kernels took 0.923 ms against
+    0.951 (H100, thirtieth session, `steps-ab-short` with the session's four switches; the tree sweep's phases: a
+    23-node chain's CTA 14.08 -> 13.31 us, its products phase unchanged)."""
+    return 8 if os.environ.get("FLASHTREE_TREE_EIGHT_WARPS", "1") == "1" else WARPS
 
 
 def instance(dk: int, nodes: int, clocks: bool = False, warps: int = WARPS) -> str:

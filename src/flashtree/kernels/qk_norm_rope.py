@@ -67,16 +67,18 @@ def qk_norm_rope_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, co
 
 
 def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
-                 sin: torch.Tensor, rotated: bool = False) -> torch.Tensor:
+                 sin: torch.Tensor, rotated: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """`qk_norm_rope_reference` in one launch where Triton runs (power-of-two head size, even rot_dim); with
-    `rotated` (a query for TQ3_0 keys) also `kv_quant.rotate`d, in the same launch."""
+    `rotated` (a query for TQ3_0 keys) also `kv_quant.rotate`d, in the same launch. `out_dtype` (x's by default):
+    the result rounded once more to it at the store (a float32 query as the bf16 operand attention reads)."""
     t, heads, dim = x.shape
     rot = cos.shape[-1]
+    out_dtype = out_dtype or x.dtype
     if (triton is None or not triton_runs_on(x.device) or t == 0 or x.stride(-1) != 1 or dim & (dim - 1)
             or rot % 2 or rot > dim or (rotated and dim % TQ3_GROUP)):
         out = qk_norm_rope_reference(x, weight, eps, cos, sin)
-        return rotate(out) if rotated else out
-    out = torch.empty(t, heads, dim, dtype=x.dtype, device=x.device)
+        return (rotate(out) if rotated else out).to(out_dtype)
+    out = torch.empty(t, heads, dim, dtype=out_dtype, device=x.device)
     signs = rotation_signs(x.device) if rotated else out  # unused unless ROTATE
     _qk_norm_rope_kernel[(t, heads)](x, weight, cos.contiguous(), sin.contiguous(), out, x.stride(0), x.stride(1),
                                      eps, x, out, out, 0, 0, 0, 0, 0, 0, signs, D=dim, ROT=rot, INTO_CACHE=False,

@@ -769,7 +769,7 @@ def _plan(rows: int, d: int, main: Launch, tail: bool | None, windowed: bool, qu
 def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, positions, kv_end, scale,
                    window=0, split=None, *, gate=None, q_norm=None, unrotate_values=False, block_rows=None,
                    block_m=None, num_warps=None, num_stages=None, operands=None, max_registers=None, tq3_pairs=None,
-                   fields_ahead=None, swap=None, tail=None):
+                   fields_ahead=None, swap=None, tail=None, out_dtype=None):
     """Attention of q [heads, T, D] (after RoPE) over cache rows [0, kv_end) of a graphed step; see the
     module docstring for the mask. -> [heads, T, D] in q.dtype; with `gate` [T, heads, D] (any strides, the
     last unit) `activations.gated_heads(result, gate)` instead, [T, heads * D], the gate applied at the store.
@@ -795,8 +795,9 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
     warps or a swapped one, whose registers they overfill). `swap` takes the MMAs with their sides swapped
     (`_scores`: q held as [D, BLOCK_M]), by default in a decode of up to 16 query rows over TQ3_0 rows
     (`_launch_defaults`). `tail` gives the query rows past the last whole tile a launch of their own in a tile sized
-    to them (by default over long quantized rows, `_tail_rows`). Falls back to `tree_attention_reference` where the
-    Triton path does not apply."""
+    to them (by default over long quantized rows, `_tail_rows`). `out_dtype` (q's by default): the result's dtype (a
+    query normed apart into the operands' dtype whose output stays in the activations'). Falls back to
+    `tree_attention_reference` where the Triton path does not apply."""
     tk, tv = kv_type(kv_type_k), kv_type(kv_type_v)
     _check(q, k_cache, v_cache, tk, tv, start_t, visible, positions, kv_end)
     unrotating = unrotate_values and tv.rotated
@@ -808,6 +809,7 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
         out = tree_attention_reference(q, k_cache, v_cache, tk, tv, start_t, visible, positions, kv_end, scale,
                                        window)
         out = unrotate(out) if unrotating else out
+        out = out.to(out_dtype or q.dtype)
         return out if gate is None else gated_heads(out, gate)
     heads, n, d = q.shape
     kv_heads = k_cache.shape[0]
@@ -825,7 +827,7 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
     tiles = _plan(group * n, d, main, tail, window > 0, quantized, tk, tv, operands, interpreter, tq3_pairs,
                   fields_ahead, split, kv_end, kv_heads, _sm_count(q.device))
 
-    out_dtype = q.dtype
+    out_dtype = out_dtype or q.dtype
     # a split launch stores the rotated rows unless its combine unrotates them: then torch unrotates them all
     in_combine = unrotating and all(t.splits > 1 for t in tiles)
     gated = gate is not None and (in_combine or not unrotating)

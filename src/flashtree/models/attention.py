@@ -17,6 +17,7 @@ to rounding, so the dequantized scratch stays bounded whatever the context.
 
 from __future__ import annotations
 
+import os
 import sys
 from contextlib import nullcontext
 
@@ -93,14 +94,18 @@ class GatedAttention:
         if _reads_cache_in_place(step, kv, raw_q.transpose(0, 1)):
             # one launch: q's norm and RoPE at the kernel's load (not for TQ3_0 keys: one `qk_norm_rope` launch
             # norms, ropes and rotates their q), TQ3_0 values rotated back and the output gate at its store
-            fused_q = not kv.type_k.rotated
-            q = raw_q.transpose(0, 1) if fused_q else qk_norm_rope(raw_q, self.q_norm, c.rms_eps, cos, sin,
-                                                                   rotated=True).transpose(0, 1)
-            # q and the gate in the activations' dtype, the MMAs' operands in the model's; the output in q's
+            fused_q = not kv.type_k.rotated and not _query_normed_apart(n, activations, operands)
+            if fused_q:
+                q = raw_q.transpose(0, 1)
+            else:  # TQ3_0 keys: rotated as well, in float32; a verify's float32 query: rounded to the operands
+                q = qk_norm_rope(raw_q, self.q_norm, c.rms_eps, cos, sin, rotated=kv.type_k.rotated,
+                                 out_dtype=activations if kv.type_k.rotated else operands).transpose(0, 1)
+            # q and the gate in the activations' dtype, the MMAs' operands in the model's; the output in the
+            # activations'
             return self.out(tree_attention(q, kv.k, kv.v, kv.type_k, kv.type_v, step.start_tensor(), step.visible,
                                            step.positions, step.kv_end, c.attention_scale, kv.window, gate=gate,
                                            q_norm=(self.q_norm, c.rms_eps, cos, sin) if fused_q else None,
-                                           unrotate_values=True, operands=operands))
+                                           unrotate_values=True, operands=operands, out_dtype=activations))
         # TQ3_0 keys: R orthogonal, (Rq).(Rk) = q.k, so K is used as stored
         q = qk_norm_rope(raw_q, self.q_norm, c.rms_eps, cos, sin, rotated=kv.type_k.rotated).transpose(0, 1)
         out = self._attend_dequantized(q.to(operands), step, kv).to(activations)  # [heads, n, hd]
@@ -177,6 +182,15 @@ def _plain_prefill(step: Step, lo: int, window: int, q, keys, values) -> bool:
     the CPU or where CUDA's flash kernel takes it: elsewhere (float32, old GPUs) PyTorch would build the
     lower-right mask and, with grouped K/V, fall back to materialising every attention score."""
     return _plain_run(step, lo, window, q) and _flash_takes(q, keys, values)
+
+
+def _query_normed_apart(tokens: int, activations: torch.dtype, operands: torch.dtype) -> bool:
+    """Whether a call of several tokens norms and ropes its float32 query in a launch of its own (`qk_norm_rope`,
+    stored in the 16-bit operands' dtype) instead of at the attention kernel's load (FLASHTREE_QUERY_NORM_APART=1).
+    Fused, a verify's 64-row query tile holds the float32 query and compiles to 2144 bytes a thread of stack
+    (offline sm_90, 2026-12-06), in the prologue of every split; a decode's 16-row tile does not spill."""
+    return (tokens > 1 and activations == torch.float32 and operands in (torch.bfloat16, torch.float16)
+            and os.environ.get("FLASHTREE_QUERY_NORM_APART", "0") == "1")
 
 
 def _plain_run(step: Step, lo: int, window: int, q) -> bool:

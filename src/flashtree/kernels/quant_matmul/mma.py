@@ -606,7 +606,7 @@ def choose_config(qtype: QType, m: int, n: int, k: int, sms: int = _H200_SMS, ke
     matrices (the FFN down and out projections, Q4_K and Q6_K) with FLASHTREE_QMH_CLUSTER_SPLITS=1 2-8 and 9-32
     (`_warps_owning_tiles_split_over_a_cluster`); Q4_K elsewhere 2-16 and 17-32 where the warps own tiles (17-32,
     `own_tiles`: each warp sums all of K), else 2-24 and 25-32; Q6_K 17-32 and 2-16 on the FFN down projections
-    (without the cluster split), 17-24 and the rest on the LM head. Loading x a sub-block ahead
+    (without the cluster split), 9-16 (x resident), 17-24 and the rest on the LM head. Loading x a sub-block ahead
     (`x_ahead`) changes no arithmetic.
     The one-row kernel (decode) sums each sub-block in its own MMA column (Q4_K's MMAs in two chains) and
     adds them per lane, another order: a decode row and a verify row of the same token can differ in the last
@@ -625,7 +625,7 @@ def choose_config(qtype: QType, m: int, n: int, k: int, sms: int = _H200_SMS, ke
     tg = token_groups(m)
     half = (kernel or kernel_for(qtype, tg, n, k)) == "qmh"  # `kernel`: the config another kernel would take
     warps = 2 if tiles >= 32 * sms else 4
-    resident = _RESIDENT_X_HEAD if half and tg <= 2 and warps == 2 and resident_x_enabled() else None
+    resident = _RESIDENT_X_HEAD if half and tg == 2 and warps == 2 and resident_x_enabled() else None
     if resident is not None and resident.dynamic_shared_bytes(qtype, tg, k) <= _SHARED_PER_CTA:
         return resident
     wide_q4_k = half and qtype == QType.Q4_K and tg >= 2 and n % 32 == 0 and tiles >= 5 * sms
@@ -759,18 +759,18 @@ def _own_tiles_one_cta_an_sm(tiles: int, tg: int, sms: int) -> MMAConfig | None:
     return MMAConfig(1, warps, 1, chains=2 if warps <= _ONE_CTA_MAX_WARPS_TWO_CHAINS else 1, own_tiles=2, ring=ring)
 
 
-# The LM head (at least 32 row tiles an SM) at 2-16 rows, the draft's and the budget-15 verify's, with
-# FLASHTREE_QMH_RESIDENT_X=1: x resident in shared memory (mma.cu `ResidentX`, 161 KB at 16 rows of K 5120, Q6_K) and 16
-# warps walking whole tiles grid-wide, one CTA an SM (128 registers, no stack: offline, sm_90, NVRTC 13). Its launch
-# today reads x from L2 once a 16-row tile, 2.5 GB at 16 rows against the head's 1.04 GB of weights (the draft's head
-# at 16 rows: 392 us against a 254 us floor, twenty-eighth session). Not yet timed on a GPU.
+# The LM head (at least 32 row tiles an SM) at 9-16 rows, the draft's and the budget-15 verify's: x resident in shared
+# memory (mma.cu `ResidentX`, 161 KB at 16 rows of K 5120, Q6_K) and 16 warps walking whole tiles grid-wide, one CTA
+# an SM (128 registers, no stack: offline, sm_90, NVRTC 13). The launch before it read x from L2 once a 16-row tile,
+# 2.5 GB at 16 rows against the head's 1.04 GB of weights. H100, thirtieth session (`sweep_mma_rows.py --resident`):
+# 16 rows 440.6 -> 402.9 us; at 2 and 8 rows the launch before it stays faster (347.7 / 356.5 against 371.7 / 376.2)
 _RESIDENT_X_HEAD = MMAConfig(1, 16, 1, 2, own_tiles=3)
 
 
 def resident_x_enabled() -> bool:
-    """The LM head's qmh at 2-16 rows with x resident in shared memory (`_RESIDENT_X_HEAD`) where
-    FLASHTREE_QMH_RESIDENT_X=1; off by default until timed on a GPU (`sweep_mma_rows.py --resident`)."""
-    return os.environ.get("FLASHTREE_QMH_RESIDENT_X", "0") == "1"
+    """The LM head's qmh at 9-16 rows with x resident in shared memory (`_RESIDENT_X_HEAD`), unless
+    FLASHTREE_QMH_RESIDENT_X=0 (the A/B's other side)."""
+    return os.environ.get("FLASHTREE_QMH_RESIDENT_X", "1") == "1"
 
 
 # The narrow matrices: fewer row tiles than this an SM (the 27B's FFN down and out projections, 320 tiles)
