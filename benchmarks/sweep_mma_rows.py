@@ -73,13 +73,14 @@ QMV_RING_ALTERNATIVES = ((2, 0), (3, 0))
 ONE_CTA_ALTERNATIVES = ((1, 1, 2, 1), (1, 1, 3, 1), (1, 1, 4, 1), (1, 2, 3, 1), (2, 1, 2, 1), (2, 1, 3, 1),
                         (1, 1, 2, 2), (1, 1, 3, 2))
 # `--narrow`, in place of the alternatives above, on the narrow matrices (the FFN down and out projections: 320 row
-# tiles, fewer than 3 an SM): warps owning tiles with x staged in shared memory and K split over a thread-block
-# cluster (`mma._warps_owning_tiles_split_over_a_cluster`, FLASHTREE_QMH_CLUSTER_SPLITS=1) against the launch without
-# it and these other forms of it: warps, splits, chains, ring stages, CTAs an SM asked of ptxas
+# tiles, fewer than 3 an SM): the default launch against warps owning tiles with x staged in shared memory and K
+# split over a thread-block cluster (`MMAConfig.cluster_splits`), in these forms: warps, splits, chains, ring stages,
+# CTAs an SM asked of ptxas. H100, thirtieth session: none won (the first, 8 warps split 3 ways, one CTA an SM, was
+# an engine switch until then: Q4_K down at 23 rows 49.5 us against 42.3, Q6_K 88.7 against 51.1)
 NARROW_ALTERNATIVES = ((8, 3, 2, 3, 0), (10, 4, 1, 3, 0), (16, 6, 2, 2, 0), (8, 6, 2, 2, 2), (4, 3, 2, 3, 2),
                        (5, 6, 2, 2, 3), (10, 8, 1, 2, 2))
 # `--resident`, in place of the alternatives above, on the LM head at 2-24 rows: x resident in shared memory, warps
-# walking whole tiles grid-wide (`mma._RESIDENT_X_HEAD`, FLASHTREE_QMH_RESIDENT_X=1; 2-16 rows, 24 do not fit) against
+# walking whole tiles grid-wide (`mma._RESIDENT_X_HEAD`, the default at 9-16 rows; 24 do not fit) against
 # the launch without it and these other forms: own tiles (3: x resident; 2: x staged a super-block at a time for a
 # CTA of that many warps a tile each, 970 CTAs of 16 on the head, which also fits 17-24 rows), warps, chains, ring
 # stages. The head's launches today read x once per 32 rows (2-16 rows: 16, 2 warps splitting K): 1.9 GB of x at 23
@@ -162,13 +163,10 @@ def resident_variants(default: mma.MMAConfig, qtype: QType, n: int, k: int, rows
             and c.dynamic_shared_bytes(qtype, tg, k) + static.get(c.own_tiles, 0) <= 227 * 1024]
 
 
-def narrow_variants(default: mma.MMAConfig, qtype: QType, n: int, k: int, rows: int,
-                    sms: int) -> list[tuple[str, str, mma.MMAConfig]]:
-    """The launch without the cluster split (FLASHTREE_QMH_CLUSTER_SPLITS=0), the one with it (=1), and the
-    `NARROW_ALTERNATIVES` that divide the matrix's tiles and leave every split a super-block."""
-    configs = _without_and_with("FLASHTREE_QMH_CLUSTER_SPLITS", qtype, n, k, rows, sms)
-    configs += [mma.MMAConfig(1, warps, splits, chains, min_blocks=blocks, own_tiles=2, ring=ring)
-                for warps, splits, chains, ring, blocks in NARROW_ALTERNATIVES]
+def narrow_variants(default: mma.MMAConfig, n: int, k: int) -> list[tuple[str, str, mma.MMAConfig]]:
+    """The `NARROW_ALTERNATIVES` that divide the matrix's tiles and leave every split a super-block."""
+    configs = [mma.MMAConfig(1, warps, splits, chains, min_blocks=blocks, own_tiles=2, ring=ring)
+               for warps, splits, chains, ring, blocks in NARROW_ALTERNATIVES]
     return [(_label("qmh", c), "qmh", c) for c in configs
             if c != default and n % c.rows_per_cta == 0 and k // 256 >= c.splits]
 
@@ -200,7 +198,7 @@ def variants(qtype: QType, m: int, n: int, k: int, ring: bool = False, one_cta: 
     if one_cta:
         return out + one_cta_variants(default, qtype, n, k, rows, sms)
     if narrow:
-        return out + narrow_variants(default, qtype, n, k, rows, sms)
+        return out + narrow_variants(default, n, k)
     if resident:
         return out + resident_variants(default, qtype, n, k, rows, sms)
     for rt, warps, split, chains, min_blocks, x_ahead in QMH_ALTERNATIVES:

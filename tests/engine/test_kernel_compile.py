@@ -32,7 +32,7 @@ def test_load_compiles_only_the_missing_fragment_ordered_shapes(monkeypatch):
     monkeypatch.setattr(loader.mma, "arch_of", lambda device: "sm_90")
     monkeypatch.setattr(loader.mma, "sm_count", lambda device: 132)
     monkeypatch.setattr(loader.mma, "instances_for",
-                        lambda shapes, sms, dtype, glu, prep_x_cluster: asked.setdefault("shapes", shapes)
+                        lambda shapes, sms, dtype, glu: asked.setdefault("shapes", shapes)
                         and [("a", "x"), ("b", "y")])
     monkeypatch.setattr(loader.cuda_functions, "uncompiled", lambda jobs, arch: jobs[1:])
     monkeypatch.setattr(loader.cuda_functions, "precompile",

@@ -119,9 +119,7 @@ def test_configurations_follow_the_sweep(monkeypatch):
     kernel at 9-16 and 25-32; Q4_K's float16 kernel at 17-32 rows runs 3 CTAs per SM, its warps owning a tile
     each (x shared in shared memory) where the matrix has a 64-row group per SM, else x a sub-block ahead (one
     chain at 25-32 rows); on the wide Q4_K matrices (at least 5 row tiles per SM) from 9 rows two tiles a warp,
-    the weights through a shared-memory ring, at the CTAs per SM whose waves are fullest. (The narrow matrices'
-    launch at 9-32 rows, K split over a cluster, has a test of its own: here the one before it.)"""
-    monkeypatch.setenv("FLASHTREE_QMH_CLUSTER_SPLITS", "0")
+    the weights through a shared-memory ring, at the CTAs per SM whose waves are fullest."""
     assert mma.choose_config(QType.Q6_K, 1, 248320, 5120) == mma.MMAConfig(1, 2, 1)
     assert mma.choose_config(QType.Q6_K, 23, 248320, 5120, kernel="qmm") == mma.MMAConfig(2, 2, 1)
     assert mma.choose_config(QType.Q4_K, 1, 5120, 17408) == mma.MMAConfig(1, 4, 1, chains=2)
@@ -174,23 +172,18 @@ def test_q6_k_takes_the_float16_kernel_where_q4_k_does():
     assert mma.kernel_for(QType.Q6_K, 3, 1024, 5120) == "qmm" and mma.kernel_for(QType.Q6_K, 3, 5120, 17408) == "qmh"
 
 
-def test_q6_k_float16_kernel_has_two_classes_of_row_counts(monkeypatch):
-    """Each class gives a row the same bits whatever the other rows. On the FFN down projections: one tile and
-    two chains at 2-8 rows, K split over a cluster at 9-32 (`_warps_owning_tiles_split_over_a_cluster`). On other
-    4-warp matrices: one tile and two chains at 2-16 rows, one tile and one chain at 17-32 (3 CTAs per SM, x a
-    sub-block ahead; also attention V when qmh is asked for it). On the LM head (2 warps): 16 warps walking whole
+def test_q6_k_float16_kernel_has_two_classes_of_row_counts():
+    """Each class gives a row the same bits whatever the other rows. On 4-warp matrices (the FFN down projections,
+    attention V when qmh is asked for it): one tile and two chains at 2-16 rows, one tile and one chain at 17-32
+    (3 CTAs per SM, x a sub-block ahead). On the LM head (2 warps): 16 warps walking whole
     tiles over x resident in shared memory at 9-16 rows, 4 warps splitting K and one chain at 17-24 rows (two tiles
     a warp through a weight ring), one tile and two chains elsewhere."""
-    monkeypatch.setenv("FLASHTREE_QMH_CLUSTER_SPLITS", "1")
     for n, k in Q6_K_SHAPES:
         head = n == 248320
         warps = 2 if head else 4
         classes = {m: mma.choose_config(QType.Q6_K, m, n, k, kernel="qmh") for m in range(2, 33)}
         splits = classes[2].splits
-        if n == 5120:
-            assert {classes[m] for m in range(9, 33)} == {mma.MMAConfig(1, 8, 3, 2, own_tiles=2, ring=3)}
-            assert {classes[m] for m in range(2, 9)} == {mma.MMAConfig(1, warps, splits, 2)}
-        elif head:
+        if head:
             assert {classes[m] for m in range(9, 17)} == {mma._RESIDENT_X_HEAD}
             assert {classes[m] for m in range(17, 25)} == {mma.MMAConfig(2, 4, splits, 1, min_blocks=3, ring=2)}
             assert {classes[m] for m in (*range(2, 9), *range(25, 33))} == {mma.MMAConfig(1, warps, splits, 2)}
@@ -200,15 +193,13 @@ def test_q6_k_float16_kernel_has_two_classes_of_row_counts(monkeypatch):
             assert {classes[m] for m in range(2, 17)} == {mma.MMAConfig(1, warps, splits, 2)}, (n, k)
 
 
-def test_load_time_compile_plans_the_q6_k_float16_kernel_and_its_x_conversion(monkeypatch):
-    monkeypatch.setenv("FLASHTREE_QMH_CLUSTER_SPLITS", "1")
+def test_load_time_compile_plans_the_q6_k_float16_kernel_and_its_x_conversion():
     jobs = dict(mma.instances_for({(QType.Q6_K, 5120, 17408)}, 132))
     assert "prep_x_f16_q6_k" in jobs and "prep_x_f16" not in jobs
     assert sorted(name for name in jobs if name.startswith("qmh")) == [
-        "qmh_q6_k_r1_t1_w4_s1_c2", "qmh_q6_k_r1_t2_w8_s3_c2_own2_g3", "qmh_q6_k_r1_t3_w8_s3_c2_own2_g3",
-        "qmh_q6_k_r1_t4_w8_s3_c2_own2_g3"]
-    assert ("qmh<Q6_K, 1, 3, 8, 3, 2, 0, 2, 3, 0>(xh, nullptr, scale, q, h, s, d,"
-            in jobs["qmh_q6_k_r1_t3_w8_s3_c2_own2_g3"])
+        "qmh_q6_k_r1_t1_w4_s1_c2", "qmh_q6_k_r1_t2_w4_s1_c2", "qmh_q6_k_r1_t3_w4_s1_c1_b3_x1",
+        "qmh_q6_k_r1_t4_w4_s1_c1_b3_x1"]
+    assert "qmh<Q6_K, 1, 3, 4, 1, 1, 1, 0, 0, 0>(xh, nullptr, scale, q, h, s, d," in jobs["qmh_q6_k_r1_t3_w4_s1_c1_b3_x1"]
     assert "prep_x<Q6_K>(x, xh, nullptr, scale, K)" in jobs["prep_x_f16_q6_k"]
     small = [name for name, _ in mma.instances_for({(QType.Q6_K, 1024, 5120)}, 132)]
     assert not any(name.startswith(("qmh", "prep_x")) for name in small)
@@ -334,24 +325,6 @@ def test_cuda_source_compiles_for_sm90():
     assert cubin[:4] == b"\x7fELF"
 
 
-def test_the_narrow_matrices_split_k_over_a_cluster_at_9_to_32_rows(monkeypatch):
-    """The FFN down and out projections (320 row tiles, fewer than 3 an SM) at 9-32 rows: 8 warps owning a tile
-    each, 40 row groups, K split over a cluster of 3 (120 CTAs, one an SM on 132); the same launch at 9-32 rows
-    (one row class), none at 2-8 rows, on the wide matrices or where qmm runs. It runs where
-    FLASHTREE_QMH_CLUSTER_SPLITS=1 (off by default until timed on a GPU)."""
-    monkeypatch.delenv("FLASHTREE_QMH_CLUSTER_SPLITS", raising=False)
-    assert mma.choose_config(QType.Q6_K, 23, 5120, 17408, 132) == mma.MMAConfig(1, 4, 1, 1, 3, 1)
-    monkeypatch.setenv("FLASHTREE_QMH_CLUSTER_SPLITS", "1")
-    cluster = mma.MMAConfig(1, 8, 3, 2, own_tiles=2, ring=3)
-    for qtype, n, k in ((QType.Q4_K, 5120, 17408), (QType.Q6_K, 5120, 17408), (QType.Q4_K, 5120, 6144)):
-        assert {mma.choose_config(qtype, m, n, k, 132) for m in (9, 16, 17, 23, 24, 25, 32)} == {cluster}
-        assert cluster.row_groups(n) * cluster.splits == 120
-        assert not mma.choose_config(qtype, 8, n, k, 132).cluster_splits
-    assert not mma.choose_config(QType.Q4_K, 23, 17408, 5120, 132).cluster_splits
-    assert not mma.choose_config(QType.Q6_K, 23, 1024, 5120, 132).cluster_splits  # qmm's
-    assert mma.choose_config(QType.Q4_K, 23, 5120, 1024, 132).splits <= 4  # K of 4 super-blocks: a split each
-
-
 def test_the_lm_head_takes_x_resident_at_9_to_16_rows(monkeypatch):
     """The LM head (Q6_K 248320 x 5120) at 9-16 rows takes x resident in shared memory (`_RESIDENT_X_HEAD`: 16 warps
     walking whole tiles, one CTA an SM); not at 1-8 rows (slower there on the H100) or 17+ (24 rows of x would not
@@ -372,21 +345,6 @@ def test_the_lm_head_takes_x_resident_at_9_to_16_rows(monkeypatch):
         8 * 2 * 3360 + 16 * (2 * 5120 + 64))
     with pytest.raises(FlashtreeError, match="one split"):
         mma.MMAConfig(1, 8, 2, 2, own_tiles=3)
-
-
-def test_prep_x_on_a_cluster_is_an_instance_of_its_own(monkeypatch):
-    """FLASHTREE_PREP_X_CLUSTER=1 (off by default): qmh's x conversion on 8 CTAs a row (`prep_x_cluster`), an instance
-    of its own that declares its cluster, whole warps of 8 values a thread over its eighth of K (at most 256), and
-    what the load-time compile plans when asked."""
-    wrapper = mma._prep_x_wrapper(QType.Q4_K, torch.float32, cluster=True)
-    assert "__cluster_dims__(8, 1, 1) __launch_bounds__(256) prep_x_f16_xf32_cl8(" in wrapper
-    assert "prep_x_cluster<Q4_K, 8>(x, xh, xs, scale, K)" in wrapper
-    assert "prep_x_cluster<Q6_K, 8>(x, xh, nullptr, scale, K)" in mma._prep_x_wrapper(QType.Q6_K, cluster=True)
-    assert [mma._prep_x_threads(k) for k in (256, 5120, 6144, 17408)] == [32, 96, 96, 256]
-    jobs = [name for name, _ in mma.instances_for({(QType.Q4_K, 17408, 5120)}, 132, prep_x_cluster=True)]
-    assert "prep_x_f16_cl8" in jobs and "prep_x_f16" not in jobs
-    monkeypatch.delenv("FLASHTREE_PREP_X_CLUSTER", raising=False)
-    assert "prep_x_f16" in [name for name, _ in mma.instances_for({(QType.Q4_K, 17408, 5120)}, 132)]
 
 
 def test_cluster_split_k_is_a_cluster_of_at_most_8_ctas():
@@ -663,29 +621,6 @@ def test_resident_x_gives_the_bits_of_warps_owning_tiles(qtype, warps, chains, r
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q6_K])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_prep_x_on_a_cluster_gives_prep_xs_bits(monkeypatch, qtype, dtype):
-    """`prep_x_cluster` (8 CTAs a row, the row's largest |x| through distributed shared memory) writes what `prep_x`
-    (one CTA a row) writes, bit for bit: x scaled to float16 in the kernel's order, Q4_K's sub-block sums, the
-    scale; for K whose eighth is not whole warps of 8 values a thread, and rows of zeros, tiny and huge values."""
-    for k in (256, 5120, 17408):
-        x = torch.randn(32, k, device="cuda") * torch.logspace(-30, 30, 32, device="cuda")[:, None]
-        x[3] = 0.0
-        x = x.to(dtype)
-        for m in (1, 23, 32):
-            monkeypatch.setenv("FLASHTREE_PREP_X_CLUSTER", "0")
-            one = mma.prepare_x(x[:m], qtype)
-            monkeypatch.setenv("FLASHTREE_PREP_X_CLUSTER", "1")
-            clustered = mma.prepare_x(x[:m], qtype)
-            assert len(one) == len(clustered)
-            for a, b in zip(one, clustered):
-                assert torch.equal(a.view(torch.int16) if a.dtype == torch.float16 else a,
-                                   b.view(torch.int16) if b.dtype == torch.float16 else b), (k, m)
-
-
-@pytest.mark.gpu
-@gpu
 def test_the_lm_heads_verify_shape_keeps_the_bits_of_its_class():
     """Q6_K's LM head at 17-24 rows takes two tiles a warp through a weight ring (`_Q6_K_HEAD_VERIFY`): the K order
     and the chain of the one-tile form it replaced, so a row keeps its bits (on a smaller matrix, same K)."""
@@ -739,14 +674,11 @@ def test_a_weight_ring_of_one_stage_is_refused():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("cluster, same, few, other", [("1", (9, 16, 17, 23, 25, 32, 33), 8, (2, 5)),
-                                                       ("0", (17, 23, 25, 32, 33), 16, (2, 8))])
-def test_q6_k_takes_the_float16_kernel_and_a_row_keeps_its_bits(monkeypatch, cluster, same, few, other):
+def test_q6_k_takes_the_float16_kernel_and_a_row_keeps_its_bits():
     """The down projection's verify rows go through qmh (quant_matmul gives the same bits as asking for it), and
-    a row's bits do not depend on the other rows within a class of row counts (with K split over a cluster,
-    `_warps_owning_tiles_split_over_a_cluster`: 2-8 and 9-32 with the pieces of longer x; without: 2-16 and
-    17-32), across classes within a rounding."""
-    monkeypatch.setenv("FLASHTREE_QMH_CLUSTER_SPLITS", cluster)
+    a row's bits do not depend on the other rows within a class of row counts (2-16, and 17-32 with the
+    pieces of longer x), across classes within a rounding."""
+    same, few, other = (17, 23, 25, 32, 33), 16, (2, 8)
     n, k = 5120, 17408
     weight, dense = _gpu_q6_k(n, k)
     x = torch.randn(40, k, device="cuda", dtype=torch.bfloat16)

@@ -219,8 +219,7 @@ def compile_cuda_kernels(model, activations: torch.dtype, progress: bool = False
     device = weights[0].device if weights else getattr(model, "device", torch.device("cpu"))
     shapes = {(w.qtype, *w.shape) for w in weights}
     glu_shapes = {(glu.quant.qtype, *glu.quant.shape) for glu in reachable(model, GluLinear)}
-    instances = (mma.instances_for(shapes, mma.sm_count(device), activations, glu_shapes,
-                                   mma.prep_x_cluster_enabled(device)) if weights else [])
+    instances = mma.instances_for(shapes, mma.sm_count(device), activations, glu_shapes) if weights else []
     tree_dims = {layer.config.gdn_head_dim for layer in reachable(model, GatedDeltaNet)}
     jobs = (mma.with_source(instances) + rms_norm.cuda_jobs(device, activations)
             + [job for dk in sorted(tree_dims) for job in gated_delta_cuda.cuda_jobs(device, dk)])

@@ -806,10 +806,10 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
             or (q_norm is not None and (rot % 2 or rot > q.shape[-1]))):
         if q_norm is not None:
             q = qk_norm_rope(q.transpose(0, 1), *q_norm).transpose(0, 1)
-        out = tree_attention_reference(q, k_cache, v_cache, tk, tv, start_t, visible, positions, kv_end, scale,
-                                       window)
+        # in out_dtype from the start (a bf16 query's float32 output is not rounded to bf16 on the way)
+        out = tree_attention_reference(q.to(out_dtype or q.dtype), k_cache, v_cache, tk, tv, start_t, visible,
+                                       positions, kv_end, scale, window)
         out = unrotate(out) if unrotating else out
-        out = out.to(out_dtype or q.dtype)
         return out if gate is None else gated_heads(out, gate)
     heads, n, d = q.shape
     kv_heads = k_cache.shape[0]

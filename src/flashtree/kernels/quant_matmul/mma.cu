@@ -1298,15 +1298,13 @@ __device__ __forceinline__ void qmh(const u16* __restrict__ xh, const u16* __res
 
 // Q4_K's x sums: xsum [M, K / 256, 16] f16, per super-block and lane t the sums of sub-blocks 2t, 2t + 1 as hi
 // (2) then lo (2). h: values i .. i + 7 of row tok; 4 threads per 32-value sub-block.
-// `store` false: the lane's shuffles only (every lane of the warp takes part; its group of 4 stores nothing).
-__device__ __forceinline__ void store_sub_block_sum(const u32 (&h)[4], int i, int tok, int K, u16* __restrict__ xsum,
-                                                    bool store = true) {
+__device__ __forceinline__ void store_sub_block_sum(const u32 (&h)[4], int i, int tok, int K, u16* __restrict__ xsum) {
     float sum = 0.0f;
 #pragma unroll
     for (int q = 0; q < 4; ++q) sum += half_to_float((u16)(h[q] & 0xFFFF)) + half_to_float((u16)(h[q] >> 16));
     sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
     sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
-    if (store && (threadIdx.x & 3) == 0) {
+    if ((threadIdx.x & 3) == 0) {
         const int sub = i >> 5, sb = sub >> 3, j = sub & 7;  // sub-block j of super-block sb
         const u16 hi = float_to_half(sum);
         const u16 lo = float_to_half(sum - half_to_float(hi));
@@ -1358,18 +1356,17 @@ __device__ __forceinline__ int scale_exponent(float amax) {
     return e;
 }
 
-// 8 values of row tok from i (f) times `up` into xh in QT's order, and Q4_K's sub-block sums; `mine` false: this
-// thread's lanes take part in the sums' shuffles (whole warps) and store nothing
+// 8 values of row tok from i (f) times `up` into xh in QT's order, and Q4_K's sub-block sums
 template <int QT>
 __device__ __forceinline__ void store_scaled(const float (&f)[8], float up, int i, int tok, int K, u16* __restrict__ hrow,
-                                             u16* __restrict__ xsum, bool mine) {
+                                             u16* __restrict__ xsum) {
     u32 h[4];
 #pragma unroll
     for (int q = 0; q < 4; ++q) h[q] = (u32)float_to_half(f[2 * q] * up) | ((u32)float_to_half(f[2 * q + 1] * up) << 16);
     if constexpr (QT == Q4_K) {
-        if (mine) *reinterpret_cast<uint4*>(hrow + i) = make_uint4(h[0], h[1], h[2], h[3]);
-        store_sub_block_sum(h, i, tok, K, xsum, mine);
-    } else if (mine) {
+        *reinterpret_cast<uint4*>(hrow + i) = make_uint4(h[0], h[1], h[2], h[3]);
+        store_sub_block_sum(h, i, tok, K, xsum);
+    } else {
         store_in_step_pairs(h, i, hrow);
     }
 }
@@ -1390,44 +1387,8 @@ __device__ __forceinline__ void prep_x(const XT* __restrict__ x, u16* __restrict
     for (int i = threadIdx.x * 8; i < K; i += 256 * 8) {
         float f[8];
         x8_f32(row + i, f);
-        store_scaled<QT>(f, up, i, tok, K, hrow, xsum, true);
+        store_scaled<QT>(f, up, i, tok, K, hrow, xsum);
     }
-}
-
-// prep_x on a thread-block cluster of CLUSTER CTAs a row (grid M * CLUSTER, `__cluster_dims__` in mma.py's wrapper):
-// each CTA converts one CLUSTER-th of the row (whole 32-value sub-blocks: K % (32 CLUSTER) == 0), and the row's
-// largest |x| is put together through distributed shared memory (a max: the same value whatever the order). Each
-// value, each sub-block sum (4 threads of 8 values, the same shuffles) and the scale are those of `prep_x`, bit for
-// bit; the row takes CLUSTER SMs instead of one (23 rows of a verify: 23 CTAs on 132 SMs).
-template <int QT, int CLUSTER, typename XT>
-__device__ __forceinline__ void prep_x_cluster(const XT* __restrict__ x, u16* __restrict__ xh, u16* __restrict__ xsum,
-                                               float* __restrict__ scale, int K) {
-    start_after_predecessors();
-    const int tok = blockIdx.x / CLUSTER, rank = (int)cluster_rank(), width = K / CLUSTER;
-    const int first = rank * width, threads = blockDim.x;
-    const XT* row = x + (long)tok * K;
-    __shared__ float this_cta;
-    const float mine_max = cta_max(thread_max(row, first, first + width, threads), threads >> 5);
-    if (threadIdx.x == 0) this_cta = mine_max;
-    cluster_sync();
-    float amax = 0.0f;
-#pragma unroll
-    for (int r = 0; r < CLUSTER; ++r) amax = fmaxf(amax, load_from_rank(&this_cta, r));
-    const int e = scale_exponent(amax);
-    const float up = __uint_as_float((u32)(127 + e) << 23);
-    if (rank == 0 && threadIdx.x == 0) scale[tok] = __uint_as_float((u32)(127 - e) << 23);
-    u16* hrow = xh + (long)tok * K;
-    // every thread takes the same number of steps (the sums' shuffles need whole warps; a CTA's share need not be
-    // whole warps of 8 values a thread), those past the share converting nothing and storing nothing
-    const int steps = (width / 8 + threads - 1) / threads;
-    for (int step = 0; step < steps; ++step) {
-        const int i = first + (step * threads + (int)threadIdx.x) * 8;
-        const bool mine = i < first + width;
-        float f[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-        if (mine) x8_f32(row + i, f);
-        store_scaled<QT>(f, up, i, tok, K, hrow, xsum, mine);
-    }
-    cluster_sync_relaxed();  // no CTA leaves while another reads its maximum
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -534,37 +534,18 @@ def glu_config(config: MMAConfig) -> MMAConfig:
     return replace(config, splits=1)
 
 
-PREP_X_CLUSTER = 8  # CTAs a row of x takes in `prep_x_cluster` (mma.cu), the portable cluster size
-
-
-def prep_x_cluster_enabled(device: torch.device) -> bool:
-    """qmh's x conversion on a cluster of `PREP_X_CLUSTER` CTAs a row (mma.cu `prep_x_cluster`, the same bits as
-    `prep_x` on one CTA a row) where FLASHTREE_PREP_X_CLUSTER=1 on a GPU with clusters (sm_90+); off by default until
-    timed and tested on a GPU."""
-    return (os.environ.get("FLASHTREE_PREP_X_CLUSTER", "0") == "1" and torch.device(device).type == "cuda"
-            and torch.cuda.get_device_capability(device)[0] >= 9)
-
-
-def _prep_x_instance(qtype: QType, x_dtype: torch.dtype = torch.bfloat16, cluster: bool = False) -> str:
-    types = _dtype_suffix(x_dtype, torch.bfloat16) + (f"_cl{PREP_X_CLUSTER}" if cluster else "")
+def _prep_x_instance(qtype: QType, x_dtype: torch.dtype = torch.bfloat16) -> str:
+    types = _dtype_suffix(x_dtype, torch.bfloat16)
     return f"prep_x_f16{types}" if qtype == QType.Q4_K else f"prep_x_f16_{qtype.name.lower()}{types}"
 
 
-def _prep_x_wrapper(qtype: QType, x_dtype: torch.dtype = torch.bfloat16, cluster: bool = False) -> str:
-    """x's conversion for qmh: Q4_K's also writes the sub-block sums of x (its min term), Q6_K's has none. `cluster`:
-    a row on `PREP_X_CLUSTER` CTAs (`prep_x_cluster`)."""
-    dims = f"__cluster_dims__({PREP_X_CLUSTER}, 1, 1) " if cluster else ""
-    call = f"prep_x_cluster<{qtype.name}, {PREP_X_CLUSTER}>" if cluster else f"prep_x<{qtype.name}>"
-    head = (f'extern "C" __global__ void {dims}__launch_bounds__(256) {_prep_x_instance(qtype, x_dtype, cluster)}'
+def _prep_x_wrapper(qtype: QType, x_dtype: torch.dtype = torch.bfloat16) -> str:
+    """x's conversion for qmh: Q4_K's also writes the sub-block sums of x (its min term), Q6_K's has none."""
+    head = (f'extern "C" __global__ void __launch_bounds__(256) {_prep_x_instance(qtype, x_dtype)}'
             f"(const {_C_TYPES[x_dtype]}* x, u16* xh, ")
     if qtype == QType.Q4_K:
-        return f"{head}u16* xs, float* scale, int K) {{ {call}(x, xh, xs, scale, K); }}\n"
-    return f"{head}float* scale, int K) {{ {call}(x, xh, nullptr, scale, K); }}\n"
-
-
-def _prep_x_threads(k: int) -> int:
-    """Threads of a `prep_x_cluster` CTA: 8 values each over its K / PREP_X_CLUSTER, whole warps, at most 256."""
-    return min(256, -(-k // (8 * PREP_X_CLUSTER * 32)) * 32)
+        return f"{head}u16* xs, float* scale, int K) {{ prep_x<Q4_K>(x, xh, xs, scale, K); }}\n"
+    return f"{head}float* scale, int K) {{ prep_x<Q6_K>(x, xh, nullptr, scale, K); }}\n"
 
 
 def _dequant_wrapper(name: str, qtype: QType, out: int) -> str:
@@ -602,11 +583,9 @@ def choose_config(qtype: QType, m: int, n: int, k: int, sms: int = _H200_SMS, ke
 
     Warps and splits depend on the matrix only, never on M: they fix the order in which a row's K is
     summed. qmm (small matrices) then gives a row the same bits whatever the other rows; qmh does within
-    classes of row counts whose chains or K orders differ (they agree within an output rounding): on the narrow
-    matrices (the FFN down and out projections, Q4_K and Q6_K) with FLASHTREE_QMH_CLUSTER_SPLITS=1 2-8 and 9-32
-    (`_warps_owning_tiles_split_over_a_cluster`); Q4_K elsewhere 2-16 and 17-32 where the warps own tiles (17-32,
-    `own_tiles`: each warp sums all of K), else 2-24 and 25-32; Q6_K 17-32 and 2-16 on the FFN down projections
-    (without the cluster split), 9-16 (x resident), 17-24 and the rest on the LM head. Loading x a sub-block ahead
+    classes of row counts whose chains or K orders differ (they agree within an output rounding): Q4_K 2-16 and
+    17-32 where the warps own tiles (17-32, `own_tiles`: each warp sums all of K), else 2-24 and 25-32; Q6_K 17-32
+    and 2-16 on the FFN down projections, 9-16 (x resident), 17-24 and the rest on the LM head. Loading x a sub-block ahead
     (`x_ahead`) changes no arithmetic.
     The one-row kernel (decode) sums each sub-block in its own MMA column (Q4_K's MMAs in two chains) and
     adds them per lane, another order: a decode row and a verify row of the same token can differ in the last
@@ -636,11 +615,6 @@ def choose_config(qtype: QType, m: int, n: int, k: int, sms: int = _H200_SMS, ke
         wide_q4_k) else None
     if ring is not None:
         return ring
-    narrow = (half and tg >= 2 and tiles < _NARROW_MAX_TILES_PER_SM * sms and n * k >= QMH_MIN_WEIGHTS
-              and cluster_splits_enabled())
-    cluster = _warps_owning_tiles_split_over_a_cluster(tiles, sb, sms) if narrow else None
-    if cluster is not None:
-        return cluster
     # Q6_K's qmh at 17-32 rows on 4-warp matrices (the FFN down projections) and at 17-24 on the LM head (there
     # on 4 warps too): one tile and one chain at 3 CTAs per SM, x a sub-block ahead (eighth session's sweeps: down
     # 5120x17408 at 23 rows 70.0 -> 49.3 us, at 32 rows 123.4 -> 59.1 us; the head at 23 rows 645.6 -> 569.1 us)
@@ -773,39 +747,6 @@ def resident_x_enabled() -> bool:
     return os.environ.get("FLASHTREE_QMH_RESIDENT_X", "1") == "1"
 
 
-# The narrow matrices: fewer row tiles than this an SM (the 27B's FFN down and out projections, 320 tiles)
-_NARROW_MAX_TILES_PER_SM = 3
-# their launch at 9-32 rows (`_warps_owning_tiles_split_over_a_cluster`): warps a CTA (a tile each), CTAs an SM,
-# accumulator chains, weight-ring stages
-_NARROW_WARPS, _NARROW_CTAS_PER_SM, _NARROW_CHAINS, _NARROW_RING = 8, 1, 2, 3
-
-
-def cluster_splits_enabled() -> bool:
-    """qmh on the narrow matrices with K split over a thread-block cluster (`_warps_owning_tiles_split_over_a_cluster`)
-    where FLASHTREE_QMH_CLUSTER_SPLITS=1. Off by default until a GPU has timed and tested it (no device could be
-    started in the twenty-ninth session, docs/PERFORMANCE.md); its sweep is `sweep_mma_rows.py --narrow`."""
-    return os.environ.get("FLASHTREE_QMH_CLUSTER_SPLITS", "0") == "1"
-
-
-def _warps_owning_tiles_split_over_a_cluster(tiles: int, sb: int, sms: int) -> MMAConfig | None:
-    """Q4_K's and Q6_K's qmh at 9-32 rows on the narrow matrices (the FFN down and out projections): the launch
-    before it had each CTA's 4 warps split K over one 16-row tile, so every tile read all of x from L2 (at 23 rows
-    and K 17408, 800 KB of x per 157 KB of Q4_K weights). Here `_NARROW_WARPS` warps own a tile each and share x staged
-    in shared memory (mma.cu `SharedX`), and the row group's K is split over a thread-block cluster of as many
-    CTAs as fill `_NARROW_CTAS_PER_SM` an SM (at most `MAX_CLUSTER`), whose sums meet through distributed shared
-    memory (mma.cu `epilogue_cluster`): x's L2 traffic falls by the warps' count, and no global partials or
-    tickets. One arithmetic for 9-32 rows. None where the warps do not divide the tiles or the CTAs would not
-    reach two splits."""
-    if tiles % _NARROW_WARPS:
-        return None
-    groups = tiles // _NARROW_WARPS
-    splits = min(MAX_CLUSTER, sb, _NARROW_CTAS_PER_SM * sms // groups)
-    if splits < 2:
-        return None
-    return MMAConfig(1, _NARROW_WARPS, splits, _NARROW_CHAINS, min_blocks=_NARROW_CTAS_PER_SM if
-                     _NARROW_CTAS_PER_SM > 1 else 0, own_tiles=2, ring=_NARROW_RING)
-
-
 def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: QType, n: int, k: int,
            config: MMAConfig | None = None, kernel: str | None = None,
            out_dtype: torch.dtype | None = None, glu: bool = False) -> torch.Tensor:
@@ -834,21 +775,16 @@ def glu_takes(qtype: QType, m: int, n: int, k: int) -> bool:
 
 
 def prepare_x(x: torch.Tensor, qtype: QType) -> tuple[torch.Tensor, ...]:
-    """x [M, K] (bf16 or float32) -> the inputs of `qtype`'s float16 kernel (mma.cu `prep_x`, or `prep_x_cluster` where
-    `prep_x_cluster_enabled`: the same bits), one launch for all rows:
+    """x [M, K] (bf16 or float32) -> the inputs of `qtype`'s float16 kernel (mma.cu `prep_x`), one launch for all rows:
     Q4_K (float16 x 2^e per row, its sub-block sums [M, K/256, 16] as float16 hi/lo, 2^-e [M]); Q6_K (float16
     x 2^e with each 32 values in the kernel's order, `q6_k_x_order`, and 2^-e)."""
     m, k = x.shape
-    cluster = prep_x_cluster_enabled(x.device)
-    name = _prep_x_instance(qtype, x.dtype, cluster)
-    fn = _function(x.device, name, _prep_x_wrapper(qtype, x.dtype, cluster))
+    name = _prep_x_instance(qtype, x.dtype)
+    fn = _function(x.device, name, _prep_x_wrapper(qtype, x.dtype))
     xh = torch.empty(m, k, dtype=torch.float16, device=x.device)
     sums = (torch.empty(m, k // SUPER, 16, dtype=torch.float16, device=x.device),) if qtype == QType.Q4_K else ()
     scale = torch.empty(m, dtype=torch.float32, device=x.device)
-    if cluster:
-        launch(fn, (m * PREP_X_CLUSTER, 1), _prep_x_threads(k), [x, xh, *sums, scale, k], x.device)
-    else:
-        launch(fn, (m, 1), 256, [x, xh, *sums, scale, k], x.device)
+    launch(fn, (m, 1), 256, [x, xh, *sums, scale, k], x.device)
     return (xh, *sums, scale)
 
 
@@ -910,14 +846,12 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def instances_for(shapes, sms: int, dtype: torch.dtype = torch.bfloat16, glu_shapes=(),
-                  prep_x_cluster: bool = False) -> list[tuple[str, str]]:
+def instances_for(shapes, sms: int, dtype: torch.dtype = torch.bfloat16, glu_shapes=()) -> list[tuple[str, str]]:
     """(name, wrapper) of every launch fragment-ordered weights of these (qtype, n, k) shapes can take in a model
     whose activations are `dtype` (x and out: bf16, or float32 in a bf16 model, docs/FIDELITY.md): one row
     (decode), each count of 8-token groups (verify, short chunks; `choose_config` depends on the matrix and the
     group count only), and the dense dequantization of prefill (bf16 for bf16 x, float16 for float32 x). Shapes
-    also in `glu_shapes` (fused gate + up weights, `quant_matmul.GluWeight`) take their GLU instances instead.
-    `prep_x_cluster`: qmh's x conversion as `prepare_x` takes it where `prep_x_cluster_enabled`."""
+    also in `glu_shapes` (fused gate + up weights, `quant_matmul.GluWeight`) take their GLU instances instead."""
     _check_dtypes(dtype)
     jobs = {}
     for qtype, n, k in shapes:
@@ -930,7 +864,7 @@ def instances_for(shapes, sms: int, dtype: torch.dtype = torch.bfloat16, glu_sha
             name = _instance(qtype, config, tg, kernel, dtype, dtype, glu_here)
             jobs[name] = _wrapper(name, qtype, config, tg, kernel, dtype, dtype, glu_here)
             if kernel == "qmh":
-                jobs[_prep_x_instance(qtype, dtype, prep_x_cluster)] = _prep_x_wrapper(qtype, dtype, prep_x_cluster)
+                jobs[_prep_x_instance(qtype, dtype)] = _prep_x_wrapper(qtype, dtype)
         out = _OUT_CODES[torch.bfloat16 if dtype == torch.bfloat16 else torch.float16]
         jobs[_dequant_instance(qtype, out)] = _dequant_wrapper(_dequant_instance(qtype, out), qtype, out)
     return list(jobs.items())
