@@ -15,6 +15,10 @@ version of kernels/tree_attention.py (e.g. `git show REV:...`), at its defaults:
 
     python3 benchmarks/sweep_tree_attention.py --compare --baseline .baseline/tree_attention.py --out $OUT/compare.json
     python3 benchmarks/sweep_tree_attention.py --compare --cases 1:262144:tq3_0,23:65536:q8_0 --baseline ... --out ...
+
+`--float32-query` feeds the raw query and gate in float32, as the 27B engine's float32 activations do (a bf16 query,
+the default, compiles to another, lighter kernel); candidates "q normed before ..." time `qk_norm_rope` into the bf16
+operands and the kernel without the fused norm together (attention.py's verify since 2026-12-06).
 """
 
 from __future__ import annotations

@@ -57,9 +57,9 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
                    ${CANDIDATES:+--candidates "$CANDIDATES"} \
                    --out "$OUT/attention_compare.json" > "$OUT/attention_compare.txt" 2>&1
                    echo "== sweep-attention-compare (rc $?)"; tail -12 "$OUT/attention_compare.txt" ;;
-    # the 27B verify's attention at 1K-8K rows (43 us a layer in the verify's profile; its default launch compiles
-    # offline to 352 bytes a thread of spills with the query's norm and the gate fused): the compare candidates
-    sweep-attention-verify) timeout 150 python3 benchmarks/sweep_tree_attention.py --compare --budget-s 110 \
+    # the 27B verify's attention at 1K-8K rows with the engine's float32 query (thirtieth session, H100: fused 51.5 us
+    # at 1K, normed apart 18.7): the compare candidates
+    sweep-attention-verify) timeout 150 python3 benchmarks/sweep_tree_attention.py --compare --float32-query --budget-s 110 \
                                 --cases 23:1024:bf16,23:8192:bf16,1:1024:bf16 --out "$OUT/attention_verify.json" \
                                 > "$OUT/attention_verify.txt" 2>&1
                             echo "== sweep-attention-verify (rc $?)"; tail -5 "$OUT/attention_verify.txt" ;;
