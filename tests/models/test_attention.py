@@ -112,11 +112,12 @@ def test_a_float_cache_in_the_compute_dtype_is_read_whole():
 
 
 def test_a_float32_query_of_several_tokens_is_normed_apart_unless_asked_not_to(monkeypatch):
-    """A verify's float32 query against bf16/f16 operands takes its norm and RoPE in `qk_norm_rope`, stored as the
-    operands (the fused 64-row tile spilled); a decode's one token, a bf16 model's own-dtype query and
-    FLASHTREE_QUERY_NORM_APART=0 keep the norm at the kernel's load."""
+    """A verify's float32 query against bf16 operands takes its norm and RoPE in `qk_norm_rope`, stored as the
+    operands (the fused 64-row tile spilled); a decode's one token, a bf16 model's own-dtype query, float16 operands
+    (clamped to their range in the kernel) and FLASHTREE_QUERY_NORM_APART=0 keep the norm at the kernel's load."""
     monkeypatch.delenv("FLASHTREE_QUERY_NORM_APART", raising=False)
-    assert _query_normed_apart(23, torch.float32, torch.bfloat16) and _query_normed_apart(2, torch.float32, torch.float16)
+    assert _query_normed_apart(23, torch.float32, torch.bfloat16) and _query_normed_apart(2, torch.float32, torch.bfloat16)
+    assert not _query_normed_apart(23, torch.float32, torch.float16)
     assert not _query_normed_apart(1, torch.float32, torch.bfloat16)
     assert not _query_normed_apart(23, torch.bfloat16, torch.bfloat16)
     assert not _query_normed_apart(23, torch.float32, torch.float32)

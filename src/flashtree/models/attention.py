@@ -93,7 +93,8 @@ class GatedAttention:
             write_kv(k, v, kv.k, kv.v, step.slots, kv.type_k, kv.type_v, k_norm=(self.k_norm, c.rms_eps, cos, sin))
         if _reads_cache_in_place(step, kv, raw_q.transpose(0, 1)):
             # one launch: q's norm and RoPE at the kernel's load (not for TQ3_0 keys: one `qk_norm_rope` launch
-            # norms, ropes and rotates their q), TQ3_0 values rotated back and the output gate at its store
+            # norms, ropes and rotates their q; nor for a verify's float32 query, `_query_normed_apart`), TQ3_0
+            # values rotated back and the output gate at its store
             fused_q = not kv.type_k.rotated and not _query_normed_apart(n, activations, operands)
             if fused_q:
                 q = raw_q.transpose(0, 1)
@@ -186,13 +187,13 @@ def _plain_prefill(step: Step, lo: int, window: int, q, keys, values) -> bool:
 
 def _query_normed_apart(tokens: int, activations: torch.dtype, operands: torch.dtype) -> bool:
     """Whether a call of several tokens norms and ropes its float32 query in a launch of its own (`qk_norm_rope`,
-    stored in the 16-bit operands' dtype) instead of at the attention kernel's load (FLASHTREE_QUERY_NORM_APART=0
-    keeps it fused). Fused, a verify's 64-row query tile holds the float32 query and compiles to 2144 bytes a thread
+    stored as the bf16 operand) instead of at the attention kernel's load (FLASHTREE_QUERY_NORM_APART=0 keeps it
+    fused; float16 operands keep it too: the kernel clamps a query to float16's range before rounding it). Fused, a verify's 64-row query tile holds the float32 query and compiles to 2144 bytes a thread
     of stack (offline sm_90, 2026-12-06), in the prologue of every split. H100, thirtieth session: 23 queries over
     1K bf16 rows 51.5 -> 18.7 us, over 8K 84.8 -> 41.3 us (`sweep_tree_attention.py --compare --float32-query`); the
     27B verify-22 12.97 -> 12.47 ms, its attention 0.790 -> 0.214 ms. A decode's 16-row tile does not spill: it
     stays fused (one launch fewer)."""
-    return (tokens > 1 and activations == torch.float32 and operands in (torch.bfloat16, torch.float16)
+    return (tokens > 1 and activations == torch.float32 and operands == torch.bfloat16
             and os.environ.get("FLASHTREE_QUERY_NORM_APART", "1") == "1")
 
 
