@@ -406,10 +406,11 @@ def test_output_gate_at_the_store_on_gpu(n, split):
 @pytest.mark.parametrize("split", [1, None])
 @pytest.mark.parametrize("n", [5, 23])
 def test_a_query_normed_apart_gives_the_fused_output_on_gpu(n, split):
-    """attention.py's verify with float32 activations (by default; FLASHTREE_QUERY_NORM_APART=0 keeps the norm
-    fused): the raw query normed and roped by `qk_norm_rope` into the bf16 operands, then attended with a float32
-    output, against the same query normed at the kernel's load. Both feed the MMAs the same bf16 query but for the norm's sums (an RMS a few ulps apart can
-    move a bf16 rounding of a few query values), so the outputs agree within half a bf16 rounding."""
+    """attention.py's verify with float32 activations (by default; FLASHTREE_QUERY_NORM_APART=0 keeps the norm fused):
+    the raw query normed and roped by `qk_norm_rope` into the bf16 operands, then attended with a float32 output,
+    against the same query normed at the kernel's load. Both feed the MMAs the same bf16 query but for the norm's sums
+    (an RMS a few ulps apart can move a bf16 rounding of a few query values), so the outputs agree within half a bf16
+    rounding."""
     args = _real_inputs("bf16", n, 4096)
     rows = torch.randn(n, 24, 2, 256, device="cuda")
     weight, (cos, sin) = 1 + 0.1 * torch.randn(256, device="cuda"), rope_tables(args["positions"], 64, 1e7)

@@ -116,7 +116,8 @@ def test_a_float32_query_of_several_tokens_is_normed_apart_unless_asked_not_to(m
     operands (the fused 64-row tile spilled); a decode's one token, a bf16 model's own-dtype query, float16 operands
     (clamped to their range in the kernel) and FLASHTREE_QUERY_NORM_APART=0 keep the norm at the kernel's load."""
     monkeypatch.delenv("FLASHTREE_QUERY_NORM_APART", raising=False)
-    assert _query_normed_apart(23, torch.float32, torch.bfloat16) and _query_normed_apart(2, torch.float32, torch.bfloat16)
+    assert _query_normed_apart(23, torch.float32, torch.bfloat16)
+    assert _query_normed_apart(2, torch.float32, torch.bfloat16)
     assert not _query_normed_apart(23, torch.float32, torch.float16)
     assert not _query_normed_apart(1, torch.float32, torch.bfloat16)
     assert not _query_normed_apart(23, torch.bfloat16, torch.bfloat16)

@@ -186,13 +186,13 @@ def _plain_prefill(step: Step, lo: int, window: int, q, keys, values) -> bool:
 
 
 def _query_normed_apart(tokens: int, activations: torch.dtype, operands: torch.dtype) -> bool:
-    """Whether a call of several tokens norms and ropes its float32 query in a launch of its own (`qk_norm_rope`,
-    stored as the bf16 operand) instead of at the attention kernel's load (FLASHTREE_QUERY_NORM_APART=0 keeps it
-    fused; float16 operands keep it too: the kernel clamps a query to float16's range before rounding it). Fused, a verify's 64-row query tile holds the float32 query and compiles to 2144 bytes a thread
-    of stack (offline sm_90, 2026-12-06), in the prologue of every split. H100, thirtieth session: 23 queries over
-    1K bf16 rows 51.5 -> 18.7 us, over 8K 84.8 -> 41.3 us (`sweep_tree_attention.py --compare --float32-query`); the
-    27B verify-22 12.97 -> 12.47 ms, its attention 0.790 -> 0.214 ms. A decode's 16-row tile does not spill: it
-    stays fused (one launch fewer)."""
+    """Whether a call of several tokens norms and ropes its float32 query in a launch of its own (`qk_norm_rope`, stored
+    as the bf16 operand) instead of at the attention kernel's load (FLASHTREE_QUERY_NORM_APART=0 keeps it fused; float16
+    operands keep it too: the kernel clamps a query to float16's range before rounding it). Fused, a verify's 64-row
+    query tile holds the float32 query and compiles to 2144 bytes a thread of stack (offline sm_90, 2026-12-06), in the
+    prologue of every split. H100, thirtieth session: 23 queries over 1K bf16 rows 51.5 -> 18.7 us, over 8K 84.8 -> 41.3
+    us (`sweep_tree_attention.py --compare --float32-query`); the 27B verify-22 12.97 -> 12.47 ms, its attention 0.790
+    -> 0.214 ms. A decode's 16-row tile does not spill: it stays fused (one launch fewer)."""
     return (tokens > 1 and activations == torch.float32 and operands == torch.bfloat16
             and os.environ.get("FLASHTREE_QUERY_NORM_APART", "1") == "1")
 

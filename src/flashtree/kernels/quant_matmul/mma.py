@@ -581,12 +581,11 @@ def choose_config(qtype: QType, m: int, n: int, k: int, sms: int = _H200_SMS, ke
     """From the H200 sweeps of 2026-11-30 21:35 UTC (benchmarks/sweep_mma.py) and 2026-12-01 02:05 UTC (qmh,
     benchmarks/sweep_mma_rows.py; docs/PERFORMANCE.md).
 
-    Warps and splits depend on the matrix only, never on M: they fix the order in which a row's K is
-    summed. qmm (small matrices) then gives a row the same bits whatever the other rows; qmh does within
-    classes of row counts whose chains or K orders differ (they agree within an output rounding): Q4_K 2-16 and
-    17-32 where the warps own tiles (17-32, `own_tiles`: each warp sums all of K), else 2-24 and 25-32; Q6_K 17-32
-    and 2-16 on the FFN down projections, 9-16 (x resident), 17-24 and the rest on the LM head. Loading x a sub-block ahead
-    (`x_ahead`) changes no arithmetic.
+    Warps and splits depend on the matrix only, never on M: they fix the order in which a row's K is summed. qmm (small
+    matrices) then gives a row the same bits whatever the other rows; qmh does within classes of row counts whose chains
+    or K orders differ (they agree within an output rounding): Q4_K 2-16 and 17-32 where the warps own tiles (17-32,
+    `own_tiles`: each warp sums all of K), else 2-24 and 25-32; Q6_K 17-32 and 2-16 on the FFN down projections, 9-16 (x
+    resident), 17-24 and the rest on the LM head. Loading x a sub-block ahead (`x_ahead`) changes no arithmetic.
     The one-row kernel (decode) sums each sub-block in its own MMA column (Q4_K's MMAs in two chains) and
     adds them per lane, another order: a decode row and a verify row of the same token can differ in the last
     bits (near-ties only; the bench shows the margin where greedy outputs part).
