@@ -271,7 +271,8 @@ def main() -> int:
     parser.add_argument("--narrow", action="store_true",
                         help="the narrow matrices' K split over a thread-block cluster against the defaults only")
     parser.add_argument("--resident", action="store_true",
-                        help="the LM head at 2-16 rows with x resident in shared memory against the default only")
+                        help="the LM head at 2-24 rows: x resident in shared memory (the default at 9-16) "
+                             "against its other forms")
     args = parser.parse_args()
     types = [QType[name] for name in args.types.split(",")]
     for qtype in types:

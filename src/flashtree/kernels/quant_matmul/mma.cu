@@ -946,7 +946,7 @@ struct SharedX {
 };
 
 // ResidentX: all of x's rows (8 TG of them, K values each) and Q4_K's sums copied once into dynamic shared memory
-// (cp.async) before any warp starts, for qmh's OWN 3 kernels (the LM head at 2-16 rows), whose warps then walk whole
+// (cp.async) before any warp starts, for qmh's OWN 3 kernels (the LM head at 9-16 rows), whose warps then walk whole
 // row tiles each, on their own, with no CTA barrier: x crosses L2 once a CTA instead of once a 16-row tile (the LM
 // head's 15520 tiles at 16 rows read 2.5 GB of x against 1.04 GB of weights). Rows are `pitch` bytes apart, 64 more
 // than a multiple of 128, so that a warp's 16-byte reads of 8 rows take 4 wavefronts (as SharedX's X_PITCH).
