@@ -40,12 +40,13 @@ SHAPES = {(QType.Q4_K, 34816, 5120), (QType.Q4_K, 16480, 5120), (QType.Q4_K, 122
 GLU_SHAPES = {(QType.Q4_K, 34816, 5120)}
 
 
-def instructions(source: str) -> list[str]:
-    """The SASS of `source` for sm_90, one instruction a line, without addresses or encodings."""
+def instructions(source: str, name: str) -> list[str]:
+    """The SASS of function `name` of `source` for sm_90, one instruction a line, without addresses or encodings."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "k.cubin"
         path.write_bytes(compile_cubin(source, "sm_90"))
-        sass = subprocess.run([str(CUOBJDUMP), "-sass", str(path)], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([str(CUOBJDUMP), "-sass", "-fun", name, str(path)], capture_output=True, text=True,
+                              check=True).stdout
     return [re.sub(r"^\s*/\*[0-9a-f]+\*/\s*", "", line).split(";")[0].strip() for line in sass.splitlines()
             if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line)]
 
@@ -77,10 +78,10 @@ def main() -> int:
             pairs.append((gated_delta_cuda.instance(dk, nodes), old_tree + wrapper, gated_delta_cuda.source(dk, nodes)))
     differing, varying = [], []
     for name, old, new in pairs:
-        mine = instructions(new)
-        if mine != instructions(new):
+        mine = instructions(new, name)
+        if mine != instructions(new, name):
             varying.append(name)
-        elif instructions(old) != mine:
+        elif instructions(old, name) != mine:
             differing.append(name)
     same = len(pairs) - len(differing) - len(varying)
     print(f"{same} of {len(pairs)} default instances compile to {args.base}'s machine code; {len(differing)} differ, "

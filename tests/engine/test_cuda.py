@@ -5,7 +5,9 @@ import torch
 
 from flashtree.engine.config import GenerationConfig
 from flashtree.engine.generate import Engine
-from flashtree.engine.loader import load_target
+from flashtree.engine.loader import load_target, random_target
+from flashtree.kernels.quant_matmul import mma
+from flashtree.models import qwen35
 from flashtree.models.synthetic import tiny_config
 from tests.drafting.test_lossless import OracleProposer, random_draft
 from tests.models.test_qwen35 import VARIANTS
@@ -71,3 +73,34 @@ def test_cuda_float32_speculative_equals_autoregressive(gguf_path, mode):
     oracle = OracleProposer(prompt + expected, target.config.vocab_size, seed=0)
     assert Engine(target, oracle).generate(prompt, config).token_ids == expected
     assert Engine(target, random_draft(target).cuda()).generate(prompt, config).token_ids == expected
+
+
+def test_the_norms_write_the_float16_x_of_the_matmuls_after_them(monkeypatch):
+    """At qmh's sizes (a bf16 model: float32 activations), a verify-sized forward (23 tokens after a prefill) takes the
+    float16 x its add + norms wrote: every norm asked for one (the layers' inputs past the first, the MLPs', the LM
+    head's) saves a prep_x launch, and the logits are the bits of the forward that converts x in launches of its own
+    (FLASHTREE_NORM_WRITES_X=0)."""
+    config = tiny_config(hidden_size=2048, intermediate_size=4096, num_layers=4, num_heads=16, num_kv_heads=2,
+                         head_dim=128, rope_dim=32, gdn_head_dim=128, gdn_qk_heads=8, gdn_v_heads=16, vocab_size=4096)
+    model = random_target(config, scheme="q4_k_m", device="cuda", dtype=torch.bfloat16).model
+    ids = torch.randint(0, 4096, (63,), generator=torch.Generator().manual_seed(2))
+    conversions, asked = [], []
+    convert = mma._prep_x_wrapper  # built for every prep_x launch
+    monkeypatch.setattr(mma, "_prep_x_wrapper", lambda *args: conversions.append(args[0]) or convert(*args))
+    norm = qwen35.add_rms_norm
+    monkeypatch.setattr(qwen35, "add_rms_norm", lambda *args: asked.append(args[4:]) or norm(*args))
+
+    def verify_logits():
+        cache = model.new_cache(128)
+        model.forward(ids[:40], cache)
+        conversions.clear(), asked.clear()
+        return model.forward(ids[40:], cache).logits, len(conversions)
+
+    monkeypatch.setenv("FLASHTREE_NORM_WRITES_X", "0")
+    converted, launched = verify_logits()
+    monkeypatch.setenv("FLASHTREE_NORM_WRITES_X", "1")
+    written, launched_with_norms = verify_logits()
+    norms_writing = sum(1 for extra in asked if extra and extra[0] is not None)
+    assert norms_writing >= 2 * config.num_layers  # layers 1-3's inputs, the 4 MLPs', the head's
+    assert launched_with_norms == launched - norms_writing
+    assert torch.equal(written, converted)

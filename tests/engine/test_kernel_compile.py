@@ -47,6 +47,8 @@ def test_load_compiles_the_cluster_norm_where_the_model_launches_it(monkeypatch)
     monkeypatch.setattr(rms_norm, "_clusters_available", lambda device: True)
     cuda = torch.device("cuda", 0)
     assert [name for name, _ in rms_norm.cuda_jobs(cuda, torch.float32)] == ["add_rms_norm_f32"]
+    assert ([name for name, _ in rms_norm.cuda_jobs(cuda, torch.float32, {QType.Q6_K, QType.Q8_0})]
+            == ["add_rms_norm_f32", "add_rms_norm_f32_q6_k"])
     assert rms_norm.cuda_jobs(cuda, torch.bfloat16) == [] and rms_norm.cuda_jobs("cpu", torch.float32) == []
     asked = {}
     monkeypatch.setattr(loader.mma, "arch_of", lambda device: "sm_90")

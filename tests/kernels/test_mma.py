@@ -20,7 +20,7 @@ from flashtree.errors import FlashtreeError
 from flashtree.formats import quants
 from flashtree.kernels.quant_matmul import (DENSE_BLOCK_BYTES, DENSE_MIN_M, QuantWeight, dense_block_rows, mma,
                                             quant_matmul, quant_matmul_reference, quant_matmul_rounded,
-                                            random_quant_weight)
+                                            random_quant_weight, x_f16_type)
 
 TYPES = [QType.Q4_K, QType.Q6_K]
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -836,3 +836,40 @@ def test_float16_kernel_replays_in_a_graph(qtype):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(captured, mma.matmul(x, weight.raw, qtype, n, k, kernel="qmh"))
+
+
+def test_prepare_x_takes_the_float16_x_a_kernel_wrote_while_x_is_unchanged():
+    """`remember_x_f16`: the conversion another launch wrote (a norm's) serves `prepare_x` for that x and type, its
+    views of the same shape included, until x changes or dies; no other x or type takes it (on the CPU, where a
+    conversion of its own could not launch: what comes back can only be the written one)."""
+    x = torch.randn(3, 256)
+    written = mma.x_f16_buffers(3, 256, QType.Q4_K, x.device)
+    assert [t.shape for t in written] == [(3, 256), (3, 1, 16), (3,)]
+    mma.remember_x_f16(x, QType.Q4_K, written)
+    assert mma.prepare_x(x.reshape(-1, 256), QType.Q4_K) is written
+    assert mma._written_x_f16(x, QType.Q6_K) is None
+    assert mma._written_x_f16(x.clone(), QType.Q4_K) is None
+    assert mma._written_x_f16(x[:2], QType.Q4_K) is None
+    x.add_(1)
+    assert mma._written_x_f16(x, QType.Q4_K) is None
+    view = x.view(3, 256)
+    mma.remember_x_f16(view, QType.Q4_K, written)
+    mma.remember_x_f16(x, QType.Q4_K, written)  # the same key: x's entry replaces the view's
+    del view
+    assert mma._written_x_f16(x, QType.Q4_K) is written  # the view's death does not take x's entry
+    key = mma._x_key(x, QType.Q4_K)
+    del x
+    assert key not in mma._written_x
+
+
+def test_the_float16_x_type_is_qmhs():
+    """`x_f16_type`: the weight's type where M rows take qmh (the norm before it may write that x), else None."""
+    def weight(qtype, n, k, mma_layout=True):
+        return QuantWeight(torch.empty(0, dtype=torch.uint8), qtype, (n, k), mma_layout=mma_layout)
+
+    assert x_f16_type(weight(QType.Q4_K, 17408, 5120), 23) == QType.Q4_K
+    assert x_f16_type(weight(QType.Q6_K, 5120, 17408), 2) == QType.Q6_K
+    assert x_f16_type(weight(QType.Q4_K, 17408, 5120), 1) is None  # qmv reads x as it is
+    assert x_f16_type(weight(QType.Q4_K, 1024, 5120), 23) is None  # qmm (below QMH_MIN_WEIGHTS)
+    assert x_f16_type(weight(QType.Q4_K, 17408, 5120), DENSE_MIN_M) is None  # a dense prefill chunk
+    assert x_f16_type(weight(QType.Q4_K, 17408, 5120, mma_layout=False), 23) is None

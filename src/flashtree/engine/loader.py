@@ -212,7 +212,7 @@ def compile_cuda_kernels(model, activations: torch.dtype, progress: bool = False
     """Compile, at load and in parallel processes, every CUDA C kernel the model can launch on its `activations` (the
     dtype of x and out) into the on-disk cache: each tensor-core instance its fragment-ordered weights can take
     (decode, verify, prefill; a fused gate + up weight's with their GLU epilogue), the cluster add + RMSNorm
-    (kernels/add_rms_norm.cu) of float32 activations on Hopper, and the DeltaNet tree verify's node tiles
+    (kernels/add_rms_norm.cu) of float32 activations on Hopper, alone and writing the float16 x of those weights' types, and the DeltaNet tree verify's node tiles
     (kernels/deltanet_tree.cu). Otherwise NVRTC compiles them one by one, a second each, inside the first requests. A cached kernel
     costs nothing, so a second start compiles none. Says what it compiled (a bar with `progress`)."""
     weights = [w for w in quant_weights(model) if w.mma_layout]
@@ -221,7 +221,7 @@ def compile_cuda_kernels(model, activations: torch.dtype, progress: bool = False
     glu_shapes = {(glu.quant.qtype, *glu.quant.shape) for glu in reachable(model, GluLinear)}
     instances = mma.instances_for(shapes, mma.sm_count(device), activations, glu_shapes) if weights else []
     tree_dims = {layer.config.gdn_head_dim for layer in reachable(model, GatedDeltaNet)}
-    jobs = (mma.with_source(instances) + rms_norm.cuda_jobs(device, activations)
+    jobs = (mma.with_source(instances) + rms_norm.cuda_jobs(device, activations, {w.qtype for w in weights})
             + [job for dk in sorted(tree_dims) for job in gated_delta_cuda.cuda_jobs(device, dk)])
     if not jobs:
         return

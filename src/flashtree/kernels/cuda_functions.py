@@ -24,10 +24,11 @@ from flashtree.nvrtc import bindings, check, compile_cubin, compile_to, store
 _CLUSTER_HELPERS = Path(__file__).with_name("cluster.cuh")
 
 
-def with_cluster_helpers(source_file: Path) -> str:
-    """A kernel file's source with the thread-block-cluster helpers (cluster.cuh) before it: NVRTC compiles with no
-    headers, and the whole text is the cubin's cache key, so a change to the helpers recompiles every user."""
-    return _CLUSTER_HELPERS.read_text() + "\n" + source_file.read_text()
+def with_cluster_helpers(source_file: Path, *headers: Path) -> str:
+    """A kernel file's source with the thread-block-cluster helpers (cluster.cuh) and `headers` before it, in that
+    order: NVRTC compiles with no headers, and the whole text is the cubin's cache key, so a change to a header
+    recompiles every user."""
+    return "\n".join(path.read_text() for path in (_CLUSTER_HELPERS, *headers, source_file))
 
 
 @functools.cache

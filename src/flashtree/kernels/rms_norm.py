@@ -11,7 +11,9 @@ differ only in summation order (within float32 rounding).
 
 `add_rms_norm` of a few float32 rows on a Hopper GPU (decode, verify: the residual stream of a bf16 model is
 float32, docs/FIDELITY.md) runs `add_rms_norm.cu` instead: a row per cluster of 8 CTAs, so that a row's 100 KB of
-loads and stores at the 27B shape go through 8 SMs rather than one (the Triton launch took 2.8 us there).
+loads and stores at the 27B shape go through 8 SMs rather than one (the Triton launch took 2.8 us there). Asked
+(`x_f16`), it also writes the normed rows as the float16 x of the quantized matmul that reads them next
+(quant_matmul/mma.py `prepare_x`), which that matmul then takes instead of converting them in a launch of its own.
 """
 
 from __future__ import annotations
@@ -23,8 +25,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from gguf import GGMLQuantizationType as QType
+
 from flashtree.kernels import triton_runs_on
 from flashtree.kernels.cuda_functions import functions, launch, nvrtc_loads, with_cluster_helpers
+from flashtree.kernels.quant_matmul import mma
 
 try:  # the kernel needs triton; the reference does not
     import triton
@@ -51,9 +56,11 @@ def add_rms_norm_reference(h: torch.Tensor, delta: torch.Tensor, weight: torch.T
     return total, rms_norm_reference(total, weight, eps)
 
 
-def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`add_rms_norm_reference` in one launch where Triton runs (h, delta [T, D] contiguous, same dtype)."""
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                 x_f16: QType | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_rms_norm_reference` in one launch where Triton runs (h, delta [T, D] contiguous, same dtype). `x_f16`
+    (Q4_K, Q6_K): where the cluster kernel runs, the launch also writes the normed rows as that type's float16 x
+    (`mma.prepare_x`'s outputs, bit for bit), for the matmul that reads them (FLASHTREE_NORM_WRITES_X=0: never)."""
     if not (_runs(h) and h.dim() == 2 and h.is_contiguous() and delta.is_contiguous() and delta.dtype == h.dtype
             and delta.shape == h.shape and h.shape[0]):
         return add_rms_norm_reference(h, delta, weight, eps)
@@ -61,12 +68,22 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     dim = h.shape[-1]
     if _cluster_kernel_takes(h, weight, delta):
         threads = min(1024, -(-dim // (4 * CLUSTER * 32)) * 32)
-        launch(_cluster_function(h.device), (h.shape[0] * CLUSTER, 1), threads,
-               [h, delta, weight, total, normed, dim, float(eps)], h.device)
+        writes_x = _writes_x_f16(x_f16, dim)
+        x_inputs = mma.x_f16_buffers(h.shape[0], dim, x_f16, h.device) if writes_x else ()
+        launch(_cluster_function(h.device, _CLUSTER_KERNELS[x_f16 if writes_x else None]), (h.shape[0] * CLUSTER, 1),
+               threads, [h, delta, weight, total, normed, *x_inputs, dim, float(eps)], h.device)
+        if writes_x:
+            mma.remember_x_f16(normed, x_f16, x_inputs)
         return total, normed
     _add_rms_norm_kernel[(h.shape[0],)](h, delta, weight, total, normed, dim, eps, BLOCK=triton.next_power_of_2(dim),
                                         num_warps=4 if dim <= 1024 else 8)
     return total, normed
+
+
+def _writes_x_f16(qtype: QType | None, dim: int) -> bool:
+    """The cluster kernel writes `qtype`'s float16 x as well: a type of the float16 kernels, whole super-blocks."""
+    return (qtype in mma.MMA_TYPES and dim % mma.SUPER == 0
+            and os.environ.get("FLASHTREE_NORM_WRITES_X", "1") != "0")
 
 
 CLUSTER = 8  # CTAs a row takes in add_rms_norm.cu (its CLUSTER)
@@ -76,8 +93,8 @@ _CLUSTER_SOURCE = Path(__file__).with_name("add_rms_norm.cu")
 
 
 def cluster_source() -> str:
-    """add_rms_norm.cu as NVRTC compiles it, the cluster helpers first."""
-    return with_cluster_helpers(_CLUSTER_SOURCE)
+    """add_rms_norm.cu as NVRTC compiles it, the cluster helpers and qmh's float16 x helpers first."""
+    return with_cluster_helpers(_CLUSTER_SOURCE, mma.X_F16_SOURCE)
 
 
 def _cluster_kernel_takes(h: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor | None = None) -> bool:
@@ -97,19 +114,22 @@ def _clusters_available(device: torch.device) -> bool:
             and nvrtc_loads())
 
 
-_CLUSTER_KERNEL = "add_rms_norm_f32"
+# add_rms_norm.cu's instances: the norm alone, or writing that type's float16 x as well
+_CLUSTER_KERNELS = {None: "add_rms_norm_f32", QType.Q4_K: "add_rms_norm_f32_q4_k", QType.Q6_K: "add_rms_norm_f32_q6_k"}
 
 
-def _cluster_function(device: torch.device):
-    return functions(device).function(_CLUSTER_KERNEL, cluster_source)
+def _cluster_function(device: torch.device, name: str):
+    return functions(device).function(name, cluster_source)
 
 
-def cuda_jobs(device: torch.device, activations: torch.dtype) -> list[tuple[str, str]]:
-    """(name, CUDA C source) of the cluster kernel where a model whose activations are `activations` will launch it
-    on `device`, for the load-time compile (engine/loader.py); none elsewhere."""
+def cuda_jobs(device: torch.device, activations: torch.dtype, x_f16_types=()) -> list[tuple[str, str]]:
+    """(name, CUDA C source) of the cluster kernels where a model whose activations are `activations` will launch them
+    on `device`, for the load-time compile (engine/loader.py): the norm alone and writing the float16 x of each of
+    `x_f16_types` (the types of its fragment-ordered weights) that has such an x; none elsewhere."""
     if torch.device(device).type != "cuda" or activations != torch.float32 or not _clusters_available(device):
         return []
-    return [(_CLUSTER_KERNEL, cluster_source())]
+    return [(_CLUSTER_KERNELS[qtype], cluster_source()) for qtype in (None, *mma.MMA_TYPES)
+            if qtype is None or qtype in x_f16_types]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -16,6 +16,7 @@ from flashtree.kernels.host_rows import gather_rows, gpu_reads_host, pinned
 from flashtree.kernels.quant_matmul import KERNELS as QUANT_KERNELS
 from flashtree.kernels.quant_matmul import (QuantWeight, f16_rows_matmul, glu_parts, glu_weight, quant_matmul,
                                             quant_matmul_glu, quant_matmul_rounded, round_rows_f16)
+from flashtree.kernels.quant_matmul import x_f16_type as quant_x_f16_type
 
 
 def activation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -254,6 +255,17 @@ class Projections:
             y = linear(x)
             outputs.extend(y.split(sizes, dim=-1) if len(sizes) > 1 else (y,))
         return outputs
+
+
+def x_f16_type(matmul, m: int) -> GGMLQuantizationType | None:
+    """The type whose float16 x a call of `matmul` (a QuantLinear, or Projections: its first matrix) on M float32
+    rows converts x to (`quant_matmul.x_f16_type`), so that the norm before it writes that x in its own launch; None
+    for any other matmul."""
+    if isinstance(matmul, Projections):
+        return x_f16_type(matmul.groups[0][0], m)
+    if isinstance(matmul, QuantLinear) and matmul.rounded_input:
+        return quant_x_f16_type(matmul.quant, m)
+    return None
 
 
 # what a layer's matmul attributes can be (subclasses included: GluLinear, the tensor-parallel shards): what moves

@@ -29,7 +29,7 @@ from flashtree.kernels.rms_norm import add_rms_norm, rms_norm
 from flashtree.models.attention import GatedAttention
 from flashtree.models.deltanet import GatedDeltaNet, commit_layers
 from flashtree.models.layers import (GluLinear, Linear, Projections, QuantizedEmbedding, activation_dtype,
-                                    load_weight)
+                                    load_weight, x_f16_type)
 from flashtree.models.qwen35_config import Qwen35Config
 from flashtree.models.step import Step, padded_offsets
 
@@ -52,6 +52,11 @@ class MLP:
             Linear.load(gguf, f"{prefix}.ffn_up.weight", f, d, dtype, device),
             Linear.load(gguf, f"{prefix}.ffn_down.weight", d, f, dtype, device),
         )
+
+    @property
+    def input_matmul(self) -> GluLinear | Projections:
+        """The matmul that reads the MLP's input."""
+        return self.glu or self.inputs
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.glu is not None:
@@ -96,18 +101,20 @@ class DecoderLayer:
                  cache: TargetCache) -> tuple[torch.Tensor, torch.Tensor]:
         """(h, delta) -> (h', delta'): the residual stream arrives with the previous layer's MLP output
         not yet added (`delta`; None for the first layer), so that each add runs in the launch of the
-        norm that follows it. The layer's output is h' + delta'."""
+        norm that follows it. The layer's output is h' + delta'. Each norm also writes the float16 x its matmul takes
+        where it has one (`x_f16_type`)."""
+        rows = h.shape[0]
         if delta is None:
             x = rms_norm(h, self.attn_norm, self.eps)
         else:
-            h, x = add_rms_norm(h, delta, self.attn_norm, self.eps)
+            h, x = add_rms_norm(h, delta, self.attn_norm, self.eps, x_f16_type(self.mixer.inputs, rows))
         if self.is_recurrent:
             mixed, scratch = self.mixer(x, step, cache.deltanet[self.index], partial(cache.fold_buffers, self.index))
             if scratch is not None:
                 cache.pending[self.index] = scratch
         else:
             mixed = self.mixer(x, step, cache.attention[self.index])
-        h, x = add_rms_norm(h, mixed, self.post_norm, self.eps)
+        h, x = add_rms_norm(h, mixed, self.post_norm, self.eps, x_f16_type(self.mlp.input_matmul, rows))
         return h, self.mlp(x)
 
 
@@ -184,7 +191,8 @@ class Qwen35Model:
             if delta is None:
                 normed = rms_norm(hidden, self.output_norm, self.config.rms_eps)
             else:
-                normed = add_rms_norm(hidden, delta.to(hidden.device), self.output_norm, self.config.rms_eps)[1]
+                normed = add_rms_norm(hidden, delta.to(hidden.device), self.output_norm, self.config.rms_eps,
+                                      x_f16_type(self.lm_head, hidden.shape[0]))[1]
             return self.lm_head(normed).float().to(self.device)
 
     def forward_dtype(self, rows: int) -> torch.dtype:

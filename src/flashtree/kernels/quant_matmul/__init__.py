@@ -245,6 +245,16 @@ def _mma_matmul(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
     return _dense_blocks(x, weight, x.dtype, x.dtype, lambda w, out: torch.matmul(x, w.T, out=out))
 
 
+def x_f16_type(weight: QuantWeight, m: int) -> QType | None:
+    """The type whose float16 x (`mma.prepare_x`) `quant_matmul_rounded` or `quant_matmul_glu(rounded=True)` of M
+    float32 rows against `weight` converts x to (qmh), or None (the other kernels read x as it is): what the norm
+    before the matmul may write in its own launch (kernels/rms_norm.py `add_rms_norm`'s `x_f16`)."""
+    n, k = weight.shape
+    if not (weight.mma_layout and _kernel_rows(m, n, k)):
+        return None
+    return weight.qtype if mma.kernel_for(weight.qtype, mma.token_groups(min(m, mma.MAX_M)), n, k) == "qmh" else None
+
+
 def dense_block_rows(n: int, k: int) -> int:
     """Rows of an [n, k] fragment-ordered weight dequantized at once for a prefill chunk (whole tiles of 16):
     DENSE_BLOCK_BYTES of float16 / bf16, or all of them."""

@@ -18,13 +18,8 @@
 // cp.async pipeline through shared memory: it keeps more bytes in flight, but these loops are bound
 // by the instructions they issue, not by memory latency.) `qmv` is the one-row (decode) form; `qmh` is
 // the 2-32 row form in float16 (Q4_K and Q6_K), with the sub-block scales inside the (exact) weights.
-// No headers: NVRTC compiles this with nothing but the CUDA built-ins.
-
-typedef unsigned int u32;
-typedef unsigned short u16;
-
-#define Q4_K 12
-#define Q6_K 14
+// No headers: NVRTC compiles this with nothing but the CUDA built-ins (x_f16.cuh, the float16 x's helpers shared
+// with add_rms_norm.cu, is put before it: mma.py `source`).
 
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
     asm volatile(
@@ -50,21 +45,9 @@ __device__ __forceinline__ u32 bf16x2_sub(u32 a, u32 b) {
     return d;
 }
 
-__device__ __forceinline__ float half_to_float(u16 h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;\n" : "=f"(f) : "h"(h));
-    return f;
-}
-
 __device__ __forceinline__ u16 float_to_bf16(float f) {
     u16 h;
     asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(h) : "f"(f));
-    return h;
-}
-
-__device__ __forceinline__ u16 float_to_half(float f) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;\n" : "=h"(h) : "f"(f));
     return h;
 }
 
@@ -1296,34 +1279,6 @@ __device__ __forceinline__ void qmh(const u16* __restrict__ xh, const u16* __res
     else epilogue<RT, TG, WARPS, SPLITS, GLU>(acc, tile0, out, partial, tickets, M, N, scale);
 }
 
-// Q4_K's x sums: xsum [M, K / 256, 16] f16, per super-block and lane t the sums of sub-blocks 2t, 2t + 1 as hi
-// (2) then lo (2). h: values i .. i + 7 of row tok; 4 threads per 32-value sub-block.
-__device__ __forceinline__ void store_sub_block_sum(const u32 (&h)[4], int i, int tok, int K, u16* __restrict__ xsum) {
-    float sum = 0.0f;
-#pragma unroll
-    for (int q = 0; q < 4; ++q) sum += half_to_float((u16)(h[q] & 0xFFFF)) + half_to_float((u16)(h[q] >> 16));
-    sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
-    sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
-    if ((threadIdx.x & 3) == 0) {
-        const int sub = i >> 5, sb = sub >> 3, j = sub & 7;  // sub-block j of super-block sb
-        const u16 hi = float_to_half(sum);
-        const u16 lo = float_to_half(sum - half_to_float(hi));
-        u16* rec = xsum + ((long)tok * (K >> 8) + sb) * 16 + 4 * (j >> 1) + (j & 1);
-        rec[0] = hi;
-        rec[2] = lo;
-    }
-}
-
-// Q6_K's qmh reads lane t's x of MMA steps 2j, 2j + 1 (values 16 (2j + o) + 4t .. + 3 of each 32) in one
-// 16-byte load, so they are stored side by side, at 32j + 8t + 4o. h: values i .. i + 7 (i = 32j + 8c), those
-// of lanes 2 (c & 1) and 2 (c & 1) + 1 in step 2j + (c >> 1).
-__device__ __forceinline__ void store_in_step_pairs(const u32 (&h)[4], int i, u16* __restrict__ hrow) {
-    const int c = (i >> 3) & 3;
-    u16* at = hrow + (i & ~31) + 16 * (c & 1) + 4 * (c >> 1);
-    *reinterpret_cast<uint2*>(at) = make_uint2(h[0], h[1]);
-    *reinterpret_cast<uint2*>(at + 8) = make_uint2(h[2], h[3]);
-}
-
 // The largest |x| of this thread's values of a row: 8 from first + 8 tid, then every 8 * threads, below end
 template <typename XT>
 __device__ __forceinline__ float thread_max(const XT* row, int first, int end, int threads) {
@@ -1347,28 +1302,6 @@ __device__ __forceinline__ float cta_max(float amax, int warps) {
     amax = warp_max[0];
     for (int w = 1; w < warps; ++w) amax = fmaxf(amax, warp_max[w]);
     return amax;
-}
-
-// e with max |x 2^e| in [256, 512): amax = m 2^p, m in [0.5, 1), 2^(9 - p) (0 for a row of zeros or of infinities)
-__device__ __forceinline__ int scale_exponent(float amax) {
-    int e = 0;
-    if (amax > 0.0f && amax <= 3.0e38f) e = min(125, max(-125, 9 - (((int)(__float_as_uint(amax) >> 23) & 0xFF) - 126)));
-    return e;
-}
-
-// 8 values of row tok from i (f) times `up` into xh in QT's order, and Q4_K's sub-block sums
-template <int QT>
-__device__ __forceinline__ void store_scaled(const float (&f)[8], float up, int i, int tok, int K, u16* __restrict__ hrow,
-                                             u16* __restrict__ xsum) {
-    u32 h[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) h[q] = (u32)float_to_half(f[2 * q] * up) | ((u32)float_to_half(f[2 * q + 1] * up) << 16);
-    if constexpr (QT == Q4_K) {
-        *reinterpret_cast<uint4*>(hrow + i) = make_uint4(h[0], h[1], h[2], h[3]);
-        store_sub_block_sum(h, i, tok, K, xsum);
-    } else {
-        store_in_step_pairs(h, i, hrow);
-    }
 }
 
 // x [M, K] bf16 or float32 -> xh [M, K] f16 = x 2^e (per row, max |x 2^e| in [256, 512)) in the order QT's qmh reads it

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -44,11 +45,13 @@ PIECES: dict[QType, tuple[tuple[str, int], ...]] = {
     QType.Q6_K: (("quants", 2048), ("high", 1024), ("scales", 256), ("d", 32)),
 }
 _SOURCE = Path(__file__).with_name("mma.cu")
+# qmh's float16 x: `prep_x`'s helpers, which a norm that writes that x as well (kernels/add_rms_norm.cu) shares
+X_F16_SOURCE = Path(__file__).with_name("x_f16.cuh")
 
 
 def source() -> str:
-    """mma.cu as NVRTC compiles it (the cluster helpers first): an instance is this and its wrapper."""
-    return cuda_functions.with_cluster_helpers(_SOURCE)
+    """mma.cu as NVRTC compiles it (the cluster helpers and x_f16.cuh first): an instance is this and its wrapper."""
+    return cuda_functions.with_cluster_helpers(_SOURCE, X_F16_SOURCE)
 
 
 def supports(qtype: QType, shape: tuple[int, int]) -> bool:
@@ -776,15 +779,51 @@ def glu_takes(qtype: QType, m: int, n: int, k: int) -> bool:
 def prepare_x(x: torch.Tensor, qtype: QType) -> tuple[torch.Tensor, ...]:
     """x [M, K] (bf16 or float32) -> the inputs of `qtype`'s float16 kernel (mma.cu `prep_x`), one launch for all rows:
     Q4_K (float16 x 2^e per row, its sub-block sums [M, K/256, 16] as float16 hi/lo, 2^-e [M]); Q6_K (float16
-    x 2^e with each 32 values in the kernel's order, `q6_k_x_order`, and 2^-e)."""
+    x 2^e with each 32 values in the kernel's order, `q6_k_x_order`, and 2^-e). None launched where the kernel that
+    wrote x wrote these as well (`remember_x_f16`)."""
+    written = _written_x_f16(x, qtype)
+    if written is not None:
+        return written
     m, k = x.shape
     name = _prep_x_instance(qtype, x.dtype)
     fn = _function(x.device, name, _prep_x_wrapper(qtype, x.dtype))
-    xh = torch.empty(m, k, dtype=torch.float16, device=x.device)
-    sums = (torch.empty(m, k // SUPER, 16, dtype=torch.float16, device=x.device),) if qtype == QType.Q4_K else ()
-    scale = torch.empty(m, dtype=torch.float32, device=x.device)
-    launch(fn, (m, 1), 256, [x, xh, *sums, scale, k], x.device)
-    return (xh, *sums, scale)
+    xh, *rest = x_f16_buffers(m, k, qtype, x.device)
+    launch(fn, (m, 1), 256, [x, xh, *rest, k], x.device)
+    return (xh, *rest)
+
+
+def x_f16_buffers(m: int, k: int, qtype: QType, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Empty tensors for `prepare_x`'s outputs of M rows: xh [M, K] float16, Q4_K's sums [M, K/256, 16], scale [M]."""
+    xh = torch.empty(m, k, dtype=torch.float16, device=device)
+    sums = (torch.empty(m, k // SUPER, 16, dtype=torch.float16, device=device),) if qtype == QType.Q4_K else ()
+    return (xh, *sums, torch.empty(m, dtype=torch.float32, device=device))
+
+
+# `prepare_x`'s outputs that the kernel which wrote x wrote as well (a norm: kernels/add_rms_norm.cu's _q4_k and
+# _q6_k instances), by x's address, shape, strides, dtype and the weight type: the matmul reading x takes them
+# instead of converting it again. An entry lives while that x does and holds while x is unchanged (its version).
+_written_x: dict[tuple, tuple[weakref.ref, int, tuple[torch.Tensor, ...]]] = {}
+
+
+def _x_key(x: torch.Tensor, qtype: QType) -> tuple:
+    return x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype, x.device, qtype
+
+
+def remember_x_f16(x: torch.Tensor, qtype: QType, inputs: tuple[torch.Tensor, ...]) -> None:
+    """`inputs` are `prepare_x(x, qtype)`'s outputs, already written (bit for bit what prep_x would write)."""
+    key = _x_key(x, qtype)
+
+    def forget(ref: weakref.ref) -> None:
+        if _written_x.get(key, (None,))[0] is ref:
+            del _written_x[key]
+
+    _written_x[key] = (weakref.ref(x, forget), x._version, inputs)
+
+
+def _written_x_f16(x: torch.Tensor, qtype: QType) -> tuple[torch.Tensor, ...] | None:
+    ref, version, inputs = _written_x.get(_x_key(x, qtype), (None, None, None))
+    source = ref() if ref is not None else None
+    return inputs if source is not None and source._version == version else None
 
 
 def q6_k_x_order(k: int) -> torch.Tensor:
