@@ -873,3 +873,15 @@ def test_the_float16_x_type_is_qmhs():
     assert x_f16_type(weight(QType.Q4_K, 1024, 5120), 23) is None  # qmm (below QMH_MIN_WEIGHTS)
     assert x_f16_type(weight(QType.Q4_K, 17408, 5120), DENSE_MIN_M) is None  # a dense prefill chunk
     assert x_f16_type(weight(QType.Q4_K, 17408, 5120, mma_layout=False), 23) is None
+
+
+def test_an_inference_tensors_float16_x_holds_while_it_lives():
+    """Inference tensors (the engine's forward) keep no version: the entry holds for as long as x lives."""
+    with torch.inference_mode():
+        x = torch.randn(2, 256)
+        written = mma.x_f16_buffers(2, 256, QType.Q6_K, x.device)
+        mma.remember_x_f16(x, QType.Q6_K, written)
+        assert len(written) == 2 and mma.prepare_x(x, QType.Q6_K) is written
+        key = mma._x_key(x, QType.Q6_K)
+        del x
+        assert key not in mma._written_x

@@ -801,8 +801,9 @@ def x_f16_buffers(m: int, k: int, qtype: QType, device: torch.device) -> tuple[t
 
 # `prepare_x`'s outputs that the kernel which wrote x wrote as well (a norm: kernels/add_rms_norm.cu's _q4_k and
 # _q6_k instances), by x's address, shape, strides, dtype and the weight type: the matmul reading x takes them
-# instead of converting it again. An entry lives while that x does and holds while x is unchanged (its version).
-_written_x: dict[tuple, tuple[weakref.ref, int, tuple[torch.Tensor, ...]]] = {}
+# instead of converting it again. An entry lives while that x does and holds while x is unchanged: its version, where
+# torch counts one (an inference tensor, the engine's, has none; no code writes a norm's output in place).
+_written_x: dict[tuple, tuple[weakref.ref, int | None, tuple[torch.Tensor, ...]]] = {}
 
 
 def _x_key(x: torch.Tensor, qtype: QType) -> tuple:
@@ -817,13 +818,18 @@ def remember_x_f16(x: torch.Tensor, qtype: QType, inputs: tuple[torch.Tensor, ..
         if _written_x.get(key, (None,))[0] is ref:
             del _written_x[key]
 
-    _written_x[key] = (weakref.ref(x, forget), x._version, inputs)
+    _written_x[key] = (weakref.ref(x, forget), _version(x), inputs)
+
+
+def _version(x: torch.Tensor) -> int | None:
+    """x's count of in-place writes, or None for an inference tensor (which keeps none)."""
+    return None if x.is_inference() else x._version
 
 
 def _written_x_f16(x: torch.Tensor, qtype: QType) -> tuple[torch.Tensor, ...] | None:
     ref, version, inputs = _written_x.get(_x_key(x, qtype), (None, None, None))
     source = ref() if ref is not None else None
-    return inputs if source is not None and source._version == version else None
+    return inputs if source is not None and _version(source) == version else None
 
 
 def q6_k_x_order(k: int) -> torch.Tensor:
