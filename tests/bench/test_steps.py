@@ -117,6 +117,8 @@ def test_family_names():
     assert family("_q6_k_tiled") == "Q6_K matmul"
     assert family("sm90_xmma_gemm_bf16bf16") == "dense matmul (cuBLAS)"
     assert family("_rms_norm_kernel") == "RMSNorm"
+    assert family("add_rms_norm_f32_q4_k") == "RMSNorm"  # it writes the Q4_K matmul's float16 x as well
+    assert family("prep_x_f16_q6_k_xf32") == "float16 x conversions"
     assert family("void at::native::vectorized_elementwise_kernel<4>") == "elementwise and reductions"
     assert family("something_new") == "other"
 

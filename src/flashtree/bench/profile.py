@@ -17,9 +17,11 @@ from torch.profiler import ProfilerActivity, profile
 
 # first match wins: kernel or operator name pattern -> family
 FAMILIES = (
+    # before the types' patterns: the float16 x conversions and the norms that write that x name a type too
+    (r"prep_x", "float16 x conversions"), (r"rms_norm", "RMSNorm"),
     (r"_q4_k", "Q4_K matmul"), (r"_q6_k", "Q6_K matmul"),  # qmm_/qmv_ (CUDA) and Triton
     (r"_q5_k|_q8_0|_iq4_xs", "other quantized matmul"), (r"dequant", "dequantize"),
-    (r"_sum_splits", "split-K sums"), (r"rms_norm", "RMSNorm"),
+    (r"_sum_splits", "split-K sums"),
     (r"gated_delta|recurrent|_tree_kernel|deltanet|conv_qkv|chunk_", "DeltaNet"),
     (r"attention|attn|softmax|flash|fmha", "attention"),
     (r"gemm|gemv|cutlass|xmma|cublas|nvjet|aten::mm|aten::addmm|aten::linear|aten::matmul|aten::bmm", "dense matmul (cuBLAS)"),
