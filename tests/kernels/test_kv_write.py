@@ -77,8 +77,9 @@ def test_27b_rows_on_gpu(name, tokens):
     against the torch form on the CPU: on CUDA, torch divides by a Python scalar as a multiply by its
     reciprocal (Q8_0's amax / 127 can differ by one bit), where the kernel divides as the CPU form does."""
     t = kv_type(name)
-    x = (3 * torch.randn(tokens, 4, 256, device="cuda")).to(torch.bfloat16)
-    slots = torch.randperm(1000, device="cuda")[:tokens]
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    x = (3 * torch.randn(tokens, 4, 256, device="cuda", generator=gen)).to(torch.bfloat16)
+    slots = torch.randperm(1000, device="cuda", generator=gen)[:tokens]
     got = t.allocate(4, 1000, 256, "cuda")
     want = got.clone()
     write_rows(x, got, slots, t)  # compile outside the capture
@@ -89,10 +90,14 @@ def test_27b_rows_on_gpu(name, tokens):
     graph.replay()
     got, want = got.cpu(), want.cpu()
     want.index_copy_(1, slots.cpu(), t.quantize(x.cpu().transpose(0, 1)))
-    if name == "tq3_0":
-        codes = t.indices(got) != t.indices(want)
-        error = (t.dequantize(got) - t.dequantize(want)).abs().max() / x.float().abs().max().cpu()
-        assert codes.sum() <= codes.numel() // 1000 and error < 2e-3, (int(codes.sum()), float(error))
+    if name == "tq3_0":  # as the interpreter cases: a rotated value on a level threshold may take the next code
+        a, b = t.indices(got), t.indices(want)
+        differ = a != b
+        neighbour = ((a >> 2) == (b >> 2)) & (((a & 3) - (b & 3)).abs() == 1) | (((a & 3) == 0) & ((b & 3) == 0))
+        gaps = (t.dequantize(got) - t.dequantize(want)).abs().reshape(differ.shape)
+        error = gaps[~differ].max() / x.float().abs().max().cpu()  # the norms: one fp16 unit at most
+        assert differ.sum() <= differ.numel() // 1000 and not (differ & ~neighbour).any() and error < 2e-3, (
+            int(differ.sum()), int((differ & ~neighbour).sum()), float(error))
     else:
         assert torch.equal(got, want)
 
