@@ -69,7 +69,8 @@ RING_ALTERNATIVES = ((1, 2, 3, None, 1, 2, None), (2, 1, 3, 0, 1, 2, 0), (2, 1, 
 QMV_RING_ALTERNATIVES = ((2, 0), (3, 0))
 # `--one-cta`, in place of the alternatives above, on the wide Q4_K matrices at 9-32 rows: the launch of one CTA an SM
 # (`mma._own_tiles_one_cta_an_sm`, the default) against the two-tile ring before it (FLASHTREE_QMH_ONE_CTA=0) and its
-# other forms: rt, chains, ring stages, CTAs an SM (the warps then cover the tiles in that many CTAs an SM)
+# other forms: rt, chains, ring stages, CTAs an SM (the warps then cover the tiles in that many CTAs an SM); then the
+# one-CTA forms again with x staged by a warp of their own (own_tiles 4, untimed when built: thirty-first session)
 ONE_CTA_ALTERNATIVES = ((1, 1, 2, 1), (1, 1, 3, 1), (1, 1, 4, 1), (1, 2, 3, 1), (2, 1, 2, 1), (2, 1, 3, 1),
                         (1, 1, 2, 2), (1, 1, 3, 2))
 # `--narrow`, in place of the alternatives above, on the narrow matrices (the FFN down and out projections: 320 row
@@ -130,6 +131,11 @@ def one_cta_variants(default: mma.MMAConfig, qtype: QType, n: int, k: int, rows:
         fits = per_sm * (c.ring_bytes(qtype) + mma._shared_x_bytes(tg)) <= 227 * 1024 and warps * per_sm <= 32
         if fits and tiles % rt == 0 and c not in configs:
             configs.append(c)
+    # and each form of one CTA an SM with x staged by a warp of its own (own_tiles 4, `mma.x_producer_enabled`)
+    for c in (default, *configs):
+        twin = dataclasses.replace(c, own_tiles=4)
+        if c.own_tiles == 2 and c.splits == 1 and not c.min_blocks and c.warps < 32 and twin not in configs:
+            configs.append(twin)
     return [(_label("qmh", c), "qmh", c) for c in configs if c != default]
 
 

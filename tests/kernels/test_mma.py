@@ -569,6 +569,33 @@ def test_one_cta_an_sm_gives_the_bits_of_warps_owning_tiles(warps, chains, ring)
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("warps, chains, ring", [(17, 1, 3), (8, 2, 4), (6, 2, 2)])
+def test_x_staged_by_a_warp_of_its_own_gives_the_bits_of_a_cta_barrier(warps, chains, ring):
+    """own_tiles 4 (mma.cu `ProducedX`: x's stages filled by one more warp with bulk copies, mbarriers instead of a
+    CTA barrier a super-block) against own_tiles 2, the same launch otherwise: the same bits at 9-32 rows (2, 3 and
+    4 token groups: 3 and 2 stages), with the GLU epilogue too, on 52 tiles (a last CTA partly past the matrix) and
+    K of 40 super-blocks (the stages wrap many times)."""
+    n, k = 832, 10240
+    staged = mma.MMAConfig(1, warps, 1, chains, own_tiles=2, ring=ring)
+    produced = mma.MMAConfig(1, warps, 1, chains, own_tiles=4, ring=ring)
+    assert produced.threads == staged.threads + 32 and produced.row_groups(n) == staged.row_groups(n)
+    weight = random_quant_weight(QType.Q4_K, n, k, "cuda")
+    x = torch.randn(32, k, device="cuda", dtype=torch.bfloat16)
+    for m in (9, 23, 32):
+        y = mma.matmul(x[:m], weight.raw, QType.Q4_K, n, k, produced, "qmh")
+        assert torch.equal(y, mma.matmul(x[:m], weight.raw, QType.Q4_K, n, k, staged, "qmh")), m
+        glu = mma.matmul(x[:m], weight.raw, QType.Q4_K, n, k, produced, "qmh", glu=True)
+        assert torch.equal(glu, mma.matmul(x[:m], weight.raw, QType.Q4_K, n, k, staged, "qmh", glu=True)), m
+
+
+def test_a_producer_warp_stages_x_for_one_split():
+    assert mma.MMAConfig(1, 17, 1, own_tiles=4, ring=3).threads == 18 * 32
+    with pytest.raises(FlashtreeError, match="one split"):
+        mma.MMAConfig(1, 8, 2, own_tiles=4, ring=2)
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q6_K])
 @pytest.mark.parametrize("warps, splits, chains, ring, blocks", [(8, 3, 2, 3, 20), (4, 8, 2, 2, 24), (16, 6, 1, 2, 24)])
 def test_cluster_split_k_adds_the_splits_sums_in_split_order(qtype, warps, splits, chains, ring, blocks):

@@ -928,6 +928,101 @@ struct SharedX {
     }
 };
 
+// mbarriers (sm_90): a stage's arrival count and expected bytes in shared memory, waited on by phase parity
+__device__ __forceinline__ void barrier_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void barrier_arrive(unsigned bar) {
+    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+// arrive, and count `bytes` more that bulk copies will bring before the phase can complete
+__device__ __forceinline__ void barrier_arrive_expecting(unsigned bar, unsigned bytes) {
+    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n" ::"r"(bar),
+                 "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void barrier_wait(unsigned bar, unsigned parity) {
+    unsigned done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    } while (!done);
+}
+// a bulk copy (the TMA unit, no registers) of `bytes` (a multiple of 16, both ends 16-byte aligned) whose arrival
+// completes that many of the barrier's expected bytes
+__device__ __forceinline__ void bulk_copy(unsigned shared, const void* global, unsigned bytes, unsigned bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 ::"r"(shared), "l"(global), "r"(bytes), "r"(bar) : "memory");
+}
+
+// ProducedX: SharedX's stages filled by a warp of their own (qmh's OWN 4: one warp past the CTA's WARPS) with bulk
+// copies, each stage's arrival and release on mbarriers instead of a CTA barrier a super-block. Nsight Compute on
+// the 23-row gate + up (OWN 2, 17 warps, thirty-first session) counted 1.47 cycles a warp instruction stalled at
+// SharedX's barrier and 1.95 on a busy math pipe: at the barrier every warp waits for the slowest, then all of them
+// decode (and then multiply) at once. Here a warp waits only for its stage's bytes, and the producer refills a stage
+// once every warp released it: warps drift up to STAGES - 1 super-blocks apart. The same values in the same places
+// as SharedX: the arithmetic and its bits are OWN 2's.
+template <int TG, int WARPS>
+struct ProducedX {
+    static constexpr int ROWS = 8 * TG;
+    static constexpr int STAGES = TG <= 3 ? 3 : 2;  // SharedX's
+    static constexpr int X_BYTES = ROWS * X_PITCH, STAGE_BYTES = X_BYTES + ROWS * 32;
+    unsigned char* ring;
+    unsigned full, empty;  // the stages' barriers: the bytes landed (the producer's arrival and bytes); every warp
+                           // done with it (WARPS arrivals). 8 bytes each, STAGES in a row.
+    const unsigned char* here;  // this super-block's stage at the lane's x (row g, byte 16t) and sums (row g, byte 8t)
+    const unsigned char* sums_here;
+    int stage, parity, started;
+    __device__ __forceinline__ ProducedX(unsigned char* ring_, unsigned long long* barriers)
+        : ring(ring_), full(shared_address(barriers)), empty(shared_address(barriers + STAGES)), stage(0), parity(0),
+          started(0) {
+        if (threadIdx.x == 0) {
+#pragma unroll
+            for (int s = 0; s < STAGES; ++s) {
+                barrier_init(full + 8 * s, 1);
+                barrier_init(empty + 8 * s, WARPS);
+            }
+        }
+        __syncthreads();
+    }
+    // the producer warp: super-blocks [first, end) in turn, each once the warps released its stage's last one. Lane r
+    // < ROWS copies row r's 512 bytes of values and Q4_K's 32 of sums (rows past M: token 0's, never stored).
+    __device__ __forceinline__ void produce(const u16* xh, const u16* xsum, int M, int K, int first, int end) const {
+        const int lane = threadIdx.x & 31, SB = K >> 8, tok = lane < M ? lane : 0;
+        const unsigned bytes = ROWS * (512 + (xsum != nullptr ? 32 : 0));
+        for (int at = first, s = 0, use = 0; at < end; ++at) {
+            if (use > 0) barrier_wait(empty + 8 * s, (use - 1) & 1);
+            if (lane == 0) barrier_arrive_expecting(full + 8 * s, bytes);
+            __syncwarp();
+            if (lane < ROWS) {
+                const unsigned base = shared_address(ring + s * STAGE_BYTES);
+                bulk_copy(base + lane * X_PITCH, xh + (long)tok * K + (at << 8), 512, full + 8 * s);
+                if (xsum != nullptr)
+                    bulk_copy(base + X_BYTES + lane * 32, xsum + (long)tok * (SB << 4) + (at << 4), 32, full + 8 * s);
+            }
+            if (++s == STAGES) s = 0, ++use;
+        }
+    }
+    // a computing warp: release the stage of the super-block before (its fragments are in registers), then wait for
+    // this one's bytes
+    __device__ __forceinline__ void start(int, int) {
+        const int lane = threadIdx.x & 31;
+        if (started++) {
+            __syncwarp();
+            if (lane == 0) barrier_arrive(empty + 8 * (stage == 0 ? STAGES - 1 : stage - 1));
+        }
+        barrier_wait(full + 8 * stage, parity);
+        here = ring + stage * STAGE_BYTES + (lane >> 2) * X_PITCH + 16 * (lane & 3);
+        sums_here = ring + stage * STAGE_BYTES + X_BYTES + (lane >> 2) * 32 + 8 * (lane & 3);
+        if (++stage == STAGES) stage = 0, parity ^= 1;
+    }
+    __device__ __forceinline__ void sub_block(int j, int, u32 (&bx)[TG][2][2]) const {
+        shared_fragments<TG>(here, X_PITCH, j, bx);
+    }
+    __device__ __forceinline__ uint2 sums(int tg) const {
+        return *reinterpret_cast<const uint2*>(sums_here + tg * 8 * 32);
+    }
+};
+
 // ResidentX: all of x's rows (8 TG of them, K values each) and Q4_K's sums copied once into dynamic shared memory
 // (cp.async) before any warp starts, for qmh's OWN 3 kernels (the LM head at 9-16 rows), whose warps then walk whole
 // row tiles each, on their own, with no CTA barrier: x crosses L2 once a CTA instead of once a 16-row tile (the LM
@@ -1230,6 +1325,8 @@ __device__ __forceinline__ void walk_half(XSource& x, const unsigned char* quant
 // shared memory (`epilogue_cluster`), not through global partials and a ticket (`finish_splits`).
 // OWN 3: x resident in shared memory (`ResidentX`, copied once), a grid of about one CTA an SM whose warps each walk
 // whole row tiles (all of K, the order of OWN 2 with one split) grid-wide, with no barrier between warps.
+// OWN 4: OWN 2 with one split and x's stages filled by one more warp (`ProducedX`, launched with WARPS + 1 warps),
+// the warps synchronised by the stages' mbarriers only.
 template <int QT, int RT, int TG, int WARPS, int SPLITS, int CH, int XA, int OWN, int RING, int GLU, typename OT>
 __device__ __forceinline__ void qmh(const u16* __restrict__ xh, const u16* __restrict__ xsum,
                                     const float* __restrict__ scale, const unsigned char* __restrict__ quants,
@@ -1260,7 +1357,18 @@ __device__ __forceinline__ void qmh(const u16* __restrict__ xh, const u16* __res
     const int first = OWN ? ks.begin : ks.begin + warp;
     float acc[RT][TG][4];
     zero(acc);
-    if constexpr (OWN == 2) {  // x through shared memory
+    if constexpr (OWN == 4) {  // x through shared memory, staged by the last warp
+        static_assert(SPLITS == 1, "a producer warp stages x for one split");
+        typedef ProducedX<TG, WARPS> Source;
+        __shared__ __align__(16) unsigned char ring[Source::STAGES * Source::STAGE_BYTES];
+        __shared__ __align__(8) unsigned long long barriers[2 * Source::STAGES];
+        Source x(ring, barriers);
+        if (warp == WARPS) {
+            x.produce(xh, xsum, M, K, first, ks.end);
+            return;
+        }
+        walk_half<QT, RT, TG, STRIDE, CH, RING, 0>(x, quants, high, scales, dvals, tile0, SB, first, ks.end, acc);
+    } else if constexpr (OWN == 2) {  // x through shared memory
         typedef SharedX<TG, WARPS * 32, RING ? 1 : 0> Source;
         __shared__ __align__(16) unsigned char ring[Source::STAGES * Source::STAGE_BYTES];
         Source x(ring, xh, xsum, M, K, first, ks.end);

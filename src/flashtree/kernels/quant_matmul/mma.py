@@ -368,7 +368,8 @@ class MMAConfig:
     min_blocks: CTAs per SM asked of ptxas (`__launch_bounds__`'s second value; 0: none), which caps the
     registers to fit them (sm_90, 4 warps: 3 -> 168, 4 -> 128) at the price of spills; x_ahead: qmh loads x a
     sub-block ahead of its MMAs (1) or just before them (0); own_tiles: qmh's warps own row tiles of their own
-    and walk the same super-blocks (x read from L2 once per CTA) instead of splitting K (0); ring: qmv and qmh
+    and walk the same super-blocks (x read from L2 once per CTA) instead of splitting K (0; mma.cu `qmh` says what
+    1-4 do; 4: x staged by one more warp, `threads`); ring: qmv and qmh
     stage the weights through a shared-memory ring of that many super-blocks per warp (cp.async, ring - 1 in
     flight) instead of two register buffers (0)."""
 
@@ -384,9 +385,9 @@ class MMAConfig:
     def __post_init__(self):
         if self.ring == 1 or self.ring < 0:
             raise FlashtreeError(f"a weight ring needs at least 2 stages (or 0 for none), not {self.ring}")
-        if self.own_tiles == 3 and self.splits != 1:
-            raise FlashtreeError(f"own_tiles 3 (x resident, warps walking whole tiles) sums all of K: one split, not "
-                                 f"{self.splits}")
+        if self.own_tiles in (3, 4) and self.splits != 1:
+            raise FlashtreeError(f"own_tiles {self.own_tiles} (x resident, or staged by a warp of its own) sums all of "
+                                 f"K in one CTA: one split, not {self.splits}")
         if self.cluster_splits and self.splits > MAX_CLUSTER:
             raise FlashtreeError(f"own_tiles 2 splits K over a thread-block cluster of at most {MAX_CLUSTER} CTAs, "
                                  f"not {self.splits}")
@@ -397,6 +398,11 @@ class MMAConfig:
         are one thread-block cluster and add their sums through distributed shared memory (mma.cu
         `epilogue_cluster`), with no global partials."""
         return self.own_tiles == 2 and self.splits > 1
+
+    @property
+    def threads(self) -> int:
+        """Threads a CTA launches: its warps, and with own_tiles 4 the warp that stages x (mma.cu `ProducedX`)."""
+        return 32 * (self.warps + (self.own_tiles == 4))
 
     @property
     def rows_per_cta(self) -> int:
@@ -503,7 +509,7 @@ def _wrapper(name: str, qtype: QType, config: MMAConfig, tg: int, kernel: str, x
              out_dtype: torch.dtype = torch.bfloat16, glu: bool = False) -> str:
     c = config
     _check_glu(glu, kernel, config)
-    bounds = f"{c.warps * 32}, {c.min_blocks}" if c.min_blocks else f"{c.warps * 32}"
+    bounds = f"{c.threads}, {c.min_blocks}" if c.min_blocks else f"{c.threads}"
     cluster = f"__cluster_dims__(1, {c.splits}, 1) " if kernel == "qmh" and c.cluster_splits else ""
     head = f'extern "C" __global__ void {cluster}__launch_bounds__({bounds}) {name}'
     xt, ot = _C_TYPES[x_dtype], _C_TYPES[out_dtype]
@@ -706,8 +712,16 @@ def one_cta_an_sm_enabled() -> bool:
     return os.environ.get("FLASHTREE_QMH_ONE_CTA", "1") != "0"
 
 
+def x_producer_enabled() -> bool:
+    """Q4_K's one-CTA-an-SM qmh with x staged by a warp of its own, the warps synchronised by mbarriers (own_tiles 4,
+    mma.cu `ProducedX`), when FLASHTREE_QMH_X_PRODUCER=1: built in the thirty-first session with no GPU time left to
+    run it, off until a GPU test and a sweep (`sweep_mma_rows.py --one-cta`) have run it."""
+    return os.environ.get("FLASHTREE_QMH_X_PRODUCER", "0") == "1"
+
+
 def _shared_x_bytes(tg: int) -> int:
-    """mma.cu `SharedX`'s static shared memory: its stages of 8 tg rows of x (X_PITCH bytes) and their sums."""
+    """mma.cu `SharedX`'s static shared memory (and `ProducedX`'s, but for its 48 bytes of mbarriers): its stages of
+    8 tg rows of x (X_PITCH bytes) and their sums."""
     stages = 3 if tg <= 3 else 2
     return stages * 8 * tg * (576 + 32)
 
@@ -732,7 +746,9 @@ def _own_tiles_one_cta_an_sm(tiles: int, tg: int, sms: int) -> MMAConfig | None:
         ring -= 1
     if _shared_x_bytes(tg) + warps * ring * stage > _SHARED_PER_CTA:
         return None
-    return MMAConfig(1, warps, 1, chains=2 if warps <= _ONE_CTA_MAX_WARPS_TWO_CHAINS else 1, own_tiles=2, ring=ring)
+    producer = x_producer_enabled()
+    chains = 2 if warps + producer <= _ONE_CTA_MAX_WARPS_TWO_CHAINS else 1  # the producer's registers count too
+    return MMAConfig(1, warps, 1, chains=chains, own_tiles=4 if producer else 2, ring=ring)
 
 
 # The LM head (at least 32 row tiles an SM) at 9-16 rows, the draft's and the budget-15 verify's: x resident in shared
@@ -864,7 +880,7 @@ def _launch_matmul(out: torch.Tensor, xs: list[torch.Tensor], raw: torch.Tensor,
                              f"{_SHARED_PER_CTA}")
     if shared:
         cuda_functions.allow_shared(out.device, name, shared)
-    launch(fn, (row_groups, config.splits), 32 * config.warps,
+    launch(fn, (row_groups, config.splits), config.threads,
             [*xs, *weights, out, partial, tickets, m, n, k], out.device, shared)
 
 
