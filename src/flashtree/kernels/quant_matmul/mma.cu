@@ -935,11 +935,6 @@ __device__ __forceinline__ void barrier_init(unsigned bar, unsigned count) {
 __device__ __forceinline__ void barrier_arrive(unsigned bar) {
     asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
 }
-// arrive, and count `bytes` more that bulk copies will bring before the phase can complete
-__device__ __forceinline__ void barrier_arrive_expecting(unsigned bar, unsigned bytes) {
-    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n" ::"r"(bar),
-                 "r"(bytes) : "memory");
-}
 __device__ __forceinline__ void barrier_wait(unsigned bar, unsigned parity) {
     unsigned done;
     do {
@@ -947,28 +942,27 @@ __device__ __forceinline__ void barrier_wait(unsigned bar, unsigned parity) {
                      : "=r"(done) : "r"(bar), "r"(parity) : "memory");
     } while (!done);
 }
-// a bulk copy (the TMA unit, no registers) of `bytes` (a multiple of 16, both ends 16-byte aligned) whose arrival
-// completes that many of the barrier's expected bytes
-__device__ __forceinline__ void bulk_copy(unsigned shared, const void* global, unsigned bytes, unsigned bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-                 ::"r"(shared), "l"(global), "r"(bytes), "r"(bar) : "memory");
+// the barrier's arrival once this thread's cp.async copies so far have landed (counted in its expected arrivals)
+__device__ __forceinline__ void barrier_arrive_on_copies(unsigned bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 
-// ProducedX: SharedX's stages filled by a warp of their own (qmh's OWN 4: one warp past the CTA's WARPS) with bulk
-// copies, each stage's arrival and release on mbarriers instead of a CTA barrier a super-block. Nsight Compute on
-// the 23-row gate + up (OWN 2, 17 warps, thirty-first session) counted 1.47 cycles a warp instruction stalled at
-// SharedX's barrier and 1.95 on a busy math pipe: at the barrier every warp waits for the slowest, then all of them
-// decode (and then multiply) at once. Here a warp waits only for its stage's bytes, and the producer refills a stage
-// once every warp released it: warps drift up to STAGES - 1 super-blocks apart. The same values in the same places
-// as SharedX: the arithmetic and its bits are OWN 2's.
+// ProducedX: SharedX's stages filled by a warp of their own (qmh's OWN 4: one warp past the CTA's WARPS) with cp.async,
+// each stage's arrival and release on mbarriers instead of a CTA barrier a super-block. Nsight Compute on the 23-row
+// gate + up (OWN 2, 17 warps, thirty-first session) counted 1.47 cycles a warp instruction stalled at SharedX's
+// barrier and 1.95 on a busy math pipe: at the barrier every warp waits for the slowest, then all of them decode
+// (and then multiply) at once. Here a warp waits only for its stage's bytes, and the producer refills a stage once
+// every warp released it: warps drift up to STAGES - 1 super-blocks apart. The same values in the same places as
+// SharedX: the arithmetic and its bits are OWN 2's. (The first form, one bulk copy a row, lost: a bulk copy takes
+// uniform operands, so the 48 of a super-block ran one after another, and the 23-row qkvz took 48.3 us against 29.5.)
 template <int TG, int WARPS>
 struct ProducedX {
     static constexpr int ROWS = 8 * TG;
     static constexpr int STAGES = TG <= 3 ? 3 : 2;  // SharedX's
     static constexpr int X_BYTES = ROWS * X_PITCH, STAGE_BYTES = X_BYTES + ROWS * 32;
     unsigned char* ring;
-    unsigned full, empty;  // the stages' barriers: the bytes landed (the producer's arrival and bytes); every warp
-                           // done with it (WARPS arrivals). 8 bytes each, STAGES in a row.
+    unsigned full, empty;  // the stages' barriers: the copies landed (the producer's 32 lanes); every warp done with
+                           // it (WARPS arrivals). 8 bytes each, STAGES in a row.
     const unsigned char* here;  // this super-block's stage at the lane's x (row g, byte 16t) and sums (row g, byte 8t)
     const unsigned char* sums_here;
     int stage, parity, started;
@@ -978,29 +972,32 @@ struct ProducedX {
         if (threadIdx.x == 0) {
 #pragma unroll
             for (int s = 0; s < STAGES; ++s) {
-                barrier_init(full + 8 * s, 1);
+                barrier_init(full + 8 * s, 32);
                 barrier_init(empty + 8 * s, WARPS);
             }
         }
         __syncthreads();
     }
-    // the producer warp: super-blocks [first, end) in turn, each once the warps released its stage's last one. Lane r
-    // < ROWS copies row r's 512 bytes of values and Q4_K's 32 of sums (rows past M: token 0's, never stored).
+    // the producer warp: super-blocks [first, end) in turn, each once the warps released its stage's last one. Lane l
+    // copies 16 bytes of every row's values (rows past M: token 0's, never stored), and lanes 0 .. 2 ROWS - 1 Q4_K's
+    // sums, 16 bytes each.
     __device__ __forceinline__ void produce(const u16* xh, const u16* xsum, int M, int K, int first, int end) const {
-        const int lane = threadIdx.x & 31, SB = K >> 8, tok = lane < M ? lane : 0;
-        const unsigned bytes = ROWS * (512 + (xsum != nullptr ? 32 : 0));
+        const int lane = threadIdx.x & 31, SB = K >> 8;
+        const int sum_row = min(lane >> 1, ROWS - 1);
+        const u16* sum_src = xsum != nullptr ? xsum + (long)(sum_row < M ? sum_row : 0) * (SB << 4) + 8 * (lane & 1)
+                                             : nullptr;
         for (int at = first, s = 0, use = 0; at < end; ++at) {
             if (use > 0) barrier_wait(empty + 8 * s, (use - 1) & 1);
-            if (lane == 0) barrier_arrive_expecting(full + 8 * s, bytes);
-            __syncwarp();
-            if (lane < ROWS) {
-                const unsigned base = shared_address(ring + s * STAGE_BYTES);
-                bulk_copy(base + lane * X_PITCH, xh + (long)tok * K + (at << 8), 512, full + 8 * s);
-                if (xsum != nullptr)
-                    bulk_copy(base + X_BYTES + lane * 32, xsum + (long)tok * (SB << 4) + (at << 4), 32, full + 8 * s);
-            }
+            const unsigned base = shared_address(ring + s * STAGE_BYTES);
+#pragma unroll 8
+            for (int row = 0; row < ROWS; ++row)
+                copy_async16(base + row * X_PITCH + 16 * lane, xh + (long)(row < M ? row : 0) * K + (at << 8) + 8 * lane);
+            if (sum_src != nullptr && lane < 2 * ROWS)
+                copy_async16(base + X_BYTES + sum_row * 32 + 16 * (lane & 1), sum_src + (at << 4));
+            barrier_arrive_on_copies(full + 8 * s);
             if (++s == STAGES) s = 0, ++use;
         }
+        copy_wait<0>();  // nothing of this warp's still in flight as it leaves
     }
     // a computing warp: release the stage of the super-block before (its fragments are in registers), then wait for
     // this one's bytes
