@@ -27,6 +27,18 @@ def triton_runs_on(device: torch.device | str) -> bool:
     return triton_installed() and (torch.device(device).type == "cuda" or interpreted())
 
 
+def gemm_layout(weight: torch.Tensor) -> torch.Tensor:
+    """A dense [N, K] weight as `F.linear` reads it fastest where it lives: on the CPU K-major (its transpose
+    contiguous, viewed back as [N, K]), so that MKL's sgemm takes B without transposing it into its panels: at 16-23
+    rows (a draft block, a verify) 1.3-2.8x faster than the row-major weight, the same at one row (2 threads, torch
+    2.13 with MKL, 2026-12-06, docs/PERFORMANCE.md). Elsewhere as it came, but a K-major weight moved off the CPU
+    is row-major again (the layout the GPU paths were measured with)."""
+    k_major = weight.dim() == 2 and weight.t().is_contiguous() and not weight.is_contiguous()
+    if weight.device.type == "cpu" and weight.dim() == 2:
+        return weight if k_major else weight.t().contiguous().t()
+    return weight.contiguous() if k_major else weight
+
+
 def indexed(device: torch.device | str) -> torch.device:
     """`cuda` as the `cuda:N` it means (the current GPU). A tensor's device always carries its index and
     `cuda` != `cuda:0`, so a model or draft holding an unindexed device fails every "same device?" check

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
 from gguf import GGMLQuantizationType as QType
 
 from flashtree.kernels import triton_runs_on

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from flashtree.errors import FlashtreeError
 from flashtree.formats.quants import quantize_q8_0
-from flashtree.kernels import triton_runs_on
+from flashtree.kernels import gemm_layout, triton_runs_on
 from flashtree.kernels.activations import silu_mul
 from flashtree.kernels.qk_norm_rope import norm_rope_into_cache, qk_norm_rope, rope_tables
 from flashtree.kernels.quant_matmul import QuantWeight, quant_matmul
@@ -448,6 +448,9 @@ class DFlashDraft(nn.Module):
         model.load_state_dict({k: t.to(dtype) for k, t in tensors.items()}, assign=True)
         if layer_type is not None:
             model.quantize_layers(layer_type, device).to(device)  # then fc and the norms follow
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.data = gemm_layout(module.weight.data)
         return model.eval()
 
     def _check_tensors(self, tensors: dict[str, Tensor]) -> None:

@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType
 from flashtree.errors import FlashtreeError
 from flashtree.formats.gguf_file import GGUFFile
 from flashtree.formats.quants import dequantize
-from flashtree.kernels import indexed, triton_runs_on
+from flashtree.kernels import gemm_layout, indexed, triton_runs_on
 from flashtree.kernels.host_rows import gather_rows, gpu_reads_host, pinned
 from flashtree.kernels.quant_matmul import KERNELS as QUANT_KERNELS
 from flashtree.kernels.quant_matmul import (QuantWeight, f16_rows_matmul, glu_parts, glu_weight, quant_matmul,
@@ -56,7 +56,7 @@ class Linear:
     float32 (`rounds_inputs`)."""
 
     def __init__(self, weight: torch.Tensor, rounded_input: bool = False):
-        self.weight = weight
+        self.weight = gemm_layout(weight)
         self.rounded_input = rounded_input
 
     @classmethod
@@ -83,7 +83,7 @@ class Linear:
 
     def to(self, device) -> "Linear":
         """Moves the weight and returns self (subclasses keep their behaviour, e.g. tensor parallel's)."""
-        self.weight = self.weight.to(device)
+        self.weight = gemm_layout(self.weight.to(device))
         return self
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
