@@ -714,8 +714,9 @@ def one_cta_an_sm_enabled() -> bool:
 
 def x_producer_enabled() -> bool:
     """Q4_K's one-CTA-an-SM qmh with x staged by a warp of its own, the warps synchronised by mbarriers (own_tiles 4,
-    mma.cu `ProducedX`), when FLASHTREE_QMH_X_PRODUCER=1: built in the thirty-first session with no GPU time left to
-    run it, off until a GPU test and a sweep (`sweep_mma_rows.py --one-cta`) have run it."""
+    mma.cu `ProducedX`), when FLASHTREE_QMH_X_PRODUCER=1. Off: its first form (a bulk copy a row) lost on the H100
+    (thirty-first session: 23-row qkvz 29.5 -> 48.3 us), and the form here (cp.async from the warp's 32 lanes) had no
+    GPU time left that session; a GPU test and a sweep (`sweep_mma_rows.py --one-cta`) decide."""
     return os.environ.get("FLASHTREE_QMH_X_PRODUCER", "0") == "1"
 
 
