@@ -212,8 +212,8 @@ def compile_cuda_kernels(model, activations: torch.dtype, progress: bool = False
     """Compile, at load and in parallel processes, every CUDA C kernel the model can launch on its `activations` (the
     dtype of x and out) into the on-disk cache: each tensor-core instance its fragment-ordered weights can take
     (decode, verify, prefill; a fused gate + up weight's with their GLU epilogue), the cluster add + RMSNorm
-    (kernels/add_rms_norm.cu) of float32 activations on Hopper, alone and writing the float16 x of those weights' types, and the DeltaNet tree verify's node tiles
-    (kernels/deltanet_tree.cu). Otherwise NVRTC compiles them one by one, a second each, inside the first requests. A cached kernel
+    (kernels/add_rms_norm.cu) of float32 activations on Hopper, alone and writing the float16 x of those weights'
+    types, and the DeltaNet tree verify's node tiles (kernels/deltanet_tree.cu). Otherwise NVRTC compiles them one by one, a second each, inside the first requests. A cached kernel
     costs nothing, so a second start compiles none. Says what it compiled (a bar with `progress`)."""
     weights = [w for w in quant_weights(model) if w.mma_layout]
     device = weights[0].device if weights else getattr(model, "device", torch.device("cpu"))
