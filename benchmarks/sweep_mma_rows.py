@@ -75,11 +75,14 @@ ONE_CTA_ALTERNATIVES = ((1, 1, 2, 1), (1, 1, 3, 1), (1, 1, 4, 1), (1, 2, 3, 1), 
                         (1, 1, 2, 2), (1, 1, 3, 2))
 # `--narrow`, in place of the alternatives above, on the narrow matrices (the FFN down and out projections: 320 row
 # tiles, fewer than 3 an SM): the default launch against warps owning tiles with x staged in shared memory and K
-# split over a thread-block cluster (`MMAConfig.cluster_splits`), in these forms: warps, splits, chains, ring stages,
-# CTAs an SM asked of ptxas. H100, thirtieth session: none won (the first, 8 warps split 3 ways, one CTA an SM, was
-# an engine switch until then: Q4_K down at 23 rows 49.5 us against 42.3, Q6_K 88.7 against 51.1)
-NARROW_ALTERNATIVES = ((8, 3, 2, 3, 0), (10, 4, 1, 3, 0), (16, 6, 2, 2, 0), (8, 6, 2, 2, 2), (4, 3, 2, 3, 2),
-                       (5, 6, 2, 2, 3), (10, 8, 1, 2, 2))
+# split, in these forms: warps, splits, chains, ring stages, CTAs an SM asked of ptxas, the splits' sums through a
+# thread-block cluster (`MMAConfig.cluster_splits`) or through global partials and a ticket. H100, thirtieth session:
+# no cluster form won (Q4_K down at 23 rows: 8 warps split 3 ways 49.5 us, 16 warps split 6 ways 57.7, against 42.3;
+# a cluster of 3-8 one-CTA-an-SM CTAs must fit one GPC, whose spare SMs then idle). The ticket forms: built in the
+# thirty-second session, timed below (docs/PERFORMANCE.md)
+NARROW_ALTERNATIVES = ((16, 6, 2, 2, 0, False), (16, 6, 1, 3, 0, False), (20, 8, 1, 2, 0, False),
+                       (10, 4, 1, 3, 0, False), (10, 4, 2, 3, 0, False), (8, 3, 2, 3, 0, False),
+                       (8, 6, 2, 2, 2, False), (4, 3, 2, 3, 2, False), (4, 3, 2, 3, 2, True))
 # `--resident`, in place of the alternatives above, on the LM head at 2-24 rows: x resident in shared memory, warps
 # walking whole tiles grid-wide (`mma._RESIDENT_X_HEAD`, the default at 9-16 rows; 24 do not fit) against
 # the launch without it and these other forms: own tiles (3: x resident; 2: x staged a super-block at a time for a
@@ -96,7 +99,7 @@ PRE_RING = {2: mma.MMAConfig(1, 4, 1, 2), 3: mma.MMAConfig(1, 4, 1, 2, min_block
 def _label(kernel: str, c: mma.MMAConfig) -> str:
     return (f"{kernel} r{c.rt}w{c.warps}s{c.splits}c{c.chains}" + (f"b{c.min_blocks}" if c.min_blocks else "")
             + (f"x{c.x_ahead}" if c.x_ahead else "") + (f"own{c.own_tiles}" if c.own_tiles else "")
-            + (f"g{c.ring}" if c.ring else ""))
+            + ("cl" if c.cluster_splits else "") + (f"g{c.ring}" if c.ring else ""))
 
 
 def ring_variants(default: mma.MMAConfig, kernel: str, n: int, k: int, rows: int) -> list[tuple[str, str, mma.MMAConfig]]:
@@ -131,10 +134,11 @@ def one_cta_variants(default: mma.MMAConfig, qtype: QType, n: int, k: int, rows:
         fits = per_sm * (c.ring_bytes(qtype) + mma._shared_x_bytes(tg)) <= 227 * 1024 and warps * per_sm <= 32
         if fits and tiles % rt == 0 and c not in configs:
             configs.append(c)
-    # and each form of one CTA an SM with x staged by a warp of its own (own_tiles 4, `mma.x_producer_enabled`)
+    # and each form of one CTA an SM with x staged by a warp of its own (own_tiles 4, `mma.x_producer_enabled`), or
+    # where the default is that form, with the CTA barrier
     for c in (default, *configs):
-        twin = dataclasses.replace(c, own_tiles=4)
-        if c.own_tiles == 2 and c.splits == 1 and not c.min_blocks and c.warps < 32 and twin not in configs:
+        twin = dataclasses.replace(c, own_tiles={2: 4, 4: 2}.get(c.own_tiles, c.own_tiles))
+        if c.own_tiles in (2, 4) and c.splits == 1 and not c.min_blocks and c.warps < 32 and twin not in configs:
             configs.append(twin)
     return [(_label("qmh", c), "qmh", c) for c in configs if c != default]
 
@@ -171,8 +175,8 @@ def resident_variants(default: mma.MMAConfig, qtype: QType, n: int, k: int, rows
 
 def narrow_variants(default: mma.MMAConfig, n: int, k: int) -> list[tuple[str, str, mma.MMAConfig]]:
     """The `NARROW_ALTERNATIVES` that divide the matrix's tiles and leave every split a super-block."""
-    configs = [mma.MMAConfig(1, warps, splits, chains, min_blocks=blocks, own_tiles=2, ring=ring)
-               for warps, splits, chains, ring, blocks in NARROW_ALTERNATIVES]
+    configs = [mma.MMAConfig(1, warps, splits, chains, min_blocks=blocks, own_tiles=2, ring=ring, cluster=cluster)
+               for warps, splits, chains, ring, blocks, cluster in NARROW_ALTERNATIVES]
     return [(_label("qmh", c), "qmh", c) for c in configs
             if c != default and n % c.rows_per_cta == 0 and k // 256 >= c.splits]
 
@@ -275,7 +279,7 @@ def main() -> int:
     parser.add_argument("--one-cta", action="store_true",
                         help="Q4_K's one-CTA-an-SM launch against the launch before it and its other forms only")
     parser.add_argument("--narrow", action="store_true",
-                        help="the narrow matrices' K split over a thread-block cluster against the defaults only")
+                        help="the narrow matrices' K split for warps owning tiles against the defaults only")
     parser.add_argument("--resident", action="store_true",
                         help="the LM head at 2-24 rows: x resident in shared memory (the default at 9-16) "
                              "against its other forms")

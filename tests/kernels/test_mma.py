@@ -131,12 +131,20 @@ def test_configurations_follow_the_sweep(monkeypatch):
     # the wide matrices (at least 5 row tiles an SM) at 9-32 rows with 8-20 warps an SM: one CTA an SM, a tile a warp,
     # x staged once a super-block: the fused gate + up (2176 tiles: 17 warps, 96 registers, one chain), a DeltaNet
     # layer's qkv + z + beta + alpha (1030: 8, its 129th CTA 6 tiles), an unfused gate or up (1088: 9); the ring
-    # deep enough for ~64 KB of weights in flight an SM
+    # deep enough for ~64 KB of weights in flight an SM; at 25-32 rows the fused gate + up's x staged by an 18th warp
+    # (own_tiles 4) and its weights through 2 stages
+    monkeypatch.delenv("FLASHTREE_QMH_X_PRODUCER", raising=False)
     for n, warps, chains, depth in ((34816, 17, 1, 3), (16480, 8, 2, 4), (17408, 9, 2, 4)):
         one_cta = mma.MMAConfig(1, warps, 1, chains, own_tiles=2, ring=depth)
-        assert [mma.choose_config(QType.Q4_K, m, n, 5120) for m in (8, 9, 16, 23, 32)] == [
-            mma.MMAConfig(1, 4, 1, 2), one_cta, one_cta, one_cta, one_cta], n
+        produced = mma.MMAConfig(1, warps, 1, chains, own_tiles=4, ring=2) if n == 34816 else one_cta
+        assert [mma.choose_config(QType.Q4_K, m, n, 5120) for m in (8, 9, 16, 23, 24, 25, 32)] == [
+            mma.MMAConfig(1, 4, 1, 2), one_cta, one_cta, one_cta, one_cta, produced, produced], n
         assert one_cta.row_groups(n) == 128 + (n == 16480) - 7 * (n == 17408)
+    monkeypatch.setenv("FLASHTREE_QMH_X_PRODUCER", "0")
+    assert mma.choose_config(QType.Q4_K, 32, 34816, 5120) == mma.MMAConfig(1, 17, 1, 1, own_tiles=2, ring=3)
+    monkeypatch.setenv("FLASHTREE_QMH_X_PRODUCER", "1")
+    assert mma.choose_config(QType.Q4_K, 23, 16480, 5120) == mma.MMAConfig(1, 8, 1, 2, own_tiles=4, ring=4)
+    monkeypatch.delenv("FLASHTREE_QMH_X_PRODUCER")
     # q + gate (768 tiles: 6 warps an SM, too few) keeps two tiles a warp through the weight ring (384 CTAs)
     assert [mma.choose_config(QType.Q4_K, m, 12288, 5120) for m in (9, 23, 32)] == [
         mma.MMAConfig(2, 4, 1, 1, min_blocks=3, ring=2)] * 3
@@ -199,7 +207,8 @@ def test_load_time_compile_plans_the_q6_k_float16_kernel_and_its_x_conversion():
     assert sorted(name for name in jobs if name.startswith("qmh")) == [
         "qmh_q6_k_r1_t1_w4_s1_c2", "qmh_q6_k_r1_t2_w4_s1_c2", "qmh_q6_k_r1_t3_w4_s1_c1_b3_x1",
         "qmh_q6_k_r1_t4_w4_s1_c1_b3_x1"]
-    assert "qmh<Q6_K, 1, 3, 4, 1, 1, 1, 0, 0, 0>(xh, nullptr, scale, q, h, s, d," in jobs["qmh_q6_k_r1_t3_w4_s1_c1_b3_x1"]
+    assert ("qmh<Q6_K, 1, 3, 4, 1, 1, 1, 0, 0, 0, 0>(xh, nullptr, scale, q, h, s, d,"
+            in jobs["qmh_q6_k_r1_t3_w4_s1_c1_b3_x1"])
     assert "prep_x<Q6_K>(x, xh, nullptr, scale, K)" in jobs["prep_x_f16_q6_k"]
     small = [name for name, _ in mma.instances_for({(QType.Q6_K, 1024, 5120)}, 132)]
     assert not any(name.startswith(("qmh", "prep_x")) for name in small)
@@ -314,8 +323,12 @@ def test_cuda_source_compiles_for_sm90():
                 + mma._wrapper("s", QType.Q6_K, mma.MMAConfig(1, 4, 1, 1, 3, own_tiles=2), 3, "qmh", torch.bfloat16,
                                torch.float32, glu=True)
                 # K split over a thread-block cluster, the splits' sums added through distributed shared memory
-                + mma._wrapper("t", QType.Q4_K, mma.MMAConfig(1, 8, 3, 2, own_tiles=2, ring=3), 4, "qmh")
-                + mma._wrapper("u", QType.Q6_K, mma.MMAConfig(1, 4, 8, 1, own_tiles=2, ring=2), 2, "qmh",
+                + mma._wrapper("t", QType.Q4_K, mma.MMAConfig(1, 8, 3, 2, own_tiles=2, ring=3, cluster=True), 4, "qmh")
+                + mma._wrapper("u", QType.Q6_K, mma.MMAConfig(1, 4, 8, 1, own_tiles=2, ring=2, cluster=True), 2, "qmh",
+                               torch.bfloat16, torch.float32)
+                # the same splits through global partials and a ticket
+                + mma._wrapper("t2", QType.Q4_K, mma.MMAConfig(1, 16, 6, 2, own_tiles=2, ring=2), 3, "qmh")
+                + mma._wrapper("u2", QType.Q6_K, mma.MMAConfig(1, 16, 6, 1, own_tiles=2, ring=2), 3, "qmh",
                                torch.bfloat16, torch.float32)
                 # x resident in shared memory, warps walking whole tiles: with register buffers, with a weight ring
                 + mma._wrapper("v", QType.Q6_K, mma.MMAConfig(1, 16, 1, 2, own_tiles=3), 2, "qmh")
@@ -348,17 +361,24 @@ def test_the_lm_head_takes_x_resident_at_9_to_16_rows(monkeypatch):
 
 
 def test_cluster_split_k_is_a_cluster_of_at_most_8_ctas():
-    """qmh's warps owning tiles with x in shared memory split K over a thread-block cluster (`cluster_splits`): the
-    instance declares the cluster of its splits, allocates no global partials, and a portable cluster caps the
-    splits at 8 (the error says so); other split-K launches keep their tickets."""
-    config = mma.MMAConfig(1, 8, 3, 2, own_tiles=2, ring=3)
-    assert config.cluster_splits and not mma.MMAConfig(1, 8, 1, 2, own_tiles=2).cluster_splits
+    """qmh's warps owning tiles with x in shared memory split K over a thread-block cluster (`cluster_splits`, asked
+    with `cluster`): the instance declares the cluster of its splits, allocates no global partials, and a portable
+    cluster caps the splits at 8 (the error says so); without `cluster`, and in other split-K launches, the splits
+    keep their tickets; a cluster of anything else is refused."""
+    config = mma.MMAConfig(1, 8, 3, 2, own_tiles=2, ring=3, cluster=True)
+    assert config.cluster_splits and not mma.MMAConfig(1, 8, 3, 2, own_tiles=2, ring=3).cluster_splits
     assert not mma.MMAConfig(1, 4, 2, 2, own_tiles=1).cluster_splits and not mma.MMAConfig(1, 4, 2).cluster_splits
     wrapper = mma._wrapper("w", QType.Q4_K, config, 3, "qmh")
     assert "__cluster_dims__(1, 3, 1) __launch_bounds__(256)" in wrapper
-    assert "__cluster_dims__" not in mma._wrapper("v", QType.Q4_K, mma.MMAConfig(1, 4, 2, 2, own_tiles=1), 3, "qmh")
+    for ticket in (mma.MMAConfig(1, 4, 2, 2, own_tiles=1), mma.MMAConfig(1, 8, 3, 2, own_tiles=2, ring=3)):
+        assert "__cluster_dims__" not in mma._wrapper("v", QType.Q4_K, ticket, 3, "qmh")
+    assert mma._instance(QType.Q4_K, config, 3, "qmh").endswith("_own2_cl_g3")
     with pytest.raises(FlashtreeError, match="at most 8 CTAs"):
-        mma.MMAConfig(1, 4, 9, 2, own_tiles=2)
+        mma.MMAConfig(1, 4, 9, 2, own_tiles=2, cluster=True)
+    with pytest.raises(FlashtreeError, match="cluster adds the splits of own_tiles 2"):
+        mma.MMAConfig(1, 8, 1, 2, own_tiles=2, cluster=True)
+    with pytest.raises(FlashtreeError, match="cluster adds the splits of own_tiles 2"):
+        mma.MMAConfig(1, 4, 2, cluster=True)
 
 
 @pytest.mark.skipif(not _nvrtc_available(), reason="needs cuda-python and NVRTC")
@@ -571,10 +591,11 @@ def test_one_cta_an_sm_gives_the_bits_of_warps_owning_tiles(warps, chains, ring)
 @gpu
 @pytest.mark.parametrize("warps, chains, ring", [(17, 1, 3), (8, 2, 4), (6, 2, 2)])
 def test_x_staged_by_a_warp_of_its_own_gives_the_bits_of_a_cta_barrier(warps, chains, ring):
-    """own_tiles 4 (mma.cu `ProducedX`: x's stages filled by one more warp with bulk copies, mbarriers instead of a
+    """own_tiles 4 (mma.cu `ProducedX`: x's stages filled by one more warp with cp.async, mbarriers instead of a
     CTA barrier a super-block) against own_tiles 2, the same launch otherwise: the same bits at 9-32 rows (2, 3 and
-    4 token groups: 3 and 2 stages), with the GLU epilogue too, on 52 tiles (a last CTA partly past the matrix) and
-    K of 40 super-blocks (the stages wrap many times)."""
+    4 token groups: 3 and 2 stages; 48 and 64 pieces of Q4_K's sums a stage, more than the producer's 32 lanes), with
+    the GLU epilogue too, on 52 tiles (a last CTA partly past the matrix) and K of 40 super-blocks (the stages wrap
+    many times)."""
     n, k = 832, 10240
     staged = mma.MMAConfig(1, warps, 1, chains, own_tiles=2, ring=ring)
     produced = mma.MMAConfig(1, warps, 1, chains, own_tiles=4, ring=ring)
@@ -598,19 +619,22 @@ def test_a_producer_warp_stages_x_for_one_split():
 @gpu
 @pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q6_K])
 @pytest.mark.parametrize("warps, splits, chains, ring, blocks", [(8, 3, 2, 3, 20), (4, 8, 2, 2, 24), (16, 6, 1, 2, 24)])
-def test_cluster_split_k_adds_the_splits_sums_in_split_order(qtype, warps, splits, chains, ring, blocks):
-    """K split over a thread-block cluster (`MMAConfig.cluster_splits`): each split sums its super-blocks as the
-    one-split launch of the same warps does on those super-blocks alone, and the cluster adds the splits' sums in
-    split order. So float32 outputs equal the in-order float32 sum of one-split launches on the K slices, bit for
-    bit (every slice holds the row's largest |x|, so prep_x scales each slice as the whole row, by a power of two
-    that commutes with the additions); and the bf16 outputs are right against the float32 reference."""
+@pytest.mark.parametrize("cluster", [True, False])
+def test_split_k_of_warps_owning_tiles_adds_the_splits_sums_in_split_order(qtype, warps, splits, chains, ring, blocks,
+                                                                          cluster):
+    """K split for warps owning tiles with x in shared memory, over a thread-block cluster (`MMAConfig.cluster_splits`)
+    or through global partials and a ticket: each split sums its super-blocks as the one-split launch of the same
+    warps does on those super-blocks alone, and the splits' sums are added in split order. So float32 outputs
+    equal the in-order float32 sum of one-split launches on the K slices, bit for bit (every slice holds the row's
+    largest |x|, so prep_x scales each slice as the whole row, by a power of two that commutes with the additions);
+    and the bf16 outputs are right against the float32 reference."""
     n, k = 32 * warps, 256 * blocks  # two row groups
     weight = random_quant_weight(qtype, n, k, "cuda")
     per = -(-blocks // splits)
     bounds = [(256 * b, 256 * min(blocks, b + per)) for b in range(0, blocks, per)]
     x = torch.randn(32, k, device="cuda", dtype=torch.bfloat16)
     x[:, [lo for lo, _ in bounds]] = 8.0
-    config = mma.MMAConfig(1, warps, splits, chains, own_tiles=2, ring=ring)
+    config = mma.MMAConfig(1, warps, splits, chains, own_tiles=2, ring=ring, cluster=cluster)
     one_split = mma.MMAConfig(1, warps, 1, chains, own_tiles=2, ring=ring)
     type_size = weight.gguf_bytes().shape[1] // blocks
     rows = weight.gguf_bytes().reshape(n, blocks, type_size)

@@ -490,10 +490,13 @@ __device__ __forceinline__ void store_sum(float v, int tok, int row, OT* __restr
 
 // With several splits, the last CTA of a row group to arrive (an atomic ticket, reset for the next
 // call) adds the splits' partials of rows [row0, row0 + rows) in split order, so the result does not
-// depend on timing.
+// depend on timing. A thread issues the loads of BATCH outputs (SPLITS each) before adding any: one CTA
+// reads every split's partials here, and with one output's loads at a time it waited an L2 round trip
+// per output (16 warps owning tiles, 6 splits, 23 rows: 12 round trips a thread).
 template <int SPLITS, int THREADS, typename OT>
 __device__ __forceinline__ void finish_splits(OT* __restrict__ out, const float* __restrict__ partial,
                                               int* __restrict__ tickets, int row0, int rows, int M, int N) {
+    constexpr int BATCH = SPLITS <= 8 ? 4 : 1;
     __threadfence();
     __syncthreads();
     __shared__ int last;
@@ -502,12 +505,26 @@ __device__ __forceinline__ void finish_splits(OT* __restrict__ out, const float*
     if (!last) return;
     __threadfence();
     const long stride = (long)M * N;
-    for (int e = threadIdx.x; e < rows * M; e += THREADS) {
-        const int tok = e / rows, row = row0 + e % rows;
-        const volatile float* src = partial + (long)tok * N + row;
-        float total = 0.0f;
-        for (int s = 0; s < SPLITS; ++s) total += src[s * stride];
-        store_out(out, (long)tok * N + row, total);
+    const int count = rows * M;
+    for (int first = threadIdx.x; first < count; first += BATCH * THREADS) {
+        float part[BATCH][SPLITS];
+#pragma unroll
+        for (int b = 0; b < BATCH; ++b) {
+            const int e = min(first + b * THREADS, count - 1);
+            const float* src = partial + (long)(e / rows) * N + row0 + e % rows;
+#pragma unroll
+            for (int s = 0; s < SPLITS; ++s) part[b][s] = __ldcg(src + s * stride);  // L2: the other CTAs' writes
+        }
+#pragma unroll
+        for (int b = 0; b < BATCH; ++b) {
+            const int e = first + b * THREADS;
+            if (e < count) {
+                float total = 0.0f;
+#pragma unroll
+                for (int s = 0; s < SPLITS; ++s) total += part[b][s];
+                store_out(out, (long)(e / rows) * N + row0 + e % rows, total);
+            }
+        }
     }
     if (threadIdx.x == 0) tickets[blockIdx.x] = 0;
 }
@@ -979,21 +996,24 @@ struct ProducedX {
         __syncthreads();
     }
     // the producer warp: super-blocks [first, end) in turn, each once the warps released its stage's last one. Lane l
-    // copies 16 bytes of every row's values (rows past M: token 0's, never stored), and lanes 0 .. 2 ROWS - 1 Q4_K's
-    // sums, 16 bytes each.
+    // copies 16 bytes of every row's values (rows past M: token 0's, never stored), and Q4_K's sums, 16 bytes a
+    // piece, pieces l and l + 32 (2 ROWS of them: 48 at 3 token groups, more than the warp's lanes).
     __device__ __forceinline__ void produce(const u16* xh, const u16* xsum, int M, int K, int first, int end) const {
+        constexpr int SUM_PIECES = 2 * ROWS;
         const int lane = threadIdx.x & 31, SB = K >> 8;
-        const int sum_row = min(lane >> 1, ROWS - 1);
-        const u16* sum_src = xsum != nullptr ? xsum + (long)(sum_row < M ? sum_row : 0) * (SB << 4) + 8 * (lane & 1)
-                                             : nullptr;
         for (int at = first, s = 0, use = 0; at < end; ++at) {
             if (use > 0) barrier_wait(empty + 8 * s, (use - 1) & 1);
             const unsigned base = shared_address(ring + s * STAGE_BYTES);
 #pragma unroll 8
             for (int row = 0; row < ROWS; ++row)
                 copy_async16(base + row * X_PITCH + 16 * lane, xh + (long)(row < M ? row : 0) * K + (at << 8) + 8 * lane);
-            if (sum_src != nullptr && lane < 2 * ROWS)
-                copy_async16(base + X_BYTES + sum_row * 32 + 16 * (lane & 1), sum_src + (at << 4));
+            if (xsum != nullptr)
+#pragma unroll
+                for (int piece = lane; piece < SUM_PIECES; piece += 32) {
+                    const int row = piece >> 1;
+                    copy_async16(base + X_BYTES + row * 32 + 16 * (piece & 1),
+                                 xsum + (long)(row < M ? row : 0) * (SB << 4) + (at << 4) + 8 * (piece & 1));
+                }
             barrier_arrive_on_copies(full + 8 * s);
             if (++s == STAGES) s = 0, ++use;
         }
@@ -1318,13 +1338,15 @@ __device__ __forceinline__ void walk_half(XSource& x, const unsigned char* quant
 // all of x: at 23 rows 5.3 bytes of x per byte of weights); splits fill the GPU instead. OWN 2: the same with x
 // staged in shared memory (SharedX), the choice on wide matrices at 17-32 rows (2026-12-01, eighth session:
 // gate/up 23 rows 41.6 -> 36.1 us; OWN 1 and the second session's per-CTA double-buffered copy were slower).
-// OWN 2 with SPLITS > 1: the row group's splits are one thread-block cluster and add their sums through distributed
-// shared memory (`epilogue_cluster`), not through global partials and a ticket (`finish_splits`).
+// OWN 2 with SPLITS > 1: the row group's splits add their float32 sums through global partials and a ticket
+// (`finish_splits`), or with CLUSTER as one thread-block cluster through distributed shared memory
+// (`epilogue_cluster`).
 // OWN 3: x resident in shared memory (`ResidentX`, copied once), a grid of about one CTA an SM whose warps each walk
 // whole row tiles (all of K, the order of OWN 2 with one split) grid-wide, with no barrier between warps.
 // OWN 4: OWN 2 with one split and x's stages filled by one more warp (`ProducedX`, launched with WARPS + 1 warps),
 // the warps synchronised by the stages' mbarriers only.
-template <int QT, int RT, int TG, int WARPS, int SPLITS, int CH, int XA, int OWN, int RING, int GLU, typename OT>
+template <int QT, int RT, int TG, int WARPS, int SPLITS, int CH, int XA, int OWN, int RING, int GLU, int CLUSTER,
+          typename OT>
 __device__ __forceinline__ void qmh(const u16* __restrict__ xh, const u16* __restrict__ xsum,
                                     const float* __restrict__ scale, const unsigned char* __restrict__ quants,
                                     const unsigned char* __restrict__ high, const unsigned char* __restrict__ scales,
@@ -1370,7 +1392,7 @@ __device__ __forceinline__ void qmh(const u16* __restrict__ xh, const u16* __res
         __shared__ __align__(16) unsigned char ring[Source::STAGES * Source::STAGE_BYTES];
         Source x(ring, xh, xsum, M, K, first, ks.end);
         walk_half<QT, RT, TG, STRIDE, CH, RING, 1>(x, quants, high, scales, dvals, tile0, SB, first, ks.end, acc);
-        if constexpr (SPLITS > 1) {  // the row group's splits are one cluster: their sums meet in shared memory
+        if constexpr (CLUSTER) {  // the row group's splits are one cluster: their sums meet in shared memory
             static_assert(SPLITS <= 8, "a portable cluster holds at most 8 CTAs");
             static_assert(WARPS * RT * TG * 4 * 32 * 4 <= (int)sizeof(ring), "the warps' sums must fit x's stages");
             epilogue_cluster<RT, TG, WARPS, SPLITS>(acc, reinterpret_cast<float*>(ring), out, M, N, scale);

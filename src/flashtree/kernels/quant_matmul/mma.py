@@ -371,7 +371,8 @@ class MMAConfig:
     and walk the same super-blocks (x read from L2 once per CTA) instead of splitting K (0; mma.cu `qmh` says what
     1-4 do; 4: x staged by one more warp, `threads`); ring: qmv and qmh
     stage the weights through a shared-memory ring of that many super-blocks per warp (cp.async, ring - 1 in
-    flight) instead of two register buffers (0)."""
+    flight) instead of two register buffers (0); cluster: own_tiles 2's splits of K add their sums in a
+    thread-block cluster (`cluster_splits`) instead of through global partials and a ticket."""
 
     rt: int
     warps: int
@@ -381,6 +382,7 @@ class MMAConfig:
     x_ahead: int = 0
     own_tiles: int = 0
     ring: int = 0
+    cluster: bool = False
 
     def __post_init__(self):
         if self.ring == 1 or self.ring < 0:
@@ -388,16 +390,20 @@ class MMAConfig:
         if self.own_tiles in (3, 4) and self.splits != 1:
             raise FlashtreeError(f"own_tiles {self.own_tiles} (x resident, or staged by a warp of its own) sums all of "
                                  f"K in one CTA: one split, not {self.splits}")
+        if self.cluster and not (self.own_tiles == 2 and self.splits > 1):
+            raise FlashtreeError(f"a thread-block cluster adds the splits of own_tiles 2, not own_tiles "
+                                 f"{self.own_tiles} with {self.splits} split(s)")
         if self.cluster_splits and self.splits > MAX_CLUSTER:
             raise FlashtreeError(f"own_tiles 2 splits K over a thread-block cluster of at most {MAX_CLUSTER} CTAs, "
                                  f"not {self.splits}")
 
     @property
     def cluster_splits(self) -> bool:
-        """qmh's warps own tiles with x in shared memory (own_tiles 2) and K is split: the splits of a row group
-        are one thread-block cluster and add their sums through distributed shared memory (mma.cu
-        `epilogue_cluster`), with no global partials."""
-        return self.own_tiles == 2 and self.splits > 1
+        """qmh's warps own tiles with x in shared memory (own_tiles 2), K is split and `cluster`: the splits of a
+        row group are one thread-block cluster and add their sums through distributed shared memory (mma.cu
+        `epilogue_cluster`), with no global partials. (A cluster of 3-8 CTAs of one CTA an SM leaves SMs of a GPC
+        idle; without it the splits' float32 partials meet through global memory, the last CTA adding them.)"""
+        return self.cluster and self.own_tiles == 2 and self.splits > 1
 
     @property
     def threads(self) -> int:
@@ -493,6 +499,7 @@ def _instance(qtype: QType, config: MMAConfig, tg: int, kernel: str, x_dtype: to
     chains = f"_c{c.chains}" if kernel == "qmh" else ""
     ahead = f"_x{c.x_ahead}" if kernel == "qmh" and c.x_ahead else ""
     own = f"_own{c.own_tiles}" if kernel == "qmh" and c.own_tiles else ""
+    own += "_cl" if kernel == "qmh" and c.cluster_splits else ""
     return f"{kernel}_{qtype.name.lower()}_r{c.rt}_t{tg}_w{c.warps}_s{c.splits}{chains}{blocks}{ahead}{own}{ring}{types}"
 
 
@@ -515,7 +522,7 @@ def _wrapper(name: str, qtype: QType, config: MMAConfig, tg: int, kernel: str, x
     xt, ot = _C_TYPES[x_dtype], _C_TYPES[out_dtype]
     if kernel == "qmh":
         call = (f"qmh<{qtype.name}, {c.rt}, {tg}, {c.warps}, {c.splits}, {c.chains}, {c.x_ahead}, {c.own_tiles}, "
-                f"{c.ring}, {int(glu)}>")
+                f"{c.ring}, {int(glu)}, {int(c.cluster_splits)}>")
         tail = f"{ot}* out, float* part, int* tickets, int M, int N, int K"
         if qtype == QType.Q4_K:  # x's sums for the min term; no top bits, d inside the scale records
             return (f"{head}(const u16* xh, const u16* xs, const float* scale, const unsigned char* q, "
@@ -712,12 +719,23 @@ def one_cta_an_sm_enabled() -> bool:
     return os.environ.get("FLASHTREE_QMH_ONE_CTA", "1") != "0"
 
 
-def x_producer_enabled() -> bool:
-    """Q4_K's one-CTA-an-SM qmh with x staged by a warp of its own, the warps synchronised by mbarriers (own_tiles 4,
-    mma.cu `ProducedX`), when FLASHTREE_QMH_X_PRODUCER=1. Off: its first form (a bulk copy a row) lost on the H100
-    (thirty-first session: 23-row qkvz 29.5 -> 48.3 us), and the form here (cp.async from the warp's 32 lanes) had no
-    GPU time left that session; a GPU test and a sweep (`sweep_mma_rows.py --one-cta`) decide."""
-    return os.environ.get("FLASHTREE_QMH_X_PRODUCER", "0") == "1"
+# Q4_K's one-CTA-an-SM qmh stages x by a warp of its own (own_tiles 4, mma.cu `ProducedX`) at 4 token groups (25-32
+# rows, where SharedX has 2 stages, not 3) on CTAs of at least this many warps (the fused gate + up), its weights
+# through a 2-stage ring. H100, thirty-second session (`sweep_mma_rows.py --one-cta`, two runs): gate + up at 32 rows
+# 64.8 -> 59.2 us (65.0 -> 59.1); at 16 and 23 rows and on the 8-warp qkvz the CTA barrier's form was as fast or
+# faster (gate + up 16 rows 48.9 against 50.9, qkvz 23 rows 29.1 against 31.9-33.3)
+_PRODUCER_MIN_WARPS = 16
+_PRODUCER_TOKEN_GROUPS = 4
+_PRODUCER_RING = 2
+
+
+def x_producer_enabled(tg: int, warps: int) -> bool:
+    """Whether Q4_K's one-CTA-an-SM qmh of `warps` warps at `tg` token groups stages x by a warp of its own
+    (`_PRODUCER_MIN_WARPS`); FLASHTREE_QMH_X_PRODUCER=1 everywhere that launch runs, =0 nowhere (A/B timings)."""
+    switch = os.environ.get("FLASHTREE_QMH_X_PRODUCER")
+    if switch is not None:
+        return switch == "1"
+    return tg == _PRODUCER_TOKEN_GROUPS and warps >= _PRODUCER_MIN_WARPS
 
 
 def _shared_x_bytes(tg: int) -> int:
@@ -735,7 +753,8 @@ def _own_tiles_one_cta_an_sm(tiles: int, tg: int, sms: int) -> MMAConfig | None:
     The launch it replaces reads x from L2 once per 32 rows: at 23 rows 2.7x the weights' bytes on gate + up, the
     cost the twenty-seventh session's analysis and the twenty-eighth's probe (benchmarks/probe_x_traffic.py: 44.2
     against 26.4 us for the weights alone) put on the verify's matmuls; here x's L2 traffic is one CTA an SM.
-    Two accumulator chains where the warps' registers allow them. None where the warps would be fewer than
+    Two accumulator chains where the warps' registers allow them; x staged by a warp of its own where
+    `x_producer_enabled`. None where the warps would be fewer than
     `_ONE_CTA_MIN_WARPS` (too few warps an SM to hide the loads' latency) or more than `_ONE_CTA_MAX_WARPS`, or
     the shared memory would not fit."""
     warps = -(-tiles // sms)
@@ -747,8 +766,9 @@ def _own_tiles_one_cta_an_sm(tiles: int, tg: int, sms: int) -> MMAConfig | None:
         ring -= 1
     if _shared_x_bytes(tg) + warps * ring * stage > _SHARED_PER_CTA:
         return None
-    producer = x_producer_enabled()
+    producer = x_producer_enabled(tg, warps)
     chains = 2 if warps + producer <= _ONE_CTA_MAX_WARPS_TWO_CHAINS else 1  # the producer's registers count too
+    ring = _PRODUCER_RING if producer and tg == _PRODUCER_TOKEN_GROUPS else ring
     return MMAConfig(1, warps, 1, chains=chains, own_tiles=4 if producer else 2, ring=ring)
 
 
