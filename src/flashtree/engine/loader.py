@@ -22,8 +22,9 @@ from flashtree.errors import FlashtreeError
 from flashtree.formats.chat_template import ChatTemplate
 from flashtree.formats.gguf_file import GGUFFile
 from flashtree.formats.tokenizer import Tokenizer, TokenizerSpec
-from flashtree.kernels import cuda_functions, gated_delta_cuda, rms_norm, triton_ahead
+from flashtree.kernels import attention_decode, cuda_functions, gated_delta_cuda, rms_norm, triton_ahead
 from flashtree.kernels.quant_matmul import mma
+from flashtree.models.attention import GatedAttention
 from flashtree.models.deltanet import GatedDeltaNet
 from flashtree.models.dflash import DFlashDraft
 from flashtree.models.gguf_config import check_tensor_types, read_config
@@ -193,7 +194,7 @@ def engine_from_target(target: Target, args: EngineArgs = EngineArgs()):
     given; the mode defaults to ddtree with a draft, else ar. `args.enforce_eager` turns CUDA graphs off."""
     _check_spec_has_draft(args)
     ar_defaults = _default_config(args, "ar")
-    compile_cuda_kernels(target.model, target.model.act_dtype, args.progress)
+    compile_cuda_kernels(target.model, target.model.act_dtype, args.progress, (args.cache_type_k, args.cache_type_v))
     if args.tensor_parallel == 1:  # under tensor parallel a dry chunk would run the ranks' collectives too
         compile_triton_kernels(target.model, ar_defaults, args.progress)
     draft_model = (load_draft(args.draft, target, args.draft_device, args.draft_type) if args.draft is not None
@@ -208,21 +209,27 @@ def engine_from_target(target: Target, args: EngineArgs = EngineArgs()):
                   parse_special=args.parse_special, prefix_cache=prefix_cache)
 
 
-def compile_cuda_kernels(model, activations: torch.dtype, progress: bool = False) -> None:
+def compile_cuda_kernels(model, activations: torch.dtype, progress: bool = False,
+                         cache_types: tuple[str, str] = ("f16", "f16")) -> None:
     """Compile, at load and in parallel processes, every CUDA C kernel the model can launch on its `activations` (the
     dtype of x and out) into the on-disk cache: each tensor-core instance its fragment-ordered weights can take
     (decode, verify, prefill; a fused gate + up weight's with their GLU epilogue), the cluster add + RMSNorm
     (kernels/add_rms_norm.cu) of float32 activations on Hopper, alone and writing the float16 x of those weights'
-    types, and the DeltaNet tree verify's node tiles (kernels/deltanet_tree.cu). Otherwise NVRTC compiles them one by one, a second each, inside the first requests. A cached kernel
-    costs nothing, so a second start compiles none. Says what it compiled (a bar with `progress`)."""
+    types, the DeltaNet tree verify's node tiles (kernels/deltanet_tree.cu), and with TQ3_0 K and V
+    (`cache_types`) the decode over them (kernels/attention_decode.cu). Otherwise NVRTC compiles them one by one, a
+    second each, inside the first requests. A cached kernel costs nothing, so a second start compiles none. Says what
+    it compiled (a bar with `progress`)."""
     weights = [w for w in quant_weights(model) if w.mma_layout]
     device = weights[0].device if weights else getattr(model, "device", torch.device("cpu"))
     shapes = {(w.qtype, *w.shape) for w in weights}
     glu_shapes = {(glu.quant.qtype, *glu.quant.shape) for glu in reachable(model, GluLinear)}
     instances = mma.instances_for(shapes, mma.sm_count(device), activations, glu_shapes) if weights else []
     tree_dims = {layer.config.gdn_head_dim for layer in reachable(model, GatedDeltaNet)}
+    head_dims = {layer.config.head_dim for layer in reachable(model, GatedAttention)} if tuple(cache_types) == (
+        "tq3_0", "tq3_0") else set()
     jobs = (mma.with_source(instances) + rms_norm.cuda_jobs(device, activations, {w.qtype for w in weights})
-            + [job for dk in sorted(tree_dims) for job in gated_delta_cuda.cuda_jobs(device, dk)])
+            + [job for dk in sorted(tree_dims) for job in gated_delta_cuda.cuda_jobs(device, dk)]
+            + [job for d in sorted(head_dims) for job in attention_decode.cuda_jobs(device, d, activations)])
     if not jobs:
         return
     arch = mma.arch_of(device)

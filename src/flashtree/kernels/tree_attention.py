@@ -55,7 +55,7 @@ from typing import NamedTuple
 import torch
 
 from flashtree.errors import FlashtreeError
-from flashtree.kernels import interpreted, triton_runs_on
+from flashtree.kernels import attention_decode, interpreted, triton_runs_on
 from flashtree.kernels.activations import gated_heads
 from flashtree.kernels.qk_norm_rope import qk_norm_rope
 from flashtree.kernels.kv_quant import TQ3_GROUP, TQ3_LEVELS, KVType, kv_type, rotation_signs, unrotate
@@ -84,6 +84,7 @@ _LOG2E = 1.4426950408889634
 _TL_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16} if triton is not None else {}
 
 
+@functools.cache
 def _tq3_f16_byte_tables() -> tuple[int, int]:
     """The 4 TQ3_0 magnitudes in float16 as two int32 byte tables for a byte permute: byte i of the first holds
     level i's low byte, byte i of the second its high byte."""
@@ -816,6 +817,12 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
     group = heads // kv_heads
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise FlashtreeError("tree_attention needs unit stride along head_dim (q and both caches)")
+    launch_chosen = any(a is not None for a in (split, block_rows, block_m, num_warps, num_stages, max_registers,
+                                                 tq3_pairs, fields_ahead, swap, tail))
+    if (not launch_chosen and (operands or q.dtype) in (torch.bfloat16, torch.float16)  # not a float32 model's
+            and attention_decode.takes(q, k_cache, v_cache, (tk.name, tv.name), window, q_norm is None, kv_end)):
+        return _decode_in_cuda(q, k_cache, v_cache, start_t, visible, kv_end, scale, gate, unrotating,
+                               out_dtype or q.dtype)
     quantized = KV_KINDS[tk.name] > 0 or KV_KINDS[tv.name] > 0
     interpreter = interpreted()
     operands = operands or q.dtype  # a float32 q (a bf16 model's activations) may feed bf16 operands
@@ -864,11 +871,37 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
             **({} if t.launch.stages is None else {"num_stages": t.launch.stages}),
             **({} if t.launch.max_registers is None else {"maxnreg": t.launch.max_registers}))
         if t.splits > 1:
-            _combine_kernel[(kv_heads * t.rows,)](part, lse, out, heads * n, *gate_args, signs, n, heads, rows,
-                                                  t.m_base, t.rows, D=d, SPLITS=t.splits,
-                                                  SPLITS_P2=triton.next_power_of_2(t.splits), GATED=gated,
-                                                  UNROTATE=in_combine, num_warps=4 if d >= 128 else 1)
+            _combine(part, lse, out, gate_args, signs, n, heads, kv_heads, rows, t.m_base, t.rows, t.splits, gated,
+                     in_combine)
     if unrotating and not in_combine:
         out = unrotate(out)
         return out if gate is None else gated_heads(out, gate)
+    return out
+
+
+def _combine(part, lse, out, gate_args, signs, n, heads, kv_heads, group_rows, m_base, m_rows, splits, gated,
+             unrotate) -> None:
+    """`_combine_kernel` over query rows [m_base, m_base + m_rows) of each KV head's `group_rows`."""
+    d = part.shape[-1]
+    _combine_kernel[(kv_heads * m_rows,)](part, lse, out, heads * n, *gate_args, signs, n, heads, group_rows, m_base,
+                                          m_rows, D=d, SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits),
+                                          GATED=gated, UNROTATE=unrotate, num_warps=4 if d >= 128 else 1)
+
+
+def _decode_in_cuda(q, k_cache, v_cache, start_t, visible, kv_end, scale, gate, unrotating, out_dtype):
+    """One token over TQ3_0 rows: `attention_decode`'s split launch, then the combine (values rotated back where
+    `unrotating`, the gate applied where given), as the Triton path's split launches end."""
+    heads, n, d = q.shape
+    kv_heads = k_cache.shape[0]
+    splits = attention_decode.splits_for(kv_end, kv_heads, _sm_count(q.device), _MAX_SPLITS)
+    part = torch.empty(splits, heads, n, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(splits, heads, n, dtype=torch.float32, device=q.device)
+    attention_decode.decode(q, k_cache, v_cache, start_t, visible.contiguous().view(torch.uint8), kv_end,
+                            float(scale) * _LOG2E, part, lse, _tq3_f16_byte_tables())
+    gated = gate is not None
+    out = torch.empty(*((n, heads * d) if gated else (heads, n, d)), dtype=out_dtype, device=q.device)
+    gate_args = (gate, gate.stride(0), gate.stride(1)) if gated else (out, 0, 0)
+    signs = rotation_signs(q.device) if unrotating else out  # unused unless UNROTATE
+    _combine(part, lse, out, gate_args, signs, n, heads, kv_heads, heads // kv_heads, 0, heads // kv_heads, splits,
+             gated, unrotating)
     return out

@@ -1,0 +1,326 @@
+// One token's attention over TQ3_0 K and V rows (a decode over a long quantized cache), flash-decoding on tensor
+// cores: grid (KV heads, splits of the visible rows), each CTA's warps walking 16-row chunks of their split on their
+// own, each warp's raw rows streamed into shared memory a chunk ahead (cp.async), decoded there to float16 and read
+// back as MMA fragments (ldmatrix), the CTA's warps merged at the end into the split's partial output and log-sum-exp
+// in tree_attention.py's layout, which its combine launch merges (rotating TQ3_0 values back, applying the gate).
+//
+// Why CUDA C: the Triton decode (tree_attention.py, swapped 2-warp programs) spent 1754 warp instructions on a
+// 16-row chunk and issued on about a third of the cycles (H100 / H200: 345 us over 262K TQ3_0 rows, 5x the K/V
+// bytes' time), its chunk steps joined by barriers for layout changes. Here a warp never waits for another inside
+// its loop, and decodes a block's 16 value pairs with 6 instructions each.
+//
+// The math is tree_attention's with float16 pairs (`_tq3_pairs`): value = norm * level (float16 multiply), the
+// query clamped to +-65280 and rounded to float16, scores in float32 (times scale * log2 e), base-2 online softmax
+// in float32, P rounded to float16 for the P V products, float32 accumulators.
+//
+// TQ3_0 block (14 bytes, kv_quant.py): float16 norm, qs[8] (value j's 2 index bits at bits 2 (j % 4) of byte j / 4),
+// signs[4] (value j's sign at bit j % 8 of byte j / 8); value = norm * (sign ? -1 : 1) * LEVEL[index].
+// No headers: NVRTC compiles this with the CUDA built-ins alone.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+constexpr int CHUNK = 16;       // K/V rows a warp takes at a time (the QK MMA's M side, the PV MMA's K side)
+constexpr int HEADS_MAX = 8;    // query heads of a KV head's group (the MMAs' N side)
+constexpr int BLOCK_BYTES = 14;
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ void wait_for_predecessors() {  // programmatic dependent launch (FLASHTREE_PDL=1)
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+__device__ __forceinline__ unsigned smem(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void copy16(unsigned dst, const void* src, bool valid) {  // zeros where not valid
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int PENDING>
+__device__ __forceinline__ void wait_copies() { asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory"); }
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
+    u32 d;
+    asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+__device__ __forceinline__ u32 f16x2_of(float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+__device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void ldsm_x4(u32 (&a)[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_trans(u32 (&a)[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x2_trans(u32& b0, u32& b1, unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(b0), "=r"(b1) : "r"(addr));
+}
+
+__device__ __forceinline__ float as_float(float v) { return v; }
+__device__ __forceinline__ float as_float(u16 v) { return __uint_as_float((u32)v << 16); }  // bf16
+
+// Shared memory of one warp: its ring of raw chunks (K then V rows), the decoded chunk (float16, PITCH halves a
+// row: 16 bytes past a multiple of 128, so the 8 rows an ldmatrix reads fall in distinct banks) and P [16][8].
+template <int D, int STAGES>
+struct WarpSmem {
+    static constexpr int ROW_BYTES = D / 32 * BLOCK_BYTES;
+    static constexpr int RAW = CHUNK * ROW_BYTES;        // one chunk of K (or V) rows
+    static constexpr int PIECES = RAW / 16;              // its 16-byte copies
+    static constexpr int PITCH = D + 8;
+    static constexpr int RING = STAGES * 2 * RAW;
+    static constexpr int VALUES = RING;                  // byte offsets
+    static constexpr int P = VALUES + CHUNK * PITCH * 2;
+    static constexpr int BYTES = P + CHUNK * HEADS_MAX * 2;
+};
+
+// Decode row `row`'s block `b` from the raw chunk at `raw` into `vals` (float16, norm applied). Per index word, four
+// copies, one per bit offset r, hold in byte m the selector of value 4 m + r's float16 bytes in the level tables
+// (index i -> nibbles i, i + 4: i * 0x11 + 0x40). Per pair of values one permute gathers their two selectors from two
+// copies, a second picks their magnitudes' bytes from the tables, a shift and an AND-OR set the signs, a two-lane
+// multiply applies the norm (`tree_attention._tq3_pairs`, whose multiply-add a pair moves into the copies here).
+__device__ __forceinline__ void decode_block(const unsigned char* raw, int row_bytes, int row, int b, u16* vals,
+                                             int pitch, u32 table_low, u32 table_high) {
+    const u16* f = reinterpret_cast<const u16*>(raw + row * row_bytes + b * BLOCK_BYTES);
+    const u32 norm = f[0], norm2 = norm | (norm << 16);
+    const u32 words[2] = {(u32)f[1] | ((u32)f[2] << 16), (u32)f[3] | ((u32)f[4] << 16)};  // values 0-15, 16-31
+    const u32 signs = (u32)f[5] | ((u32)f[6] << 16);
+    u32 out[16];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const u32 w = words[h];
+        u32 c[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) c[r] = ((w >> (2 * r)) & 0x03030303u) * 0x11u + 0x40404040u;
+        const u32 s = (signs >> (16 * h)) & 0xFFFFu;
+        const u32 spread = (s & 0x5555u) | ((s & 0xAAAAu) << 15);  // odd values' signs 16 places above the even's
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {  // pair q of the half: values 2q, 2q + 1 = 4m + r, 4m + r + 1
+            const int m = q >> 1, r = 2 * (q & 1);
+            const u32 selector = prmt(c[r], c[r + 1], (u32)(m | ((m + 4) << 4)));
+            const u32 magnitudes = prmt(table_low, table_high, selector);
+            const u32 sign = (spread << (15 - 2 * q)) & 0x80008000u;
+            out[8 * h + q] = hmul2(magnitudes | sign, norm2);
+        }
+    }
+    uint4* dst = reinterpret_cast<uint4*>(vals + row * pitch + 32 * b);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dst[i] = make_uint4(out[4 * i], out[4 * i + 1], out[4 * i + 2], out[4 * i + 3]);
+}
+
+// A warp's 16 rows of one side (K or V) decoded: lane l takes row l / 2, blocks (l % 2) D / 64 ..
+template <int D>
+__device__ __forceinline__ void decode_chunk(const unsigned char* raw, u16* vals, u32 table_low, u32 table_high) {
+    constexpr int BLOCKS = D / 32, PER_LANE = BLOCKS / 2, PITCH = D + 8;
+    const int lane = threadIdx.x & 31, row = lane >> 1;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i)
+        decode_block(raw, BLOCKS * BLOCK_BYTES, row, (lane & 1) * PER_LANE + i, vals, PITCH, table_low, table_high);
+}
+
+template <int D, int STAGES>
+__device__ __forceinline__ void copy_chunk(unsigned char* stage, const unsigned char* k_base,
+                                           const unsigned char* v_base, int stride_kr, int stride_vr, int r0, int hi) {
+    typedef WarpSmem<D, STAGES> S;
+    constexpr int PER_ROW = S::ROW_BYTES / 16;
+    const int lane = threadIdx.x & 31;
+    const unsigned base = smem(stage);
+#pragma unroll
+    for (int i = lane; i < 2 * S::PIECES; i += 32) {
+        const int side = i / S::PIECES, piece = i % S::PIECES, row = piece / PER_ROW, part = piece % PER_ROW;
+        const int r = r0 + row;
+        const bool valid = r < hi;
+        const unsigned char* src = (side ? v_base + (long)(valid ? r : 0) * stride_vr
+                                         : k_base + (long)(valid ? r : 0) * stride_kr) + 16 * part;
+        copy16(base + side * S::RAW + row * S::ROW_BYTES + 16 * part, src, valid);
+    }
+}
+
+template <int D, int WARPS, int STAGES, typename QT>
+__device__ __forceinline__ void tq3_decode(const QT* __restrict__ q, const unsigned char* __restrict__ k_cache,
+                                           const unsigned char* __restrict__ v_cache,
+                                           const long long* __restrict__ start_t, const unsigned char* __restrict__ vis,
+                                           float* __restrict__ part, float* __restrict__ lse, int stride_qh,
+                                           int stride_kh, int stride_kr, int stride_vh, int stride_vr, int kv_end,
+                                           int heads, int group, float scale_log2, u32 table_low, u32 table_high) {
+    typedef WarpSmem<D, STAGES> S;
+    constexpr int KSTEPS = D / 16;
+    extern __shared__ __align__(16) unsigned char shared[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int kvh = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
+    unsigned char* mine = shared + warp * S::BYTES;
+    u16* vals = reinterpret_cast<u16*>(mine + S::VALUES);
+    u16* ps = reinterpret_cast<u16*>(mine + S::P);
+    wait_for_predecessors();
+
+    // the query as the QK MMAs' B fragments: head g of the group (zeros past it), values 16 s + 2t, + 1, + 8, + 9
+    u32 qb[KSTEPS][2];
+    {
+        const bool live = g < group;
+        const QT* row = q + (long)(kvh * group + (live ? g : 0)) * stride_qh;
+#pragma unroll
+        for (int s = 0; s < KSTEPS; ++s)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int d = 16 * s + 2 * t + 8 * half;
+                const float lo = fminf(fmaxf(as_float(row[d]), -65280.0f), 65280.0f);
+                const float hi = fminf(fmaxf(as_float(row[d + 1]), -65280.0f), 65280.0f);
+                qb[s][half] = live ? f16x2_of(lo, hi) : 0u;
+            }
+    }
+
+    const int start = (int)start_t[0];
+    const int end = min(start + 1, kv_end);
+    const int per_split = (((end + splits - 1) / splits) + CHUNK - 1) / CHUNK * CHUNK;
+    const int lo = split * per_split, hi = min(lo + per_split, end);
+    const bool new_row_visible = vis[0] != 0;
+    const unsigned char* k_base = k_cache + (long)kvh * stride_kh;
+    const unsigned char* v_base = v_cache + (long)kvh * stride_vh;
+    const int chunks = hi > lo ? (hi - lo + CHUNK - 1) / CHUNK : 0;
+    const int mine_count = chunks > warp ? (chunks - warp + WARPS - 1) / WARPS : 0;  // chunks warp, warp + WARPS, ..
+
+    float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.0f, 0.0f};  // heads 2t, 2t + 1
+    float acc[KSTEPS][4];  // O^T: dims 16 i + g (+ 8) x heads 2t, 2t + 1
+#pragma unroll
+    for (int i = 0; i < KSTEPS; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+
+#pragma unroll
+    for (int k = 0; k < STAGES - 1; ++k) {
+        if (k < mine_count)
+            copy_chunk<D, STAGES>(mine + k * 2 * S::RAW, k_base, v_base, stride_kr, stride_vr,
+                                  lo + CHUNK * (warp + k * WARPS), hi);
+        commit();
+    }
+    for (int k = 0; k < mine_count; ++k) {
+        const int ahead = k + STAGES - 1;
+        if (ahead < mine_count)  // into the stage chunk k - 1 left (decoded before the last iteration's end)
+            copy_chunk<D, STAGES>(mine + (ahead % STAGES) * 2 * S::RAW, k_base, v_base, stride_kr, stride_vr,
+                                  lo + CHUNK * (warp + ahead * WARPS), hi);
+        commit();
+        wait_copies<STAGES - 1>();
+        __syncwarp();
+        const unsigned char* raw = mine + (k % STAGES) * 2 * S::RAW;
+        const int r0 = lo + CHUNK * (warp + k * WARPS);
+
+        decode_chunk<D>(raw, vals, table_low, table_high);  // K
+        __syncwarp();
+        // scores: rows g, g + 8 x heads 2t, 2t + 1, in two accumulator chains (a chain waits on each MMA's result)
+        float chains[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+        {
+            const int mi = lane >> 3;
+            const unsigned a_addr = smem(vals + ((lane & 7) + 8 * (mi & 1)) * S::PITCH + 8 * (mi >> 1));
+#pragma unroll
+            for (int s = 0; s < KSTEPS; ++s) {
+                u32 a[4];
+                ldsm_x4(a, a_addr + 32 * s);
+                mma(chains[s & 1], a, qb[s][0], qb[s][1]);
+            }
+        }
+        __syncwarp();  // every lane's K fragments read: V may take their place while the MMAs run
+        decode_chunk<D>(raw + S::RAW, vals, table_low, table_high);  // V
+        float sc[4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) sc[c] = chains[0][c] + chains[1][c];
+        // mask, online softmax per head (each head's 16 rows: 2 a lane, 8 lanes of one t)
+        float p[4], alpha[2];
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {  // head 2t + c: values c (row g) and c + 2 (row g + 8)
+            float s0 = sc[c] * scale_log2, s1 = sc[c + 2] * scale_log2;
+            const int ra = r0 + g, rb = r0 + g + 8;
+            if (!(ra < hi && (ra < start || new_row_visible))) s0 = NEG_INF;
+            if (!(rb < hi && (rb < start || new_row_visible))) s1 = NEG_INF;
+            float mx = fmaxf(s0, s1);
+            mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 4));
+            mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 8));
+            mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 16));
+            const float m_new = fmaxf(m_run[c], mx);
+            const float m_use = m_new == NEG_INF ? 0.0f : m_new;
+            p[c] = exp2f(s0 - m_use);
+            p[c + 2] = exp2f(s1 - m_use);
+            float sum = p[c] + p[c + 2];
+            sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 4);
+            sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 8);
+            sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 16);
+            alpha[c] = exp2f(m_run[c] - m_use);
+            l_run[c] = l_run[c] * alpha[c] + sum;
+            m_run[c] = m_new;
+        }
+        if (__any_sync(0xFFFFFFFFu, alpha[0] != 1.0f || alpha[1] != 1.0f))  // a max rose (times 1: no change)
+#pragma unroll
+            for (int i = 0; i < KSTEPS; ++i) {
+                acc[i][0] *= alpha[0];
+                acc[i][2] *= alpha[0];
+                acc[i][1] *= alpha[1];
+                acc[i][3] *= alpha[1];
+            }
+        // P [16 rows][8 heads] in float16 through shared memory, read back as P^T's B fragments
+        reinterpret_cast<u32*>(ps)[g * 4 + t] = f16x2_of(p[0], p[1]);
+        reinterpret_cast<u32*>(ps)[(g + 8) * 4 + t] = f16x2_of(p[2], p[3]);
+        __syncwarp();
+        u32 pb0, pb1;
+        ldsm_x2_trans(pb0, pb1, smem(ps + (lane & 15) * HEADS_MAX));
+        {
+            const int mi = lane >> 3;
+            const unsigned a_addr = smem(vals + ((lane & 7) + 8 * (mi >> 1)) * S::PITCH + 8 * (mi & 1));
+#pragma unroll
+            for (int i = 0; i < KSTEPS; ++i) {
+                u32 a[4];
+                ldsm_x4_trans(a, a_addr + 32 * i);
+                mma(acc[i], a, pb0, pb1);
+            }
+        }
+        __syncwarp();  // every lane done with this stage, vals and P before they are written again
+    }
+    wait_copies<0>();
+
+    // the CTA's warps merged: each writes its running max, sum and unnormalized O^T, then every thread takes
+    // outputs (head, dim) of the group
+    __syncthreads();
+    float* red = reinterpret_cast<float*>(shared);  // [WARPS][HEADS_MAX][D] then m, l [WARPS][HEADS_MAX]
+    float* red_m = red + WARPS * HEADS_MAX * D;
+    float* red_l = red_m + WARPS * HEADS_MAX;
+#pragma unroll
+    for (int i = 0; i < KSTEPS; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+            red[(warp * HEADS_MAX + 2 * t + (c & 1)) * D + 16 * i + g + 8 * (c >> 1)] = acc[i][c];
+    if (g == 0) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            red_m[warp * HEADS_MAX + 2 * t + c] = m_run[c];
+            red_l[warp * HEADS_MAX + 2 * t + c] = l_run[c];
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < group * D; e += WARPS * 32) {
+        const int n = e / D, d = e % D;
+        float mx = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, red_m[w * HEADS_MAX + n]);
+        const float m_use = mx == NEG_INF ? 0.0f : mx;
+        float l = 0.0f, o = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            const float f = exp2f(red_m[w * HEADS_MAX + n] - m_use);
+            l += red_l[w * HEADS_MAX + n] * f;
+            o += red[(w * HEADS_MAX + n) * D + d] * f;
+        }
+        const long row = (long)split * heads + kvh * group + n;  // part [splits, heads, 1, D], lse [splits, heads, 1]
+        part[row * D + d] = l > 0.0f ? o / l : 0.0f;
+        if (d == 0) lse[row] = l > 0.0f ? m_use + log2f(l) : NEG_INF;
+    }
+}

@@ -1,0 +1,122 @@
+"""One token's attention over TQ3_0 K and V rows in CUDA C (`attention_decode.cu`): the split launch of
+`tree_attention`'s flash-decoding for a decode over a long TQ3_0 cache, writing the splits' partial rows and
+log-sum-exps that `tree_attention`'s combine launch merges (rotating the values back and applying the gate).
+
+Why: the Triton decode issued on about a third of the cycles, 1754 warp instructions a 16-row chunk (345 us over
+262K TQ3_0 rows on an H100, 5x the K/V bytes' time: issue #20's bar is 1.25x the 1K step). `tree_attention` launches
+this where `takes` says so (one query token, TQ3_0 on both sides, head dims of 128 or 256, a KV head's group of at
+most 8 query heads, no window, the query already normed, roped and rotated, NVRTC and sm_80+, not
+FLASHTREE_DECODE_CUDA=0) and the Triton kernel otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from flashtree.kernels.cuda_functions import allow_shared, functions, launch, nvrtc_loads
+
+SOURCE = Path(__file__).with_name("attention_decode.cu")
+HEAD_DIMS = (128, 256)
+MAX_GROUP = 8  # query heads a KV head (attention_decode.cu HEADS_MAX)
+WARPS = 4
+STAGES = 2  # raw chunks a warp's ring holds (one in flight while one is decoded)
+CTAS_PER_SM = 3  # at most 168 registers a thread and 3 x 63.5 KB of shared memory (head dim 256)
+CHUNK = 16
+# from this many rows; below, the Triton decode's shorter chains win. H100, thirty-second session (kernel and combine,
+# `sweep_tree_attention.py --compare --cuda-decode-from 0`), 1 token over 1K / 4K / 8K / 16K / 64K / 262K TQ3_0 rows:
+# Triton 9.7 / 21.5 / 47.0 / 55.7 / 121.5 / 360.8 us, this 12.2 / 14.8 / 21.9 / 32.2 / 63.3 / 178.4
+MIN_ROWS = 4096
+_MIN_CHUNKS_PER_WARP = 2
+_Q_TYPES = {torch.float32: "float", torch.bfloat16: "u16"}
+
+
+def takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kinds: tuple[str, str], window: int,
+          normed: bool, kv_end: int) -> bool:
+    """Whether this kernel runs the call: q [heads, 1, D] (float32 or bf16, unit stride along D) already normed,
+    roped and rotated (`normed`), TQ3_0 caches on both sides (`kinds`) whose rows start 16-byte aligned, D in
+    `HEAD_DIMS`, at most `MAX_GROUP` query heads a KV head, no window, at least `MIN_ROWS` rows."""
+    return (q.is_cuda and kv_end >= MIN_ROWS and fits(q, k_cache, v_cache, kinds, window, normed)
+            and _available(q.device))
+
+
+def fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kinds: tuple[str, str], window: int,
+         normed: bool) -> bool:
+    """`takes`' conditions on the call's shapes, types and layouts (any device)."""
+    heads, n, d = q.shape
+    kv_heads = k_cache.shape[0]
+    return (n == 1 and kinds == ("tq3_0", "tq3_0") and d in HEAD_DIMS and window == 0 and normed
+            and q.dtype in _Q_TYPES and q.stride(-1) == 1 and heads % kv_heads == 0
+            and heads // kv_heads <= MAX_GROUP and all(_rows_aligned(c) for c in (k_cache, v_cache)))
+
+
+def _rows_aligned(cache: torch.Tensor) -> bool:
+    return (cache.dtype == torch.uint8 and cache.stride(-1) == 1 and cache.stride(1) % 16 == 0
+            and cache.stride(0) % 16 == 0 and cache.data_ptr() % 16 == 0)
+
+
+@functools.cache
+def _available(device: torch.device) -> bool:
+    # cp.async and ldmatrix: sm_80; griddepcontrol (a no-op without the launch attribute) compiles for sm_90 only
+    return (os.environ.get("FLASHTREE_DECODE_CUDA", "1") != "0" and torch.cuda.get_device_capability(device)[0] >= 9
+            and nvrtc_loads())
+
+
+def instance(d: int, q_dtype: torch.dtype) -> str:
+    return f"tq3_decode_d{d}_w{WARPS}_s{STAGES}_{'f32' if q_dtype == torch.float32 else 'bf16'}"
+
+
+def shared_bytes(d: int) -> int:
+    """attention_decode.cu `WarpSmem::BYTES` for each warp: its ring of raw K and V chunks, the decoded chunk and P."""
+    raw = CHUNK * (d // 32) * 14
+    return WARPS * (STAGES * 2 * raw + CHUNK * (d + 8) * 2 + CHUNK * MAX_GROUP * 2)
+
+
+def source(d: int, q_dtype: torch.dtype) -> str:
+    name = instance(d, q_dtype)
+    qt = _Q_TYPES[q_dtype]
+    return SOURCE.read_text() + (
+        f'\nextern "C" __global__ void __launch_bounds__({32 * WARPS}, {CTAS_PER_SM}) {name}(const {qt}* q, '
+        "const unsigned char* k, const unsigned char* v, const long long* start, const unsigned char* vis, "
+        "float* part, float* lse, int stride_qh, int stride_kh, int stride_kr, int stride_vh, int stride_vr, "
+        "int kv_end, int heads, int group, float scale_log2, unsigned table_low, unsigned table_high) {\n"
+        f"    tq3_decode<{d}, {WARPS}, {STAGES}>(q, k, v, start, vis, part, lse, stride_qh, stride_kh, stride_kr, "
+        "stride_vh, stride_vr, kv_end, heads, group, scale_log2, table_low, table_high);\n}\n")
+
+
+def cuda_jobs(device: torch.device, d: int, q_dtype: torch.dtype) -> list[tuple[str, str]]:
+    """(name, CUDA C source) of the instance a model with head dim `d` and `q_dtype` activations launches on
+    `device` over TQ3_0 caches, for the load-time compile; none where it does not run."""
+    if torch.device(device).type != "cuda" or d not in HEAD_DIMS or q_dtype not in _Q_TYPES:
+        return []
+    if not _available(torch.device(device)):
+        return []
+    return [(instance(d, q_dtype), source(d, q_dtype))]
+
+
+def splits_for(kv_end: int, kv_heads: int, sms: int, cap: int) -> int:
+    """CTAs along the rows: `CTAS_PER_SM` an SM over the KV heads, each warp at least `_MIN_CHUNKS_PER_WARP` chunks,
+    at most `cap` (the combine's)."""
+    wanted = math.ceil(CTAS_PER_SM * sms / kv_heads)
+    return max(1, min(wanted, math.ceil(kv_end / (_MIN_CHUNKS_PER_WARP * WARPS * CHUNK)), cap))
+
+
+def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start_t: torch.Tensor,
+           visible_bytes: torch.Tensor, kv_end: int, scale_log2: float, part: torch.Tensor, lse: torch.Tensor,
+           tables: tuple[int, int]) -> None:
+    """The split launch: part [splits, heads, 1, D] float32 (each split's normalized rows) and lse [splits, heads, 1]
+    (base 2, scores times `scale_log2`), for `takes`' calls; `tables`: the float16 level bytes (low, high) as int32."""
+    heads, _, d = q.shape
+    kv_heads = k_cache.shape[0]
+    name = instance(d, q.dtype)
+    fn = functions(q.device).function(name, lambda: source(d, q.dtype))
+    size = shared_bytes(d)
+    allow_shared(q.device, name, size)
+    launch(fn, (kv_heads, part.shape[0]), 32 * WARPS,
+           [q, k_cache, v_cache, start_t, visible_bytes, part, lse, q.stride(0), k_cache.stride(0), k_cache.stride(1),
+            v_cache.stride(0), v_cache.stride(1), kv_end, heads, heads // kv_heads, float(scale_log2), *tables],
+           q.device, size)
