@@ -78,8 +78,9 @@ ONE_CTA_ALTERNATIVES = ((1, 1, 2, 1), (1, 1, 3, 1), (1, 1, 4, 1), (1, 2, 3, 1), 
 # split, in these forms: warps, splits, chains, ring stages, CTAs an SM asked of ptxas, the splits' sums through a
 # thread-block cluster (`MMAConfig.cluster_splits`) or through global partials and a ticket. H100, thirtieth session:
 # no cluster form won (Q4_K down at 23 rows: 8 warps split 3 ways 49.5 us, 16 warps split 6 ways 57.7, against 42.3;
-# a cluster of 3-8 one-CTA-an-SM CTAs must fit one GPC, whose spare SMs then idle). The ticket forms: built in the
-# thirty-second session, timed below (docs/PERFORMANCE.md)
+# a cluster of 3-8 one-CTA-an-SM CTAs must fit one GPC, whose spare SMs then idle). The ticket forms (thirty-second
+# session, two H100 runs): Q4_K down at 16 / 23 / 32 rows 2-10 % faster than the default, the out projection and
+# Q6_K's down slower: not taken (docs/PERFORMANCE.md)
 NARROW_ALTERNATIVES = ((16, 6, 2, 2, 0, False), (16, 6, 1, 3, 0, False), (20, 8, 1, 2, 0, False),
                        (10, 4, 1, 3, 0, False), (10, 4, 2, 3, 0, False), (8, 3, 2, 3, 0, False),
                        (8, 6, 2, 2, 2, False), (4, 3, 2, 3, 2, False), (4, 3, 2, 3, 2, True))
