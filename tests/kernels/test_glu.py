@@ -89,7 +89,8 @@ def test_load_time_compile_plans_the_glu_instances_of_a_fused_gate_and_up():
     kernels = sorted(name for name in glu if name.startswith(("qmv", "qmh")))
     assert kernels and all(name.endswith("_glu") and "_s1_" in name for name in kernels)
     assert sorted(name for name in plain if name.startswith(("qmv", "qmh"))) == [name[:-4] for name in kernels]
-    assert all(", 1>(" in glu[name] for name in kernels)  # the template's GLU argument
+    # the template's GLU argument: qmv's last, qmh's before CLUSTER
+    assert all((", 1, 0>(" if name.startswith("qmh") else ", 1>(") in glu[name] for name in kernels)
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
