@@ -13,6 +13,9 @@ kv_heads). Caches are [kv_heads, capacity, D] float (f32/f16/bf16) or uint8 [kv_
 row_bytes] Q8_0/Q4_0/TQ3_0 blocks (kv_quant.py); kv types are anything `kv_quant.kv_type` takes (KVType or
 name), K and V independently.
 
+One normed query token over TQ3_0 K and V rows (from `attention_decode.MIN_ROWS` rows, at the launch defaults)
+takes `attention_decode`'s CUDA C split launch instead of the Triton kernel below, and the same combine.
+
 Kernel (flash-decoding): grid (kv_heads, query tiles, splits). A program owns one KV head, a tile of
 BLOCK_M query rows of that head's group (row m = local head * T + token, so a group's G*T rows share each
 K/V load) and one split of the rows it can see. The row range is computed on the device from `start_t`:
@@ -797,8 +800,9 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
     (`_scores`: q held as [D, BLOCK_M]), by default in a decode of up to 16 query rows over TQ3_0 rows
     (`_launch_defaults`). `tail` gives the query rows past the last whole tile a launch of their own in a tile sized
     to them (by default over long quantized rows, `_tail_rows`). `out_dtype` (q's by default): the result's dtype (a
-    query normed apart into the operands' dtype whose output stays in the activations'). Falls back to
-    `tree_attention_reference` where the Triton path does not apply."""
+    query normed apart into the operands' dtype whose output stays in the activations'). A decode over TQ3_0 rows
+    with none of the launch settings given runs `attention_decode` where it takes the call (`_decode_in_cuda`).
+    Falls back to `tree_attention_reference` where the Triton path does not apply."""
     tk, tv = kv_type(kv_type_k), kv_type(kv_type_v)
     _check(q, k_cache, v_cache, tk, tv, start_t, visible, positions, kv_end)
     unrotating = unrotate_values and tv.rotated
