@@ -195,8 +195,12 @@ COMPARED = [
     # 255 registers and no stack, 1140 loop instructions a warp a 32-row chunk against the float32 decode's 1314 and
     # 24 bytes (offline sm_90, triton 3.6; the twenty-third session's pairs there spilled, 1158.5 -> 1237.4 us at 262K)
     ("tile pairs", {"tq3_pairs": True}, 1),
+    # the Triton decode at its own launch (any launch setting keeps a decode over TQ3_0 rows off the CUDA C kernel,
+    # kernels/attention_decode.cu, which "new default" takes from `attention_decode.MIN_ROWS` rows)
+    ("triton decode", {"swap": True, "block_m": 8, "num_warps": 2, "max_registers": 128, "tq3_pairs": True,
+                       "fields_ahead": False}, 1),
 ]
-TQ3_ONLY = {"float32 TQ3 decode", "32-row chunks 8 warps", "1 warp at use splits x2", "swap 2 warps pairs x2",
+TQ3_ONLY = {"triton decode", "float32 TQ3 decode", "32-row chunks 8 warps", "1 warp at use splits x2", "swap 2 warps pairs x2",
             "swap 4 warps pairs x1.25", "swap 4 warps pairs ahead", "swap 2 warps pairs ahead x0.75",
             "swap 2 warps pairs ahead x1", "tile pairs"}
 

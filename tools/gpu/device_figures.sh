@@ -82,6 +82,18 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
                                 --candidates "${DECODE_CANDIDATES:-new default}" --out "$OUT/attention_decode.json" \
                                 > "$OUT/attention_decode.txt" 2>&1
                             echo "== sweep-attention-decode (rc $?)"; tail -7 "$OUT/attention_decode.txt" ;;
+    # one token over TQ3_0 rows: the CUDA C decode (the default from 4K rows) against the Triton decode at its launch
+    sweep-decode-cuda) timeout $(( ${BUDGET_DECODE:-110} + 40 )) python3 benchmarks/sweep_tree_attention.py --compare \
+                           --budget-s "${BUDGET_DECODE:-110}" --cuda-decode-from 0 \
+                           --cases 1:1024:tq3_0,1:4096:tq3_0,1:16384:tq3_0,1:65536:tq3_0,1:262144:tq3_0 \
+                           --candidates "new default,triton decode" --out "$OUT/decode_cuda.json" \
+                           > "$OUT/decode_cuda.txt" 2>&1
+                       echo "== sweep-decode-cuda (rc $?)"; tail -6 "$OUT/decode_cuda.txt" ;;
+    # the slow GPU tests over 64K quantized rows that failed at the thirty-second session (23 tokens; not the decode)
+    long-context-tests) timeout "${LIMIT_TESTS:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu -rf \
+                            tests/kernels/test_tree_attention.py -k long_context > "$OUT/long_context.txt" 2>&1
+                        echo "== long-context-tests (rc $?)"; grep -E "^FAILED|^E  |passed|failed" "$OUT/long_context.txt" \
+                            | head -30 ;;
     # a verify's 10 rows past its 128-row tile in a launch of their own (`tail`, by default from 16K rows) against
     # the two-tile launch and main's kernel (.baseline), the 2-token decode's swapped 16-row tile, and the verify
     # tile's TQ3_0 rows as float16 pairs
