@@ -18,8 +18,8 @@ from tests.kernels import tree_attention_cases as cases
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def _caches(kv_heads=4, rows=64, d=256, kind="tq3_0"):
-    t = kv_type(kind)
+def _caches(kv_heads=4, rows=64, d=256):
+    t = kv_type("tq3_0")
     return [t.quantize(torch.randn(kv_heads, rows, d)) for _ in range(2)]
 
 
