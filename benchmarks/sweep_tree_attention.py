@@ -18,7 +18,9 @@ version of kernels/tree_attention.py (e.g. `git show REV:...`), at its defaults:
 
 `--cuda-decode-from ROWS` sets where a decode over TQ3_0 rows takes the CUDA C kernel (kernels/attention_decode.cu;
 `attention_decode.MIN_ROWS`): with 0 and a baseline from before it, "new default" against the baseline is the CUDA
-decode against the Triton one at every row count (where the two cross: `MIN_ROWS`).
+decode against the Triton one at every row count (where the two cross: `MIN_ROWS`). `--cuda-verify-from ROWS` does
+the same for a tree over TQ3_0 rows (kernels/attention_verify.cu): "new default" against "tail" / "no tail" (Triton's
+verify with and without its tail tile, its default from / below 16K rows).
 
 `--float32-query` feeds the raw query and gate in float32, as the 27B engine's float32 activations do (a bf16 query,
 the default, compiles to another, lighter kernel); candidates "q normed before ..." time `qk_norm_rope` into the bf16
@@ -41,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from flashtree.bench.kernels import time_graph  # noqa: E402
-from flashtree.kernels import attention_decode  # noqa: E402
+from flashtree.kernels import attention_decode, attention_verify  # noqa: E402
 from flashtree.kernels.kv_quant import kv_type  # noqa: E402
 from flashtree.kernels.qk_norm_rope import qk_norm_rope, rope_tables  # noqa: E402
 from flashtree.kernels.tree_attention import (  # noqa: E402
@@ -345,8 +347,11 @@ def main() -> None:
                         help="with --compare: the raw query and gate in float32, as the 27B engine's activations")
     parser.add_argument("--cuda-decode-from", type=int, default=attention_decode.MIN_ROWS,
                         help="rows from which a decode over TQ3_0 rows takes the CUDA C kernel (attention_decode)")
+    parser.add_argument("--cuda-verify-from", type=int, default=attention_verify.MIN_ROWS,
+                        help="rows from which a verify over TQ3_0 rows takes the CUDA C kernel (attention_verify)")
     args = parser.parse_args()
     attention_decode.MIN_ROWS = args.cuda_decode_from
+    attention_verify.MIN_ROWS = args.cuda_verify_from
     if args.compare:
         rows = compare(args.baseline, args.cases or COMPARE_CASES, args.candidates, time.time() + args.budget_s,
                        torch.float32 if args.float32_query else torch.bfloat16)

@@ -2,29 +2,23 @@
 that its launch fits an SM three times over, that NVRTC compiles it, and on the GPU its output against the
 reference over the float16 pair values, against the Triton decode, across splits, masks and a CUDA graph."""
 
-import importlib.util
-
 import pytest
 import torch
 
 from flashtree.kernels import attention_decode
 from flashtree.kernels.kv_quant import kv_type
-from flashtree.kernels.tree_attention import (_decode_in_cuda, tq3_pair_values, tree_attention,
-                                              tree_attention_reference)
+from flashtree.kernels.tree_attention import _in_cuda
 from flashtree.nvrtc import compile_cubin
 
 from tests.kernels import tree_attention_cases as cases
+from tests.kernels.tq3_cuda_cases import (caches, error_after_the_start_moved, error_against_triton,
+                                          nvrtc_available, pair_reference)
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def _caches(kv_heads=4, rows=64, d=256):
-    t = kv_type("tq3_0")
-    return [t.quantize(torch.randn(kv_heads, rows, d)) for _ in range(2)]
-
-
 def test_it_takes_one_normed_token_over_tq3_0_rows_only():
-    k, v = _caches()
+    k, v = caches()
     q = torch.randn(24, 1, 256)
     assert attention_decode.fits(q, k, v, ("tq3_0", "tq3_0"), 0, True)
     assert attention_decode.fits(q.bfloat16(), k, v, ("tq3_0", "tq3_0"), 0, True)
@@ -34,7 +28,7 @@ def test_it_takes_one_normed_token_over_tq3_0_rows_only():
     assert not attention_decode.fits(q, k, v, ("tq3_0", "tq3_0"), 1024, True)  # a window
     assert not attention_decode.fits(q, k, v, ("tq3_0", "tq3_0"), 0, False)  # q normed in the kernel
     assert not attention_decode.fits(torch.randn(40, 1, 256), k, v, ("tq3_0", "tq3_0"), 0, True)  # 10 a KV head
-    k512, v512 = _caches(d=512)
+    k512, v512 = caches(d=512)
     assert not attention_decode.fits(torch.randn(24, 1, 512), k512, v512, ("tq3_0", "tq3_0"), 0, True)
     assert not attention_decode.fits(q, k[:, :, 2:], v, ("tq3_0", "tq3_0"), 0, True)  # rows off 16-byte alignment
     assert not attention_decode.takes(q, k, v, ("tq3_0", "tq3_0"), 0, True, 1 << 20)  # on the CPU: never
@@ -49,17 +43,7 @@ def test_three_ctas_fit_an_sm_and_the_splits_fill_the_gpu():
     assert attention_decode.splits_for(5, 4, 132, 256) == 1
 
 
-def _nvrtc_available() -> bool:
-    if importlib.util.find_spec("cuda") is None or importlib.util.find_spec("cuda.bindings") is None:
-        return False
-    try:
-        compile_cubin('extern "C" __global__ void probe() {}', "sm_90")
-    except Exception:  # no libnvrtc: nothing to compile with
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _nvrtc_available(), reason="needs cuda-python and NVRTC")
+@pytest.mark.skipif(not nvrtc_available(), reason="needs cuda-python and NVRTC")
 @pytest.mark.parametrize("d", attention_decode.HEAD_DIMS)
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 def test_every_instance_compiles(d, q_dtype):
@@ -81,13 +65,6 @@ def _inputs(kv_end, q_dtype=torch.float32, seed=0, new_row_visible=True, d=256):
                 scale=d ** -0.5)
 
 
-def _pair_reference(args):
-    """The reference over the values the float16 pair decode gives (`tq3_pair_values`)."""
-    decoded = {**args, "k_cache": tq3_pair_values(args["k_cache"]), "v_cache": tq3_pair_values(args["v_cache"]),
-               "kv_type_k": "f32", "kv_type_v": "f32"}
-    return tree_attention_reference(**decoded)
-
-
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("kv_end, seed", [(40, 0), (4100, 1), (70000, 2), pytest.param(262144, 3,
@@ -103,37 +80,21 @@ def test_the_decode_matches_the_reference_on_gpu(kv_end, seed, q_dtype, new_row_
     takes = attention_decode.takes(args["q"], args["k_cache"], args["v_cache"], ("tq3_0", "tq3_0"), 0, True,
                                    args["kv_end"])
     assert takes == (args["kv_end"] >= attention_decode.MIN_ROWS)
-    out = _decode_in_cuda(args["q"], args["k_cache"], args["v_cache"], args["start_t"], args["visible"],
-                          args["kv_end"], args["scale"], None, False, q_dtype)
+    out = _in_cuda(attention_decode, args["q"], args["k_cache"], args["v_cache"], args["start_t"], args["visible"],
+                   args["kv_end"], args["scale"], None, False, q_dtype)
     assert out.dtype == q_dtype and torch.isfinite(out).all()
-    assert cases.relative_error(out, _pair_reference(args)) <= (1e-2 if q_dtype == torch.bfloat16 else 4e-3)
+    assert cases.relative_error(out, pair_reference(args)) <= (1e-2 if q_dtype == torch.bfloat16 else 4e-3)
 
 
 @pytest.mark.gpu
 @gpu
 def test_gated_and_rotated_back_as_the_triton_decode_on_gpu():
     """The model's call (a float32 query, bf16 operands, the output gate, TQ3_0 values rotated back in the
-    combine): the CUDA decode against the Triton one (`split` chooses a launch: Triton's)."""
-    args = _inputs(70000)
-    gate = torch.randn(1, 24, 256, device="cuda")
-    cuda = tree_attention(**args, gate=gate, unrotate_values=True, operands=torch.bfloat16)
-    triton_decode = tree_attention(**args, gate=gate, unrotate_values=True, operands=torch.bfloat16, split=64)
-    assert cuda.shape == triton_decode.shape == (1, 24 * 256)
-    assert cases.relative_error(cuda, triton_decode) <= 4e-3
+    combine): the CUDA decode against the Triton one."""
+    assert error_against_triton(_inputs(70000)) <= 4e-3
 
 
 @pytest.mark.gpu
 @gpu
 def test_the_decode_replays_in_a_cuda_graph_on_gpu():
-    """Captured once, replayed after the start row moved on the device: the launch reads the start there."""
-    args = _inputs(16400)
-    static = dict(args)
-    graph = torch.cuda.CUDAGraph()
-    tree_attention(**static, operands=torch.bfloat16)  # compiled and warmed outside the capture
-    torch.cuda.synchronize()
-    with torch.cuda.graph(graph):
-        out = tree_attention(**static, operands=torch.bfloat16)
-    static["start_t"].fill_(9000)
-    graph.replay()
-    moved = {**args, "start_t": torch.tensor([9000], device="cuda")}
-    assert cases.relative_error(out, _pair_reference(moved)) <= 4e-3
+    assert error_after_the_start_moved(_inputs(16400), 9000) <= 4e-3

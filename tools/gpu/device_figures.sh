@@ -89,7 +89,23 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
                            --candidates "new default,triton decode" --out "$OUT/decode_cuda.json" \
                            > "$OUT/decode_cuda.txt" 2>&1
                        echo "== sweep-decode-cuda (rc $?)"; tail -6 "$OUT/decode_cuda.txt" ;;
-    # the slow GPU tests over 64K quantized rows that failed at the thirty-second session (23 tokens; not the decode)
+    # a tree of 23 (and 21: one slice of 128 query rows) tokens over TQ3_0 rows: the CUDA C verify
+    # (kernels/attention_verify.cu) against Triton's verify with and without its tail tile (its default from / below
+    # 16K rows)
+    sweep-verify-cuda) timeout $(( ${BUDGET_VERIFY:-120} + 40 )) python3 benchmarks/sweep_tree_attention.py --compare \
+                           --budget-s "${BUDGET_VERIFY:-120}" --cuda-verify-from 0 \
+                           --cases 23:4096:tq3_0,23:16384:tq3_0,23:65536:tq3_0,23:262144:tq3_0,21:65536:tq3_0,21:262144:tq3_0 \
+                           --candidates "new default,tail,no tail" --out "$OUT/verify_cuda.json" \
+                           > "$OUT/verify_cuda.txt" 2>&1
+                       echo "== sweep-verify-cuda (rc $?)"; tail -7 "$OUT/verify_cuda.txt" ;;
+    # the CUDA C attention kernels' GPU tests (decode and verify over TQ3_0 rows), the slow ones included
+    attention-cuda-tests) timeout "${LIMIT_TESTS:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu -rf \
+                              tests/kernels/test_attention_verify.py tests/kernels/test_attention_decode.py \
+                              > "$OUT/attention_cuda_tests.txt" 2>&1
+                          echo "== attention-cuda-tests (rc $?)"; grep -E "^FAILED|^E  |passed|failed" \
+                              "$OUT/attention_cuda_tests.txt" | head -30 ;;
+    # the slow GPU tests over 64K quantized rows (the thirty-second session's failure: a tail launch's partials sized
+    # for every query row, 93 MB, past the test's bound on the kernel's memory)
     long-context-tests) timeout "${LIMIT_TESTS:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu -rf \
                             tests/kernels/test_tree_attention.py -k long_context > "$OUT/long_context.txt" 2>&1
                         echo "== long-context-tests (rc $?)"; grep -E "^FAILED|^E  |passed|failed" "$OUT/long_context.txt" \

@@ -3,16 +3,22 @@
 # rows; NCU_MMA_ARGS="--type Q6_K --shape 5120x17408 --rows 1,23" another, NCU_COUNT launches profiled): the full
 # report, its raw metrics and the machine code with stall samples under $OUT (NCU_NAME the files' stem), then per
 # launch the time, active warps, issue activity, L1 / L2 hit rates and bytes, and the largest stall reasons (per
-# issued instruction). One device call, ~45 s.
+# issued instruction). One device call, ~45 s. NCU_KERNEL (a regex, default ^qm) and NCU_SCRIPT (default
+# benchmarks/ncu_mma.py) profile another kernel, e.g. NCU_KERNEL=tq3_verify NCU_SCRIPT=tools/gpu/run_verify_once.py.
 source tools/gpu/device_env.sh
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1); echo "ncu: $NCU"
 NAME=${NCU_NAME:-mma}
-timeout 300 $NCU --clock-control none --set full -k regex:'^qm' -c ${NCU_COUNT:-9} -f -o $OUT/$NAME python3 benchmarks/ncu_mma.py \
+timeout 300 $NCU --clock-control none --set full -k regex:"${NCU_KERNEL:-^qm}" -c ${NCU_COUNT:-9} -f -o $OUT/$NAME \
+    python3 ${NCU_SCRIPT:-benchmarks/ncu_mma.py} \
     ${NCU_MMA_ARGS:-} > $OUT/${NAME}_run.txt 2>&1; echo "ncu rc $?"; tail -3 $OUT/${NAME}_run.txt
 $NCU --import $OUT/$NAME.ncu-rep --page details > $OUT/${NAME}_details.txt 2>&1
 $NCU --import $OUT/$NAME.ncu-rep --page raw --csv > $OUT/${NAME}_raw.csv 2>&1
-$NCU --import $OUT/$NAME.ncu-rep --page source --print-source sass --csv -k regex:_t3_ > $OUT/${NAME}_sass_t3.csv 2>&1
-$NCU --import $OUT/$NAME.ncu-rep --page source --print-source sass --csv -k regex:qmv > $OUT/${NAME}_sass_qmv.csv 2>&1
+if [ -z "${NCU_KERNEL:-}" ]; then
+    $NCU --import $OUT/$NAME.ncu-rep --page source --print-source sass --csv -k regex:_t3_ > $OUT/${NAME}_sass_t3.csv 2>&1
+    $NCU --import $OUT/$NAME.ncu-rep --page source --print-source sass --csv -k regex:qmv > $OUT/${NAME}_sass_qmv.csv 2>&1
+else
+    $NCU --import $OUT/$NAME.ncu-rep --page source --print-source sass --csv > $OUT/${NAME}_sass.csv 2>&1
+fi
 NCU_NAME=$NAME python3 - <<'PY'
 import csv, os
 rows = list(csv.reader(open(os.environ["OUT"] + "/" + os.environ.get("NCU_NAME", "mma") + "_raw.csv")))

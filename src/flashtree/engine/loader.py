@@ -22,7 +22,8 @@ from flashtree.errors import FlashtreeError
 from flashtree.formats.chat_template import ChatTemplate
 from flashtree.formats.gguf_file import GGUFFile
 from flashtree.formats.tokenizer import Tokenizer, TokenizerSpec
-from flashtree.kernels import attention_decode, cuda_functions, gated_delta_cuda, rms_norm, triton_ahead
+from flashtree.kernels import (attention_decode, attention_verify, cuda_functions, gated_delta_cuda, rms_norm,
+                               triton_ahead)
 from flashtree.kernels.quant_matmul import mma
 from flashtree.models.attention import GatedAttention
 from flashtree.models.deltanet import GatedDeltaNet
@@ -216,9 +217,9 @@ def compile_cuda_kernels(model, activations: torch.dtype, progress: bool = False
     (decode, verify, prefill; a fused gate + up weight's with their GLU epilogue), the cluster add + RMSNorm
     (kernels/add_rms_norm.cu) of float32 activations on Hopper, alone and writing the float16 x of those weights'
     types, the DeltaNet tree verify's node tiles (kernels/deltanet_tree.cu), and with TQ3_0 K and V
-    (`cache_types`) the decode over them (kernels/attention_decode.cu). Otherwise NVRTC compiles them one by one, a
-    second each, inside the first requests. A cached kernel costs nothing, so a second start compiles none. Says what
-    it compiled (a bar with `progress`)."""
+    (`cache_types`) the decode and the tree verify over them (kernels/attention_decode.cu, attention_verify.cu).
+    Otherwise NVRTC compiles them one by one, a second each, inside the first requests. A cached kernel costs nothing,
+    so a second start compiles none. Says what it compiled (a bar with `progress`)."""
     weights = [w for w in quant_weights(model) if w.mma_layout]
     device = weights[0].device if weights else getattr(model, "device", torch.device("cpu"))
     shapes = {(w.qtype, *w.shape) for w in weights}
@@ -229,7 +230,8 @@ def compile_cuda_kernels(model, activations: torch.dtype, progress: bool = False
         "tq3_0", "tq3_0") else set()
     jobs = (mma.with_source(instances) + rms_norm.cuda_jobs(device, activations, {w.qtype for w in weights})
             + [job for dk in sorted(tree_dims) for job in gated_delta_cuda.cuda_jobs(device, dk)]
-            + [job for d in sorted(head_dims) for job in attention_decode.cuda_jobs(device, d, activations)])
+            + [job for d in sorted(head_dims) for kernel in (attention_decode, attention_verify)
+               for job in kernel.cuda_jobs(device, d, activations)])
     if not jobs:
         return
     arch = mma.arch_of(device)

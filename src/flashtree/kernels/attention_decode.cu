@@ -13,66 +13,10 @@
 // query clamped to +-65280 and rounded to float16, scores in float32 (times scale * log2 e), base-2 online softmax
 // in float32, P rounded to float16 for the P V products, float32 accumulators.
 //
-// TQ3_0 block (14 bytes, kv_quant.py): float16 norm, qs[8] (value j's 2 index bits at bits 2 (j % 4) of byte j / 4),
-// signs[4] (value j's sign at bit j % 8 of byte j / 8); value = norm * (sign ? -1 : 1) * LEVEL[index].
-// No headers: NVRTC compiles this with the CUDA built-ins alone.
-
-typedef unsigned int u32;
-typedef unsigned short u16;
+// The TQ3_0 block and its decode: tq3_tiles.cuh, which attention_decode.py puts before this text.
 
 constexpr int CHUNK = 16;       // K/V rows a warp takes at a time (the QK MMA's M side, the PV MMA's K side)
 constexpr int HEADS_MAX = 8;    // query heads of a KV head's group (the MMAs' N side)
-constexpr int BLOCK_BYTES = 14;
-#define NEG_INF __int_as_float(0xff800000)
-
-__device__ __forceinline__ void wait_for_predecessors() {  // programmatic dependent launch (FLASHTREE_PDL=1)
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-}
-__device__ __forceinline__ unsigned smem(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void copy16(unsigned dst, const void* src, bool valid) {  // zeros where not valid
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-                 : "memory");
-}
-__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int PENDING>
-__device__ __forceinline__ void wait_copies() { asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory"); }
-
-__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
-    u32 d;
-    asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-    return d;
-}
-__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
-    u32 d;
-    asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
-    return d;
-}
-__device__ __forceinline__ u32 f16x2_of(float lo, float hi) {
-    u32 d;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(hi), "f"(lo));
-    return d;
-}
-__device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ void ldsm_x4(u32 (&a)[4], unsigned addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_trans(u32 (&a)[4], unsigned addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x2_trans(u32& b0, u32& b1, unsigned addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(b0), "=r"(b1) : "r"(addr));
-}
-
-__device__ __forceinline__ float as_float(float v) { return v; }
-__device__ __forceinline__ float as_float(u16 v) { return __uint_as_float((u32)v << 16); }  // bf16
 
 // Shared memory of one warp: its ring of raw chunks (K then V rows), the decoded chunk (float16, PITCH halves a
 // row: 16 bytes past a multiple of 128, so the 8 rows an ldmatrix reads fall in distinct banks) and P [16][8].
@@ -80,47 +24,12 @@ template <int D, int STAGES>
 struct WarpSmem {
     static constexpr int ROW_BYTES = D / 32 * BLOCK_BYTES;
     static constexpr int RAW = CHUNK * ROW_BYTES;        // one chunk of K (or V) rows
-    static constexpr int PIECES = RAW / 16;              // its 16-byte copies
     static constexpr int PITCH = D + 8;
     static constexpr int RING = STAGES * 2 * RAW;
     static constexpr int VALUES = RING;                  // byte offsets
     static constexpr int P = VALUES + CHUNK * PITCH * 2;
     static constexpr int BYTES = P + CHUNK * HEADS_MAX * 2;
 };
-
-// Decode row `row`'s block `b` from the raw chunk at `raw` into `vals` (float16, norm applied). Per index word, four
-// copies, one per bit offset r, hold in byte m the selector of value 4 m + r's float16 bytes in the level tables
-// (index i -> nibbles i, i + 4: i * 0x11 + 0x40). Per pair of values one permute gathers their two selectors from two
-// copies, a second picks their magnitudes' bytes from the tables, a shift and an AND-OR set the signs, a two-lane
-// multiply applies the norm (`tree_attention._tq3_pairs`, whose multiply-add a pair moves into the copies here).
-__device__ __forceinline__ void decode_block(const unsigned char* raw, int row_bytes, int row, int b, u16* vals,
-                                             int pitch, u32 table_low, u32 table_high) {
-    const u16* f = reinterpret_cast<const u16*>(raw + row * row_bytes + b * BLOCK_BYTES);
-    const u32 norm = f[0], norm2 = norm | (norm << 16);
-    const u32 words[2] = {(u32)f[1] | ((u32)f[2] << 16), (u32)f[3] | ((u32)f[4] << 16)};  // values 0-15, 16-31
-    const u32 signs = (u32)f[5] | ((u32)f[6] << 16);
-    u32 out[16];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const u32 w = words[h];
-        u32 c[4];
-#pragma unroll
-        for (int r = 0; r < 4; ++r) c[r] = ((w >> (2 * r)) & 0x03030303u) * 0x11u + 0x40404040u;
-        const u32 s = (signs >> (16 * h)) & 0xFFFFu;
-        const u32 spread = (s & 0x5555u) | ((s & 0xAAAAu) << 15);  // odd values' signs 16 places above the even's
-#pragma unroll
-        for (int q = 0; q < 8; ++q) {  // pair q of the half: values 2q, 2q + 1 = 4m + r, 4m + r + 1
-            const int m = q >> 1, r = 2 * (q & 1);
-            const u32 selector = prmt(c[r], c[r + 1], (u32)(m | ((m + 4) << 4)));
-            const u32 magnitudes = prmt(table_low, table_high, selector);
-            const u32 sign = (spread << (15 - 2 * q)) & 0x80008000u;
-            out[8 * h + q] = hmul2(magnitudes | sign, norm2);
-        }
-    }
-    uint4* dst = reinterpret_cast<uint4*>(vals + row * pitch + 32 * b);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) dst[i] = make_uint4(out[4 * i], out[4 * i + 1], out[4 * i + 2], out[4 * i + 3]);
-}
 
 // A warp's 16 rows of one side (K or V) decoded: lane l takes row l / 2, blocks (l % 2) D / 64 ..
 template <int D>
@@ -130,24 +39,6 @@ __device__ __forceinline__ void decode_chunk(const unsigned char* raw, u16* vals
 #pragma unroll
     for (int i = 0; i < PER_LANE; ++i)
         decode_block(raw, BLOCKS * BLOCK_BYTES, row, (lane & 1) * PER_LANE + i, vals, PITCH, table_low, table_high);
-}
-
-template <int D, int STAGES>
-__device__ __forceinline__ void copy_chunk(unsigned char* stage, const unsigned char* k_base,
-                                           const unsigned char* v_base, int stride_kr, int stride_vr, int r0, int hi) {
-    typedef WarpSmem<D, STAGES> S;
-    constexpr int PER_ROW = S::ROW_BYTES / 16;
-    const int lane = threadIdx.x & 31;
-    const unsigned base = smem(stage);
-#pragma unroll
-    for (int i = lane; i < 2 * S::PIECES; i += 32) {
-        const int side = i / S::PIECES, piece = i % S::PIECES, row = piece / PER_ROW, part = piece % PER_ROW;
-        const int r = r0 + row;
-        const bool valid = r < hi;
-        const unsigned char* src = (side ? v_base + (long)(valid ? r : 0) * stride_vr
-                                         : k_base + (long)(valid ? r : 0) * stride_kr) + 16 * part;
-        copy16(base + side * S::RAW + row * S::ROW_BYTES + 16 * part, src, valid);
-    }
 }
 
 template <int D, int WARPS, int STAGES, typename QT>
@@ -201,15 +92,15 @@ __device__ __forceinline__ void tq3_decode(const QT* __restrict__ q, const unsig
 #pragma unroll
     for (int k = 0; k < STAGES - 1; ++k) {
         if (k < mine_count)
-            copy_chunk<D, STAGES>(mine + k * 2 * S::RAW, k_base, v_base, stride_kr, stride_vr,
-                                  lo + CHUNK * (warp + k * WARPS), hi);
+            copy_kv_rows<S::ROW_BYTES, CHUNK, 32>(mine + k * 2 * S::RAW, k_base, v_base, stride_kr, stride_vr,
+                                                  lo + CHUNK * (warp + k * WARPS), hi, lane);
         commit();
     }
     for (int k = 0; k < mine_count; ++k) {
         const int ahead = k + STAGES - 1;
         if (ahead < mine_count)  // into the stage chunk k - 1 left (decoded before the last iteration's end)
-            copy_chunk<D, STAGES>(mine + (ahead % STAGES) * 2 * S::RAW, k_base, v_base, stride_kr, stride_vr,
-                                  lo + CHUNK * (warp + ahead * WARPS), hi);
+            copy_kv_rows<S::ROW_BYTES, CHUNK, 32>(mine + (ahead % STAGES) * 2 * S::RAW, k_base, v_base, stride_kr,
+                                                  stride_vr, lo + CHUNK * (warp + ahead * WARPS), hi, lane);
         commit();
         wait_copies<STAGES - 1>();
         __syncwarp();

@@ -4,7 +4,7 @@ log-sum-exps that `tree_attention`'s combine launch merges (rotating the values 
 
 Why: the Triton decode issued on about a third of the cycles, 1754 warp instructions a 16-row chunk (345 us over
 262K TQ3_0 rows on an H100, 5x the K/V bytes' time: issue #20's bar is 1.25x the 1K step). `tree_attention` launches
-this where `takes` says so (one query token, TQ3_0 on both sides, head dims of 128 or 256, a KV head's group of at
+this where `takes` says so (one query token, TQ3_0 on both sides, head dim 256, a KV head's group of at
 most 8 query heads, no window, the query already normed, roped and rotated, NVRTC and sm_80+, not
 FLASHTREE_DECODE_CUDA=0) and the Triton kernel otherwise.
 """
@@ -21,7 +21,8 @@ import torch
 from flashtree.kernels.cuda_functions import allow_shared, functions, launch, nvrtc_loads
 
 SOURCE = Path(__file__).with_name("attention_decode.cu")
-HEAD_DIMS = (128, 256)
+TQ3_TILES = Path(__file__).with_name("tq3_tiles.cuh")  # the TQ3_0 helpers both attention kernels share
+HEAD_DIMS = (256,)  # rows of whole 16-byte copies (tq3_tiles.cuh copy_kv_rows: a 128-value row is 56 bytes)
 MAX_GROUP = 8  # query heads a KV head (attention_decode.cu HEADS_MAX)
 WARPS = 4
 STAGES = 2  # raw chunks a warp's ring holds (one in flight while one is decoded)
@@ -32,7 +33,7 @@ CHUNK = 16
 # Triton 9.7 / 21.5 / 47.0 / 55.7 / 121.5 / 360.8 us, this 12.2 / 14.8 / 21.9 / 32.2 / 63.3 / 178.4
 MIN_ROWS = 4096
 _MIN_CHUNKS_PER_WARP = 2
-_Q_TYPES = {torch.float32: "float", torch.bfloat16: "u16"}
+Q_TYPES = {torch.float32: "float", torch.bfloat16: "u16"}  # the query's dtype -> its CUDA C type
 
 
 def takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kinds: tuple[str, str], window: int,
@@ -50,11 +51,12 @@ def fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kinds: t
     heads, n, d = q.shape
     kv_heads = k_cache.shape[0]
     return (n == 1 and kinds == ("tq3_0", "tq3_0") and d in HEAD_DIMS and window == 0 and normed
-            and q.dtype in _Q_TYPES and q.stride(-1) == 1 and heads % kv_heads == 0
-            and heads // kv_heads <= MAX_GROUP and all(_rows_aligned(c) for c in (k_cache, v_cache)))
+            and q.dtype in Q_TYPES and q.stride(-1) == 1 and heads % kv_heads == 0
+            and heads // kv_heads <= MAX_GROUP and all(rows_aligned(c) for c in (k_cache, v_cache)))
 
 
-def _rows_aligned(cache: torch.Tensor) -> bool:
+def rows_aligned(cache: torch.Tensor) -> bool:
+    """A uint8 TQ3_0 cache whose rows start 16-byte aligned (cp.async's 16-byte copies)."""
     return (cache.dtype == torch.uint8 and cache.stride(-1) == 1 and cache.stride(1) % 16 == 0
             and cache.stride(0) % 16 == 0 and cache.data_ptr() % 16 == 0)
 
@@ -78,8 +80,8 @@ def shared_bytes(d: int) -> int:
 
 def source(d: int, q_dtype: torch.dtype) -> str:
     name = instance(d, q_dtype)
-    qt = _Q_TYPES[q_dtype]
-    return SOURCE.read_text() + (
+    qt = Q_TYPES[q_dtype]
+    return TQ3_TILES.read_text() + "\n" + SOURCE.read_text() + (
         f'\nextern "C" __global__ void __launch_bounds__({32 * WARPS}, {CTAS_PER_SM}) {name}(const {qt}* q, '
         "const unsigned char* k, const unsigned char* v, const long long* start, const unsigned char* vis, "
         "float* part, float* lse, int stride_qh, int stride_kh, int stride_kr, int stride_vh, int stride_vr, "
@@ -91,7 +93,7 @@ def source(d: int, q_dtype: torch.dtype) -> str:
 def cuda_jobs(device: torch.device, d: int, q_dtype: torch.dtype) -> list[tuple[str, str]]:
     """(name, CUDA C source) of the instance a model with head dim `d` and `q_dtype` activations launches on
     `device` over TQ3_0 caches, for the load-time compile; none where it does not run."""
-    if torch.device(device).type != "cuda" or d not in HEAD_DIMS or q_dtype not in _Q_TYPES:
+    if torch.device(device).type != "cuda" or d not in HEAD_DIMS or q_dtype not in Q_TYPES:
         return []
     if not _available(torch.device(device)):
         return []
@@ -105,18 +107,23 @@ def splits_for(kv_end: int, kv_heads: int, sms: int, cap: int) -> int:
     return max(1, min(wanted, math.ceil(kv_end / (_MIN_CHUNKS_PER_WARP * WARPS * CHUNK)), cap))
 
 
-def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start_t: torch.Tensor,
-           visible_bytes: torch.Tensor, kv_end: int, scale_log2: float, part: torch.Tensor, lse: torch.Tensor,
-           tables: tuple[int, int]) -> None:
-    """The split launch: part [splits, heads, 1, D] float32 (each split's normalized rows) and lse [splits, heads, 1]
-    (base 2, scores times `scale_log2`), for `takes`' calls; `tables`: the float16 level bytes (low, high) as int32."""
-    heads, _, d = q.shape
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start_t: torch.Tensor,
+           visible_bytes: torch.Tensor, kv_end: int, scale_log2: float, tables: tuple[int, int], sms: int,
+           max_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split launch for `takes`' calls over `splits_for` splits -> (part [splits, heads, 1, D] float32, each split's
+    normalized rows; lse [splits, heads, 1], base 2, scores times `scale_log2`); `tables`: the float16 level bytes
+    (low, high) as int32."""
+    heads, n, d = q.shape
     kv_heads = k_cache.shape[0]
+    splits = splits_for(kv_end, kv_heads, sms, max_splits)
+    part = torch.empty(splits, heads, n, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(splits, heads, n, dtype=torch.float32, device=q.device)
     name = instance(d, q.dtype)
     fn = functions(q.device).function(name, lambda: source(d, q.dtype))
     size = shared_bytes(d)
     allow_shared(q.device, name, size)
-    launch(fn, (kv_heads, part.shape[0]), 32 * WARPS,
+    launch(fn, (kv_heads, splits), 32 * WARPS,
            [q, k_cache, v_cache, start_t, visible_bytes, part, lse, q.stride(0), k_cache.stride(0), k_cache.stride(1),
             v_cache.stride(0), v_cache.stride(1), kv_end, heads, heads // kv_heads, float(scale_log2), *tables],
            q.device, size)
+    return part, lse

@@ -51,6 +51,11 @@ def arch_of(device: torch.device) -> str:
     return f"sm_{major}{minor}"
 
 
+def target(source: str, arch: str) -> str:
+    """The architecture `source` compiles for: Hopper's warpgroup MMA (wgmma) exists on sm_90a only."""
+    return arch + "a" if arch == "sm_90" and "wgmma." in source else arch
+
+
 def cubin_path(name: str, source: str, arch: str) -> Path:
     key = hashlib.sha256(f"{arch}\n{source}".encode()).hexdigest()[:24]
     return cache_dir() / f"{name}-{key}.cubin"
@@ -58,13 +63,14 @@ def cubin_path(name: str, source: str, arch: str) -> Path:
 
 def uncompiled(jobs: list[tuple[str, str]], arch: str) -> list[tuple[str, str]]:
     """The (name, whole CUDA C source) jobs whose cubin is not in the on-disk cache yet."""
-    return [(name, source) for name, source in jobs if not cubin_path(name, source, arch).exists()]
+    return [(name, source) for name, source in jobs if not cubin_path(name, source, target(source, arch)).exists()]
 
 
 def precompile(jobs: list[tuple[str, str]], arch: str, workers: int | None = None, progress=None) -> None:
     """Compile (name, whole source) jobs into the on-disk cache in parallel processes (NVRTC needs no GPU), where
     `load_function` finds them; `progress` is called with each finished name."""
-    todo = [(name, source, arch, cubin_path(name, source, arch)) for name, source in uncompiled(jobs, arch)]
+    todo = [(name, source, target(source, arch), cubin_path(name, source, target(source, arch)))
+            for name, source in uncompiled(jobs, arch)]
     if not todo:
         return
     workers = workers or max(1, min(len(todo), os.cpu_count() or 1))
@@ -79,7 +85,7 @@ def precompile(jobs: list[tuple[str, str]], arch: str, workers: int | None = Non
 def load_function(device: torch.device, name: str, source: str):
     """Function `name` of `source` (the whole CUDA C text) on `device`, compiled unless the disk cache has it."""
     driver, _ = bindings()
-    arch = arch_of(device)
+    arch = target(source, arch_of(device))
     path = cubin_path(name, source, arch)
     if path.exists():
         cubin = path.read_bytes()

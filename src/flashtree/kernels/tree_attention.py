@@ -14,7 +14,9 @@ row_bytes] Q8_0/Q4_0/TQ3_0 blocks (kv_quant.py); kv types are anything `kv_quant
 name), K and V independently.
 
 One normed query token over TQ3_0 K and V rows (from `attention_decode.MIN_ROWS` rows, at the launch defaults)
-takes `attention_decode`'s CUDA C split launch instead of the Triton kernel below, and the same combine.
+takes `attention_decode`'s CUDA C split launch instead of the Triton kernel below, and the same combine; a tree of up
+to `attention_verify.MAX_ROWS` query rows a KV head over them (from `attention_verify.MIN_ROWS` rows)
+`attention_verify`'s.
 
 Kernel (flash-decoding): grid (kv_heads, query tiles, splits). A program owns one KV head, a tile of
 BLOCK_M query rows of that head's group (row m = local head * T + token, so a group's G*T rows share each
@@ -29,9 +31,9 @@ norm * one of 8 centroids picked by 2 low bits + 1 sign bit, in the rotated doma
 32-value blocks from their halfword fields, `_block_values`; a committed chunk's TQ3_0 fields are loaded
 while the chunk before it is decoded, `row_fields`), scores go through
 tl.dot in float32 (bf16/f16 operands for bf16/f16 queries on GPU), masked, and an online softmax (base 2,
-float32 max / sum) accumulates P @ V. Each split writes its normalized partial output and log-sum-exp;
-a second kernel combines the splits per (head, token). With one split the first kernel writes the
-output directly. A group's few query rows past its last whole tile may take a second launch in a tile of their
+float32 max / sum) accumulates P @ V. Each split writes its normalized partial output and log-sum-exp (for the
+launch's own query rows: [splits, kv_heads, rows a KV head]); a second kernel combines the splits per (head,
+token). With one split the first kernel writes the output directly. A group's few query rows past its last whole tile may take a second launch in a tile of their
 own size (`_tail_rows`: over long quantized rows a 128-row tile costs its decode of every K/V row), with its own
 splits and combine. No host reads of device tensors: every shape and launch parameter depends only on the
 Python arguments (T, kv_end, heads, D, dtypes), so the calls can be captured in a CUDA graph. (Under
@@ -58,7 +60,7 @@ from typing import NamedTuple
 import torch
 
 from flashtree.errors import FlashtreeError
-from flashtree.kernels import attention_decode, interpreted, triton_runs_on
+from flashtree.kernels import attention_decode, attention_verify, interpreted, triton_runs_on
 from flashtree.kernels.activations import gated_heads
 from flashtree.kernels.qk_norm_rope import qk_norm_rope
 from flashtree.kernels.kv_quant import TQ3_GROUP, TQ3_LEVELS, KVType, kv_type, rotation_signs, unrotate
@@ -420,7 +422,7 @@ if triton is not None:
     def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, start_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, lse_ptr,
                                gate_ptr, stride_gt, stride_gh, qn_w_ptr, cos_ptr, sin_ptr, qn_eps,
                                stride_qh, stride_qt, stride_kh, stride_kr, stride_vh, stride_vr,
-                               T, kv_end, heads, scale_log2, window, m_base,
+                               T, kv_end, heads, scale_log2, window, m_base, m_rows,
                                G: tl.constexpr, D: tl.constexpr, KIND_K: tl.constexpr, KIND_V: tl.constexpr,
                                OP: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
@@ -511,7 +513,8 @@ if triton is not None:
                 tl.store(out_ptr + row[:, None] * D + d[None, :], o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
         else:
             lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-            base = split.to(tl.int64) * heads * T + row
+            # this launch's rows only: [splits, kv_heads, m_rows] (a tail launch's 10 rows a KV head, not all heads x T)
+            base = (split.to(tl.int64) * tl.num_programs(0) + kvh) * m_rows + (offs_m - m_base)
             tl.store(part_ptr + base[:, None] * D + d[None, :], o, mask=m_ok[:, None])
             tl.store(lse_ptr + base, lse, mask=m_ok)
 
@@ -534,25 +537,27 @@ if triton is not None:
         tl.store(out_ptr + out_offs, gated.to(dtype), mask=mask)
 
     @triton.jit
-    def _combine_kernel(part_ptr, lse_ptr, out_ptr, rows_total, gate_ptr, stride_gt, stride_gh, signs_ptr, T, heads,
+    def _combine_kernel(part_ptr, lse_ptr, out_ptr, gate_ptr, stride_gt, stride_gh, signs_ptr, T, heads,
                         group_rows, m_base, m_rows, D: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
                         GATED: tl.constexpr, UNROTATE: tl.constexpr):
         """The splits' partial rows merged by their log-sum-exps, a program a row: rows [m_base, m_base + m_rows)
-        of each KV head's `group_rows` (the rows one launch of `_tree_attention_kernel` covered); with UNROTATE
+        of each KV head's `group_rows` (the rows one launch of `_tree_attention_kernel` covered, its partials
+        [SPLITS, kv_heads, m_rows, D] and log-sum-exps [SPLITS, kv_heads, m_rows]); with UNROTATE
         (TQ3_0 values) the row, rounded to the output dtype as `unrotate` of the kernel's output would take it,
         rotated back (R^T) first."""
-        pid = tl.program_id(0)
+        pid = tl.program_id(0)  # = kv head * m_rows + the row's index in the launch, the partials' row
+        rows_total = tl.num_programs(0)  # kv_heads * m_rows: a split's partial rows
         row = ((pid // m_rows) * group_rows + m_base + pid % m_rows).to(tl.int64)  # = head * T + token
         sp = tl.arange(0, SPLITS_P2)
-        lse = tl.load(lse_ptr + sp * rows_total + row, mask=sp < SPLITS, other=float("-inf"))
+        lse = tl.load(lse_ptr + sp * rows_total + pid, mask=sp < SPLITS, other=float("-inf"))
         mx = tl.max(lse, axis=0)
         mx = tl.where(mx == float("-inf"), 0.0, mx)
         den = tl.sum(tl.exp2(lse - mx), axis=0)
         d = tl.arange(0, D)
         acc = tl.zeros((D,), tl.float32)
         for s in range(SPLITS):
-            w = tl.exp2(tl.load(lse_ptr + s * rows_total + row) - mx)
-            acc += w * tl.load(part_ptr + (s * rows_total + row) * D + d)
+            w = tl.exp2(tl.load(lse_ptr + s * rows_total + pid) - mx)
+            acc += w * tl.load(part_ptr + (s * rows_total + pid).to(tl.int64) * D + d)
         o = acc / tl.where(den > 0, den, 1.0)
         if UNROTATE:
             o = rotate_row(o.to(out_ptr.dtype.element_ty).to(tl.float32), signs_ptr, D, True)
@@ -801,7 +806,8 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
     (`_launch_defaults`). `tail` gives the query rows past the last whole tile a launch of their own in a tile sized
     to them (by default over long quantized rows, `_tail_rows`). `out_dtype` (q's by default): the result's dtype (a
     query normed apart into the operands' dtype whose output stays in the activations'). A decode over TQ3_0 rows
-    with none of the launch settings given runs `attention_decode` where it takes the call (`_decode_in_cuda`).
+    with none of the launch settings given runs `attention_decode` where it takes the call, a tree over them
+    `attention_verify` (`_in_cuda`).
     Falls back to `tree_attention_reference` where the Triton path does not apply."""
     tk, tv = kv_type(kv_type_k), kv_type(kv_type_v)
     _check(q, k_cache, v_cache, tk, tv, start_t, visible, positions, kv_end)
@@ -823,10 +829,11 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
         raise FlashtreeError("tree_attention needs unit stride along head_dim (q and both caches)")
     launch_chosen = any(a is not None for a in (split, block_rows, block_m, num_warps, num_stages, max_registers,
                                                  tq3_pairs, fields_ahead, swap, tail))
-    if (not launch_chosen and (operands or q.dtype) in (torch.bfloat16, torch.float16)  # not a float32 model's
-            and attention_decode.takes(q, k_cache, v_cache, (tk.name, tv.name), window, q_norm is None, kv_end)):
-        return _decode_in_cuda(q, k_cache, v_cache, start_t, visible, kv_end, scale, gate, unrotating,
-                               out_dtype or q.dtype)
+    if not launch_chosen and (operands or q.dtype) in (torch.bfloat16, torch.float16):  # not a float32 model's
+        for kernel in (attention_decode, attention_verify):
+            if kernel.takes(q, k_cache, v_cache, (tk.name, tv.name), window, q_norm is None, kv_end):
+                return _in_cuda(kernel, q, k_cache, v_cache, start_t, visible, kv_end, scale, gate, unrotating,
+                                out_dtype or q.dtype)
     quantized = KV_KINDS[tk.name] > 0 or KV_KINDS[tv.name] > 0
     interpreter = interpreted()
     operands = operands or q.dtype  # a float32 q (a bf16 model's activations) may feed bf16 operands
@@ -855,15 +862,15 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
         if q.dtype == torch.float32 and low_precision and q_norm is None and t.launch.block_m >= 64:
             q_t = _query_in_operands(q, t.operands)
         if t.splits > 1:
-            part = torch.empty(t.splits, heads, n, d, dtype=torch.float32, device=q.device)
-            lse = torch.empty(t.splits, heads, n, dtype=torch.float32, device=q.device)
+            part = torch.empty(t.splits, kv_heads, t.rows, d, dtype=torch.float32, device=q.device)
+            lse = torch.empty(t.splits, kv_heads, t.rows, dtype=torch.float32, device=q.device)
         else:
             part = lse = out  # unused
         block_n = t.launch.block_n
         _tree_attention_kernel[(kv_heads, triton.cdiv(t.rows, t.launch.block_m), t.splits)](
             q_t, k_cache, v_cache, start_t, visible_bytes, positions, out, part, lse, *gate_args, *norm_args,
             q_t.stride(0), q_t.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-            n, kv_end, heads, float(scale) * _LOG2E, int(window), t.m_base,
+            n, kv_end, heads, float(scale) * _LOG2E, int(window), t.m_base, t.rows,
             G=group, D=d, KIND_K=t.kinds[0], KIND_V=t.kinds[1],
             OP=_TL_TYPES[t.operands] if low_precision else tl.float32,
             PRECISION=None if low_precision else "ieee",  # float32: exact FMA dots (bf16/f16: tensor cores)
@@ -885,27 +892,27 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
 
 def _combine(part, lse, out, gate_args, signs, n, heads, kv_heads, group_rows, m_base, m_rows, splits, gated,
              unrotate) -> None:
-    """`_combine_kernel` over query rows [m_base, m_base + m_rows) of each KV head's `group_rows`."""
+    """`_combine_kernel` over query rows [m_base, m_base + m_rows) of each KV head's `group_rows`: `part` [splits,
+    kv_heads, m_rows, D] and `lse` [splits, kv_heads, m_rows]."""
     d = part.shape[-1]
-    _combine_kernel[(kv_heads * m_rows,)](part, lse, out, heads * n, *gate_args, signs, n, heads, group_rows, m_base,
-                                          m_rows, D=d, SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits),
+    _combine_kernel[(kv_heads * m_rows,)](part, lse, out, *gate_args, signs, n, heads, group_rows, m_base, m_rows,
+                                          D=d, SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits),
                                           GATED=gated, UNROTATE=unrotate, num_warps=4 if d >= 128 else 1)
 
 
-def _decode_in_cuda(q, k_cache, v_cache, start_t, visible, kv_end, scale, gate, unrotating, out_dtype):
-    """One token over TQ3_0 rows: `attention_decode`'s split launch, then the combine (values rotated back where
-    `unrotating`, the gate applied where given), as the Triton path's split launches end."""
+def _in_cuda(kernel, q, k_cache, v_cache, start_t, visible, kv_end, scale, gate, unrotating, out_dtype):
+    """`kernel`'s split launch (`attention_decode`: one token, `attention_verify`: a tree, over TQ3_0 rows), then the
+    combine (values rotated back where `unrotating`, the gate applied where given), as the Triton path's split
+    launches end."""
     heads, n, d = q.shape
     kv_heads = k_cache.shape[0]
-    splits = attention_decode.splits_for(kv_end, kv_heads, _sm_count(q.device), _MAX_SPLITS)
-    part = torch.empty(splits, heads, n, d, dtype=torch.float32, device=q.device)
-    lse = torch.empty(splits, heads, n, dtype=torch.float32, device=q.device)
-    attention_decode.decode(q, k_cache, v_cache, start_t, visible.contiguous().view(torch.uint8), kv_end,
-                            float(scale) * _LOG2E, part, lse, _tq3_f16_byte_tables())
+    part, lse = kernel.attend(q, k_cache, v_cache, start_t, visible.contiguous().view(torch.uint8), kv_end,
+                              float(scale) * _LOG2E, _tq3_f16_byte_tables(), _sm_count(q.device), _MAX_SPLITS)
     gated = gate is not None
     out = torch.empty(*((n, heads * d) if gated else (heads, n, d)), dtype=out_dtype, device=q.device)
     gate_args = (gate, gate.stride(0), gate.stride(1)) if gated else (out, 0, 0)
     signs = rotation_signs(q.device) if unrotating else out  # unused unless UNROTATE
-    _combine(part, lse, out, gate_args, signs, n, heads, kv_heads, heads // kv_heads, 0, heads // kv_heads, splits,
-             gated, unrotating)
+    group_rows = heads // kv_heads * n
+    _combine(part, lse, out, gate_args, signs, n, heads, kv_heads, group_rows, 0, group_rows, part.shape[0], gated,
+             unrotating)
     return out

@@ -1,0 +1,319 @@
+// A tree verify's attention over TQ3_0 K and V rows (up to 192 query rows a KV head: 23 tokens x 6 heads is 138),
+// flash attention on Hopper's warpgroup MMA (wgmma, sm_90a): grid (KV heads x slices of 128 query rows, splits of
+// the visible rows); a CTA's two warpgroups each own 64 query rows of its slice (head-major: row m of the group is
+// head m / T, token m % T) and walk the split's rows together in 64-row chunks, which the CTA streams into shared
+// memory (cp.async, a chunk ahead) and decodes there once to float16, so that every K/V row is decoded once for all
+// the slice's query rows (a second slice, rows 128-191, decodes them again: three warpgroups' accumulators with the
+// scores' would not fit a thread's 168 registers, and wgmma then serializes). The tensor cores read
+// the query rows, K and V from shared memory themselves (one read a warpgroup, not one a warp as ldmatrix feeds
+// mma.sync), S = Q K^T lands in registers, P goes back in as the A side of O += P V. Each warp writes its rows'
+// partial output and log-sum-exp in tree_attention.py's layout, which its combine launch merges (rotating TQ3_0 values
+// back, applying the gate).
+//
+// Why: Triton's verify over long TQ3_0 caches took a 128-row tile and a 10-row tail tile, each decoding every K/V
+// row in registers (967 us over 262K rows a layer on an H100, 16 attention layers in the 27B: verify-22 2.08x the 1K
+// step against issue #20's 1.3x); a first CUDA C form on mma.sync, a warp a 16 query rows, took 803 us, bound by its
+// ldmatrix reads (each warp read every decoded K and V row for its 16 rows).
+//
+// The math is attention_decode.cu's: values as float16 pairs (norm * level), the query clamped to +-65280 and
+// rounded to float16, scores in float32 (times scale * log2 e), base-2 online softmax in float32, P rounded to
+// float16 for the P V products, float32 accumulators. The mask is the tree's (`graphed_mask`): row r < start is
+// committed, row start + j is new token j, seen by query token i iff visible[i][j]; no window.
+//
+// Shared memory: the two raw chunks, two decoded chunks (K, V each) and the query rows, the float16 ones in
+// wgmma's no-swizzle core matrices (8 rows x 16 bytes, 128 contiguous bytes): value (row, d) of a tile of R rows at
+// byte (d / 8) * 16 R + 16 row + 2 (d % 8), so that a warp's 16-byte stores of 32 consecutive rows are contiguous.
+
+constexpr int VCHUNK = 64;      // K/V rows decoded and attended at a time
+constexpr int SLICE_ROWS = 128;  // query rows a CTA: two warpgroups of 64
+constexpr int STAGES = 2;        // raw chunks in shared memory: the next one's copies land while one is decoded
+constexpr int THREADS = 256;     // two warpgroups
+
+template <int D>
+struct VerifySmem {
+    static constexpr int ROW_BYTES = D / 32 * BLOCK_BYTES;
+    static constexpr int RAW = VCHUNK * ROW_BYTES;          // one side's raw chunk
+    static constexpr int SIDE = VCHUNK * D * 2;             // bytes of one side's decoded chunk
+    static constexpr int DECODED = STAGES * 2 * RAW;        // byte offset of the decoded chunks
+    static constexpr int QUERIES = DECODED + 2 * 2 * SIDE;  // byte offset of the query rows
+    static constexpr int BYTES = QUERIES + SLICE_ROWS * D * 2;
+};
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// generic-proxy writes of shared memory (st.shared) made visible to the tensor cores' reads (the async proxy)
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// the compiler may not move reads or writes of these registers across a wgmma issue or wait
+template <int COUNT>
+__device__ __forceinline__ void keep_floats(float (&r)[COUNT]) {
+#pragma unroll
+    for (int i = 0; i < COUNT; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+// A shared-memory matrix descriptor without swizzle: start, the byte distance between core matrices adjacent along
+// K (LBO) and along M or N (SBO)
+__device__ __forceinline__ unsigned long long descriptor(unsigned address, unsigned lbo, unsigned sbo) {
+    return (unsigned long long)((address & 0x3FFFF) >> 4) | ((unsigned long long)(lbo >> 4) << 16)
+           | ((unsigned long long)(sbo >> 4) << 32);
+}
+
+// S (+)= Q K^T for 64 query rows x 64 K rows x 16 values, both sides from shared memory (K-major)
+__device__ __forceinline__ void wgmma_scores(float (&d)[32], unsigned long long a, unsigned long long b,
+                                             int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, "
+                 "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),
+                   "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),
+                   "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),
+                   "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// O += P V for 64 query rows x 64 values x 16 K/V rows: P from registers (mma.sync's A fragments, a warp's 16 rows),
+// V from shared memory stored row-major (MN-major: transposed by the tensor cores)
+__device__ __forceinline__ void wgmma_values(float (&d)[32], const u32 (&a)[4], unsigned long long b) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, "
+                 "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),
+                   "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),
+                   "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),
+                   "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+}
+
+// A raw stage's K and V rows decoded by the CTA's threads into core matrices, two adjacent blocks (28 bytes, 4-byte
+// aligned) a thread at a time: a warp takes 8 rows x 4 block pairs, whose seven 4-byte loads each fall in 32
+// distinct banks (row stride 28 words, pair stride 7) and whose 16-byte stores fill four whole 128-byte rows of banks.
+template <int D>
+__device__ __forceinline__ void decode_rows(const unsigned char* stage, unsigned char* decoded, u32 table_low,
+                                            u32 table_high) {
+    typedef VerifySmem<D> S;
+    static_assert(D == 256, "a warp's 8 rows x 4 block pairs cover whole rows of 8 blocks");
+    constexpr int PER_SIDE = VCHUNK * D / 64;
+    for (int i = threadIdx.x; i < 2 * PER_SIDE; i += blockDim.x) {
+        const int side = i / PER_SIDE, j = i % PER_SIDE, row = 8 * (j >> 5) + (j & 7), pair = (j & 31) >> 3;
+        const u32* raw = reinterpret_cast<const u32*>(stage + side * S::RAW + row * S::ROW_BYTES + pair * 28);
+        u32 w[7];
+#pragma unroll
+        for (int k = 0; k < 7; ++k) w[k] = raw[k];
+        unsigned char* dst = decoded + side * S::SIDE + 16 * row;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // block 2 pair + h: bytes 0-13, 14-27
+            u32 out[16];
+            if (h == 0)
+                decode_fields(w[0] & 0xFFFFu, __funnelshift_r(w[0], w[1], 16), __funnelshift_r(w[1], w[2], 16),
+                              __funnelshift_r(w[2], w[3], 16), out, table_low, table_high);
+            else
+                decode_fields(w[3] >> 16, w[4], w[5], w[6], out, table_low, table_high);
+            const int b = 2 * pair + h;
+#pragma unroll
+            for (int g = 0; g < 4; ++g)
+                *reinterpret_cast<uint4*>(dst + (4 * b + g) * 16 * VCHUNK) =
+                    make_uint4(out[4 * g], out[4 * g + 1], out[4 * g + 2], out[4 * g + 3]);
+        }
+    }
+}
+
+// S = Q K^T of a warpgroup's 64 query rows (`q_addr`) over a decoded chunk's K rows (`keys`), issued to the tensor
+// cores; the caller waits (wg_wait_all) before it reads `s`: rows a, b of the lane (values 0, 1 and 2, 3 of each 4)
+// x K rows 8 j + 2 t (+ 1).
+template <int D>
+__device__ __forceinline__ void issue_scores(float (&s)[32], unsigned q_addr, unsigned keys) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) s[i] = 0.0f;
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+        wgmma_scores(s, descriptor(q_addr + 2 * kk * 16 * SLICE_ROWS, 16 * SLICE_ROWS, 128),
+                     descriptor(keys + 2 * kk * 16 * VCHUNK, 16 * VCHUNK, 128), kk > 0);
+    wg_commit();
+}
+
+// The scores of a chunk of rows r0 .. r0 + 63 masked, the online softmax, then O += P V (V at `values`) with P's
+// float16 A fragments from the scores' registers.
+template <int D>
+__device__ __forceinline__ void attend(float (&s)[32], unsigned values, int r0, int hi, int start, int T,
+                                       const unsigned char* vis, int vis_a, int vis_b, float scale_log2, int v_lbo,
+                                       int v_sbo, float (&m_run)[2], float (&l_run)[2], float (&acc)[D / 64][32]) {
+    const int t = threadIdx.x & 3;
+    const bool masked = r0 + VCHUNK > min(start, hi);  // new rows or the split's end (uniform over the CTA)
+    float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+    for (int j = 0; j < VCHUNK / 8; ++j)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            float v = s[4 * j + c] * scale_log2;
+            if (masked) {
+                const int r = r0 + 8 * j + 2 * t + (c & 1);
+                const int row_vis = c < 2 ? vis_a : vis_b;
+                if (!(r < hi && (r < start || vis[row_vis + min(max(r - start, 0), T - 1)] != 0))) v = NEG_INF;
+            }
+            s[4 * j + c] = v;
+            mx[c >> 1] = fmaxf(mx[c >> 1], v);
+        }
+    float alpha[2], m_use[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // the row's max over the quad's lanes (t), then the running max
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xFFFFFFFFu, mx[h], 1));
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xFFFFFFFFu, mx[h], 2));
+        const float m_new = fmaxf(m_run[h], mx[h]);
+        m_use[h] = m_new == NEG_INF ? 0.0f : m_new;
+        alpha[h] = exp2f(m_run[h] - m_use[h]);
+        m_run[h] = m_new;
+    }
+    float sum[2] = {0.0f, 0.0f};
+    u32 p[VCHUNK / 16][4];  // A fragments of P, K rows 16 kb .. 16 kb + 15
+#pragma unroll
+    for (int j = 0; j < VCHUNK / 8; ++j) {
+        const float p0 = exp2f(s[4 * j] - m_use[0]), p1 = exp2f(s[4 * j + 1] - m_use[0]);
+        const float p2 = exp2f(s[4 * j + 2] - m_use[1]), p3 = exp2f(s[4 * j + 3] - m_use[1]);
+        sum[0] += p0 + p1;
+        sum[1] += p2 + p3;
+        p[j >> 1][2 * (j & 1)] = f16x2_of(p0, p1);      // row a, K rows 8 j + 2t, + 1
+        p[j >> 1][2 * (j & 1) + 1] = f16x2_of(p2, p3);  // row b
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) l_run[h] = l_run[h] * alpha[h] + sum[h];  // the lane's share; the quad's at the end
+    if (__any_sync(0xFFFFFFFFu, alpha[0] != 1.0f || alpha[1] != 1.0f))  // a max rose (times 1: no change)
+#pragma unroll
+        for (int n = 0; n < D / 64; ++n)
+#pragma unroll
+            for (int i = 0; i < 32; ++i) acc[n][i] *= alpha[(i >> 1) & 1];
+#pragma unroll
+    for (int n = 0; n < D / 64; ++n) keep_floats(acc[n]);
+    wg_fence();
+#pragma unroll
+    for (int kb = 0; kb < VCHUNK / 16; ++kb)
+#pragma unroll
+        for (int n = 0; n < D / 64; ++n)
+            wgmma_values(acc[n], p[kb], descriptor(values + kb * 2 * 128 + n * 8 * 16 * VCHUNK, v_lbo, v_sbo));
+    wg_commit();
+    wg_wait_all();
+#pragma unroll
+    for (int n = 0; n < D / 64; ++n) keep_floats(acc[n]);
+}
+
+template <int D, typename QT>
+__device__ __forceinline__ void tq3_verify(const QT* __restrict__ q, const unsigned char* __restrict__ k_cache,
+                                           const unsigned char* __restrict__ v_cache,
+                                           const long long* __restrict__ start_t, const unsigned char* __restrict__ vis,
+                                           float* __restrict__ part, float* __restrict__ lse, int stride_qh,
+                                           int stride_qt, int stride_kh, int stride_kr, int stride_vh, int stride_vr,
+                                           int T, int kv_end, int heads, int group, float scale_log2, u32 table_low,
+                                           u32 table_high, int v_lbo, int v_sbo) {
+    typedef VerifySmem<D> S;
+    extern __shared__ __align__(128) unsigned char shared[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int kv_heads = heads / group, kvh = blockIdx.x % kv_heads, slice = blockIdx.x / kv_heads;
+    const int split = blockIdx.y, splits = gridDim.y;
+    unsigned char* decoded = shared + S::DECODED;
+    unsigned char* queries = shared + S::QUERIES;
+    const unsigned char* k_base = k_cache + (long)kvh * stride_kh;
+    const unsigned char* v_base = v_cache + (long)kvh * stride_vh;
+    wait_for_predecessors();
+
+    const int rows = group * T, m0 = SLICE_ROWS * slice;  // the slice's rows [m0, m0 + 128) of the group's
+    {   // the slice's query rows into core matrices as float16, lanes along rows (zeros past the group's rows)
+#pragma unroll 4
+        for (int i = threadIdx.x; i < SLICE_ROWS * D / 8; i += blockDim.x) {
+            const int r = i % SLICE_ROWS, dg = i / SLICE_ROWS, m = m0 + r;
+            u32 pairs[4] = {0u, 0u, 0u, 0u};
+            if (m < rows) {
+                const QT* row = q + (long)(kvh * group + m / T) * stride_qh + (long)(m % T) * stride_qt + 8 * dg;
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+                    pairs[j] = f16x2_of(fminf(fmaxf(as_float(row[2 * j]), -65280.0f), 65280.0f),
+                                        fminf(fmaxf(as_float(row[2 * j + 1]), -65280.0f), 65280.0f));
+            }
+            *reinterpret_cast<uint4*>(queries + dg * 16 * SLICE_ROWS + 16 * r) =
+                make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
+        }
+    }
+
+    // this lane's rows of its warpgroup's MMA tiles: a = m0 + 64 wg + 16 (warp % 4) + g, b = a + 8 (their heads and
+    // tokens worked out again where needed); a warpgroup whose 64 rows are all past the group's idles at the MMAs
+    const int m_a = m0 + 16 * warp + g;
+    const bool group_live = m0 + 64 * (warp >> 2) < rows;  // uniform over the warpgroup
+    const int vis_a = m_a < rows ? m_a % T * T : 0, vis_b = m_a + 8 < rows ? (m_a + 8) % T * T : 0;
+
+    const int start = (int)start_t[0];
+    const int end = min(start + T, kv_end);
+    const int per_split = (((end + splits - 1) / splits) + VCHUNK - 1) / VCHUNK * VCHUNK;
+    const int lo = split * per_split, hi = min(lo + per_split, end);
+    const int chunks = hi > lo ? (hi - lo + VCHUNK - 1) / VCHUNK : 0;
+    const unsigned q_addr = smem(queries) + 64 * 16 * (warp >> 2);  // this warpgroup's 64 rows
+
+    float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.0f, 0.0f};
+    float acc[D / 64][32];  // O: rows a (values 0, 1 of each 4), b (2, 3) x dims 64 n + 8 j + 2 t (+ 1)
+#pragma unroll
+    for (int n = 0; n < D / 64; ++n)
+#pragma unroll
+        for (int i = 0; i < 32; ++i) acc[n][i] = 0.0f;
+
+    // chunk k: raw in stage k % 2 (copied two steps ahead), decoded into buffer k % 2 while the tensor cores take
+    // chunk k - 1's scores
+    for (int k = 0; k < STAGES; ++k) {
+        if (k < chunks)
+            copy_kv_rows<S::ROW_BYTES, VCHUNK, THREADS>(shared + k * 2 * S::RAW, k_base, v_base, stride_kr, stride_vr,
+                                                        lo + k * VCHUNK, hi, threadIdx.x);
+        commit();
+    }
+    wait_copies<1>();
+    __syncthreads();
+    if (chunks > 0) decode_rows<D>(shared, decoded, table_low, table_high);
+    wait_copies<0>();
+    fence_proxy_async();
+    __syncthreads();
+    for (int k = 0; k < chunks; ++k) {
+        if (k + 2 < chunks)  // into chunk k's stage, decoded before the last barrier
+            copy_kv_rows<S::ROW_BYTES, VCHUNK, THREADS>(shared + k % 2 * 2 * S::RAW, k_base, v_base, stride_kr, stride_vr,
+                                                        lo + (k + 2) * VCHUNK, hi, threadIdx.x);
+        commit();
+        // chunk k + 1's rows landed before the last barrier; its buffer was chunk k - 1's
+        unsigned char* next = k + 1 < chunks ? decoded + (k + 1) % 2 * 2 * S::SIDE : nullptr;
+        if (group_live) {  // the decode runs while the tensor cores take the scores (one branch: wgmma's issue and
+                           // wait in one path, or ptxas serializes them)
+            const unsigned keys = smem(decoded + k % 2 * 2 * S::SIDE);
+            float s[32];
+            issue_scores<D>(s, q_addr, keys);
+            if (next) decode_rows<D>(shared + (k + 1) % 2 * 2 * S::RAW, next, table_low, table_high);
+            wg_wait_all();
+            keep_floats(s);
+            attend<D>(s, keys + S::SIDE, lo + k * VCHUNK, hi, start, T, vis, vis_a, vis_b, scale_log2, v_lbo, v_sbo,
+                      m_run, l_run, acc);
+        } else if (next) {
+            decode_rows<D>(shared + (k + 1) % 2 * 2 * S::RAW, next, table_low, table_high);
+        }
+        wait_copies<0>();     // chunk k + 2's rows, for the next step's decode
+        fence_proxy_async();  // the decoded chunk k + 1, for the tensor cores
+        __syncthreads();      // chunk k + 1 decoded; chunk k's buffer and stage free
+    }
+
+    // the quad's sums, then rows a and b normalized into part [splits, heads, T, D] and lse [splits, heads, T]
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l_run[h] += __shfl_xor_sync(0xFFFFFFFFu, l_run[h], 1);
+        l_run[h] += __shfl_xor_sync(0xFFFFFFFFu, l_run[h], 2);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int m = m_a + 8 * h;
+        if (m >= rows) continue;
+        const long row = ((long)split * heads + kvh * group + m / T) * T + m % T;
+        const float inv = l_run[h] > 0.0f ? 1.0f / l_run[h] : 0.0f;
+        float2* out = reinterpret_cast<float2*>(part + row * D + 2 * t);
+#pragma unroll
+        for (int n = 0; n < D / 64; ++n)
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+                out[32 * n + 4 * j] = make_float2(acc[n][4 * j + 2 * h] * inv, acc[n][4 * j + 2 * h + 1] * inv);
+        if (t == 0) lse[row] = l_run[h] > 0.0f ? m_run[h] + log2f(l_run[h]) : NEG_INF;
+    }
+}

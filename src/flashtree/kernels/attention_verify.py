@@ -1,0 +1,139 @@
+"""A tree verify's attention over TQ3_0 K and V rows in CUDA C (`attention_verify.cu`): the split launch of
+`tree_attention` for a verify (2 to `MAX_ROWS` / group tokens) over a long TQ3_0 cache, each K/V row decoded once
+into shared memory for all the query rows of its KV head, writing the splits' partial rows and log-sum-exps that
+`tree_attention`'s combine launch merges (rotating the values back, applying the gate).
+
+Why: Triton's verify took a 128-row and a 10-row query tile over each KV head's rows, each decoding every row in
+registers (issue #20's bar: verify-22 at 262K within 1.3x of 1K). H100, thirty-third session (kernel and combine,
+`sweep_tree_attention.py --compare --cuda-verify-from 0`, the model's call: float32 query, bf16 operands), 23 tokens
+(two slices) over 4K / 16K / 64K / 262K TQ3_0 rows: this 45.8 / 80.6 / 224.4 / 781.4 us, Triton's default 38.0 /
+89.8 / 278.1 / 943.6; 21 tokens (one slice) over 64K / 262K: 134.9 / 410.0 against 204.9 / 578.6. A first form on
+mma.sync (a warp a 16 query rows, fragments through ldmatrix) took 803 us over 262K rows. Nsight Compute at 64K rows:
+8 warps an SM (one CTA: 225 KB of shared memory), 49 % issue, stalls on fixed-latency dependencies and the barrier:
+the decode's instructions, not the tensor cores, set the pace, and a second slice decodes every row again.
+
+`tree_attention` launches this where `takes` says so (2 to `MAX_ROWS` query rows a KV head, TQ3_0 on both sides,
+head dim 256, no window, the query already normed, roped and rotated, NVRTC and sm_90, at least `MIN_ROWS` rows,
+not FLASHTREE_VERIFY_CUDA=0) and the Triton kernel otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from flashtree.kernels.attention_decode import Q_TYPES, TQ3_TILES, rows_aligned
+from flashtree.kernels.cuda_functions import allow_shared, functions, launch, nvrtc_loads
+
+SOURCE = Path(__file__).with_name("attention_verify.cu")
+HEAD_DIMS = (256,)  # whole 16-byte copies a row (attention_verify.cu VerifySmem)
+SLICE_ROWS = 128  # query rows a CTA: two warpgroups of 64 (attention_verify.cu SLICE_ROWS)
+MAX_ROWS = 192  # a KV head's query rows: two slices (23 tokens x 6 heads: 138)
+THREADS = 256
+# the descriptor strides of V, row-major in shared memory and transposed by the tensor cores (MN-major): the byte
+# distance between core matrices adjacent along K (8 K/V rows: 128) and along N (8 values: 16 x the chunk's rows)
+V_STRIDES = (128, 1024)
+STAGES = 2  # attention_verify.cu STAGES: raw chunks in shared memory
+CHUNK = 64  # attention_verify.cu VCHUNK
+# from this many rows: Triton's verify wins at 4K (above), this one from 16K
+MIN_ROWS = 16384
+_MIN_CHUNKS_PER_SPLIT = 2
+
+
+def takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kinds: tuple[str, str], window: int,
+          normed: bool, kv_end: int) -> bool:
+    """Whether this kernel runs the call: `fits`, on a GPU where it compiles, at least `MIN_ROWS` rows."""
+    return (q.is_cuda and kv_end >= MIN_ROWS and fits(q, k_cache, v_cache, kinds, window, normed)
+            and _available(q.device))
+
+
+def fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kinds: tuple[str, str], window: int,
+         normed: bool) -> bool:
+    """`takes`' conditions on the call's shapes, types and layouts (any device): q [heads, T, D] with T >= 2 (one
+    token: `attention_decode`) and group x T <= `MAX_ROWS`, float32 or bf16, unit stride along D, already normed,
+    roped and rotated (`normed`); TQ3_0 caches on both sides whose rows start 16-byte aligned; D in `HEAD_DIMS`;
+    no window."""
+    heads, n, d = q.shape
+    kv_heads = k_cache.shape[0]
+    return (n >= 2 and kinds == ("tq3_0", "tq3_0") and d in HEAD_DIMS and window == 0 and normed
+            and q.dtype in Q_TYPES and q.stride(-1) == 1 and heads % kv_heads == 0
+            and heads // kv_heads * n <= MAX_ROWS and all(rows_aligned(c) for c in (k_cache, v_cache)))
+
+
+@functools.cache
+def _available(device: torch.device) -> bool:
+    # warpgroup MMA: sm_90a only (cuda_functions.target), not later architectures
+    return (os.environ.get("FLASHTREE_VERIFY_CUDA", "1") != "0" and torch.cuda.get_device_capability(device) == (9, 0)
+            and nvrtc_loads())
+
+
+def instance(d: int, q_dtype: torch.dtype) -> str:
+    return f"tq3_verify_d{d}_{'f32' if q_dtype == torch.float32 else 'bf16'}"
+
+
+def shared_bytes(d: int) -> int:
+    """attention_verify.cu `VerifySmem::BYTES`: the raw K and V chunks, two decoded chunks of each and a slice's
+    query rows."""
+    raw = CHUNK * (d // 32) * 14
+    return STAGES * 2 * raw + 2 * 2 * CHUNK * d * 2 + SLICE_ROWS * d * 2
+
+
+def source(d: int, q_dtype: torch.dtype) -> str:
+    name = instance(d, q_dtype)
+    qt = Q_TYPES[q_dtype]
+    return TQ3_TILES.read_text() + "\n" + SOURCE.read_text() + (
+        f'\nextern "C" __global__ void __launch_bounds__({THREADS}, 1) {name}(const {qt}* q, '
+        "const unsigned char* k, const unsigned char* v, const long long* start, const unsigned char* vis, "
+        "float* part, float* lse, int stride_qh, int stride_qt, int stride_kh, int stride_kr, int stride_vh, "
+        "int stride_vr, int T, int kv_end, int heads, int group, float scale_log2, unsigned table_low, "
+        "unsigned table_high, int v_lbo, int v_sbo) {\n"
+        f"    tq3_verify<{d}>(q, k, v, start, vis, part, lse, stride_qh, stride_qt, stride_kh, stride_kr, "
+        "stride_vh, stride_vr, T, kv_end, heads, group, scale_log2, table_low, table_high, v_lbo, v_sbo);\n}\n")
+
+
+def cuda_jobs(device: torch.device, d: int, q_dtype: torch.dtype) -> list[tuple[str, str]]:
+    """(name, CUDA C source) of the instance a model with head dim `d` and `q_dtype` activations launches on
+    `device` over TQ3_0 caches, for the load-time compile; none where it does not run."""
+    if torch.device(device).type != "cuda" or d not in HEAD_DIMS or q_dtype not in Q_TYPES:
+        return []
+    if not _available(torch.device(device)):
+        return []
+    return [(instance(d, q_dtype), source(d, q_dtype))]
+
+
+def slices_for(query_rows: int) -> int:
+    return -(-query_rows // SLICE_ROWS)
+
+
+def splits_for(kv_end: int, kv_heads: int, sms: int, cap: int, query_rows: int = MAX_ROWS) -> int:
+    """CTAs along the rows: one an SM (221 KB of shared memory) over the KV heads' slices, in one wave, each split at
+    least `_MIN_CHUNKS_PER_SPLIT` chunks, at most `cap` (the combine's)."""
+    wanted = sms // (kv_heads * slices_for(query_rows))
+    return max(1, min(wanted, math.ceil(kv_end / (_MIN_CHUNKS_PER_SPLIT * CHUNK)), cap))
+
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start_t: torch.Tensor,
+           visible_bytes: torch.Tensor, kv_end: int, scale_log2: float, tables: tuple[int, int], sms: int,
+           max_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split launch for `takes`' calls over `splits_for` splits -> (part [splits, heads, T, D] float32, each split's
+    normalized rows; lse [splits, heads, T], base 2, scores times `scale_log2`); `tables`: the float16 level bytes
+    (low, high) as int32."""
+    heads, n, d = q.shape
+    kv_heads = k_cache.shape[0]
+    rows = heads // kv_heads * n
+    splits = splits_for(kv_end, kv_heads, sms, max_splits, rows)
+    part = torch.empty(splits, heads, n, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(splits, heads, n, dtype=torch.float32, device=q.device)
+    name = instance(d, q.dtype)
+    fn = functions(q.device).function(name, lambda: source(d, q.dtype))
+    size = shared_bytes(d)
+    allow_shared(q.device, name, size)
+    launch(fn, (kv_heads * slices_for(rows), splits), THREADS,
+           [q, k_cache, v_cache, start_t, visible_bytes, part, lse, q.stride(0), q.stride(1), k_cache.stride(0),
+            k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), n, kv_end, heads, heads // kv_heads,
+            float(scale_log2), *tables, *V_STRIDES], q.device, size)
+    return part, lse

@@ -1,0 +1,129 @@
+// TQ3_0 rows on tensor cores: the helpers of the CUDA C attention kernels over TQ3_0 caches (attention_decode.cu,
+// attention_verify.cu), which their loaders put before each kernel's text (NVRTC compiles with no headers).
+//
+// TQ3_0 block (14 bytes, kv_quant.py): float16 norm, qs[8] (value j's 2 index bits at bits 2 (j % 4) of byte j / 4),
+// signs[4] (value j's sign at bit j % 8 of byte j / 8); value = norm * (sign ? -1 : 1) * LEVEL[index].
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+constexpr int BLOCK_BYTES = 14;
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ void wait_for_predecessors() {  // programmatic dependent launch (FLASHTREE_PDL=1)
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+__device__ __forceinline__ unsigned smem(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void copy16(unsigned dst, const void* src, bool valid) {  // zeros where not valid
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int PENDING>
+__device__ __forceinline__ void wait_copies() { asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory"); }
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
+    u32 d;
+    asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+__device__ __forceinline__ u32 f16x2_of(float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+__device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void ldsm_x4(u32 (&a)[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_trans(u32 (&a)[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x2_trans(u32& b0, u32& b1, unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(b0), "=r"(b1) : "r"(addr));
+}
+
+__device__ __forceinline__ float as_float(float v) { return v; }
+__device__ __forceinline__ float as_float(u16 v) { return __uint_as_float((u32)v << 16); }  // bf16
+
+// A TQ3_0 block's fields (the float16 norm, its two index words and sign word) decoded into 16 float16 pairs (values
+// 2i, 2i + 1 in out[i], norm applied). Per index
+// word, four copies, one per bit offset r, hold in byte m the selector of value 4 m + r's float16 bytes in the level
+// tables (index i -> nibbles i, i + 4: i * 0x11 + 0x40). Per pair of values one permute gathers their two selectors
+// from two copies, a second picks their magnitudes' bytes from the tables, a shift and an AND-OR set the signs, a
+// two-lane multiply applies the norm (`tree_attention._tq3_pairs`, whose multiply-add a pair moves into the copies
+// here).
+__device__ __forceinline__ void decode_fields(u32 norm, u32 word0, u32 word1, u32 signs, u32 (&out)[16],
+                                              u32 table_low, u32 table_high) {
+    const u32 norm2 = norm | (norm << 16);
+    const u32 words[2] = {word0, word1};  // values 0-15, 16-31
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const u32 w = words[h];
+        u32 c[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) c[r] = ((w >> (2 * r)) & 0x03030303u) * 0x11u + 0x40404040u;
+        const u32 s = (signs >> (16 * h)) & 0xFFFFu;
+        const u32 spread = (s & 0x5555u) | ((s & 0xAAAAu) << 15);  // odd values' signs 16 places above the even's
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {  // pair q of the half: values 2q, 2q + 1 = 4m + r, 4m + r + 1
+            const int m = q >> 1, r = 2 * (q & 1);
+            const u32 selector = prmt(c[r], c[r + 1], (u32)(m | ((m + 4) << 4)));
+            const u32 magnitudes = prmt(table_low, table_high, selector);
+            const u32 sign = (spread << (15 - 2 * q)) & 0x80008000u;
+            out[8 * h + q] = hmul2(magnitudes | sign, norm2);
+        }
+    }
+}
+
+// The block at `block` (2-byte aligned): its norm, index words and signs, `decode_fields`.
+__device__ __forceinline__ void decode_block_pairs(const unsigned char* block, u32 (&out)[16], u32 table_low,
+                                                   u32 table_high) {
+    const u16* f = reinterpret_cast<const u16*>(block);
+    decode_fields(f[0], (u32)f[1] | ((u32)f[2] << 16), (u32)f[3] | ((u32)f[4] << 16), (u32)f[5] | ((u32)f[6] << 16),
+                  out, table_low, table_high);
+}
+
+// Decode row `row`'s block `b` from the raw rows at `raw` into `vals` (float16 rows of `pitch` halves).
+__device__ __forceinline__ void decode_block(const unsigned char* raw, int row_bytes, int row, int b, u16* vals,
+                                             int pitch, u32 table_low, u32 table_high) {
+    u32 out[16];
+    decode_block_pairs(raw + row * row_bytes + b * BLOCK_BYTES, out, table_low, table_high);
+    uint4* dst = reinterpret_cast<uint4*>(vals + row * pitch + 32 * b);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dst[i] = make_uint4(out[4 * i], out[4 * i + 1], out[4 * i + 2], out[4 * i + 3]);
+}
+
+// Copies (cp.async) of rows [r0, r0 + ROWS) of K and V (rows at or past `hi`: zeros) into `stage`: the K rows, then
+// the V rows, ROW_BYTES each; this thread's 16-byte pieces are first, first + STEP, ... (a warp's lanes or a CTA's
+// threads share them).
+template <int ROW_BYTES, int ROWS, int STEP>
+__device__ __forceinline__ void copy_kv_rows(unsigned char* stage, const unsigned char* k_base,
+                                             const unsigned char* v_base, int stride_kr, int stride_vr, int r0, int hi,
+                                             int first) {
+    static_assert(ROW_BYTES % 16 == 0, "rows of whole 16-byte pieces");
+    constexpr int PER_ROW = ROW_BYTES / 16, PIECES = ROWS * PER_ROW;
+    const unsigned base = smem(stage);
+#pragma unroll
+    for (int i = first; i < 2 * PIECES; i += STEP) {
+        const int side = i / PIECES, piece = i % PIECES, row = piece / PER_ROW, part = piece % PER_ROW;
+        const int r = r0 + row;
+        const bool valid = r < hi;
+        const unsigned char* src = (side ? v_base + (long)(valid ? r : 0) * stride_vr
+                                         : k_base + (long)(valid ? r : 0) * stride_kr) + 16 * part;
+        copy16(base + side * PIECES * 16 + row * ROW_BYTES + 16 * part, src, valid);
+    }
+}
