@@ -89,18 +89,6 @@ def test_small_budget_with_chain_seed_is_exactly_the_chain():
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("chain_seed", [True, False])
-def test_a_tree_of_b_nodes_reads_only_the_first_b_draft_rows(chain_seed):
-    """A node at depth d has d - 1 ancestors below the root, so a tree of `budget` nodes never reaches row
-    `budget`: the draft computes only those rows' logits (engine/decode.py `tree_step`) and the tree is the same."""
-    for seed, budget in itertools.product(range(4), (1, 2, 5, 11)):
-        logprobs, ids = random_table(15, 4, seed)
-        whole = build_tree(ROOT, logprobs, ids, budget, chain_seed=chain_seed)
-        first = build_tree(ROOT, logprobs[:budget], ids[:budget], budget, chain_seed=chain_seed)
-        for a, b in ((whole.tokens, first.tokens), (whole.parents, first.parents), (whole.depths, first.depths)):
-            assert torch.equal(a, b), (seed, budget)
-
-
 def test_k1_is_the_chain_and_depth_is_capped():
     logprobs, ids = random_table(5, 1, 1)
     tree = build_tree(ROOT, logprobs, ids, budget=100, chain_seed=False)

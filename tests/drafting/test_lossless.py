@@ -54,7 +54,7 @@ class OracleProposer:
     def commit(self, features, positions):
         pass
 
-    def propose(self, bonus: int, position: int, rows: int | None = None) -> torch.Tensor:
+    def propose(self, bonus: int, position: int) -> torch.Tensor:
         rng = np.random.default_rng((self.seed, position))
         logits = rng.standard_normal((self.block_size - 1, self.vocab)).astype(np.float32)
         for depth in range(self.block_size - 1):
@@ -67,7 +67,7 @@ class OracleProposer:
             for r, token in enumerate(decoys[:3]):
                 logits[depth, token] = 10.0 - r - (r >= rank)
             logits[depth, truth] = 10.0 - rank if rank < 9 else -10.0
-        return torch.from_numpy(logits)[:rows]
+        return torch.from_numpy(logits)
 
 
 def prompts(vocab: int) -> list[list[int]]:

@@ -123,7 +123,7 @@ def test_padded_chain_prefill_replays_equal_eager_cuda(make_gguf):
 
 def test_static_draft_block_equals_the_eager_one(target):
     """Bucketed context reads with invalid slots masked give the eager block pass's logits, before and
-    after the draft's context ring wraps; asked for the first rows only, both give those."""
+    after the draft's context ring wraps."""
     from flashtree.drafting.proposer import DFlashProposer
 
     draft = random_draft(target)
@@ -137,9 +137,6 @@ def test_static_draft_block_equals_the_eager_one(target):
             proposer.commit(features[start:stop], torch.arange(start, stop))
         want, got = eager.propose(7, stop), static.propose(7, stop)
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (stop, (got - want).abs().max())
-        for proposer in (eager, static):  # a small tree's rows only (the eager head computes no others)
-            first = proposer.propose(7, stop, 5)
-            assert first.shape == (5, want.shape[1]) and torch.allclose(first, want[:5], atol=1e-4, rtol=1e-4)
 
 
 def test_static_draft_pass_and_commit_accept_like_the_eager_ones():

@@ -154,8 +154,8 @@ class ReplayProposer:
         return logits.scatter_(1, truth[:, None], values[:, None])
 
     @torch.inference_mode()
-    def propose(self, bonus: int, position: int, rows: int | None = None) -> torch.Tensor:
-        logits = self.inner.propose(bonus, position, rows)
+    def propose(self, bonus: int, position: int) -> torch.Tensor:
+        logits = self.inner.propose(bonus, position)
         self._nonfinite_rows += int((~torch.isfinite(logits).all(-1)).sum())
         # a random draft fed the echo model's large features gives logits far beyond 1e4 (H200, 27B shape:
         # AL 1.0 until these were bounded), and may overflow: bounded values keep the forced ones decisive

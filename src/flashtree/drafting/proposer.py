@@ -22,9 +22,7 @@ class Proposer(Protocol):
 
     def start(self) -> None: ...  # a new sequence: forget all context
 
-    # [rows, vocab] logits of the first `rows` positions after the bonus (None: all block_size - 1); a tree of b
-    # nodes is at most b deep, so a step at a small budget asks for fewer
-    def propose(self, bonus: int, position: int, rows: int | None = None) -> torch.Tensor: ...
+    def propose(self, bonus: int, position: int) -> torch.Tensor: ...  # [block_size - 1, vocab] logits
 
     def commit(self, features: torch.Tensor, positions: torch.Tensor) -> None: ...
 
@@ -68,22 +66,19 @@ class DFlashProposer:
         self.draft.append_context(self.cache, features.to(self.target.dtype), positions, count, offsets)
 
     @torch.inference_mode()
-    def propose(self, bonus: int, position: int, rows: int | None = None) -> torch.Tensor:
-        if self.steps is not None:  # a captured pass: every row (one graph a context bucket), then the first ones
-            context = bucket_rows(max(self.cache.length, 1), self.cache.max_context)
+    def propose(self, bonus: int, position: int) -> torch.Tensor:
+        if self.steps is not None:
+            rows = bucket_rows(max(self.cache.length, 1), self.cache.max_context)
             length = self.cache.length
             with on_device(self.device):
-                return self.steps.run((context,), 3, lambda host: host.copy_(torch.tensor([bonus, position, length])),
-                                      lambda packed: self.static_block(packed, context))[:rows]
+                return self.steps.run((rows,), 3, lambda host: host.copy_(torch.tensor([bonus, position, length])),
+                                      lambda packed: self.static_block(packed, rows))
         pending, self._prefetched = self._prefetched, None
         hidden = pending[1] if pending is not None and pending[0] == (bonus, position) else \
             self._block_hidden(bonus, position)
         head = self.target.lm_head  # on the target's last device: the hidden states go there, the logits come back
-        # only the rows asked for through the head: on the CPU the demo pair's head takes 0.47 ms for 5 rows
-        # against 1.14 for all 15 (2 threads, 2026-12-06)
         with on_device(head.device):
-            return head(hidden[1 : None if rows is None else 1 + rows].to(head.device, self.target.act_dtype)
-                        ).float().to(self.target.device)
+            return head(hidden[1:].to(head.device, self.target.act_dtype)).float().to(self.target.device)
 
     @torch.inference_mode()
     def prefetch(self, bonus: int, position: int) -> None:

@@ -136,7 +136,7 @@ def tree_step(engine: ModelRunner, cache, proposer: Proposer, sampler, bonus: in
     """Draft a tree of `budget` nodes below `bonus`, verify it, emit the accepted tokens and commit them;
     returns the next bonus token and its entry, or None when the output ended inside the accepted path."""
     t0 = time.perf_counter()
-    draft_logits = proposer.propose(bonus, cache.length, min(budget, proposer.block_size - 1))  # no deeper rows
+    draft_logits = proposer.propose(bonus, cache.length)
     tree = make_tree(config.mode, bonus, draft_logits, budget, config.topk)
     t1 = time.perf_counter()
     result = engine.step_forward(tree.tokens, cache, tree, proposer.capture_layers,
