@@ -38,11 +38,17 @@ def test_it_takes_a_tree_of_normed_tokens_over_tq3_0_rows_only():
 
 
 def test_a_cta_fits_an_sm_and_the_splits_fill_the_gpu():
-    assert attention_verify.shared_bytes(256) <= 227 * 1024
-    assert attention_verify.shared_bytes(256) == 2 * 2 * 64 * 112 + 2 * 2 * 64 * 256 * 2 + 128 * 256 * 2
-    assert attention_verify.slices_for(128) == 1 and attention_verify.slices_for(138) == 2
+    for tail in (False, True):
+        assert attention_verify.shared_bytes(256, tail) <= 227 * 1024
+    assert attention_verify.shared_bytes(256, False) == 2 * 2 * 64 * 112 + 3 * 64 * 256 * 2 + 128 * 256 * 2
+    assert attention_verify.shared_bytes(256, True) == (2 * 2 * 64 * 112 + 3 * 64 * 256 * 2 + 144 * 256 * 2
+                                                        + 16 * 144 + 8 * 16 * 4)
+    assert not attention_verify.has_tail(128) and attention_verify.has_tail(129) and attention_verify.has_tail(144)
+    assert not attention_verify.has_tail(145)  # two CTAs of 128 rows
+    assert attention_verify.slices_for(128) == 1 and attention_verify.slices_for(138) == 1  # 23 tokens: one CTA
+    assert attention_verify.slices_for(144) == 1 and attention_verify.slices_for(145) == 2
     assert attention_verify.splits_for(262144, 4, 132, 256) == 16  # a CTA an SM over 4 KV heads x 2 slices
-    assert attention_verify.splits_for(262144, 4, 132, 256, query_rows=128) == 33  # one slice
+    assert attention_verify.splits_for(262144, 4, 132, 256, query_rows=138) == 33  # one slice
     assert attention_verify.splits_for(262144, 1, 132, 256, query_rows=64) == 132
     assert attention_verify.splits_for(1000, 4, 132, 256) == 8  # each split at least 2 chunks of 64 rows
     assert attention_verify.splits_for(5, 4, 132, 256) == 1
@@ -51,8 +57,9 @@ def test_a_cta_fits_an_sm_and_the_splits_fill_the_gpu():
 @pytest.mark.skipif(not nvrtc_available(), reason="needs cuda-python and NVRTC")
 @pytest.mark.parametrize("d", attention_verify.HEAD_DIMS)
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
-def test_every_instance_compiles(d, q_dtype):
-    source = attention_verify.source(d, q_dtype)
+@pytest.mark.parametrize("tail", [False, True])
+def test_every_instance_compiles(d, q_dtype, tail):
+    source = attention_verify.source(d, q_dtype, tail)
     assert target(source, "sm_90") == "sm_90a"  # warpgroup MMA
     assert compile_cubin(source, "sm_90a")[:4] == b"\x7fELF"
 
@@ -83,12 +90,14 @@ def _run(args, q_dtype):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("kv_end, n, seed", [(40, 2, 0), (100, 23, 1), (4100, 5, 2), (70000, 23, 3), (70000, 32, 4),
+                                             (20000, 24, 6), (20000, 21, 7), (9000, 22, 8),
                                              pytest.param(262144, 23, 5, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 def test_the_verify_matches_the_reference_on_gpu(kv_end, n, seed, q_dtype):
     """The CUDA verify against the reference over the float16 pair values: q rounded to float16 at 2^-11, P likewise,
     float32 sums, the output in q's dtype (bf16: 2^-8); over short ranges (one split, one partial chunk), splits with a
-    partial last chunk, 2 to 32 tokens (up to 192 query rows a KV head, the last warpgroup's partly padding), random
+    partial last chunk, 2 to 32 tokens (up to 192 query rows a KV head: 21 tokens fill the two warpgroups' 128, 22 to
+    24 take the 16-row tail, 32 two CTAs, the last warpgroup's partly padding), random
     trees, garbage rows past them, kv_end at the last new row (odd seeds) or past it, q token-major (seeds 3, 4)."""
     args = _inputs(kv_end, n, q_dtype, seed, at_end=seed % 2 == 1, token_major=seed in (3, 4))
     takes = attention_verify.takes(args["q"], args["k_cache"], args["v_cache"], ("tq3_0", "tq3_0"), 0, True,

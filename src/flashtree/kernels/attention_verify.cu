@@ -1,14 +1,17 @@
 // A tree verify's attention over TQ3_0 K and V rows (up to 192 query rows a KV head: 23 tokens x 6 heads is 138),
-// flash attention on Hopper's warpgroup MMA (wgmma, sm_90a): grid (KV heads x slices of 128 query rows, splits of
-// the visible rows); a CTA's two warpgroups each own 64 query rows of its slice (head-major: row m of the group is
-// head m / T, token m % T) and walk the split's rows together in 64-row chunks, which the CTA streams into shared
-// memory (cp.async, a chunk ahead) and decodes there once to float16, so that every K/V row is decoded once for all
-// the slice's query rows (a second slice, rows 128-191, decodes them again: three warpgroups' accumulators with the
-// scores' would not fit a thread's 168 registers, and wgmma then serializes). The tensor cores read
-// the query rows, K and V from shared memory themselves (one read a warpgroup, not one a warp as ldmatrix feeds
-// mma.sync), S = Q K^T lands in registers, P goes back in as the A side of O += P V. Each warp writes its rows'
-// partial output and log-sum-exp in tree_attention.py's layout, which its combine launch merges (rotating TQ3_0 values
-// back, applying the gate).
+// flash attention on Hopper's warpgroup MMA (wgmma, sm_90a): grid (KV heads x slices of query rows, splits of the
+// visible rows); a CTA's two warpgroups each own 64 query rows of its slice (head-major: row m of the group is head
+// m / T, token m % T), and where the group has more than 128 the CTA's 8 warps share a 16-row tail on mma.sync (a
+// slice of 144 rows: 23 tokens in one CTA). They walk the split's rows together in 64-row chunks, which the CTA
+// streams into shared memory (cp.async, a chunk ahead) and decodes there once to float16, so that every K/V row is
+// decoded once for all the slice's query rows (three warpgroups' accumulators with the scores' would not fit a
+// thread's 168 registers: ptxas serializes the wgmmas and spills). The tensor cores read the query rows, K and V from
+// shared memory themselves (one read a warpgroup, not one a warp as ldmatrix feeds mma.sync), S = Q K^T lands in
+// registers, P goes back in as the A side of O += P V. The tail's warps each take 8 K rows of its scores and 32
+// values of its outputs; its row maxima meet in shared memory, its P goes through it and its P V runs a chunk late
+// (before the next barrier, while its V chunk is still there). Each warp writes its rows' partial output and
+// log-sum-exp in tree_attention.py's layout, which its combine launch merges (rotating TQ3_0 values back, applying
+// the gate).
 //
 // Why: Triton's verify over long TQ3_0 caches took a 128-row tile and a 10-row tail tile, each decoding every K/V
 // row in registers (967 us over 262K rows a layer on an H100, 16 attention layers in the 27B: verify-22 2.08x the 1K
@@ -20,23 +23,33 @@
 // float16 for the P V products, float32 accumulators. The mask is the tree's (`graphed_mask`): row r < start is
 // committed, row start + j is new token j, seen by query token i iff visible[i][j]; no window.
 //
-// Shared memory: the two raw chunks, two decoded chunks (K, V each) and the query rows, the float16 ones in
-// wgmma's no-swizzle core matrices (8 rows x 16 bytes, 128 contiguous bytes): value (row, d) of a tile of R rows at
-// byte (d / 8) * 16 R + 16 row + 2 (d % 8), so that a warp's 16-byte stores of 32 consecutive rows are contiguous.
+// The float16 tiles in shared memory are in wgmma's no-swizzle core matrices (8 rows x 16 bytes, 128 contiguous
+// bytes): value (row, d) of a tile of R rows at byte (d / 8) * 16 R + 16 row + 2 (d % 8), so that a warp's 16-byte
+// stores of 32 consecutive rows are contiguous.
 
-constexpr int VCHUNK = 64;      // K/V rows decoded and attended at a time
-constexpr int SLICE_ROWS = 128;  // query rows a CTA: two warpgroups of 64
+constexpr int VCHUNK = 64;       // K/V rows decoded and attended at a time
+constexpr int WG_ROWS = 128;     // query rows of a CTA's two warpgroups (64 each)
+constexpr int TAIL_ROWS = 16;    // query rows past them in a CTA with a tail: one mma.sync tile the 8 warps share
 constexpr int STAGES = 2;        // raw chunks in shared memory: the next one's copies land while one is decoded
 constexpr int THREADS = 256;     // two warpgroups
+constexpr int P_PITCH = VCHUNK * 2 + 16;  // bytes a tail row of P: 16 past a multiple of 128, ldmatrix's 8 rows in
+                                          // distinct banks
 
-template <int D>
+// Shared memory: raw K and V chunks (STAGES), the decoded K chunk (one: its next chunk is decoded after every warp's
+// scores), the decoded V chunks (two: the tail's P V of a chunk runs in the next step), the query rows; with a tail,
+// its P and the warps' row maxima (then sums).
+template <int D, bool TAIL>
 struct VerifySmem {
+    static constexpr int SLICE = WG_ROWS + (TAIL ? TAIL_ROWS : 0);  // query rows a CTA
     static constexpr int ROW_BYTES = D / 32 * BLOCK_BYTES;
     static constexpr int RAW = VCHUNK * ROW_BYTES;          // one side's raw chunk
     static constexpr int SIDE = VCHUNK * D * 2;             // bytes of one side's decoded chunk
-    static constexpr int DECODED = STAGES * 2 * RAW;        // byte offset of the decoded chunks
-    static constexpr int QUERIES = DECODED + 2 * 2 * SIDE;  // byte offset of the query rows
-    static constexpr int BYTES = QUERIES + SLICE_ROWS * D * 2;
+    static constexpr int KEYS = STAGES * 2 * RAW;           // byte offsets
+    static constexpr int VALUES = KEYS + SIDE;
+    static constexpr int QUERIES = VALUES + 2 * SIDE;
+    static constexpr int TAIL_P = QUERIES + SLICE * D * 2;
+    static constexpr int RED = TAIL_P + (TAIL ? TAIL_ROWS * P_PITCH : 0);
+    static constexpr int BYTES = RED + (TAIL ? THREADS / 32 * TAIL_ROWS * 4 : 0);
 };
 
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -88,22 +101,21 @@ __device__ __forceinline__ void wgmma_values(float (&d)[32], const u32 (&a)[4], 
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
 }
 
-// A raw stage's K and V rows decoded by the CTA's threads into core matrices, two adjacent blocks (28 bytes, 4-byte
-// aligned) a thread at a time: a warp takes 8 rows x 4 block pairs, whose seven 4-byte loads each fall in 32
+// One side's raw chunk (K or V rows) decoded by the CTA's threads into core matrices, two adjacent blocks (28 bytes,
+// 4-byte aligned) a thread at a time: a warp takes 8 rows x 4 block pairs, whose seven 4-byte loads each fall in 32
 // distinct banks (row stride 28 words, pair stride 7) and whose 16-byte stores fill four whole 128-byte rows of banks.
 template <int D>
-__device__ __forceinline__ void decode_rows(const unsigned char* stage, unsigned char* decoded, u32 table_low,
+__device__ __forceinline__ void decode_side(const unsigned char* raw, unsigned char* dst_side, u32 table_low,
                                             u32 table_high) {
-    typedef VerifySmem<D> S;
     static_assert(D == 256, "a warp's 8 rows x 4 block pairs cover whole rows of 8 blocks");
-    constexpr int PER_SIDE = VCHUNK * D / 64;
-    for (int i = threadIdx.x; i < 2 * PER_SIDE; i += blockDim.x) {
-        const int side = i / PER_SIDE, j = i % PER_SIDE, row = 8 * (j >> 5) + (j & 7), pair = (j & 31) >> 3;
-        const u32* raw = reinterpret_cast<const u32*>(stage + side * S::RAW + row * S::ROW_BYTES + pair * 28);
+    constexpr int ROW_BYTES = D / 32 * BLOCK_BYTES, ITEMS = VCHUNK * D / 64;
+    for (int j = threadIdx.x; j < ITEMS; j += blockDim.x) {
+        const int row = 8 * (j >> 5) + (j & 7), pair = (j & 31) >> 3;
+        const u32* src = reinterpret_cast<const u32*>(raw + row * ROW_BYTES + pair * 28);
         u32 w[7];
 #pragma unroll
-        for (int k = 0; k < 7; ++k) w[k] = raw[k];
-        unsigned char* dst = decoded + side * S::SIDE + 16 * row;
+        for (int k = 0; k < 7; ++k) w[k] = src[k];
+        unsigned char* dst = dst_side + 16 * row;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {  // block 2 pair + h: bytes 0-13, 14-27
             u32 out[16];
@@ -121,27 +133,35 @@ __device__ __forceinline__ void decode_rows(const unsigned char* stage, unsigned
     }
 }
 
-// S = Q K^T of a warpgroup's 64 query rows (`q_addr`) over a decoded chunk's K rows (`keys`), issued to the tensor
-// cores; the caller waits (wg_wait_all) before it reads `s`: rows a, b of the lane (values 0, 1 and 2, 3 of each 4)
-// x K rows 8 j + 2 t (+ 1).
-template <int D>
+// S = Q K^T of a warpgroup's 64 query rows (`q_addr`, in a tile of SLICE rows) over a decoded chunk's K rows
+// (`keys`), issued to the tensor cores; the caller waits (wg_wait_all) before it reads `s`: rows a, b of the lane
+// (values 0, 1 and 2, 3 of each 4) x K rows 8 j + 2 t (+ 1).
+template <int D, int SLICE>
 __device__ __forceinline__ void issue_scores(float (&s)[32], unsigned q_addr, unsigned keys) {
 #pragma unroll
     for (int i = 0; i < 32; ++i) s[i] = 0.0f;
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
-        wgmma_scores(s, descriptor(q_addr + 2 * kk * 16 * SLICE_ROWS, 16 * SLICE_ROWS, 128),
+        wgmma_scores(s, descriptor(q_addr + 2 * kk * 16 * SLICE, 16 * SLICE, 128),
                      descriptor(keys + 2 * kk * 16 * VCHUNK, 16 * VCHUNK, 128), kk > 0);
     wg_commit();
 }
 
+// Whether query token `row_vis / T` sees K/V row r: committed rows (< start), the tree's new rows by `vis`, nothing
+// at or past the split's end `hi`.
+__device__ __forceinline__ bool visible(int r, int hi, int start, int T, const unsigned char* vis, int row_vis) {
+    return r < hi && (r < start || vis[row_vis + min(max(r - start, 0), T - 1)] != 0);
+}
+
 // The scores of a chunk of rows r0 .. r0 + 63 masked, the online softmax, then O += P V (V at `values`) with P's
-// float16 A fragments from the scores' registers.
+// float16 A fragments from the scores' registers, issued to the tensor cores: the caller waits (wg_wait_all, then
+// keep_floats on `acc`).
 template <int D>
-__device__ __forceinline__ void attend(float (&s)[32], unsigned values, int r0, int hi, int start, int T,
-                                       const unsigned char* vis, int vis_a, int vis_b, float scale_log2, int v_lbo,
-                                       int v_sbo, float (&m_run)[2], float (&l_run)[2], float (&acc)[D / 64][32]) {
+__device__ __forceinline__ void issue_values(float (&s)[32], unsigned values, int r0, int hi, int start, int T,
+                                             const unsigned char* vis, int vis_a, int vis_b, float scale_log2,
+                                             int v_lbo, int v_sbo, float (&m_run)[2], float (&l_run)[2],
+                                             float (&acc)[D / 64][32]) {
     const int t = threadIdx.x & 3;
     const bool masked = r0 + VCHUNK > min(start, hi);  // new rows or the split's end (uniform over the CTA)
     float mx[2] = {NEG_INF, NEG_INF};
@@ -150,11 +170,8 @@ __device__ __forceinline__ void attend(float (&s)[32], unsigned values, int r0, 
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
             float v = s[4 * j + c] * scale_log2;
-            if (masked) {
-                const int r = r0 + 8 * j + 2 * t + (c & 1);
-                const int row_vis = c < 2 ? vis_a : vis_b;
-                if (!(r < hi && (r < start || vis[row_vis + min(max(r - start, 0), T - 1)] != 0))) v = NEG_INF;
-            }
+            if (masked && !visible(r0 + 8 * j + 2 * t + (c & 1), hi, start, T, vis, c < 2 ? vis_a : vis_b))
+                v = NEG_INF;
             s[4 * j + c] = v;
             mx[c >> 1] = fmaxf(mx[c >> 1], v);
         }
@@ -195,12 +212,110 @@ __device__ __forceinline__ void attend(float (&s)[32], unsigned values, int r0, 
         for (int n = 0; n < D / 64; ++n)
             wgmma_values(acc[n], p[kb], descriptor(values + kb * 2 * 128 + n * 8 * 16 * VCHUNK, v_lbo, v_sbo));
     wg_commit();
-    wg_wait_all();
-#pragma unroll
-    for (int n = 0; n < D / 64; ++n) keep_floats(acc[n]);
 }
 
-template <int D, typename QT>
+// The tail: query rows 128 .. 143 of the CTA's slice on mma.sync, shared by the 8 warps. Warp w takes the scores of
+// K rows 8 w .. 8 w + 7 (S rows g, g + 8 x K rows 8 w + 2 t, + 1 in `st`) and the outputs of values 32 w .. 32 w + 31
+// (rows g, g + 8 x values 32 w + 8 j + 2 t, + 1 in `o`); the row maxima meet in shared memory, P goes through it.
+template <int D, int SLICE>
+__device__ __forceinline__ void tail_scores(float (&st)[4], unsigned queries, unsigned keys, int warp, int lane) {
+    const int mi = lane >> 3;
+    // A (ldmatrix x4): the tail's rows (lane & 7) + 8 (mi & 1), values 16 kk + 8 (mi >> 1) ..; B: K rows
+    // 8 warp + (lane & 7), values 8 (4 i + mi) .. (k steps 2 i, 2 i + 1)
+    const unsigned a_addr = queries + (mi >> 1) * 16 * SLICE + 16 * (WG_ROWS + (lane & 7) + 8 * (mi & 1));
+    const unsigned b_addr = keys + mi * 16 * VCHUNK + 16 * (8 * warp + (lane & 7));
+    float chains[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+    for (int i = 0; i < D / 32; ++i) {
+        u32 b[4];
+        ldsm_x4(b, b_addr + 4 * i * 16 * VCHUNK);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            u32 a[4];
+            ldsm_x4(a, a_addr + 2 * (2 * i + h) * 16 * SLICE);
+            mma(chains[h], a, b[2 * h], b[2 * h + 1]);
+        }
+    }
+#pragma unroll
+    for (int c = 0; c < 4; ++c) st[c] = chains[0][c] + chains[1][c];
+}
+
+// The tail's scores masked, each row's max over the warp's 8 K rows into `red` [warp][16]
+__device__ __forceinline__ void tail_maxima(float (&st)[4], int r0, int hi, int start, int T, const unsigned char* vis,
+                                            const int (&vis_tail)[2], float scale_log2, int warp, float* red) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        float v = st[c] * scale_log2;
+        if (!visible(r0 + 8 * warp + 2 * t + (c & 1), hi, start, T, vis, vis_tail[c >> 1])) v = NEG_INF;
+        st[c] = v;
+        mx[c >> 1] = fmaxf(mx[c >> 1], v);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xFFFFFFFFu, mx[h], 1));
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xFFFFFFFFu, mx[h], 2));
+        if (t == 0) red[warp * TAIL_ROWS + g + 8 * h] = mx[h];
+    }
+}
+
+// After the maxima met: the tail's running max, P into `p_rows` (float16, P_PITCH bytes a row), the lane's share of
+// the row sums, the outputs rescaled
+template <int D>
+__device__ __forceinline__ void tail_probabilities(const float (&st)[4], const float* red, unsigned char* p_rows,
+                                                   int warp, float (&m_tail)[2], float (&l_tail)[2],
+                                                   float (&o)[D / 64][4]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    float p[4], alpha[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float mx = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < THREADS / 32; ++w) mx = fmaxf(mx, red[w * TAIL_ROWS + g + 8 * h]);
+        const float m_new = fmaxf(m_tail[h], mx);
+        const float m_use = m_new == NEG_INF ? 0.0f : m_new;
+        alpha[h] = exp2f(m_tail[h] - m_use);
+        p[2 * h] = exp2f(st[2 * h] - m_use);
+        p[2 * h + 1] = exp2f(st[2 * h + 1] - m_use);
+        l_tail[h] = l_tail[h] * alpha[h] + p[2 * h] + p[2 * h + 1];
+        m_tail[h] = m_new;
+        *reinterpret_cast<u32*>(p_rows + (g + 8 * h) * P_PITCH + 2 * (8 * warp + 2 * t)) =
+            f16x2_of(p[2 * h], p[2 * h + 1]);
+    }
+#pragma unroll
+    for (int j = 0; j < D / 64; ++j) {
+        o[j][0] *= alpha[0];
+        o[j][1] *= alpha[0];
+        o[j][2] *= alpha[1];
+        o[j][3] *= alpha[1];
+    }
+}
+
+// O_tail += P V for the warp's 32 values: A from the tail's P rows, B from V's row-major core matrices (transposed by
+// ldmatrix)
+template <int D>
+__device__ __forceinline__ void tail_values(float (&o)[D / 64][4], unsigned p_rows, unsigned values, int warp,
+                                            int lane) {
+    const int mi = lane >> 3;
+    const unsigned a_addr = p_rows + ((lane & 7) + 8 * (mi & 1)) * P_PITCH + 16 * (mi >> 1);
+    // B: K/V rows 16 kb + (lane & 7) + 8 (mi & 1), values 8 (4 warp + 2 jj + (mi >> 1)) ..
+    const unsigned b_addr = values + (4 * warp + (mi >> 1)) * 16 * VCHUNK + 16 * ((lane & 7) + 8 * (mi & 1));
+#pragma unroll
+    for (int kb = 0; kb < VCHUNK / 16; ++kb) {
+        u32 a[4];
+        ldsm_x4(a, a_addr + 32 * kb);
+#pragma unroll
+        for (int jj = 0; jj < D / 128; ++jj) {
+            u32 b[4];
+            ldsm_x4_trans(b, b_addr + 2 * jj * 16 * VCHUNK + 16 * 16 * kb);
+            mma(o[2 * jj], a, b[0], b[1]);
+            mma(o[2 * jj + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+template <int D, bool TAIL, typename QT>
 __device__ __forceinline__ void tq3_verify(const QT* __restrict__ q, const unsigned char* __restrict__ k_cache,
                                            const unsigned char* __restrict__ v_cache,
                                            const long long* __restrict__ start_t, const unsigned char* __restrict__ vis,
@@ -208,22 +323,26 @@ __device__ __forceinline__ void tq3_verify(const QT* __restrict__ q, const unsig
                                            int stride_qt, int stride_kh, int stride_kr, int stride_vh, int stride_vr,
                                            int T, int kv_end, int heads, int group, float scale_log2, u32 table_low,
                                            u32 table_high, int v_lbo, int v_sbo) {
-    typedef VerifySmem<D> S;
+    typedef VerifySmem<D, TAIL> S;
+    constexpr int SLICE = S::SLICE;
     extern __shared__ __align__(128) unsigned char shared[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int kv_heads = heads / group, kvh = blockIdx.x % kv_heads, slice = blockIdx.x / kv_heads;
     const int split = blockIdx.y, splits = gridDim.y;
-    unsigned char* decoded = shared + S::DECODED;
+    unsigned char* keys_buf = shared + S::KEYS;
+    unsigned char* values_buf = shared + S::VALUES;
     unsigned char* queries = shared + S::QUERIES;
+    unsigned char* p_rows = shared + S::TAIL_P;
+    float* red = reinterpret_cast<float*>(shared + S::RED);
     const unsigned char* k_base = k_cache + (long)kvh * stride_kh;
     const unsigned char* v_base = v_cache + (long)kvh * stride_vh;
     wait_for_predecessors();
 
-    const int rows = group * T, m0 = SLICE_ROWS * slice;  // the slice's rows [m0, m0 + 128) of the group's
+    const int rows = group * T, m0 = SLICE * slice;  // the slice's rows [m0, m0 + SLICE) of the group's
     {   // the slice's query rows into core matrices as float16, lanes along rows (zeros past the group's rows)
 #pragma unroll 4
-        for (int i = threadIdx.x; i < SLICE_ROWS * D / 8; i += blockDim.x) {
-            const int r = i % SLICE_ROWS, dg = i / SLICE_ROWS, m = m0 + r;
+        for (int i = threadIdx.x; i < SLICE * D / 8; i += blockDim.x) {
+            const int r = i % SLICE, dg = i / SLICE, m = m0 + r;
             u32 pairs[4] = {0u, 0u, 0u, 0u};
             if (m < rows) {
                 const QT* row = q + (long)(kvh * group + m / T) * stride_qh + (long)(m % T) * stride_qt + 8 * dg;
@@ -232,16 +351,19 @@ __device__ __forceinline__ void tq3_verify(const QT* __restrict__ q, const unsig
                     pairs[j] = f16x2_of(fminf(fmaxf(as_float(row[2 * j]), -65280.0f), 65280.0f),
                                         fminf(fmaxf(as_float(row[2 * j + 1]), -65280.0f), 65280.0f));
             }
-            *reinterpret_cast<uint4*>(queries + dg * 16 * SLICE_ROWS + 16 * r) =
+            *reinterpret_cast<uint4*>(queries + dg * 16 * SLICE + 16 * r) =
                 make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
         }
     }
 
     // this lane's rows of its warpgroup's MMA tiles: a = m0 + 64 wg + 16 (warp % 4) + g, b = a + 8 (their heads and
-    // tokens worked out again where needed); a warpgroup whose 64 rows are all past the group's idles at the MMAs
+    // tokens worked out again where needed); a warpgroup whose 64 rows are all past the group's multiplies zeros (a
+    // wgmma's issue and wait in paths a branch divides: ptxas serializes every wgmma)
     const int m_a = m0 + 16 * warp + g;
-    const bool group_live = m0 + 64 * (warp >> 2) < rows;  // uniform over the warpgroup
     const int vis_a = m_a < rows ? m_a % T * T : 0, vis_b = m_a + 8 < rows ? (m_a + 8) % T * T : 0;
+    const bool tail_live = TAIL && m0 + WG_ROWS < rows;  // uniform over the CTA
+    const int m_tail = m0 + WG_ROWS + g;  // the lane's tail rows: m_tail, m_tail + 8
+    const int vis_tail[2] = {m_tail < rows ? m_tail % T * T : 0, m_tail + 8 < rows ? (m_tail + 8) % T * T : 0};
 
     const int start = (int)start_t[0];
     const int end = min(start + T, kv_end);
@@ -249,6 +371,7 @@ __device__ __forceinline__ void tq3_verify(const QT* __restrict__ q, const unsig
     const int lo = split * per_split, hi = min(lo + per_split, end);
     const int chunks = hi > lo ? (hi - lo + VCHUNK - 1) / VCHUNK : 0;
     const unsigned q_addr = smem(queries) + 64 * 16 * (warp >> 2);  // this warpgroup's 64 rows
+    const unsigned keys = smem(keys_buf);
 
     float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.0f, 0.0f};
     float acc[D / 64][32];  // O: rows a (values 0, 1 of each 4), b (2, 3) x dims 64 n + 8 j + 2 t (+ 1)
@@ -256,9 +379,13 @@ __device__ __forceinline__ void tq3_verify(const QT* __restrict__ q, const unsig
     for (int n = 0; n < D / 64; ++n)
 #pragma unroll
         for (int i = 0; i < 32; ++i) acc[n][i] = 0.0f;
+    float m_tl[2] = {NEG_INF, NEG_INF}, l_tl[2] = {0.0f, 0.0f};
+    float o_tail[D / 64][4];  // the tail's outputs: rows g, g + 8 x values 32 warp + 8 j + 2 t (+ 1)
+#pragma unroll
+    for (int j = 0; j < D / 64; ++j) o_tail[j][0] = o_tail[j][1] = o_tail[j][2] = o_tail[j][3] = 0.0f;
 
-    // chunk k: raw in stage k % 2 (copied two steps ahead), decoded into buffer k % 2 while the tensor cores take
-    // chunk k - 1's scores
+    // chunk k: raw in stage k % 2 (copied two steps ahead); its K decoded into the one K buffer once every warp is
+    // done with chunk k - 1's scores, its V into V buffer k % 2; both while the tensor cores take chunk k - 1's P V
     for (int k = 0; k < STAGES; ++k) {
         if (k < chunks)
             copy_kv_rows<S::ROW_BYTES, VCHUNK, THREADS>(shared + k * 2 * S::RAW, k_base, v_base, stride_kr, stride_vr,
@@ -267,7 +394,10 @@ __device__ __forceinline__ void tq3_verify(const QT* __restrict__ q, const unsig
     }
     wait_copies<1>();
     __syncthreads();
-    if (chunks > 0) decode_rows<D>(shared, decoded, table_low, table_high);
+    if (chunks > 0) {
+        decode_side<D>(shared, keys_buf, table_low, table_high);
+        decode_side<D>(shared + S::RAW, values_buf, table_low, table_high);
+    }
     wait_copies<0>();
     fence_proxy_async();
     __syncthreads();
@@ -276,24 +406,37 @@ __device__ __forceinline__ void tq3_verify(const QT* __restrict__ q, const unsig
             copy_kv_rows<S::ROW_BYTES, VCHUNK, THREADS>(shared + k % 2 * 2 * S::RAW, k_base, v_base, stride_kr, stride_vr,
                                                         lo + (k + 2) * VCHUNK, hi, threadIdx.x);
         commit();
-        // chunk k + 1's rows landed before the last barrier; its buffer was chunk k - 1's
-        unsigned char* next = k + 1 < chunks ? decoded + (k + 1) % 2 * 2 * S::SIDE : nullptr;
-        if (group_live) {  // the decode runs while the tensor cores take the scores (one branch: wgmma's issue and
-                           // wait in one path, or ptxas serializes them)
-            const unsigned keys = smem(decoded + k % 2 * 2 * S::SIDE);
-            float s[32];
-            issue_scores<D>(s, q_addr, keys);
-            if (next) decode_rows<D>(shared + (k + 1) % 2 * 2 * S::RAW, next, table_low, table_high);
-            wg_wait_all();
-            keep_floats(s);
-            attend<D>(s, keys + S::SIDE, lo + k * VCHUNK, hi, start, T, vis, vis_a, vis_b, scale_log2, v_lbo, v_sbo,
-                      m_run, l_run, acc);
-        } else if (next) {
-            decode_rows<D>(shared + (k + 1) % 2 * 2 * S::RAW, next, table_low, table_high);
+        const unsigned values = smem(values_buf + k % 2 * S::SIDE);
+        float s[32];
+        issue_scores<D, SLICE>(s, q_addr, keys);
+        float st[4];
+        if constexpr (TAIL) {
+            if (tail_live) {
+                if (k > 0)  // chunk k - 1's tail P V (its P written before the last barrier, its V in the other buffer)
+                    tail_values<D>(o_tail, smem(p_rows), smem(values_buf + (k + 1) % 2 * S::SIDE), warp, lane);
+                tail_scores<D, SLICE>(st, smem(queries), keys, warp, lane);
+                tail_maxima(st, lo + k * VCHUNK, hi, start, T, vis, vis_tail, scale_log2, warp, red);
+            }
         }
+        wg_wait_all();
+        keep_floats(s);
+        __syncthreads();  // every warp done with the K buffer and the tail's P and V of chunk k - 1; the maxima met
+        if constexpr (TAIL) {
+            if (tail_live) tail_probabilities<D>(st, red, p_rows, warp, m_tl, l_tl, o_tail);
+        }
+        issue_values<D>(s, values, lo + k * VCHUNK, hi, start, T, vis, vis_a, vis_b, scale_log2, v_lbo, v_sbo,
+                        m_run, l_run, acc);
+        if (k + 1 < chunks) {  // chunk k + 1 while the tensor cores take P V
+            const unsigned char* raw = shared + (k + 1) % 2 * 2 * S::RAW;
+            decode_side<D>(raw, keys_buf, table_low, table_high);
+            decode_side<D>(raw + S::RAW, values_buf + (k + 1) % 2 * S::SIDE, table_low, table_high);
+        }
+        wg_wait_all();
+#pragma unroll
+        for (int n = 0; n < D / 64; ++n) keep_floats(acc[n]);
         wait_copies<0>();     // chunk k + 2's rows, for the next step's decode
         fence_proxy_async();  // the decoded chunk k + 1, for the tensor cores
-        __syncthreads();      // chunk k + 1 decoded; chunk k's buffer and stage free
+        __syncthreads();      // chunk k + 1 decoded, the tail's P of chunk k written; chunk k's stage free
     }
 
     // the quad's sums, then rows a and b normalized into part [splits, heads, T, D] and lse [splits, heads, T]
@@ -315,5 +458,33 @@ __device__ __forceinline__ void tq3_verify(const QT* __restrict__ q, const unsig
             for (int j = 0; j < 8; ++j)
                 out[32 * n + 4 * j] = make_float2(acc[n][4 * j + 2 * h] * inv, acc[n][4 * j + 2 * h + 1] * inv);
         if (t == 0) lse[row] = l_run[h] > 0.0f ? m_run[h] + log2f(l_run[h]) : NEG_INF;
+    }
+    if constexpr (TAIL) {
+        if (tail_live) {  // the last chunk's P V, then the rows' sums over the quads and the warps
+            if (chunks > 0)
+                tail_values<D>(o_tail, smem(p_rows), smem(values_buf + (chunks - 1) % 2 * S::SIDE), warp, lane);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                l_tl[h] += __shfl_xor_sync(0xFFFFFFFFu, l_tl[h], 1);
+                l_tl[h] += __shfl_xor_sync(0xFFFFFFFFu, l_tl[h], 2);
+                if (t == 0) red[warp * TAIL_ROWS + g + 8 * h] = l_tl[h];  // the maxima were read before the barrier
+            }
+            __syncthreads();
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int m = m_tail + 8 * h;
+                if (m >= rows) continue;
+                float l = 0.0f;
+#pragma unroll
+                for (int w = 0; w < THREADS / 32; ++w) l += red[w * TAIL_ROWS + g + 8 * h];
+                const long row = ((long)split * heads + kvh * group + m / T) * T + m % T;
+                const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+                float2* out = reinterpret_cast<float2*>(part + row * D + 32 * warp + 2 * t);
+#pragma unroll
+                for (int j = 0; j < D / 64; ++j)
+                    out[4 * j] = make_float2(o_tail[j][2 * h] * inv, o_tail[j][2 * h + 1] * inv);
+                if (warp == 0 && t == 0) lse[row] = l > 0.0f ? m_tl[h] + log2f(l) : NEG_INF;
+            }
+        }
     }
 }

@@ -1,16 +1,17 @@
 """A tree verify's attention over TQ3_0 K and V rows in CUDA C (`attention_verify.cu`): the split launch of
 `tree_attention` for a verify (2 to `MAX_ROWS` / group tokens) over a long TQ3_0 cache, each K/V row decoded once
-into shared memory for all the query rows of its KV head, writing the splits' partial rows and log-sum-exps that
-`tree_attention`'s combine launch merges (rotating the values back, applying the gate).
+into shared memory for all the query rows of its KV head (up to 144 in one CTA: two warpgroups of 64 and a tail of
+16 on mma.sync), writing the splits' partial rows and log-sum-exps that `tree_attention`'s combine launch merges
+(rotating the values back, applying the gate).
 
 Why: Triton's verify took a 128-row and a 10-row query tile over each KV head's rows, each decoding every row in
-registers (issue #20's bar: verify-22 at 262K within 1.3x of 1K). H100, thirty-third session (kernel and combine,
+registers (issue #20's bar: verify-22 at 262K within 1.3x of 1K). H100, thirty-fourth session (kernel and combine,
 `sweep_tree_attention.py --compare --cuda-verify-from 0`, the model's call: float32 query, bf16 operands), 23 tokens
-(two slices) over 4K / 16K / 64K / 262K TQ3_0 rows: this 45.8 / 80.6 / 224.4 / 781.4 us, Triton's default 38.0 /
-89.8 / 278.1 / 943.6; 21 tokens (one slice) over 64K / 262K: 134.9 / 410.0 against 204.9 / 578.6. A first form on
-mma.sync (a warp a 16 query rows, fragments through ldmatrix) took 803 us over 262K rows. Nsight Compute at 64K rows:
-8 warps an SM (one CTA: 225 KB of shared memory), 49 % issue, stalls on fixed-latency dependencies and the barrier:
-the decode's instructions, not the tensor cores, set the pace, and a second slice decodes every row again.
+over 16K / 64K / 262K TQ3_0 rows: this (one CTA a KV head's 138 rows) 70.1 / 166.1 / 523.6 us, the thirty-third
+session's (two CTAs of 128 rows, each decoding every row) 82.6 / 228.0 / 812.2, Triton's 96.4 / 274.7 / 953.9; 21
+tokens (128 rows) over 64K / 262K: 128.6 / 389.0 against 136.0 / 417.8. Nsight Compute (thirty-third session, 64K
+rows): 8 warps an SM (one CTA: ~200 KB of shared memory), 49 % issue, stalls on fixed-latency dependencies and the
+barrier: the decode's instructions and the MMAs take turns in the same warps.
 
 `tree_attention` launches this where `takes` says so (2 to `MAX_ROWS` query rows a KV head, TQ3_0 on both sides,
 head dim 256, no window, the query already normed, roped and rotated, NVRTC and sm_90, at least `MIN_ROWS` rows,
@@ -31,14 +32,16 @@ from flashtree.kernels.cuda_functions import allow_shared, functions, launch, nv
 
 SOURCE = Path(__file__).with_name("attention_verify.cu")
 HEAD_DIMS = (256,)  # whole 16-byte copies a row (attention_verify.cu VerifySmem)
-SLICE_ROWS = 128  # query rows a CTA: two warpgroups of 64 (attention_verify.cu SLICE_ROWS)
-MAX_ROWS = 192  # a KV head's query rows: two slices (23 tokens x 6 heads: 138)
+WG_ROWS = 128  # query rows of a CTA's two warpgroups of 64 (attention_verify.cu WG_ROWS)
+TAIL_ROWS = 16  # and of its mma.sync tail, where the group's rows pass WG_ROWS (TAIL_ROWS)
+MAX_ROWS = 192  # a KV head's query rows (23 tokens x 6 heads: 138, one CTA with a tail; 32 x 6: two)
 THREADS = 256
 # the descriptor strides of V, row-major in shared memory and transposed by the tensor cores (MN-major): the byte
 # distance between core matrices adjacent along K (8 K/V rows: 128) and along N (8 values: 16 x the chunk's rows)
 V_STRIDES = (128, 1024)
 STAGES = 2  # attention_verify.cu STAGES: raw chunks in shared memory
 CHUNK = 64  # attention_verify.cu VCHUNK
+P_PITCH = CHUNK * 2 + 16  # attention_verify.cu P_PITCH
 # from this many rows: Triton's verify wins at 4K (above), this one from 16K
 MIN_ROWS = 16384
 _MIN_CHUNKS_PER_SPLIT = 2
@@ -71,19 +74,33 @@ def _available(device: torch.device) -> bool:
             and nvrtc_loads())
 
 
-def instance(d: int, q_dtype: torch.dtype) -> str:
-    return f"tq3_verify_d{d}_{'f32' if q_dtype == torch.float32 else 'bf16'}"
+def has_tail(query_rows: int) -> bool:
+    """Whether a KV head's `query_rows` take the instance with a tail: past the warpgroups' 128 rows, within one CTA's
+    144. Past those, two CTAs of 128 rows without a tail cost less than two of 144 with one: 32 tokens over 64K rows
+    232 us against 301 (H100, thirty-fourth session), where the 144-row CTA takes 1.3x a 128-row one (23 against 21
+    tokens over 64K rows: 166 against 129 us, one slice each)."""
+    return WG_ROWS < query_rows <= WG_ROWS + TAIL_ROWS
 
 
-def shared_bytes(d: int) -> int:
-    """attention_verify.cu `VerifySmem::BYTES`: the raw K and V chunks, two decoded chunks of each and a slice's
-    query rows."""
+def slice_rows(tail: bool) -> int:
+    return WG_ROWS + TAIL_ROWS * tail
+
+
+def instance(d: int, q_dtype: torch.dtype, tail: bool) -> str:
+    return f"tq3_verify_d{d}_{'f32' if q_dtype == torch.float32 else 'bf16'}{'_tail' if tail else ''}"
+
+
+def shared_bytes(d: int, tail: bool) -> int:
+    """attention_verify.cu `VerifySmem::BYTES`: the raw K and V chunks, one decoded K chunk, two decoded V chunks and
+    a slice's query rows; with a tail, its P rows and the warps' row maxima."""
     raw = CHUNK * (d // 32) * 14
-    return STAGES * 2 * raw + 2 * 2 * CHUNK * d * 2 + SLICE_ROWS * d * 2
+    side = CHUNK * d * 2
+    return (STAGES * 2 * raw + 3 * side + slice_rows(tail) * d * 2
+            + (TAIL_ROWS * P_PITCH + THREADS // 32 * TAIL_ROWS * 4 if tail else 0))
 
 
-def source(d: int, q_dtype: torch.dtype) -> str:
-    name = instance(d, q_dtype)
+def source(d: int, q_dtype: torch.dtype, tail: bool) -> str:
+    name = instance(d, q_dtype, tail)
     qt = Q_TYPES[q_dtype]
     return TQ3_TILES.read_text() + "\n" + SOURCE.read_text() + (
         f'\nextern "C" __global__ void __launch_bounds__({THREADS}, 1) {name}(const {qt}* q, '
@@ -91,8 +108,9 @@ def source(d: int, q_dtype: torch.dtype) -> str:
         "float* part, float* lse, int stride_qh, int stride_qt, int stride_kh, int stride_kr, int stride_vh, "
         "int stride_vr, int T, int kv_end, int heads, int group, float scale_log2, unsigned table_low, "
         "unsigned table_high, int v_lbo, int v_sbo) {\n"
-        f"    tq3_verify<{d}>(q, k, v, start, vis, part, lse, stride_qh, stride_qt, stride_kh, stride_kr, "
-        "stride_vh, stride_vr, T, kv_end, heads, group, scale_log2, table_low, table_high, v_lbo, v_sbo);\n}\n")
+        f"    tq3_verify<{d}, {'true' if tail else 'false'}>(q, k, v, start, vis, part, lse, stride_qh, stride_qt, "
+        "stride_kh, stride_kr, stride_vh, stride_vr, T, kv_end, heads, group, scale_log2, table_low, table_high, "
+        "v_lbo, v_sbo);\n}\n")
 
 
 def cuda_jobs(device: torch.device, d: int, q_dtype: torch.dtype) -> list[tuple[str, str]]:
@@ -102,11 +120,11 @@ def cuda_jobs(device: torch.device, d: int, q_dtype: torch.dtype) -> list[tuple[
         return []
     if not _available(torch.device(device)):
         return []
-    return [(instance(d, q_dtype), source(d, q_dtype))]
+    return [(instance(d, q_dtype, tail), source(d, q_dtype, tail)) for tail in (False, True)]
 
 
 def slices_for(query_rows: int) -> int:
-    return -(-query_rows // SLICE_ROWS)
+    return -(-query_rows // slice_rows(has_tail(query_rows)))  # one with a tail, else slices of 128
 
 
 def splits_for(kv_end: int, kv_heads: int, sms: int, cap: int, query_rows: int = MAX_ROWS) -> int:
@@ -128,9 +146,10 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start_
     splits = splits_for(kv_end, kv_heads, sms, max_splits, rows)
     part = torch.empty(splits, heads, n, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(splits, heads, n, dtype=torch.float32, device=q.device)
-    name = instance(d, q.dtype)
-    fn = functions(q.device).function(name, lambda: source(d, q.dtype))
-    size = shared_bytes(d)
+    tail = has_tail(rows)
+    name = instance(d, q.dtype, tail)
+    fn = functions(q.device).function(name, lambda: source(d, q.dtype, tail))
+    size = shared_bytes(d, tail)
     allow_shared(q.device, name, size)
     launch(fn, (kv_heads * slices_for(rows), splits), THREADS,
            [q, k_cache, v_cache, start_t, visible_bytes, part, lse, q.stride(0), q.stride(1), k_cache.stride(0),
