@@ -31,14 +31,23 @@ struct WarpSmem {
     static constexpr int BYTES = P + CHUNK * HEADS_MAX * 2;
 };
 
-// A warp's 16 rows of one side (K or V) decoded: lane l takes row l / 2, blocks (l % 2) D / 64 ..
+// A warp's 16 rows of one side (K or V) decoded, two adjacent blocks a lane at a time: the warp's 32 lanes take 8 rows
+// x 4 block pairs twice (`decode_block_pair`: conflict-free 4-byte loads; halfword loads of a block a lane, lanes two
+// to a row, met 2-way conflicts)
 template <int D>
 __device__ __forceinline__ void decode_chunk(const unsigned char* raw, u16* vals, u32 table_low, u32 table_high) {
-    constexpr int BLOCKS = D / 32, PER_LANE = BLOCKS / 2, PITCH = D + 8;
-    const int lane = threadIdx.x & 31, row = lane >> 1;
+    static_assert(D == 256, "8 rows x 4 block pairs cover whole rows of 8 blocks");
+    constexpr int ROW_BYTES = D / 32 * BLOCK_BYTES, PITCH = D + 8;
+    const int lane = threadIdx.x & 31;
 #pragma unroll
-    for (int i = 0; i < PER_LANE; ++i)
-        decode_block(raw, BLOCKS * BLOCK_BYTES, row, (lane & 1) * PER_LANE + i, vals, PITCH, table_low, table_high);
+    for (int half = 0; half < 2; ++half) {
+        const int row = 8 * half + (lane & 7), pair = lane >> 3;
+        decode_block_pair(raw + row * ROW_BYTES + pair * 28, table_low, table_high, [&](int h, const u32(&out)[16]) {
+            uint4* dst = reinterpret_cast<uint4*>(vals + row * PITCH + 32 * (2 * pair + h));
+#pragma unroll
+            for (int i = 0; i < 4; ++i) dst[i] = make_uint4(out[4 * i], out[4 * i + 1], out[4 * i + 2], out[4 * i + 3]);
+        });
+    }
 }
 
 template <int D, int WARPS, int STAGES, typename QT>

@@ -1,22 +1,24 @@
 // A tree verify's attention over TQ3_0 K and V rows (up to 192 query rows a KV head: 23 tokens x 6 heads is 138),
-// flash attention on Hopper's warpgroup MMA (wgmma, sm_90a): grid (KV heads x slices of query rows, splits of the
-// visible rows); a CTA's two warpgroups each own 64 query rows of its slice (head-major: row m of the group is head
-// m / T, token m % T), and where the group has more than 128 the CTA's 8 warps share a 16-row tail on mma.sync (a
-// slice of 144 rows: 23 tokens in one CTA). They walk the split's rows together in 64-row chunks, which the CTA
-// streams into shared memory (cp.async, a chunk ahead) and decodes there once to float16, so that every K/V row is
-// decoded once for all the slice's query rows (three warpgroups' accumulators with the scores' would not fit a
-// thread's 168 registers: ptxas serializes the wgmmas and spills). The tensor cores read the query rows, K and V from
-// shared memory themselves (one read a warpgroup, not one a warp as ldmatrix feeds mma.sync), S = Q K^T lands in
-// registers, P goes back in as the A side of O += P V. The tail's warps each take 8 K rows of its scores and 32
-// values of its outputs; its row maxima meet in shared memory, its P goes through it and its P V runs a chunk late
-// (before the next barrier, while its V chunk is still there). Each warp writes its rows' partial output and
-// log-sum-exp in tree_attention.py's layout, which its combine launch merges (rotating TQ3_0 values back, applying
-// the gate).
+// flash attention on Hopper's warpgroup MMA (wgmma, sm_90a), warp-specialized: grid (KV heads x slices of query rows,
+// splits of the visible rows), one CTA an SM of three warpgroups. Warpgroup 0, the producer (64 registers a thread
+// after setmaxnreg), streams the split's raw rows into shared memory 64 at a time (cp.async, two chunks ahead) and
+// decodes each chunk's K and V sides to float16 into a ring of three decoded sides, each once for all the slice's
+// query rows. Warpgroups 1 and 2, the consumers (216 registers), own 64 query rows each (head-major: row m of the
+// group is head m / T, token m % T) and, where the group has more than 128, share a 16-row tail on mma.sync (a slice
+// of 144 rows: 23 tokens in one CTA). Named barriers hand each side over (full: the producer arrives, the consumers
+// wait) and back (empty: the other way), so that the decode runs while the tensor cores work. The tensor cores read
+// the query rows, K and V from shared memory themselves (one read a warpgroup, not one a warp as ldmatrix feeds
+// mma.sync), S = Q K^T lands in registers, P goes back in as the A side of O += P V. The tail's warps each take 8 K
+// rows of its scores and 32 values of its outputs; its row maxima meet in shared memory and its P goes through it.
+// Each consumer writes its rows' partial output and log-sum-exp in tree_attention.py's layout, which its combine
+// launch merges (rotating TQ3_0 values back, applying the gate).
 //
 // Why: Triton's verify over long TQ3_0 caches took a 128-row tile and a 10-row tail tile, each decoding every K/V
 // row in registers (967 us over 262K rows a layer on an H100, 16 attention layers in the 27B: verify-22 2.08x the 1K
 // step against issue #20's 1.3x); a first CUDA C form on mma.sync, a warp a 16 query rows, took 803 us, bound by its
-// ldmatrix reads (each warp read every decoded K and V row for its 16 rows).
+// ldmatrix reads (each warp read every decoded K and V row for its 16 rows). Without the producer (every warp
+// decoding between its MMAs, the thirty-fourth session's first form) the same loop took 498.5 us where this takes
+// 439.8 (23 tokens over 262K rows, H100): there the decode and the MMAs took turns in the same warps.
 //
 // The math is attention_decode.cu's: values as float16 pairs (norm * level), the query clamped to +-65280 and
 // rounded to float16, scores in float32 (times scale * log2 e), base-2 online softmax in float32, P rounded to
@@ -28,29 +30,45 @@
 // stores of 32 consecutive rows are contiguous.
 
 constexpr int VCHUNK = 64;       // K/V rows decoded and attended at a time
-constexpr int WG_ROWS = 128;     // query rows of a CTA's two warpgroups (64 each)
+constexpr int WG_ROWS = 128;     // query rows of a CTA's two consumer warpgroups (64 each)
 constexpr int TAIL_ROWS = 16;    // query rows past them in a CTA with a tail: one mma.sync tile the 8 warps share
 constexpr int STAGES = 2;        // raw chunks in shared memory: the next one's copies land while one is decoded
-constexpr int THREADS = 256;     // two warpgroups
+constexpr int SLOTS = 3;         // decoded sides (K or V chunks) in a ring: the producer decodes one or two ahead
+constexpr int PRODUCERS = 128;   // warpgroup 0: copies and decodes
+constexpr int CONSUMERS = 256;   // warpgroups 1, 2: the MMAs and the softmax
+constexpr int THREADS = PRODUCERS + CONSUMERS;
+constexpr int CONSUMER_WARPS = CONSUMERS / 32;
+constexpr int PRODUCER_REGS = 64, CONSUMER_REGS = 216;  // setmaxnreg: 128 x 64 + 256 x 216 <= 384 x 168
 constexpr int P_PITCH = VCHUNK * 2 + 16;  // bytes a tail row of P: 16 past a multiple of 128, ldmatrix's 8 rows in
                                           // distinct banks
+// named barriers (0: __syncthreads): the producers' own, the consumers' own, then a slot's full and empty ones
+constexpr int BAR_PRODUCERS = 1, BAR_CONSUMERS = 2, BAR_FULL = 3, BAR_EMPTY = BAR_FULL + SLOTS;
 
-// Shared memory: raw K and V chunks (STAGES), the decoded K chunk (one: its next chunk is decoded after every warp's
-// scores), the decoded V chunks (two: the tail's P V of a chunk runs in the next step), the query rows; with a tail,
-// its P and the warps' row maxima (then sums).
+// Shared memory: raw K and V chunks (STAGES), the ring of decoded sides, the query rows; with a tail, its P and the
+// warps' row maxima (then sums).
 template <int D, bool TAIL>
 struct VerifySmem {
     static constexpr int SLICE = WG_ROWS + (TAIL ? TAIL_ROWS : 0);  // query rows a CTA
     static constexpr int ROW_BYTES = D / 32 * BLOCK_BYTES;
     static constexpr int RAW = VCHUNK * ROW_BYTES;          // one side's raw chunk
     static constexpr int SIDE = VCHUNK * D * 2;             // bytes of one side's decoded chunk
-    static constexpr int KEYS = STAGES * 2 * RAW;           // byte offsets
-    static constexpr int VALUES = KEYS + SIDE;
-    static constexpr int QUERIES = VALUES + 2 * SIDE;
+    static constexpr int RING = STAGES * 2 * RAW;           // byte offsets
+    static constexpr int QUERIES = RING + SLOTS * SIDE;
     static constexpr int TAIL_P = QUERIES + SLICE * D * 2;
     static constexpr int RED = TAIL_P + (TAIL ? TAIL_ROWS * P_PITCH : 0);
-    static constexpr int BYTES = RED + (TAIL ? THREADS / 32 * TAIL_ROWS * 4 : 0);
+    static constexpr int BYTES = RED + (TAIL ? CONSUMER_WARPS * TAIL_ROWS * 4 : 0);
 };
+
+__device__ __forceinline__ void bar_sync(int id, int count) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(int id, int count) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+template <int REGS>
+__device__ __forceinline__ void registers_down() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS)); }
+template <int REGS>
+__device__ __forceinline__ void registers_up() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS)); }
 
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -62,6 +80,14 @@ template <int COUNT>
 __device__ __forceinline__ void keep_floats(float (&r)[COUNT]) {
 #pragma unroll
     for (int i = 0; i < COUNT; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+// 2^x on the special function unit, results under 2^-126 flushed to zero (exp2f adds a range check and two
+// multiplies a value for them; a softmax weight that small is zero in the float16 P anyway)
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
 }
 
 // A shared-memory matrix descriptor without swizzle: start, the byte distance between core matrices adjacent along
@@ -101,35 +127,50 @@ __device__ __forceinline__ void wgmma_values(float (&d)[32], const u32 (&a)[4], 
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
 }
 
-// One side's raw chunk (K or V rows) decoded by the CTA's threads into core matrices, two adjacent blocks (28 bytes,
-// 4-byte aligned) a thread at a time: a warp takes 8 rows x 4 block pairs, whose seven 4-byte loads each fall in 32
-// distinct banks (row stride 28 words, pair stride 7) and whose 16-byte stores fill four whole 128-byte rows of banks.
+// Eight consecutive query values as float32: 16-byte loads where `wide` (the row 16-byte aligned), else one at a time
+__device__ __forceinline__ void load8(const float* row, float (&v)[8], bool wide) {
+    if (wide) {
+        const float4 a = reinterpret_cast<const float4*>(row)[0], b = reinterpret_cast<const float4*>(row)[1];
+        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+    } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = row[j];
+    }
+}
+__device__ __forceinline__ void load8(const u16* row, float (&v)[8], bool wide) {  // bf16
+    u32 w[4];
+    if (wide) {
+        const uint4 a = *reinterpret_cast<const uint4*>(row);
+        w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w;
+    } else {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) w[j] = (u32)row[2 * j] | ((u32)row[2 * j + 1] << 16);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        v[2 * j] = __uint_as_float(w[j] << 16);
+        v[2 * j + 1] = __uint_as_float(w[j] & 0xFFFF0000u);
+    }
+}
+
+// One side's raw chunk (K or V rows) decoded by threads first, first + step, .. into core matrices, two adjacent
+// blocks a thread at a time: a warp takes 8 rows x 4 block pairs (`decode_block_pair`: conflict-free loads), whose
+// 16-byte stores fill four whole 128-byte rows of banks.
 template <int D>
 __device__ __forceinline__ void decode_side(const unsigned char* raw, unsigned char* dst_side, u32 table_low,
-                                            u32 table_high) {
+                                            u32 table_high, int first, int step) {
     static_assert(D == 256, "a warp's 8 rows x 4 block pairs cover whole rows of 8 blocks");
     constexpr int ROW_BYTES = D / 32 * BLOCK_BYTES, ITEMS = VCHUNK * D / 64;
-    for (int j = threadIdx.x; j < ITEMS; j += blockDim.x) {
+    for (int j = first; j < ITEMS; j += step) {
         const int row = 8 * (j >> 5) + (j & 7), pair = (j & 31) >> 3;
-        const u32* src = reinterpret_cast<const u32*>(raw + row * ROW_BYTES + pair * 28);
-        u32 w[7];
-#pragma unroll
-        for (int k = 0; k < 7; ++k) w[k] = src[k];
         unsigned char* dst = dst_side + 16 * row;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {  // block 2 pair + h: bytes 0-13, 14-27
-            u32 out[16];
-            if (h == 0)
-                decode_fields(w[0] & 0xFFFFu, __funnelshift_r(w[0], w[1], 16), __funnelshift_r(w[1], w[2], 16),
-                              __funnelshift_r(w[2], w[3], 16), out, table_low, table_high);
-            else
-                decode_fields(w[3] >> 16, w[4], w[5], w[6], out, table_low, table_high);
+        decode_block_pair(raw + row * ROW_BYTES + pair * 28, table_low, table_high, [&](int h, const u32(&out)[16]) {
             const int b = 2 * pair + h;
 #pragma unroll
             for (int g = 0; g < 4; ++g)
                 *reinterpret_cast<uint4*>(dst + (4 * b + g) * 16 * VCHUNK) =
                     make_uint4(out[4 * g], out[4 * g + 1], out[4 * g + 2], out[4 * g + 3]);
-        }
+        });
     }
 }
 
@@ -140,11 +181,12 @@ template <int D, int SLICE>
 __device__ __forceinline__ void issue_scores(float (&s)[32], unsigned q_addr, unsigned keys) {
 #pragma unroll
     for (int i = 0; i < 32; ++i) s[i] = 0.0f;
+    const unsigned long long q_desc = descriptor(q_addr, 16 * SLICE, 128);
+    const unsigned long long k_desc = descriptor(keys, 16 * VCHUNK, 128);
     wg_fence();
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-        wgmma_scores(s, descriptor(q_addr + 2 * kk * 16 * SLICE, 16 * SLICE, 128),
-                     descriptor(keys + 2 * kk * 16 * VCHUNK, 16 * VCHUNK, 128), kk > 0);
+    for (int kk = 0; kk < D / 16; ++kk)  // a k step: two core matrices along K (the address field counts 16 bytes)
+        wgmma_scores(s, q_desc + 2 * kk * SLICE, k_desc + 2 * kk * VCHUNK, kk > 0);
     wg_commit();
 }
 
@@ -163,18 +205,24 @@ __device__ __forceinline__ void issue_values(float (&s)[32], unsigned values, in
                                              int v_lbo, int v_sbo, float (&m_run)[2], float (&l_run)[2],
                                              float (&acc)[D / 64][32]) {
     const int t = threadIdx.x & 3;
-    const bool masked = r0 + VCHUNK > min(start, hi);  // new rows or the split's end (uniform over the CTA)
+#pragma unroll
+    for (int i = 0; i < 32; ++i) s[i] *= scale_log2;
+    if (r0 + VCHUNK > min(start, hi)) {  // new rows or the split's end (uniform over the CTA)
+        u32 seen = 0;  // bit 2 j + e: K row 8 j + 2 t + e seen by row a; bit 16 + 2 j + e: by row b (a loop, not 32
+                       // inlined tests: the masked path stays small in the instruction cache)
+#pragma unroll 1
+        for (int bit = 0; bit < 16; ++bit) {
+            const int r = r0 + 8 * (bit >> 1) + 2 * t + (bit & 1);
+            seen |= (u32)visible(r, hi, start, T, vis, vis_a) << bit | (u32)visible(r, hi, start, T, vis, vis_b)
+                                                                           << (16 + bit);
+        }
+#pragma unroll
+        for (int i = 0; i < 32; ++i)  // s[4 j + c]: row c < 2 ? a : b, K row 8 j + 2 t + (c & 1)
+            if (!(seen >> ((i & 2 ? 16 : 0) + 2 * (i >> 2) + (i & 1)) & 1)) s[i] = NEG_INF;
+    }
     float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
-    for (int j = 0; j < VCHUNK / 8; ++j)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            float v = s[4 * j + c] * scale_log2;
-            if (masked && !visible(r0 + 8 * j + 2 * t + (c & 1), hi, start, T, vis, c < 2 ? vis_a : vis_b))
-                v = NEG_INF;
-            s[4 * j + c] = v;
-            mx[c >> 1] = fmaxf(mx[c >> 1], v);
-        }
+    for (int i = 0; i < 32; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
     float alpha[2], m_use[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // the row's max over the quad's lanes (t), then the running max
@@ -182,15 +230,15 @@ __device__ __forceinline__ void issue_values(float (&s)[32], unsigned values, in
         mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xFFFFFFFFu, mx[h], 2));
         const float m_new = fmaxf(m_run[h], mx[h]);
         m_use[h] = m_new == NEG_INF ? 0.0f : m_new;
-        alpha[h] = exp2f(m_run[h] - m_use[h]);
+        alpha[h] = fast_exp2(m_run[h] - m_use[h]);
         m_run[h] = m_new;
     }
     float sum[2] = {0.0f, 0.0f};
     u32 p[VCHUNK / 16][4];  // A fragments of P, K rows 16 kb .. 16 kb + 15
 #pragma unroll
     for (int j = 0; j < VCHUNK / 8; ++j) {
-        const float p0 = exp2f(s[4 * j] - m_use[0]), p1 = exp2f(s[4 * j + 1] - m_use[0]);
-        const float p2 = exp2f(s[4 * j + 2] - m_use[1]), p3 = exp2f(s[4 * j + 3] - m_use[1]);
+        const float p0 = fast_exp2(s[4 * j] - m_use[0]), p1 = fast_exp2(s[4 * j + 1] - m_use[0]);
+        const float p2 = fast_exp2(s[4 * j + 2] - m_use[1]), p3 = fast_exp2(s[4 * j + 3] - m_use[1]);
         sum[0] += p0 + p1;
         sum[1] += p2 + p3;
         p[j >> 1][2 * (j & 1)] = f16x2_of(p0, p1);      // row a, K rows 8 j + 2t, + 1
@@ -205,12 +253,13 @@ __device__ __forceinline__ void issue_values(float (&s)[32], unsigned values, in
             for (int i = 0; i < 32; ++i) acc[n][i] *= alpha[(i >> 1) & 1];
 #pragma unroll
     for (int n = 0; n < D / 64; ++n) keep_floats(acc[n]);
+    const unsigned long long v_desc = descriptor(values, v_lbo, v_sbo);
     wg_fence();
 #pragma unroll
     for (int kb = 0; kb < VCHUNK / 16; ++kb)
 #pragma unroll
-        for (int n = 0; n < D / 64; ++n)
-            wgmma_values(acc[n], p[kb], descriptor(values + kb * 2 * 128 + n * 8 * 16 * VCHUNK, v_lbo, v_sbo));
+        for (int n = 0; n < D / 64; ++n)  // K rows 16 kb (256 bytes), values 64 n (8 core matrices of VCHUNK rows)
+            wgmma_values(acc[n], p[kb], v_desc + (kb * 256 + n * 8 * 16 * VCHUNK) / 16);
     wg_commit();
 }
 
@@ -225,16 +274,20 @@ __device__ __forceinline__ void tail_scores(float (&st)[4], unsigned queries, un
     const unsigned a_addr = queries + (mi >> 1) * 16 * SLICE + 16 * (WG_ROWS + (lane & 7) + 8 * (mi & 1));
     const unsigned b_addr = keys + mi * 16 * VCHUNK + 16 * (8 * warp + (lane & 7));
     float chains[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+    u32 b[2][4], a[2][2][4];  // fragments of k steps 2 i, 2 i + 1, loaded a step ahead of their MMAs
+    ldsm_x4(b[0], b_addr);
+    ldsm_x4(a[0][0], a_addr);
+    ldsm_x4(a[0][1], a_addr + 2 * 16 * SLICE);
 #pragma unroll
     for (int i = 0; i < D / 32; ++i) {
-        u32 b[4];
-        ldsm_x4(b, b_addr + 4 * i * 16 * VCHUNK);
+        const int now = i & 1, next = now ^ 1;
+        if (i + 1 < D / 32) {
+            ldsm_x4(b[next], b_addr + 4 * (i + 1) * 16 * VCHUNK);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            u32 a[4];
-            ldsm_x4(a, a_addr + 2 * (2 * i + h) * 16 * SLICE);
-            mma(chains[h], a, b[2 * h], b[2 * h + 1]);
+            for (int h = 0; h < 2; ++h) ldsm_x4(a[next][h], a_addr + 2 * (2 * i + 2 + h) * 16 * SLICE);
         }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) mma(chains[h], a[now][h], b[now][2 * h], b[now][2 * h + 1]);
     }
 #pragma unroll
     for (int c = 0; c < 4; ++c) st[c] = chains[0][c] + chains[1][c];
@@ -272,12 +325,12 @@ __device__ __forceinline__ void tail_probabilities(const float (&st)[4], const f
     for (int h = 0; h < 2; ++h) {
         float mx = NEG_INF;
 #pragma unroll
-        for (int w = 0; w < THREADS / 32; ++w) mx = fmaxf(mx, red[w * TAIL_ROWS + g + 8 * h]);
+        for (int w = 0; w < CONSUMER_WARPS; ++w) mx = fmaxf(mx, red[w * TAIL_ROWS + g + 8 * h]);
         const float m_new = fmaxf(m_tail[h], mx);
         const float m_use = m_new == NEG_INF ? 0.0f : m_new;
-        alpha[h] = exp2f(m_tail[h] - m_use);
-        p[2 * h] = exp2f(st[2 * h] - m_use);
-        p[2 * h + 1] = exp2f(st[2 * h + 1] - m_use);
+        alpha[h] = fast_exp2(m_tail[h] - m_use);
+        p[2 * h] = fast_exp2(st[2 * h] - m_use);
+        p[2 * h + 1] = fast_exp2(st[2 * h + 1] - m_use);
         l_tail[h] = l_tail[h] * alpha[h] + p[2 * h] + p[2 * h + 1];
         m_tail[h] = m_new;
         *reinterpret_cast<u32*>(p_rows + (g + 8 * h) * P_PITCH + 2 * (8 * warp + 2 * t)) =
@@ -301,60 +354,40 @@ __device__ __forceinline__ void tail_values(float (&o)[D / 64][4], unsigned p_ro
     const unsigned a_addr = p_rows + ((lane & 7) + 8 * (mi & 1)) * P_PITCH + 16 * (mi >> 1);
     // B: K/V rows 16 kb + (lane & 7) + 8 (mi & 1), values 8 (4 warp + 2 jj + (mi >> 1)) ..
     const unsigned b_addr = values + (4 * warp + (mi >> 1)) * 16 * VCHUNK + 16 * ((lane & 7) + 8 * (mi & 1));
+    u32 a[2][4], b[2][D / 128][4];  // fragments of K rows 16 kb, loaded a step ahead of their MMAs
+    ldsm_x4(a[0], a_addr);
+#pragma unroll
+    for (int jj = 0; jj < D / 128; ++jj) ldsm_x4_trans(b[0][jj], b_addr + 2 * jj * 16 * VCHUNK);
 #pragma unroll
     for (int kb = 0; kb < VCHUNK / 16; ++kb) {
-        u32 a[4];
-        ldsm_x4(a, a_addr + 32 * kb);
+        const int now = kb & 1, next = now ^ 1;
+        if (kb + 1 < VCHUNK / 16) {
+            ldsm_x4(a[next], a_addr + 32 * (kb + 1));
+#pragma unroll
+            for (int jj = 0; jj < D / 128; ++jj)
+                ldsm_x4_trans(b[next][jj], b_addr + 2 * jj * 16 * VCHUNK + 16 * 16 * (kb + 1));
+        }
 #pragma unroll
         for (int jj = 0; jj < D / 128; ++jj) {
-            u32 b[4];
-            ldsm_x4_trans(b, b_addr + 2 * jj * 16 * VCHUNK + 16 * 16 * kb);
-            mma(o[2 * jj], a, b[0], b[1]);
-            mma(o[2 * jj + 1], a, b[2], b[3]);
+            mma(o[2 * jj], a[now], b[now][jj][0], b[now][jj][1]);
+            mma(o[2 * jj + 1], a[now], b[now][jj][2], b[now][jj][3]);
         }
     }
 }
 
-template <int D, bool TAIL, typename QT>
-__device__ __forceinline__ void tq3_verify(const QT* __restrict__ q, const unsigned char* __restrict__ k_cache,
-                                           const unsigned char* __restrict__ v_cache,
-                                           const long long* __restrict__ start_t, const unsigned char* __restrict__ vis,
-                                           float* __restrict__ part, float* __restrict__ lse, int stride_qh,
-                                           int stride_qt, int stride_kh, int stride_kr, int stride_vh, int stride_vr,
-                                           int T, int kv_end, int heads, int group, float scale_log2, u32 table_low,
-                                           u32 table_high, int v_lbo, int v_sbo) {
+// The consumer warpgroups: chunk k's scores once its K side is in, its P V once its V side is; each side released
+// to the producer when every consumer is done with it
+template <int D, bool TAIL>
+__device__ __forceinline__ void consume(unsigned char* shared, const unsigned char* __restrict__ vis,
+                                        float* __restrict__ part, float* __restrict__ lse, int T, int heads, int group,
+                                        int kvh, int split, int rows, int m0, int start, int lo, int hi, int chunks,
+                                        float scale_log2, int v_lbo, int v_sbo) {
     typedef VerifySmem<D, TAIL> S;
     constexpr int SLICE = S::SLICE;
-    extern __shared__ __align__(128) unsigned char shared[];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int kv_heads = heads / group, kvh = blockIdx.x % kv_heads, slice = blockIdx.x / kv_heads;
-    const int split = blockIdx.y, splits = gridDim.y;
-    unsigned char* keys_buf = shared + S::KEYS;
-    unsigned char* values_buf = shared + S::VALUES;
-    unsigned char* queries = shared + S::QUERIES;
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x - PRODUCERS) >> 5, g = lane >> 2, t = lane & 3;
+    const unsigned queries = smem(shared + S::QUERIES), ring = smem(shared + S::RING);
     unsigned char* p_rows = shared + S::TAIL_P;
     float* red = reinterpret_cast<float*>(shared + S::RED);
-    const unsigned char* k_base = k_cache + (long)kvh * stride_kh;
-    const unsigned char* v_base = v_cache + (long)kvh * stride_vh;
-    wait_for_predecessors();
-
-    const int rows = group * T, m0 = SLICE * slice;  // the slice's rows [m0, m0 + SLICE) of the group's
-    {   // the slice's query rows into core matrices as float16, lanes along rows (zeros past the group's rows)
-#pragma unroll 4
-        for (int i = threadIdx.x; i < SLICE * D / 8; i += blockDim.x) {
-            const int r = i % SLICE, dg = i / SLICE, m = m0 + r;
-            u32 pairs[4] = {0u, 0u, 0u, 0u};
-            if (m < rows) {
-                const QT* row = q + (long)(kvh * group + m / T) * stride_qh + (long)(m % T) * stride_qt + 8 * dg;
-#pragma unroll
-                for (int j = 0; j < 4; ++j)
-                    pairs[j] = f16x2_of(fminf(fmaxf(as_float(row[2 * j]), -65280.0f), 65280.0f),
-                                        fminf(fmaxf(as_float(row[2 * j + 1]), -65280.0f), 65280.0f));
-            }
-            *reinterpret_cast<uint4*>(queries + dg * 16 * SLICE + 16 * r) =
-                make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
-        }
-    }
 
     // this lane's rows of its warpgroup's MMA tiles: a = m0 + 64 wg + 16 (warp % 4) + g, b = a + 8 (their heads and
     // tokens worked out again where needed); a warpgroup whose 64 rows are all past the group's multiplies zeros (a
@@ -364,14 +397,7 @@ __device__ __forceinline__ void tq3_verify(const QT* __restrict__ q, const unsig
     const bool tail_live = TAIL && m0 + WG_ROWS < rows;  // uniform over the CTA
     const int m_tail = m0 + WG_ROWS + g;  // the lane's tail rows: m_tail, m_tail + 8
     const int vis_tail[2] = {m_tail < rows ? m_tail % T * T : 0, m_tail + 8 < rows ? (m_tail + 8) % T * T : 0};
-
-    const int start = (int)start_t[0];
-    const int end = min(start + T, kv_end);
-    const int per_split = (((end + splits - 1) / splits) + VCHUNK - 1) / VCHUNK * VCHUNK;
-    const int lo = split * per_split, hi = min(lo + per_split, end);
-    const int chunks = hi > lo ? (hi - lo + VCHUNK - 1) / VCHUNK : 0;
-    const unsigned q_addr = smem(queries) + 64 * 16 * (warp >> 2);  // this warpgroup's 64 rows
-    const unsigned keys = smem(keys_buf);
+    const unsigned q_addr = queries + 64 * 16 * (warp >> 2);  // this warpgroup's 64 rows
 
     float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.0f, 0.0f};
     float acc[D / 64][32];  // O: rows a (values 0, 1 of each 4), b (2, 3) x dims 64 n + 8 j + 2 t (+ 1)
@@ -384,59 +410,41 @@ __device__ __forceinline__ void tq3_verify(const QT* __restrict__ q, const unsig
 #pragma unroll
     for (int j = 0; j < D / 64; ++j) o_tail[j][0] = o_tail[j][1] = o_tail[j][2] = o_tail[j][3] = 0.0f;
 
-    // chunk k: raw in stage k % 2 (copied two steps ahead); its K decoded into the one K buffer once every warp is
-    // done with chunk k - 1's scores, its V into V buffer k % 2; both while the tensor cores take chunk k - 1's P V
-    for (int k = 0; k < STAGES; ++k) {
-        if (k < chunks)
-            copy_kv_rows<S::ROW_BYTES, VCHUNK, THREADS>(shared + k * 2 * S::RAW, k_base, v_base, stride_kr, stride_vr,
-                                                        lo + k * VCHUNK, hi, threadIdx.x);
-        commit();
-    }
-    wait_copies<1>();
-    __syncthreads();
-    if (chunks > 0) {
-        decode_side<D>(shared, keys_buf, table_low, table_high);
-        decode_side<D>(shared + S::RAW, values_buf, table_low, table_high);
-    }
-    wait_copies<0>();
-    fence_proxy_async();
-    __syncthreads();
     for (int k = 0; k < chunks; ++k) {
-        if (k + 2 < chunks)  // into chunk k's stage, decoded before the last barrier
-            copy_kv_rows<S::ROW_BYTES, VCHUNK, THREADS>(shared + k % 2 * 2 * S::RAW, k_base, v_base, stride_kr, stride_vr,
-                                                        lo + (k + 2) * VCHUNK, hi, threadIdx.x);
-        commit();
-        const unsigned values = smem(values_buf + k % 2 * S::SIDE);
+        const int key_slot = 2 * k % SLOTS, value_slot = (2 * k + 1) % SLOTS;
+        const unsigned keys = ring + key_slot * S::SIDE, values = ring + value_slot * S::SIDE;
+        bar_sync(BAR_FULL + key_slot, THREADS);
         float s[32];
         issue_scores<D, SLICE>(s, q_addr, keys);
         float st[4];
         if constexpr (TAIL) {
             if (tail_live) {
-                if (k > 0)  // chunk k - 1's tail P V (its P written before the last barrier, its V in the other buffer)
-                    tail_values<D>(o_tail, smem(p_rows), smem(values_buf + (k + 1) % 2 * S::SIDE), warp, lane);
-                tail_scores<D, SLICE>(st, smem(queries), keys, warp, lane);
+                tail_scores<D, SLICE>(st, queries, keys, warp, lane);
                 tail_maxima(st, lo + k * VCHUNK, hi, start, T, vis, vis_tail, scale_log2, warp, red);
             }
         }
         wg_wait_all();
         keep_floats(s);
-        __syncthreads();  // every warp done with the K buffer and the tail's P and V of chunk k - 1; the maxima met
+        if (2 * k + SLOTS < 2 * chunks) bar_arrive(BAR_EMPTY + key_slot, THREADS);
         if constexpr (TAIL) {
-            if (tail_live) tail_probabilities<D>(st, red, p_rows, warp, m_tl, l_tl, o_tail);
+            if (tail_live) {
+                bar_sync(BAR_CONSUMERS, CONSUMERS);  // the maxima met
+                tail_probabilities<D>(st, red, p_rows, warp, m_tl, l_tl, o_tail);
+            }
         }
+        bar_sync(BAR_FULL + value_slot, THREADS);
         issue_values<D>(s, values, lo + k * VCHUNK, hi, start, T, vis, vis_a, vis_b, scale_log2, v_lbo, v_sbo,
                         m_run, l_run, acc);
-        if (k + 1 < chunks) {  // chunk k + 1 while the tensor cores take P V
-            const unsigned char* raw = shared + (k + 1) % 2 * 2 * S::RAW;
-            decode_side<D>(raw, keys_buf, table_low, table_high);
-            decode_side<D>(raw + S::RAW, values_buf + (k + 1) % 2 * S::SIDE, table_low, table_high);
+        if constexpr (TAIL) {
+            if (tail_live) {
+                bar_sync(BAR_CONSUMERS, CONSUMERS);  // the tail's P written
+                tail_values<D>(o_tail, smem(p_rows), values, warp, lane);
+            }
         }
         wg_wait_all();
 #pragma unroll
         for (int n = 0; n < D / 64; ++n) keep_floats(acc[n]);
-        wait_copies<0>();     // chunk k + 2's rows, for the next step's decode
-        fence_proxy_async();  // the decoded chunk k + 1, for the tensor cores
-        __syncthreads();      // chunk k + 1 decoded, the tail's P of chunk k written; chunk k's stage free
+        if (2 * k + 1 + SLOTS < 2 * chunks) bar_arrive(BAR_EMPTY + value_slot, THREADS);
     }
 
     // the quad's sums, then rows a and b normalized into part [splits, heads, T, D] and lse [splits, heads, T]
@@ -460,23 +468,24 @@ __device__ __forceinline__ void tq3_verify(const QT* __restrict__ q, const unsig
         if (t == 0) lse[row] = l_run[h] > 0.0f ? m_run[h] + log2f(l_run[h]) : NEG_INF;
     }
     if constexpr (TAIL) {
-        if (tail_live) {  // the last chunk's P V, then the rows' sums over the quads and the warps
-            if (chunks > 0)
-                tail_values<D>(o_tail, smem(p_rows), smem(values_buf + (chunks - 1) % 2 * S::SIDE), warp, lane);
+        if (tail_live) {  // the rows' sums over the quads and the warps
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 l_tl[h] += __shfl_xor_sync(0xFFFFFFFFu, l_tl[h], 1);
                 l_tl[h] += __shfl_xor_sync(0xFFFFFFFFu, l_tl[h], 2);
-                if (t == 0) red[warp * TAIL_ROWS + g + 8 * h] = l_tl[h];  // the maxima were read before the barrier
             }
-            __syncthreads();
+            bar_sync(BAR_CONSUMERS, CONSUMERS);  // every warp done reading the maxima
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                if (t == 0) red[warp * TAIL_ROWS + g + 8 * h] = l_tl[h];
+            bar_sync(BAR_CONSUMERS, CONSUMERS);
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int m = m_tail + 8 * h;
                 if (m >= rows) continue;
                 float l = 0.0f;
 #pragma unroll
-                for (int w = 0; w < THREADS / 32; ++w) l += red[w * TAIL_ROWS + g + 8 * h];
+                for (int w = 0; w < CONSUMER_WARPS; ++w) l += red[w * TAIL_ROWS + g + 8 * h];
                 const long row = ((long)split * heads + kvh * group + m / T) * T + m % T;
                 const float inv = l > 0.0f ? 1.0f / l : 0.0f;
                 float2* out = reinterpret_cast<float2*>(part + row * D + 32 * warp + 2 * t);
@@ -487,4 +496,96 @@ __device__ __forceinline__ void tq3_verify(const QT* __restrict__ q, const unsig
             }
         }
     }
+}
+
+// The producer warpgroup: the split's raw chunks into shared memory (cp.async, two ahead), each decoded side (K_k,
+// V_k: side 2 k, 2 k + 1) into ring slot side % SLOTS once the consumers released the side it held
+template <int D, bool TAIL>
+__device__ __forceinline__ void produce(unsigned char* shared, const unsigned char* k_base,
+                                        const unsigned char* v_base, int stride_kr, int stride_vr, int lo, int hi,
+                                        int chunks, u32 table_low, u32 table_high) {
+    typedef VerifySmem<D, TAIL> S;
+    const int tid = threadIdx.x;  // 0 .. PRODUCERS - 1
+    for (int k = 0; k < STAGES; ++k) {
+        if (k < chunks)
+            copy_kv_rows<S::ROW_BYTES, VCHUNK, PRODUCERS>(shared + k * 2 * S::RAW, k_base, v_base, stride_kr,
+                                                          stride_vr, lo + k * VCHUNK, hi, tid);
+        commit();
+    }
+    for (int k = 0; k < chunks; ++k) {
+        wait_copies<STAGES - 1>();  // chunk k's rows (this thread's copies), then everyone's
+        bar_sync(BAR_PRODUCERS, PRODUCERS);
+        const unsigned char* raw = shared + k % STAGES * 2 * S::RAW;
+#pragma unroll
+        for (int side = 0; side < 2; ++side) {
+            const int j = 2 * k + side, slot = j % SLOTS;
+            if (j >= SLOTS) bar_sync(BAR_EMPTY + slot, THREADS);  // side j - 3 taken by every consumer
+            decode_side<D>(raw + side * S::RAW, shared + S::RING + slot * S::SIDE, table_low, table_high, tid,
+                           PRODUCERS);
+            fence_proxy_async();  // the decoded side, for the tensor cores
+            bar_arrive(BAR_FULL + slot, THREADS);
+        }
+        bar_sync(BAR_PRODUCERS, PRODUCERS);  // every producer done with chunk k's stage
+        if (k + STAGES < chunks)
+            copy_kv_rows<S::ROW_BYTES, VCHUNK, PRODUCERS>(shared + k % STAGES * 2 * S::RAW, k_base, v_base,
+                                                          stride_kr, stride_vr, lo + (k + STAGES) * VCHUNK, hi, tid);
+        commit();
+    }
+    wait_copies<0>();
+}
+
+template <int D, bool TAIL, typename QT>
+__device__ __forceinline__ void tq3_verify(const QT* __restrict__ q, const unsigned char* __restrict__ k_cache,
+                                           const unsigned char* __restrict__ v_cache,
+                                           const long long* __restrict__ start_t, const unsigned char* __restrict__ vis,
+                                           float* __restrict__ part, float* __restrict__ lse, int stride_qh,
+                                           int stride_qt, int stride_kh, int stride_kr, int stride_vh, int stride_vr,
+                                           int T, int kv_end, int heads, int group, float scale_log2, u32 table_low,
+                                           u32 table_high, int v_lbo, int v_sbo) {
+    typedef VerifySmem<D, TAIL> S;
+    constexpr int SLICE = S::SLICE;
+    extern __shared__ __align__(128) unsigned char shared[];
+    const int kv_heads = heads / group, kvh = blockIdx.x % kv_heads, slice = blockIdx.x / kv_heads;
+    const int split = blockIdx.y, splits = gridDim.y;
+    unsigned char* queries = shared + S::QUERIES;
+    wait_for_predecessors();
+
+    const int rows = group * T, m0 = SLICE * slice;  // the slice's rows [m0, m0 + SLICE) of the group's
+    {   // the slice's query rows into core matrices as float16, lanes along rows (zeros past the group's rows); 16-byte
+        // loads where the rows allow (the loads' latency is most of this prologue)
+        const bool wide = (reinterpret_cast<unsigned long long>(q) | (unsigned long long)stride_qh * sizeof(QT)
+                           | (unsigned long long)stride_qt * sizeof(QT)) % 16 == 0;
+#pragma unroll 4
+        for (int i = threadIdx.x; i < SLICE * D / 8; i += blockDim.x) {
+            const int r = i % SLICE, dg = i / SLICE, m = m0 + r;
+            float v[8];
+            if (m < rows)
+                load8(q + (long)(kvh * group + m / T) * stride_qh + (long)(m % T) * stride_qt + 8 * dg, v, wide);
+            u32 pairs[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                pairs[j] = m < rows ? f16x2_of(fminf(fmaxf(v[2 * j], -65280.0f), 65280.0f),
+                                               fminf(fmaxf(v[2 * j + 1], -65280.0f), 65280.0f))
+                                    : 0u;
+            *reinterpret_cast<uint4*>(queries + dg * 16 * SLICE + 16 * r) =
+                make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
+        }
+    }
+    fence_proxy_async();
+    __syncthreads();
+
+    const int start = (int)start_t[0];
+    const int end = min(start + T, kv_end);
+    const int per_split = (((end + splits - 1) / splits) + VCHUNK - 1) / VCHUNK * VCHUNK;
+    const int lo = split * per_split, hi = min(lo + per_split, end);
+    const int chunks = hi > lo ? (hi - lo + VCHUNK - 1) / VCHUNK : 0;
+    if (threadIdx.x < PRODUCERS) {
+        registers_down<PRODUCER_REGS>();
+        produce<D, TAIL>(shared, k_cache + (long)kvh * stride_kh, v_cache + (long)kvh * stride_vh, stride_kr,
+                         stride_vr, lo, hi, chunks, table_low, table_high);
+        return;
+    }
+    registers_up<CONSUMER_REGS>();
+    consume<D, TAIL>(shared, vis, part, lse, T, heads, group, kvh, split, rows, m0, start, lo, hi, chunks, scale_log2,
+                     v_lbo, v_sbo);
 }

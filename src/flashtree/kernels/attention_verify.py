@@ -1,17 +1,17 @@
 """A tree verify's attention over TQ3_0 K and V rows in CUDA C (`attention_verify.cu`): the split launch of
 `tree_attention` for a verify (2 to `MAX_ROWS` / group tokens) over a long TQ3_0 cache, each K/V row decoded once
-into shared memory for all the query rows of its KV head (up to 144 in one CTA: two warpgroups of 64 and a tail of
-16 on mma.sync), writing the splits' partial rows and log-sum-exps that `tree_attention`'s combine launch merges
-(rotating the values back, applying the gate).
+into shared memory by a producer warpgroup for all the query rows of its KV head (up to 144 in one CTA: two consumer
+warpgroups of 64 on wgmma and a tail of 16 on mma.sync), writing the splits' partial rows and log-sum-exps that
+`tree_attention`'s combine launch merges (rotating the values back, applying the gate).
 
 Why: Triton's verify took a 128-row and a 10-row query tile over each KV head's rows, each decoding every row in
 registers (issue #20's bar: verify-22 at 262K within 1.3x of 1K). H100, thirty-fourth session (kernel and combine,
 `sweep_tree_attention.py --compare --cuda-verify-from 0`, the model's call: float32 query, bf16 operands), 23 tokens
-over 16K / 64K / 262K TQ3_0 rows: this (one CTA a KV head's 138 rows) 70.1 / 166.1 / 523.6 us, the thirty-third
-session's (two CTAs of 128 rows, each decoding every row) 82.6 / 228.0 / 812.2, Triton's 96.4 / 274.7 / 953.9; 21
-tokens (128 rows) over 64K / 262K: 128.6 / 389.0 against 136.0 / 417.8. Nsight Compute (thirty-third session, 64K
-rows): 8 warps an SM (one CTA: ~200 KB of shared memory), 49 % issue, stalls on fixed-latency dependencies and the
-barrier: the decode's instructions and the MMAs take turns in the same warps.
+over 16K / 64K / 262K TQ3_0 rows: this 53.8 / 135.2 / 439.8 us; the thirty-third session's (two CTAs of 128 rows,
+each decoding every row, its warps decoding between their MMAs) 82.6 / 228.0 / 812.2; Triton's 96.4 / 274.7 /
+953.9. 21 tokens (128 rows) over 64K / 262K: 111.8 / 358.5 against 136.0 / 417.8. Nsight Compute (64K rows, before
+the consumers' softmax and descriptors were trimmed): the producer waited on the consumers, the consumers on their
+own instructions (about 1050 a warp a 64-row chunk) and instruction fetch.
 
 `tree_attention` launches this where `takes` says so (2 to `MAX_ROWS` query rows a KV head, TQ3_0 on both sides,
 head dim 256, no window, the query already normed, roped and rotated, NVRTC and sm_90, at least `MIN_ROWS` rows,
@@ -35,7 +35,8 @@ HEAD_DIMS = (256,)  # whole 16-byte copies a row (attention_verify.cu VerifySmem
 WG_ROWS = 128  # query rows of a CTA's two warpgroups of 64 (attention_verify.cu WG_ROWS)
 TAIL_ROWS = 16  # and of its mma.sync tail, where the group's rows pass WG_ROWS (TAIL_ROWS)
 MAX_ROWS = 192  # a KV head's query rows (23 tokens x 6 heads: 138, one CTA with a tail; 32 x 6: two)
-THREADS = 256
+THREADS = 384  # a producer warpgroup (copies, decode) and two consumer warpgroups (MMAs)
+SLOTS = 3  # attention_verify.cu SLOTS: decoded K/V sides in a ring
 # the descriptor strides of V, row-major in shared memory and transposed by the tensor cores (MN-major): the byte
 # distance between core matrices adjacent along K (8 K/V rows: 128) and along N (8 values: 16 x the chunk's rows)
 V_STRIDES = (128, 1024)
@@ -95,8 +96,8 @@ def shared_bytes(d: int, tail: bool) -> int:
     a slice's query rows; with a tail, its P rows and the warps' row maxima."""
     raw = CHUNK * (d // 32) * 14
     side = CHUNK * d * 2
-    return (STAGES * 2 * raw + 3 * side + slice_rows(tail) * d * 2
-            + (TAIL_ROWS * P_PITCH + THREADS // 32 * TAIL_ROWS * 4 if tail else 0))
+    return (STAGES * 2 * raw + SLOTS * side + slice_rows(tail) * d * 2
+            + (TAIL_ROWS * P_PITCH + 8 * TAIL_ROWS * 4 if tail else 0))
 
 
 def source(d: int, q_dtype: torch.dtype, tail: bool) -> str:

@@ -89,22 +89,26 @@ __device__ __forceinline__ void decode_fields(u32 norm, u32 word0, u32 word1, u3
     }
 }
 
-// The block at `block` (2-byte aligned): its norm, index words and signs, `decode_fields`.
-__device__ __forceinline__ void decode_block_pairs(const unsigned char* block, u32 (&out)[16], u32 table_low,
-                                                   u32 table_high) {
-    const u16* f = reinterpret_cast<const u16*>(block);
-    decode_fields(f[0], (u32)f[1] | ((u32)f[2] << 16), (u32)f[3] | ((u32)f[4] << 16), (u32)f[5] | ((u32)f[6] << 16),
-                  out, table_low, table_high);
-}
-
-// Decode row `row`'s block `b` from the raw rows at `raw` into `vals` (float16 rows of `pitch` halves).
-__device__ __forceinline__ void decode_block(const unsigned char* raw, int row_bytes, int row, int b, u16* vals,
-                                             int pitch, u32 table_low, u32 table_high) {
-    u32 out[16];
-    decode_block_pairs(raw + row * row_bytes + b * BLOCK_BYTES, out, table_low, table_high);
-    uint4* dst = reinterpret_cast<uint4*>(vals + row * pitch + 32 * b);
+// Two adjacent blocks at `src` (28 bytes, 4-byte aligned): seven 4-byte loads (a warp's lanes taking 8 rows x 4
+// block pairs of 112-byte rows hit 32 distinct banks: row stride 28 words, pair stride 7), then each block's value
+// pairs (`decode_fields`) handed to store(h, out) for block h = 0, 1.
+template <typename Store>
+__device__ __forceinline__ void decode_block_pair(const unsigned char* src, u32 table_low, u32 table_high,
+                                                  Store store) {
+    const u32* words = reinterpret_cast<const u32*>(src);
+    u32 w[7];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) dst[i] = make_uint4(out[4 * i], out[4 * i + 1], out[4 * i + 2], out[4 * i + 3]);
+    for (int k = 0; k < 7; ++k) w[k] = words[k];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // bytes 0-13, 14-27
+        u32 out[16];
+        if (h == 0)
+            decode_fields(w[0] & 0xFFFFu, __funnelshift_r(w[0], w[1], 16), __funnelshift_r(w[1], w[2], 16),
+                          __funnelshift_r(w[2], w[3], 16), out, table_low, table_high);
+        else
+            decode_fields(w[3] >> 16, w[4], w[5], w[6], out, table_low, table_high);
+        store(h, out);
+    }
 }
 
 // Copies (cp.async) of rows [r0, r0 + ROWS) of K and V (rows at or past `hi`: zeros) into `stage`: the K rows, then
