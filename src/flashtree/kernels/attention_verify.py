@@ -92,8 +92,8 @@ def instance(d: int, q_dtype: torch.dtype, tail: bool) -> str:
 
 
 def shared_bytes(d: int, tail: bool) -> int:
-    """attention_verify.cu `VerifySmem::BYTES`: the raw K and V chunks, one decoded K chunk, two decoded V chunks and
-    a slice's query rows; with a tail, its P rows and the warps' row maxima."""
+    """attention_verify.cu `VerifySmem::BYTES`: the raw K and V chunks, the ring of decoded sides and a slice's query
+    rows; with a tail, its P rows and the warps' row maxima."""
     raw = CHUNK * (d // 32) * 14
     side = CHUNK * d * 2
     return (STAGES * 2 * raw + SLOTS * side + slice_rows(tail) * d * 2
@@ -129,8 +129,8 @@ def slices_for(query_rows: int) -> int:
 
 
 def splits_for(kv_end: int, kv_heads: int, sms: int, cap: int, query_rows: int = MAX_ROWS) -> int:
-    """CTAs along the rows: one an SM (221 KB of shared memory) over the KV heads' slices, in one wave, each split at
-    least `_MIN_CHUNKS_PER_SPLIT` chunks, at most `cap` (the combine's)."""
+    """CTAs along the rows: one an SM (188 or 199 KB of shared memory) over the KV heads' slices, in one wave, each
+    split at least `_MIN_CHUNKS_PER_SPLIT` chunks, at most `cap` (the combine's)."""
     wanted = sms // (kv_heads * slices_for(query_rows))
     return max(1, min(wanted, math.ceil(kv_end / (_MIN_CHUNKS_PER_SPLIT * CHUNK)), cap))
 
