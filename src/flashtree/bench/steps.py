@@ -85,8 +85,11 @@ def random_draft(target_config, device, dtype, seed: int = 0, draft_type: str = 
         "dflash_config": {"mask_token_id": c.vocab_size - 1,
                           "target_layer_ids": build_target_layer_ids(c.num_layers, layers)}})
     torch.manual_seed(seed)
-    with torch.device(device if draft_type == DENSE_DRAFT else "cpu"):
+    # made in `dtype` where it lives, as `DFlashDraft.load` does: built in float32 and cast, the 27B draft's 6.4 GiB
+    # float32 copy left the freed blocks it passed through reserved around the bf16 one (issue #20's footprint)
+    with torch.device("meta"):
         draft = DFlashDraft(config).to(dtype)
+    draft = draft.to_empty(device=device if draft_type == DENSE_DRAFT else "cpu")
     for p in draft.parameters():
         if p.dim() > 1:
             torch.nn.init.normal_(p, std=p.shape[1] ** -0.5)
