@@ -1,6 +1,7 @@
-"""One token's attention over TQ3_0 rows in CUDA C (kernels/attention_decode.cu): when `tree_attention` takes it,
-that its launch fits an SM three times over, that NVRTC compiles it, and on the GPU its output against the
-reference over the float16 pair values, against the Triton decode, across splits, masks and a CUDA graph."""
+"""One token's attention over TQ3_0 or Q8_0 rows in CUDA C (kernels/attention_decode.cu): when `tree_attention` takes
+it, that its launch fits an SM three (TQ3_0) or two (Q8_0) times over, that NVRTC compiles it, and on the GPU its
+output against the reference over the float16 values it decodes, against the Triton decode, across splits, masks and
+a CUDA graph."""
 
 import pytest
 import torch
@@ -34,32 +35,46 @@ def test_it_takes_one_normed_token_over_tq3_0_rows_only():
     assert not attention_decode.takes(q, k, v, ("tq3_0", "tq3_0"), 0, True, 1 << 20)  # on the CPU: never
 
 
-def test_three_ctas_fit_an_sm_and_the_splits_fill_the_gpu():
-    assert 3 * attention_decode.shared_bytes(256) <= 227 * 1024
-    assert attention_decode.shared_bytes(256) == 4 * (2 * 2 * 16 * 112 + 16 * 264 * 2 + 16 * 8 * 2)
-    assert attention_decode.splits_for(262144, 4, 132, 256) == 99  # 3 CTAs an SM over 4 KV heads
-    assert attention_decode.splits_for(262144, 1, 132, 256) == 256  # the combine's cap
-    assert attention_decode.splits_for(1000, 4, 132, 256) == 8  # each warp at least 2 chunks of 16 rows
-    assert attention_decode.splits_for(5, 4, 132, 256) == 1
+def test_it_takes_q8_0_rows_on_both_sides_and_tells_the_kinds_apart():
+    k, v = caches(kind="q8_0")
+    q = torch.randn(24, 1, 256)
+    assert attention_decode.fits(q, k, v, ("q8_0", "q8_0"), 0, True)
+    assert not attention_decode.fits(q, k, v, ("q8_0", "q4_0"), 0, True)
+    assert not attention_decode.fits(q, k, v, ("q4_0", "q4_0"), 0, True)  # no instance for Q4_0
+    assert not attention_decode.fits(q, k, v, ("f16", "f16"), 0, True)
+    assert attention_decode.kind_of(k, 256) == "q8_0" and attention_decode.kind_of(caches()[0], 256) == "tq3_0"
+
+
+def test_its_ctas_fit_an_sm_and_the_splits_fill_the_gpu():
+    assert 3 * attention_decode.shared_bytes(256, "tq3_0") <= 227 * 1024
+    assert attention_decode.shared_bytes(256, "tq3_0") == 4 * (2 * 2 * 16 * 112 + 16 * 264 * 2 + 16 * 8 * 2)
+    assert 2 * attention_decode.shared_bytes(256, "q8_0") <= 227 * 1024 < 3 * attention_decode.shared_bytes(256, "q8_0")
+    assert attention_decode.shared_bytes(256, "q8_0") == 4 * (2 * 2 * 16 * 272 + 16 * 264 * 2 + 16 * 8 * 2)
+    assert attention_decode.splits_for(262144, 4, 132, 256, "tq3_0") == 99  # 3 CTAs an SM over 4 KV heads
+    assert attention_decode.splits_for(262144, 4, 132, 256, "q8_0") == 66  # 2
+    assert attention_decode.splits_for(262144, 1, 132, 256, "tq3_0") == 256  # the combine's cap
+    assert attention_decode.splits_for(1000, 4, 132, 256, "tq3_0") == 8  # each warp at least 2 chunks of 16 rows
+    assert attention_decode.splits_for(5, 4, 132, 256, "q8_0") == 1
 
 
 @pytest.mark.skipif(not nvrtc_available(), reason="needs cuda-python and NVRTC")
 @pytest.mark.parametrize("d", attention_decode.HEAD_DIMS)
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
-def test_every_instance_compiles(d, q_dtype):
-    assert compile_cubin(attention_decode.source(d, q_dtype), "sm_90")[:4] == b"\x7fELF"
+@pytest.mark.parametrize("kind", attention_decode.KINDS)
+def test_every_instance_compiles(d, q_dtype, kind):
+    assert compile_cubin(attention_decode.source(d, q_dtype, kind), "sm_90")[:4] == b"\x7fELF"
 
 
-def _inputs(kv_end, q_dtype=torch.float32, seed=0, new_row_visible=True, d=256):
+def _inputs(kv_end, q_dtype=torch.float32, seed=0, new_row_visible=True, d=256, kind="tq3_0"):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    t = kv_type("tq3_0")
+    t = kv_type(kind)
     start = kv_end - 4  # the new row, then three garbage rows
     k = t.quantize(torch.randn(4, kv_end, d, generator=g, device="cuda") * 2)
     v = t.quantize(torch.randn(4, kv_end, d, generator=g, device="cuda"))
     k[:, start + 1:] = 255
     v[:, start + 1:] = 255
     return dict(q=torch.randn(24, 1, d, generator=g, device="cuda").to(q_dtype), k_cache=k, v_cache=v,
-                kv_type_k="tq3_0", kv_type_v="tq3_0", start_t=torch.tensor([start], device="cuda"),
+                kv_type_k=kind, kv_type_v=kind, start_t=torch.tensor([start], device="cuda"),
                 visible=torch.tensor([[new_row_visible]], device="cuda"),
                 positions=torch.tensor([start], device="cuda"), kv_end=start + 1 if seed % 2 else kv_end,
                 scale=d ** -0.5)
@@ -71,13 +86,14 @@ def _inputs(kv_end, q_dtype=torch.float32, seed=0, new_row_visible=True, d=256):
                                                                                       marks=pytest.mark.slow)])
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("new_row_visible", [True, False])
-def test_the_decode_matches_the_reference_on_gpu(kv_end, seed, q_dtype, new_row_visible):
+@pytest.mark.parametrize("kind", attention_decode.KINDS)
+def test_the_decode_matches_the_reference_on_gpu(kv_end, seed, q_dtype, new_row_visible, kind):
     """The CUDA decode (what `tree_attention` runs for these calls from `MIN_ROWS` rows) against the reference over
-    the float16 pair values: q rounded to float16 at 2^-11, P likewise, float32 sums, the output in q's dtype (bf16:
-    2^-8); over short ranges (one split, fewer chunks than warps), split ranges with a partial last chunk, the new row
-    masked out or in, garbage rows past it, kv_end at the new row or past it."""
-    args = _inputs(kv_end, q_dtype, seed, new_row_visible)
-    takes = attention_decode.takes(args["q"], args["k_cache"], args["v_cache"], ("tq3_0", "tq3_0"), 0, True,
+    the float16 values it decodes (TQ3_0's pairs, Q8_0's q * d): q rounded to float16 at 2^-11, P likewise, float32
+    sums, the output in q's dtype (bf16: 2^-8); over short ranges (one split, fewer chunks than warps), split ranges
+    with a partial last chunk, the new row masked out or in, garbage rows past it, kv_end at the new row or past it."""
+    args = _inputs(kv_end, q_dtype, seed, new_row_visible, kind=kind)
+    takes = attention_decode.takes(args["q"], args["k_cache"], args["v_cache"], (kind, kind), 0, True,
                                    args["kv_end"])
     assert takes == (args["kv_end"] >= attention_decode.MIN_ROWS)
     out = _in_cuda(attention_decode, args["q"], args["k_cache"], args["v_cache"], args["start_t"], args["visible"],
@@ -96,5 +112,14 @@ def test_gated_and_rotated_back_as_the_triton_decode_on_gpu():
 
 @pytest.mark.gpu
 @gpu
-def test_the_decode_replays_in_a_cuda_graph_on_gpu():
-    assert error_after_the_start_moved(_inputs(16400), 9000) <= 4e-3
+@pytest.mark.parametrize("kind", attention_decode.KINDS)
+def test_the_decode_replays_in_a_cuda_graph_on_gpu(kind):
+    assert error_after_the_start_moved(_inputs(16400, kind=kind), 9000) <= 4e-3
+
+
+@pytest.mark.gpu
+@gpu
+def test_the_model_call_over_q8_0_rows_as_the_triton_decode_on_gpu():
+    """A float32 query, bf16 operands, the output gate, Q8_0 values (nothing to rotate back): the CUDA decode against
+    the Triton one, whose values are bf16-rounded where the CUDA decode's are float16."""
+    assert error_against_triton(_inputs(70000, kind="q8_0")) <= 1e-2

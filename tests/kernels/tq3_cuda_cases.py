@@ -1,6 +1,6 @@
-"""What the tests of the CUDA C attention kernels over TQ3_0 rows (attention_decode.cu, attention_verify.cu) share:
-whether NVRTC compiles here, small TQ3_0 caches for the CPU-side checks, the reference over the float16 pair
-values those kernels decode (`tq3_pair_values`), and the model's call and a CUDA graph's replay checked on the GPU."""
+"""What the tests of the CUDA C attention kernels over TQ3_0 (and Q8_0) rows (attention_decode.cu, attention_verify.cu)
+share: whether NVRTC compiles here, small caches for the CPU-side checks, the reference over the float16 values those
+kernels decode (`tq3_pair_values`, Q8_0's q * d), and the model's call and a CUDA graph's replay checked on the GPU."""
 
 import importlib.util
 
@@ -23,14 +23,21 @@ def nvrtc_available() -> bool:
     return True
 
 
-def caches(kv_heads=4, rows=64, d=256):
-    t = kv_type("tq3_0")
+def caches(kv_heads=4, rows=64, d=256, kind="tq3_0"):
+    t = kv_type(kind)
     return [t.quantize(torch.randn(kv_heads, rows, d)) for _ in range(2)]
 
 
 def pair_reference(args: dict) -> torch.Tensor:
-    """The reference over the values the float16 pair decode gives."""
-    return tree_attention_reference(**pair_decoded(args))
+    """The reference over the values the CUDA kernels decode: TQ3_0's float16 pairs, Q8_0's q * d rounded once to
+    float16 (where the Triton kernel's float32 ones are exact)."""
+    decoded = pair_decoded(args)
+    for side in ("k", "v"):
+        kind = kv_type(decoded[f"kv_type_{side}"])
+        if kind.name == "q8_0":
+            decoded[f"{side}_cache"] = kind.dequantize(decoded[f"{side}_cache"]).half().float()
+            decoded[f"kv_type_{side}"] = "f32"
+    return tree_attention_reference(**decoded)
 
 
 def error_against_triton(args: dict) -> float:

@@ -1,8 +1,9 @@
-// One token's attention over TQ3_0 K and V rows (a decode over a long quantized cache), flash-decoding on tensor
-// cores: grid (KV heads, splits of the visible rows), each CTA's warps walking 16-row chunks of their split on their
-// own, each warp's raw rows streamed into shared memory a chunk ahead (cp.async), decoded there to float16 and read
-// back as MMA fragments (ldmatrix), the CTA's warps merged at the end into the split's partial output and log-sum-exp
-// in tree_attention.py's layout, which its combine launch merges (rotating TQ3_0 values back, applying the gate).
+// One token's attention over TQ3_0 (or Q8_0) K and V rows (a decode over a long quantized cache), flash-decoding on
+// tensor cores: grid (KV heads, splits of the visible rows), each CTA's warps walking 16-row chunks of their split on
+// their own, each warp's raw rows streamed into shared memory a chunk ahead (cp.async), decoded there to float16 and
+// read back as MMA fragments (ldmatrix), the CTA's warps merged at the end into the split's partial output and
+// log-sum-exp in tree_attention.py's layout, which its combine launch merges (rotating TQ3_0 values back, applying the
+// gate).
 //
 // Why CUDA C: the Triton decode (tree_attention.py, swapped 2-warp programs) spent 1754 warp instructions on a
 // 16-row chunk and issued on about a third of the cycles (H100 / H200: 345 us over 262K TQ3_0 rows, 5x the K/V
@@ -13,16 +14,48 @@
 // query clamped to +-65280 and rounded to float16, scores in float32 (times scale * log2 e), base-2 online softmax
 // in float32, P rounded to float16 for the P V products, float32 accumulators.
 //
-// The TQ3_0 block and its decode: tq3_tiles.cuh, which attention_decode.py puts before this text.
+// The TQ3_0 block and its decode: tq3_tiles.cuh, which attention_decode.py puts before this text. Q8_0 rows (KIND_Q8:
+// a float16 scale d and 32 int8 a block, value = q * d) decode as float16 q * d (`decode_q8_block_pair`), where
+// tree_attention rounds the float32 product to the operands' type: float16 holds it at least as finely as bf16.
 
 constexpr int CHUNK = 16;       // K/V rows a warp takes at a time (the QK MMA's M side, the PV MMA's K side)
 constexpr int HEADS_MAX = 8;    // query heads of a KV head's group (the MMAs' N side)
+constexpr int KIND_Q8 = 1;       // the caches' block formats as tree_attention.KV_KINDS numbers them (TQ3_0: 3)
+template <int KIND>
+constexpr int KIND_BLOCK_BYTES = KIND == KIND_Q8 ? 34 : BLOCK_BYTES;
+
+// Two adjacent Q8_0 blocks at `src` (68 bytes, 4-byte aligned): seventeen 4-byte loads (a warp's lanes taking 8 rows
+// x 4 block pairs of 272-byte rows hit 32 distinct banks: row stride 68 words, pair stride 17), then each block's 16
+// float16 value pairs handed to store(h, out) for block h = 0, 1. Four int8 a word become float16 without a convert:
+// biased to unsigned (XOR 0x80) and permuted under the exponent byte 0x64 (1024 + u, exact), less 1152 gives q;
+// times d rounds once.
+template <typename Store>
+__device__ __forceinline__ void decode_q8_block_pair(const unsigned char* src, Store store) {
+    const u32* words = reinterpret_cast<const u32*>(src);
+    u32 w[17];
+#pragma unroll
+    for (int k = 0; k < 17; ++k) w[k] = words[k];
+    const u32 bias = 0x64806480u;  // 1152, 1152 in float16
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // bytes 0-33 (d, then q at 2-33), 34-67 (d at 34-35, q at 36-67)
+        const u32 d = h == 0 ? w[0] & 0xFFFFu : w[8] >> 16;
+        const u32 d2 = d | (d << 16);
+        u32 out[16];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const u32 q4 = (h == 0 ? __funnelshift_r(w[j], w[j + 1], 16) : w[9 + j]) ^ 0x80808080u;
+            out[2 * j] = hmul2(hsub2(prmt(q4, 0x64646464u, 0x4140u), bias), d2);
+            out[2 * j + 1] = hmul2(hsub2(prmt(q4, 0x64646464u, 0x4342u), bias), d2);
+        }
+        store(h, out);
+    }
+}
 
 // Shared memory of one warp: its ring of raw chunks (K then V rows), the decoded chunk (float16, PITCH halves a
 // row: 16 bytes past a multiple of 128, so the 8 rows an ldmatrix reads fall in distinct banks) and P [16][8].
-template <int D, int STAGES>
+template <int D, int STAGES, int KIND>
 struct WarpSmem {
-    static constexpr int ROW_BYTES = D / 32 * BLOCK_BYTES;
+    static constexpr int ROW_BYTES = D / 32 * KIND_BLOCK_BYTES<KIND>;
     static constexpr int RAW = CHUNK * ROW_BYTES;        // one chunk of K (or V) rows
     static constexpr int PITCH = D + 8;
     static constexpr int RING = STAGES * 2 * RAW;
@@ -34,30 +67,35 @@ struct WarpSmem {
 // A warp's 16 rows of one side (K or V) decoded, two adjacent blocks a lane at a time: the warp's 32 lanes take 8 rows
 // x 4 block pairs twice (`decode_block_pair`: conflict-free 4-byte loads; halfword loads of a block a lane, lanes two
 // to a row, met 2-way conflicts)
-template <int D>
+template <int D, int KIND>
 __device__ __forceinline__ void decode_chunk(const unsigned char* raw, u16* vals, u32 table_low, u32 table_high) {
     static_assert(D == 256, "8 rows x 4 block pairs cover whole rows of 8 blocks");
-    constexpr int ROW_BYTES = D / 32 * BLOCK_BYTES, PITCH = D + 8;
+    constexpr int ROW_BYTES = D / 32 * KIND_BLOCK_BYTES<KIND>, PITCH = D + 8;
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int row = 8 * half + (lane & 7), pair = lane >> 3;
-        decode_block_pair(raw + row * ROW_BYTES + pair * 28, table_low, table_high, [&](int h, const u32(&out)[16]) {
+        const auto store = [&](int h, const u32(&out)[16]) {
             uint4* dst = reinterpret_cast<uint4*>(vals + row * PITCH + 32 * (2 * pair + h));
 #pragma unroll
             for (int i = 0; i < 4; ++i) dst[i] = make_uint4(out[4 * i], out[4 * i + 1], out[4 * i + 2], out[4 * i + 3]);
-        });
+        };
+        const unsigned char* src = raw + row * ROW_BYTES + pair * 2 * KIND_BLOCK_BYTES<KIND>;
+        if constexpr (KIND == KIND_Q8)
+            decode_q8_block_pair(src, store);
+        else
+            decode_block_pair(src, table_low, table_high, store);
     }
 }
 
-template <int D, int WARPS, int STAGES, typename QT>
-__device__ __forceinline__ void tq3_decode(const QT* __restrict__ q, const unsigned char* __restrict__ k_cache,
+template <int D, int WARPS, int STAGES, int KIND, typename QT>
+__device__ __forceinline__ void quant_decode(const QT* __restrict__ q, const unsigned char* __restrict__ k_cache,
                                            const unsigned char* __restrict__ v_cache,
                                            const long long* __restrict__ start_t, const unsigned char* __restrict__ vis,
                                            float* __restrict__ part, float* __restrict__ lse, int stride_qh,
                                            int stride_kh, int stride_kr, int stride_vh, int stride_vr, int kv_end,
                                            int heads, int group, float scale_log2, u32 table_low, u32 table_high) {
-    typedef WarpSmem<D, STAGES> S;
+    typedef WarpSmem<D, STAGES, KIND> S;
     constexpr int KSTEPS = D / 16;
     extern __shared__ __align__(16) unsigned char shared[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -116,7 +154,7 @@ __device__ __forceinline__ void tq3_decode(const QT* __restrict__ q, const unsig
         const unsigned char* raw = mine + (k % STAGES) * 2 * S::RAW;
         const int r0 = lo + CHUNK * (warp + k * WARPS);
 
-        decode_chunk<D>(raw, vals, table_low, table_high);  // K
+        decode_chunk<D, KIND>(raw, vals, table_low, table_high);  // K
         __syncwarp();
         // scores: rows g, g + 8 x heads 2t, 2t + 1, in two accumulator chains (a chain waits on each MMA's result)
         float chains[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
@@ -131,7 +169,7 @@ __device__ __forceinline__ void tq3_decode(const QT* __restrict__ q, const unsig
             }
         }
         __syncwarp();  // every lane's K fragments read: V may take their place while the MMAs run
-        decode_chunk<D>(raw + S::RAW, vals, table_low, table_high);  // V
+        decode_chunk<D, KIND>(raw + S::RAW, vals, table_low, table_high);  // V
         float sc[4];
 #pragma unroll
         for (int c = 0; c < 4; ++c) sc[c] = chains[0][c] + chains[1][c];

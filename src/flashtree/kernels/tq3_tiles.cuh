@@ -33,6 +33,11 @@ __device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
     asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
     return d;
 }
+__device__ __forceinline__ u32 hsub2(u32 a, u32 b) {
+    u32 d;
+    asm("sub.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
 __device__ __forceinline__ u32 f16x2_of(float lo, float hi) {
     u32 d;
     asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(hi), "f"(lo));

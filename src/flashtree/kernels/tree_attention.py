@@ -13,9 +13,9 @@ kv_heads). Caches are [kv_heads, capacity, D] float (f32/f16/bf16) or uint8 [kv_
 row_bytes] Q8_0/Q4_0/TQ3_0 blocks (kv_quant.py); kv types are anything `kv_quant.kv_type` takes (KVType or
 name), K and V independently.
 
-One normed query token over TQ3_0 K and V rows (from `attention_decode.MIN_ROWS` rows, at the launch defaults)
+One normed query token over TQ3_0 or Q8_0 K and V rows (from `attention_decode.MIN_ROWS` rows, at the launch defaults)
 takes `attention_decode`'s CUDA C split launch instead of the Triton kernel below, and the same combine; a tree of up
-to `attention_verify.MAX_ROWS` query rows a KV head over them (from `attention_verify.MIN_ROWS` rows)
+to `attention_verify.MAX_ROWS` query rows a KV head over TQ3_0 rows (from `attention_verify.MIN_ROWS` rows)
 `attention_verify`'s.
 
 Kernel (flash-decoding): grid (kv_heads, query tiles, splits). A program owns one KV head, a tile of
@@ -805,8 +805,8 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
     (`_scores`: q held as [D, BLOCK_M]), by default in a decode of up to 16 query rows over TQ3_0 rows
     (`_launch_defaults`). `tail` gives the query rows past the last whole tile a launch of their own in a tile sized
     to them (by default over long quantized rows, `_tail_rows`). `out_dtype` (q's by default): the result's dtype (a
-    query normed apart into the operands' dtype whose output stays in the activations'). A decode over TQ3_0 rows
-    with none of the launch settings given runs `attention_decode` where it takes the call, a tree over them
+    query normed apart into the operands' dtype whose output stays in the activations'). A decode over TQ3_0 or Q8_0
+    rows with none of the launch settings given runs `attention_decode` where it takes the call, a tree over them
     `attention_verify` (`_in_cuda`).
     Falls back to `tree_attention_reference` where the Triton path does not apply."""
     tk, tv = kv_type(kv_type_k), kv_type(kv_type_v)
@@ -901,9 +901,9 @@ def _combine(part, lse, out, gate_args, signs, n, heads, kv_heads, group_rows, m
 
 
 def _in_cuda(kernel, q, k_cache, v_cache, start_t, visible, kv_end, scale, gate, unrotating, out_dtype):
-    """`kernel`'s split launch (`attention_decode`: one token, `attention_verify`: a tree, over TQ3_0 rows), then the
-    combine (values rotated back where `unrotating`, the gate applied where given), as the Triton path's split
-    launches end."""
+    """`kernel`'s split launch (`attention_decode`: one token over TQ3_0 or Q8_0 rows, `attention_verify`: a tree over
+    TQ3_0 rows), then the combine (values rotated back where `unrotating`, the gate applied where given), as the
+    Triton path's split launches end."""
     heads, n, d = q.shape
     kv_heads = k_cache.shape[0]
     part, lse = kernel.attend(q, k_cache, v_cache, start_t, visible.contiguous().view(torch.uint8), kv_end,

@@ -28,7 +28,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from flashtree.models.cache import AttentionKV
 from flashtree.formats.gguf_file import GGUFFile
-from flashtree.kernels import triton_runs_on
+from flashtree.kernels import attention_decode, triton_runs_on
 from flashtree.kernels.activations import gated_heads
 from flashtree.kernels.kv_dequant import dequantize_kv
 from flashtree.kernels.kv_quant import FloatKV, unrotate
@@ -93,9 +93,11 @@ class GatedAttention:
             write_kv(k, v, kv.k, kv.v, step.slots, kv.type_k, kv.type_v, k_norm=(self.k_norm, c.rms_eps, cos, sin))
         if _reads_cache_in_place(step, kv, raw_q.transpose(0, 1)):
             # one launch: q's norm and RoPE at the kernel's load (not for TQ3_0 keys: one `qk_norm_rope` launch
-            # norms, ropes and rotates their q; nor for a verify's float32 query, `_query_normed_apart`), TQ3_0
-            # values rotated back and the output gate at its store
-            fused_q = not kv.type_k.rotated and not _query_normed_apart(n, activations, operands)
+            # norms, ropes and rotates their q; nor for a verify's float32 query, `_query_normed_apart`, nor for a
+            # decode the CUDA kernel may take, `_decodes_in_cuda`), TQ3_0 values rotated back and the output gate at
+            # its store
+            fused_q = (not kv.type_k.rotated and not _query_normed_apart(n, activations, operands)
+                       and not _decodes_in_cuda(n, kv))
             if fused_q:
                 q = raw_q.transpose(0, 1)
             else:  # TQ3_0 keys: rotated as well, in float32; a verify's float32 query: rounded to the operands
@@ -201,6 +203,13 @@ def _query_normed_apart(tokens: int, activations: torch.dtype, operands: torch.d
     -> 0.214 ms. A decode's 16-row tile does not spill: it stays fused (one launch fewer)."""
     return (tokens > 1 and activations == torch.float32 and operands == torch.bfloat16
             and os.environ.get("FLASHTREE_QUERY_NORM_APART", "1") == "1")
+
+
+def _decodes_in_cuda(tokens: int, kv: AttentionKV) -> bool:
+    """Whether a call of one token over `kv` may take `attention_decode`'s CUDA kernel (from its `MIN_ROWS`), which
+    reads a query normed and roped before it: over Q8_0 rows a `qk_norm_rope` launch of its own (TQ3_0's query is
+    normed apart anyway, to be rotated)."""
+    return tokens == 1 and kv.k.is_cuda and kv.type_k.name == kv.type_v.name in attention_decode.KINDS
 
 
 def _plain_run(step: Step, lo: int, window: int, q) -> bool:
