@@ -97,7 +97,7 @@ class GatedAttention:
             # decode the CUDA kernel may take, `_decodes_in_cuda`), TQ3_0 values rotated back and the output gate at
             # its store
             fused_q = (not kv.type_k.rotated and not _query_normed_apart(n, activations, operands)
-                       and not _decodes_in_cuda(n, kv))
+                       and not _decodes_in_cuda(n, kv, step.kv_end))
             if fused_q:
                 q = raw_q.transpose(0, 1)
             else:  # TQ3_0 keys: rotated as well, in float32; a verify's float32 query: rounded to the operands
@@ -205,11 +205,12 @@ def _query_normed_apart(tokens: int, activations: torch.dtype, operands: torch.d
             and os.environ.get("FLASHTREE_QUERY_NORM_APART", "1") == "1")
 
 
-def _decodes_in_cuda(tokens: int, kv: AttentionKV) -> bool:
-    """Whether a call of one token over `kv` may take `attention_decode`'s CUDA kernel (from its `MIN_ROWS`), which
-    reads a query normed and roped before it: over Q8_0 rows a `qk_norm_rope` launch of its own (TQ3_0's query is
-    normed apart anyway, to be rotated)."""
-    return tokens == 1 and kv.k.is_cuda and kv.type_k.name == kv.type_v.name in attention_decode.KINDS
+def _decodes_in_cuda(tokens: int, kv: AttentionKV, kv_end: int) -> bool:
+    """Whether a call of one token over `kv_end` rows of `kv` may take `attention_decode`'s CUDA kernel, which reads a
+    query normed and roped before it: over Q8_0 rows a `qk_norm_rope` launch of its own (TQ3_0's query is normed apart
+    anyway, to be rotated); below the kernel's `MIN_ROWS` the Triton decode norms it at its load."""
+    return (tokens == 1 and kv.k.is_cuda and kv_end >= attention_decode.MIN_ROWS
+            and kv.type_k.name == kv.type_v.name in attention_decode.KINDS)
 
 
 def _plain_run(step: Step, lo: int, window: int, q) -> bool:
