@@ -1,4 +1,4 @@
-"""A tree verify's attention over TQ3_0 rows in CUDA C (kernels/attention_verify.cu): when `tree_attention` takes it,
+"""A tree verify's attention over TQ3_0 (and Q8_0) rows in CUDA C (kernels/attention_verify.cu): when `tree_attention` takes it,
 that its launch fits an SM, that NVRTC compiles it, and on the GPU its output against the reference over the float16
 pair values, against the Triton verify, across splits, trees, masks, query strides and a CUDA graph."""
 
@@ -18,7 +18,7 @@ from tests.kernels.tq3_cuda_cases import (caches, error_after_the_start_moved, e
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def test_it_takes_a_tree_of_normed_tokens_over_tq3_0_rows_only():
+def test_it_takes_a_tree_of_normed_tokens_over_tq3_0_rows():
     k, v = caches()
     q = torch.randn(24, 23, 256)
     assert attention_verify.fits(q, k, v, ("tq3_0", "tq3_0"), 0, True)
@@ -37,12 +37,26 @@ def test_it_takes_a_tree_of_normed_tokens_over_tq3_0_rows_only():
     assert not attention_verify.takes(q, k, v, ("tq3_0", "tq3_0"), 0, True, 1 << 20)  # on the CPU: never
 
 
+def test_it_takes_q8_0_rows_on_both_sides():
+    k, v = caches(kind="q8_0")
+    q = torch.randn(24, 23, 256)
+    assert attention_verify.fits(q, k, v, ("q8_0", "q8_0"), 0, True)
+    assert attention_verify.fits(q.bfloat16(), k, v, ("q8_0", "q8_0"), 0, True)
+    assert not attention_verify.fits(q, k, v, ("q8_0", "q4_0"), 0, True)
+    assert not attention_verify.fits(q, *caches(kind="q4_0"), ("q4_0", "q4_0"), 0, True)
+    assert not attention_verify.fits(q, k, v, ("q8_0", "q8_0"), 0, False)  # q normed in the kernel
+
+
 def test_a_cta_fits_an_sm_and_the_splits_fill_the_gpu():
     for tail in (False, True):
-        assert attention_verify.shared_bytes(256, tail) <= 227 * 1024
-    assert attention_verify.shared_bytes(256, False) == 2 * 2 * 64 * 112 + 3 * 64 * 256 * 2 + 128 * 256 * 2
-    assert attention_verify.shared_bytes(256, True) == (2 * 2 * 64 * 112 + 3 * 64 * 256 * 2 + 144 * 256 * 2
-                                                        + 16 * 144 + 8 * 16 * 4)
+        for kind in attention_verify.KINDS:
+            assert attention_verify.shared_bytes(256, tail, kind) <= 227 * 1024
+    assert attention_verify.shared_bytes(256, False, "tq3_0") == 2 * 2 * 64 * 112 + 3 * 64 * 256 * 2 + 128 * 256 * 2
+    assert attention_verify.shared_bytes(256, True, "tq3_0") == (2 * 2 * 64 * 112 + 3 * 64 * 256 * 2 + 144 * 256 * 2
+                                                                 + 16 * 144 + 8 * 16 * 4)
+    # Q8_0's 272-byte rows: two decoded sides, not three
+    assert attention_verify.shared_bytes(256, True, "q8_0") == (2 * 2 * 64 * 272 + 2 * 64 * 256 * 2 + 144 * 256 * 2
+                                                                + 16 * 144 + 8 * 16 * 4)
     assert not attention_verify.has_tail(128) and attention_verify.has_tail(129) and attention_verify.has_tail(144)
     assert not attention_verify.has_tail(145)  # two CTAs of 128 rows
     assert attention_verify.slices_for(128) == 1 and attention_verify.slices_for(138) == 1  # 23 tokens: one CTA
@@ -58,17 +72,18 @@ def test_a_cta_fits_an_sm_and_the_splits_fill_the_gpu():
 @pytest.mark.parametrize("d", attention_verify.HEAD_DIMS)
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tail", [False, True])
-def test_every_instance_compiles(d, q_dtype, tail):
-    source = attention_verify.source(d, q_dtype, tail)
+@pytest.mark.parametrize("kind", attention_verify.KINDS)
+def test_every_instance_compiles(d, q_dtype, tail, kind):
+    source = attention_verify.source(d, q_dtype, tail, kind)
     assert target(source, "sm_90") == "sm_90a"  # warpgroup MMA
     assert compile_cubin(source, "sm_90a")[:4] == b"\x7fELF"
 
 
-def _inputs(kv_end, n, q_dtype=torch.float32, seed=0, at_end=False, token_major=False, d=256):
-    """The 27B's heads over random TQ3_0 rows, a random tree of `n` new rows at start, three garbage rows after them;
+def _inputs(kv_end, n, q_dtype=torch.float32, seed=0, at_end=False, token_major=False, d=256, kind="tq3_0"):
+    """The 27B's heads over random `kind` rows, a random tree of `n` new rows at start, three garbage rows after them;
     `at_end`: kv_end at the last new row; `token_major`: q a [heads, T, D] view of [T, heads, D] rows."""
     g = torch.Generator(device="cuda").manual_seed(seed)
-    t = kv_type("tq3_0")
+    t = kv_type(kind)
     start = kv_end - n - 3
     k = t.quantize(torch.randn(4, kv_end, d, generator=g, device="cuda") * 2)
     v = t.quantize(torch.randn(4, kv_end, d, generator=g, device="cuda"))
@@ -77,7 +92,7 @@ def _inputs(kv_end, n, q_dtype=torch.float32, seed=0, at_end=False, token_major=
     _, depths, visible = cases.tree(n, seed)
     q = torch.randn(n, 24, d, generator=g, device="cuda").to(q_dtype)
     return dict(q=q.transpose(0, 1) if token_major else q.transpose(0, 1).contiguous(), k_cache=k, v_cache=v,
-                kv_type_k="tq3_0", kv_type_v="tq3_0", start_t=torch.tensor([start], device="cuda"),
+                kv_type_k=kind, kv_type_v=kind, start_t=torch.tensor([start], device="cuda"),
                 visible=visible.cuda(), positions=(start + depths).cuda(), kv_end=start + n if at_end else kv_end,
                 scale=d ** -0.5)
 
@@ -93,14 +108,15 @@ def _run(args, q_dtype):
                                              (20000, 24, 6), (20000, 21, 7), (9000, 22, 8),
                                              pytest.param(262144, 23, 5, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
-def test_the_verify_matches_the_reference_on_gpu(kv_end, n, seed, q_dtype):
+@pytest.mark.parametrize("kind", attention_verify.KINDS)
+def test_the_verify_matches_the_reference_on_gpu(kv_end, n, seed, q_dtype, kind):
     """The CUDA verify against the reference over the float16 pair values: q rounded to float16 at 2^-11, P likewise,
     float32 sums, the output in q's dtype (bf16: 2^-8); over short ranges (one split, one partial chunk), splits with a
     partial last chunk, 2 to 32 tokens (up to 192 query rows a KV head: 21 tokens fill the two warpgroups' 128, 22 to
     24 take the 16-row tail, 32 two CTAs, the last warpgroup's partly padding), random
     trees, garbage rows past them, kv_end at the last new row (odd seeds) or past it, q token-major (seeds 3, 4)."""
-    args = _inputs(kv_end, n, q_dtype, seed, at_end=seed % 2 == 1, token_major=seed in (3, 4))
-    takes = attention_verify.takes(args["q"], args["k_cache"], args["v_cache"], ("tq3_0", "tq3_0"), 0, True,
+    args = _inputs(kv_end, n, q_dtype, seed, at_end=seed % 2 == 1, token_major=seed in (3, 4), kind=kind)
+    takes = attention_verify.takes(args["q"], args["k_cache"], args["v_cache"], (kind, kind), 0, True,
                                    args["kv_end"])
     assert takes == (args["kv_end"] >= attention_verify.MIN_ROWS)
     out = _run(args, q_dtype)
@@ -118,5 +134,14 @@ def test_gated_and_rotated_back_as_the_triton_verify_on_gpu():
 
 @pytest.mark.gpu
 @gpu
-def test_the_verify_replays_in_a_cuda_graph_on_gpu():
-    assert error_after_the_start_moved(_inputs(16400, 23), 9000) <= 4e-3
+def test_the_model_call_over_q8_0_rows_as_the_triton_verify_on_gpu():
+    """A bf16 query normed apart (the 27B verify's), the output gate, Q8_0 values (nothing to rotate back): the CUDA
+    verify against the Triton one, whose values are bf16-rounded where the CUDA verify's are float16."""
+    assert error_against_triton(_inputs(70000, 23, torch.bfloat16, token_major=True, kind="q8_0")) <= 1e-2
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("kind", attention_verify.KINDS)
+def test_the_verify_replays_in_a_cuda_graph_on_gpu(kind):
+    assert error_after_the_start_moved(_inputs(16400, 23, kind=kind), 9000) <= 4e-3

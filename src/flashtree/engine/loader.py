@@ -216,8 +216,8 @@ def compile_cuda_kernels(model, activations: torch.dtype, progress: bool = False
     dtype of x and out) into the on-disk cache: each tensor-core instance its fragment-ordered weights can take
     (decode, verify, prefill; a fused gate + up weight's with their GLU epilogue), the cluster add + RMSNorm
     (kernels/add_rms_norm.cu) of float32 activations on Hopper, alone and writing the float16 x of those weights'
-    types, the DeltaNet tree verify's node tiles (kernels/deltanet_tree.cu), with TQ3_0 K and V (`cache_types`) the
-    decode and the tree verify over them (kernels/attention_decode.cu, attention_verify.cu), with Q8_0 the decode.
+    types, the DeltaNet tree verify's node tiles (kernels/deltanet_tree.cu), with TQ3_0 or Q8_0 K and V (`cache_types`)
+    the decode and the tree verify over them (kernels/attention_decode.cu, attention_verify.cu).
     Otherwise NVRTC compiles them one by one, a second each, inside the first requests. A cached kernel costs nothing,
     so a second start compiles none. Says what it compiled (a bar with `progress`)."""
     weights = [w for w in quant_weights(model) if w.mma_layout]
@@ -228,11 +228,15 @@ def compile_cuda_kernels(model, activations: torch.dtype, progress: bool = False
     tree_dims = {layer.config.gdn_head_dim for layer in reachable(model, GatedDeltaNet)}
     head_dims = sorted({layer.config.head_dim for layer in reachable(model, GatedAttention)})
     kind = cache_types[0] if cache_types[0] == cache_types[1] else None
+    # the attention kernels' query: TQ3_0's normed and rotated in the activations' dtype, Q8_0's in the model's
+    # (models/attention.py)
+    query = activations if kind == "tq3_0" else getattr(model, "dtype", None) or activations
     jobs = (mma.with_source(instances) + rms_norm.cuda_jobs(device, activations, {w.qtype for w in weights})
             + [job for dk in sorted(tree_dims) for job in gated_delta_cuda.cuda_jobs(device, dk)]
             + [job for d in head_dims if kind in attention_decode.KINDS
-               for job in attention_decode.cuda_jobs(device, d, activations, kind)]
-            + [job for d in head_dims if kind == "tq3_0" for job in attention_verify.cuda_jobs(device, d, activations)])
+               for job in attention_decode.cuda_jobs(device, d, query, kind)]
+            + [job for d in head_dims if kind in attention_verify.KINDS
+               for job in attention_verify.cuda_jobs(device, d, query, kind)])
     if not jobs:
         return
     arch = mma.arch_of(device)

@@ -14,43 +14,10 @@
 // query clamped to +-65280 and rounded to float16, scores in float32 (times scale * log2 e), base-2 online softmax
 // in float32, P rounded to float16 for the P V products, float32 accumulators.
 //
-// The TQ3_0 block and its decode: tq3_tiles.cuh, which attention_decode.py puts before this text. Q8_0 rows (KIND_Q8:
-// a float16 scale d and 32 int8 a block, value = q * d) decode as float16 q * d (`decode_q8_block_pair`), where
-// tree_attention rounds the float32 product to the operands' type: float16 holds it at least as finely as bf16.
+// The TQ3_0 and Q8_0 blocks and their decodes: tq3_tiles.cuh, which attention_decode.py puts before this text.
 
 constexpr int CHUNK = 16;       // K/V rows a warp takes at a time (the QK MMA's M side, the PV MMA's K side)
 constexpr int HEADS_MAX = 8;    // query heads of a KV head's group (the MMAs' N side)
-constexpr int KIND_Q8 = 1;       // the caches' block formats as tree_attention.KV_KINDS numbers them (TQ3_0: 3)
-template <int KIND>
-constexpr int KIND_BLOCK_BYTES = KIND == KIND_Q8 ? 34 : BLOCK_BYTES;
-
-// Two adjacent Q8_0 blocks at `src` (68 bytes, 4-byte aligned): seventeen 4-byte loads (a warp's lanes taking 8 rows
-// x 4 block pairs of 272-byte rows hit 32 distinct banks: row stride 68 words, pair stride 17), then each block's 16
-// float16 value pairs handed to store(h, out) for block h = 0, 1. Four int8 a word become float16 without a convert:
-// biased to unsigned (XOR 0x80) and permuted under the exponent byte 0x64 (1024 + u, exact), less 1152 gives q;
-// times d rounds once.
-template <typename Store>
-__device__ __forceinline__ void decode_q8_block_pair(const unsigned char* src, Store store) {
-    const u32* words = reinterpret_cast<const u32*>(src);
-    u32 w[17];
-#pragma unroll
-    for (int k = 0; k < 17; ++k) w[k] = words[k];
-    const u32 bias = 0x64806480u;  // 1152, 1152 in float16
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {  // bytes 0-33 (d, then q at 2-33), 34-67 (d at 34-35, q at 36-67)
-        const u32 d = h == 0 ? w[0] & 0xFFFFu : w[8] >> 16;
-        const u32 d2 = d | (d << 16);
-        u32 out[16];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const u32 q4 = (h == 0 ? __funnelshift_r(w[j], w[j + 1], 16) : w[9 + j]) ^ 0x80808080u;
-            out[2 * j] = hmul2(hsub2(prmt(q4, 0x64646464u, 0x4140u), bias), d2);
-            out[2 * j + 1] = hmul2(hsub2(prmt(q4, 0x64646464u, 0x4342u), bias), d2);
-        }
-        store(h, out);
-    }
-}
-
 // Shared memory of one warp: its ring of raw chunks (K then V rows), the decoded chunk (float16, PITCH halves a
 // row: 16 bytes past a multiple of 128, so the 8 rows an ldmatrix reads fall in distinct banks) and P [16][8].
 template <int D, int STAGES, int KIND>
@@ -80,11 +47,7 @@ __device__ __forceinline__ void decode_chunk(const unsigned char* raw, u16* vals
 #pragma unroll
             for (int i = 0; i < 4; ++i) dst[i] = make_uint4(out[4 * i], out[4 * i + 1], out[4 * i + 2], out[4 * i + 3]);
         };
-        const unsigned char* src = raw + row * ROW_BYTES + pair * 2 * KIND_BLOCK_BYTES<KIND>;
-        if constexpr (KIND == KIND_Q8)
-            decode_q8_block_pair(src, store);
-        else
-            decode_block_pair(src, table_low, table_high, store);
+        decode_pair<KIND>(raw + row * ROW_BYTES + pair * 2 * KIND_BLOCK_BYTES<KIND>, table_low, table_high, store);
     }
 }
 

@@ -33,7 +33,7 @@ constexpr int VCHUNK = 64;       // K/V rows decoded and attended at a time
 constexpr int WG_ROWS = 128;     // query rows of a CTA's two consumer warpgroups (64 each)
 constexpr int TAIL_ROWS = 16;    // query rows past them in a CTA with a tail: one mma.sync tile the 8 warps share
 constexpr int STAGES = 2;        // raw chunks in shared memory: the next one's copies land while one is decoded
-constexpr int SLOTS = 3;         // decoded sides (K or V chunks) in a ring: the producer decodes one or two ahead
+constexpr int MAX_SLOTS = 3;     // decoded sides (K or V chunks) in a ring: the producer decodes one or two ahead
 constexpr int PRODUCERS = 128;   // warpgroup 0: copies and decodes
 constexpr int CONSUMERS = 256;   // warpgroups 1, 2: the MMAs and the softmax
 constexpr int THREADS = PRODUCERS + CONSUMERS;
@@ -42,14 +42,16 @@ constexpr int PRODUCER_REGS = 64, CONSUMER_REGS = 216;  // setmaxnreg: 128 x 64 
 constexpr int P_PITCH = VCHUNK * 2 + 16;  // bytes a tail row of P: 16 past a multiple of 128, ldmatrix's 8 rows in
                                           // distinct banks
 // named barriers (0: __syncthreads): the producers' own, the consumers' own, then a slot's full and empty ones
-constexpr int BAR_PRODUCERS = 1, BAR_CONSUMERS = 2, BAR_FULL = 3, BAR_EMPTY = BAR_FULL + SLOTS;
+constexpr int BAR_PRODUCERS = 1, BAR_CONSUMERS = 2, BAR_FULL = 3, BAR_EMPTY = BAR_FULL + MAX_SLOTS;
 
 // Shared memory: raw K and V chunks (STAGES), the ring of decoded sides, the query rows; with a tail, its P and the
-// warps' row maxima (then sums).
-template <int D, bool TAIL>
+// warps' row maxima (then sums). Q8_0's raw chunks (2.4x TQ3_0's) leave room for two decoded sides, not three: the
+// producer decodes one side ahead.
+template <int D, bool TAIL, int KIND>
 struct VerifySmem {
     static constexpr int SLICE = WG_ROWS + (TAIL ? TAIL_ROWS : 0);  // query rows a CTA
-    static constexpr int ROW_BYTES = D / 32 * BLOCK_BYTES;
+    static constexpr int SLOTS = KIND == KIND_Q8 ? 2 : MAX_SLOTS;
+    static constexpr int ROW_BYTES = D / 32 * KIND_BLOCK_BYTES<KIND>;
     static constexpr int RAW = VCHUNK * ROW_BYTES;          // one side's raw chunk
     static constexpr int SIDE = VCHUNK * D * 2;             // bytes of one side's decoded chunk
     static constexpr int RING = STAGES * 2 * RAW;           // byte offsets
@@ -156,15 +158,16 @@ __device__ __forceinline__ void load8(const u16* row, float (&v)[8], bool wide) 
 // One side's raw chunk (K or V rows) decoded by threads first, first + step, .. into core matrices, two adjacent
 // blocks a thread at a time: a warp takes 8 rows x 4 block pairs (`decode_block_pair`: conflict-free loads), whose
 // 16-byte stores fill four whole 128-byte rows of banks.
-template <int D>
+template <int D, int KIND>
 __device__ __forceinline__ void decode_side(const unsigned char* raw, unsigned char* dst_side, u32 table_low,
                                             u32 table_high, int first, int step) {
     static_assert(D == 256, "a warp's 8 rows x 4 block pairs cover whole rows of 8 blocks");
-    constexpr int ROW_BYTES = D / 32 * BLOCK_BYTES, ITEMS = VCHUNK * D / 64;
+    constexpr int ROW_BYTES = D / 32 * KIND_BLOCK_BYTES<KIND>, ITEMS = VCHUNK * D / 64;
     for (int j = first; j < ITEMS; j += step) {
         const int row = 8 * (j >> 5) + (j & 7), pair = (j & 31) >> 3;
         unsigned char* dst = dst_side + 16 * row;
-        decode_block_pair(raw + row * ROW_BYTES + pair * 28, table_low, table_high, [&](int h, const u32(&out)[16]) {
+        const unsigned char* src = raw + row * ROW_BYTES + pair * 2 * KIND_BLOCK_BYTES<KIND>;
+        decode_pair<KIND>(src, table_low, table_high, [&](int h, const u32(&out)[16]) {
             const int b = 2 * pair + h;
 #pragma unroll
             for (int g = 0; g < 4; ++g)
@@ -377,13 +380,13 @@ __device__ __forceinline__ void tail_values(float (&o)[D / 64][4], unsigned p_ro
 
 // The consumer warpgroups: chunk k's scores once its K side is in, its P V once its V side is; each side released
 // to the producer when every consumer is done with it
-template <int D, bool TAIL>
+template <int D, bool TAIL, int KIND>
 __device__ __forceinline__ void consume(unsigned char* shared, const unsigned char* __restrict__ vis,
                                         float* __restrict__ part, float* __restrict__ lse, int T, int heads, int group,
                                         int kvh, int split, int rows, int m0, int start, int lo, int hi, int chunks,
                                         float scale_log2, int v_lbo, int v_sbo) {
-    typedef VerifySmem<D, TAIL> S;
-    constexpr int SLICE = S::SLICE;
+    typedef VerifySmem<D, TAIL, KIND> S;
+    constexpr int SLICE = S::SLICE, SLOTS = S::SLOTS;
     const int lane = threadIdx.x & 31, warp = (threadIdx.x - PRODUCERS) >> 5, g = lane >> 2, t = lane & 3;
     const unsigned queries = smem(shared + S::QUERIES), ring = smem(shared + S::RING);
     unsigned char* p_rows = shared + S::TAIL_P;
@@ -500,11 +503,12 @@ __device__ __forceinline__ void consume(unsigned char* shared, const unsigned ch
 
 // The producer warpgroup: the split's raw chunks into shared memory (cp.async, two ahead), each decoded side (K_k,
 // V_k: side 2 k, 2 k + 1) into ring slot side % SLOTS once the consumers released the side it held
-template <int D, bool TAIL>
+template <int D, bool TAIL, int KIND>
 __device__ __forceinline__ void produce(unsigned char* shared, const unsigned char* k_base,
                                         const unsigned char* v_base, int stride_kr, int stride_vr, int lo, int hi,
                                         int chunks, u32 table_low, u32 table_high) {
-    typedef VerifySmem<D, TAIL> S;
+    typedef VerifySmem<D, TAIL, KIND> S;
+    constexpr int SLOTS = S::SLOTS;
     const int tid = threadIdx.x;  // 0 .. PRODUCERS - 1
     for (int k = 0; k < STAGES; ++k) {
         if (k < chunks)
@@ -519,8 +523,8 @@ __device__ __forceinline__ void produce(unsigned char* shared, const unsigned ch
 #pragma unroll
         for (int side = 0; side < 2; ++side) {
             const int j = 2 * k + side, slot = j % SLOTS;
-            if (j >= SLOTS) bar_sync(BAR_EMPTY + slot, THREADS);  // side j - 3 taken by every consumer
-            decode_side<D>(raw + side * S::RAW, shared + S::RING + slot * S::SIDE, table_low, table_high, tid,
+            if (j >= SLOTS) bar_sync(BAR_EMPTY + slot, THREADS);  // side j - SLOTS taken by every consumer
+            decode_side<D, KIND>(raw + side * S::RAW, shared + S::RING + slot * S::SIDE, table_low, table_high, tid,
                            PRODUCERS);
             fence_proxy_async();  // the decoded side, for the tensor cores
             bar_arrive(BAR_FULL + slot, THREADS);
@@ -534,15 +538,15 @@ __device__ __forceinline__ void produce(unsigned char* shared, const unsigned ch
     wait_copies<0>();
 }
 
-template <int D, bool TAIL, typename QT>
-__device__ __forceinline__ void tq3_verify(const QT* __restrict__ q, const unsigned char* __restrict__ k_cache,
+template <int D, bool TAIL, int KIND, typename QT>
+__device__ __forceinline__ void quant_verify(const QT* __restrict__ q, const unsigned char* __restrict__ k_cache,
                                            const unsigned char* __restrict__ v_cache,
                                            const long long* __restrict__ start_t, const unsigned char* __restrict__ vis,
                                            float* __restrict__ part, float* __restrict__ lse, int stride_qh,
                                            int stride_qt, int stride_kh, int stride_kr, int stride_vh, int stride_vr,
                                            int T, int kv_end, int heads, int group, float scale_log2, u32 table_low,
                                            u32 table_high, int v_lbo, int v_sbo) {
-    typedef VerifySmem<D, TAIL> S;
+    typedef VerifySmem<D, TAIL, KIND> S;
     constexpr int SLICE = S::SLICE;
     extern __shared__ __align__(128) unsigned char shared[];
     const int kv_heads = heads / group, kvh = blockIdx.x % kv_heads, slice = blockIdx.x / kv_heads;
@@ -581,11 +585,11 @@ __device__ __forceinline__ void tq3_verify(const QT* __restrict__ q, const unsig
     const int chunks = hi > lo ? (hi - lo + VCHUNK - 1) / VCHUNK : 0;
     if (threadIdx.x < PRODUCERS) {
         registers_down<PRODUCER_REGS>();
-        produce<D, TAIL>(shared, k_cache + (long)kvh * stride_kh, v_cache + (long)kvh * stride_vh, stride_kr,
+        produce<D, TAIL, KIND>(shared, k_cache + (long)kvh * stride_kh, v_cache + (long)kvh * stride_vh, stride_kr,
                          stride_vr, lo, hi, chunks, table_low, table_high);
         return;
     }
     registers_up<CONSUMER_REGS>();
-    consume<D, TAIL>(shared, vis, part, lse, T, heads, group, kvh, split, rows, m0, start, lo, hi, chunks, scale_log2,
+    consume<D, TAIL, KIND>(shared, vis, part, lse, T, heads, group, kvh, split, rows, m0, start, lo, hi, chunks, scale_log2,
                      v_lbo, v_sbo);
 }

@@ -1,8 +1,8 @@
-"""A tree verify's attention over TQ3_0 K and V rows in CUDA C (`attention_verify.cu`): the split launch of
-`tree_attention` for a verify (2 to `MAX_ROWS` / group tokens) over a long TQ3_0 cache, each K/V row decoded once
+"""A tree verify's attention over TQ3_0 (or Q8_0) K and V rows in CUDA C (`attention_verify.cu`): the split launch of
+`tree_attention` for a verify (2 to `MAX_ROWS` / group tokens) over a long quantized cache, each K/V row decoded once
 into shared memory by a producer warpgroup for all the query rows of its KV head (up to 144 in one CTA: two consumer
 warpgroups of 64 on wgmma and a tail of 16 on mma.sync), writing the splits' partial rows and log-sum-exps that
-`tree_attention`'s combine launch merges (rotating the values back, applying the gate).
+`tree_attention`'s combine launch merges (rotating TQ3_0 values back, applying the gate).
 
 Why: Triton's verify took a 128-row and a 10-row query tile over each KV head's rows, each decoding every row in
 registers (issue #20's bar: verify-22 at 262K within 1.3x of 1K). H100, thirty-fourth session (kernel and combine,
@@ -13,8 +13,8 @@ each decoding every row, its warps decoding between their MMAs) 82.6 / 228.0 / 8
 the consumers' softmax and descriptors were trimmed): the producer waited on the consumers, the consumers on their
 own instructions (about 1050 a warp a 64-row chunk) and instruction fetch.
 
-`tree_attention` launches this where `takes` says so (2 to `MAX_ROWS` query rows a KV head, TQ3_0 on both sides,
-head dim 256, no window, the query already normed, roped and rotated, NVRTC and sm_90, at least `MIN_ROWS` rows,
+`tree_attention` launches this where `takes` says so (2 to `MAX_ROWS` query rows a KV head, TQ3_0 or Q8_0 on both
+sides, head dim 256, no window, the query already normed, roped (and rotated), NVRTC and sm_90, at least `MIN_ROWS` rows,
 not FLASHTREE_VERIFY_CUDA=0) and the Triton kernel otherwise.
 """
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from flashtree.kernels.attention_decode import Q_TYPES, TQ3_TILES, rows_aligned
+from flashtree.kernels.attention_decode import BLOCK_BYTES, KINDS, Q_TYPES, TQ3_TILES, kind_of, rows_aligned
 from flashtree.kernels.cuda_functions import allow_shared, functions, launch, nvrtc_loads
 
 SOURCE = Path(__file__).with_name("attention_verify.cu")
@@ -36,7 +36,8 @@ WG_ROWS = 128  # query rows of a CTA's two warpgroups of 64 (attention_verify.cu
 TAIL_ROWS = 16  # and of its mma.sync tail, where the group's rows pass WG_ROWS (TAIL_ROWS)
 MAX_ROWS = 192  # a KV head's query rows (23 tokens x 6 heads: 138, one CTA with a tail; 32 x 6: two)
 THREADS = 384  # a producer warpgroup (copies, decode) and two consumer warpgroups (MMAs)
-SLOTS = 3  # attention_verify.cu SLOTS: decoded K/V sides in a ring
+# attention_verify.cu VerifySmem::SLOTS: decoded K/V sides in a ring (Q8_0's raw chunks leave room for two)
+SLOTS = {"tq3_0": 3, "q8_0": 2}
 # the descriptor strides of V, row-major in shared memory and transposed by the tensor cores (MN-major): the byte
 # distance between core matrices adjacent along K (8 K/V rows: 128) and along N (8 values: 16 x the chunk's rows)
 V_STRIDES = (128, 1024)
@@ -59,11 +60,11 @@ def fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kinds: t
          normed: bool) -> bool:
     """`takes`' conditions on the call's shapes, types and layouts (any device): q [heads, T, D] with T >= 2 (one
     token: `attention_decode`) and group x T <= `MAX_ROWS`, float32 or bf16, unit stride along D, already normed,
-    roped and rotated (`normed`); TQ3_0 caches on both sides whose rows start 16-byte aligned; D in `HEAD_DIMS`;
-    no window."""
+    roped and rotated (`normed`); TQ3_0 or Q8_0 caches, the same on both sides, whose rows start 16-byte aligned; D in
+    `HEAD_DIMS`; no window."""
     heads, n, d = q.shape
     kv_heads = k_cache.shape[0]
-    return (n >= 2 and kinds == ("tq3_0", "tq3_0") and d in HEAD_DIMS and window == 0 and normed
+    return (n >= 2 and kinds[0] == kinds[1] in KINDS and d in HEAD_DIMS and window == 0 and normed
             and q.dtype in Q_TYPES and q.stride(-1) == 1 and heads % kv_heads == 0
             and heads // kv_heads * n <= MAX_ROWS and all(rows_aligned(c) for c in (k_cache, v_cache)))
 
@@ -87,21 +88,22 @@ def slice_rows(tail: bool) -> int:
     return WG_ROWS + TAIL_ROWS * tail
 
 
-def instance(d: int, q_dtype: torch.dtype, tail: bool) -> str:
-    return f"tq3_verify_d{d}_{'f32' if q_dtype == torch.float32 else 'bf16'}{'_tail' if tail else ''}"
+def instance(d: int, q_dtype: torch.dtype, tail: bool, kind: str) -> str:
+    return (f"{kind.split('_')[0]}_verify_d{d}_{'f32' if q_dtype == torch.float32 else 'bf16'}"
+            f"{'_tail' if tail else ''}")
 
 
-def shared_bytes(d: int, tail: bool) -> int:
+def shared_bytes(d: int, tail: bool, kind: str) -> int:
     """attention_verify.cu `VerifySmem::BYTES`: the raw K and V chunks, the ring of decoded sides and a slice's query
     rows; with a tail, its P rows and the warps' row maxima."""
-    raw = CHUNK * (d // 32) * 14
+    raw = CHUNK * (d // 32) * BLOCK_BYTES[kind]
     side = CHUNK * d * 2
-    return (STAGES * 2 * raw + SLOTS * side + slice_rows(tail) * d * 2
+    return (STAGES * 2 * raw + SLOTS[kind] * side + slice_rows(tail) * d * 2
             + (TAIL_ROWS * P_PITCH + 8 * TAIL_ROWS * 4 if tail else 0))
 
 
-def source(d: int, q_dtype: torch.dtype, tail: bool) -> str:
-    name = instance(d, q_dtype, tail)
+def source(d: int, q_dtype: torch.dtype, tail: bool, kind: str) -> str:
+    name = instance(d, q_dtype, tail, kind)
     qt = Q_TYPES[q_dtype]
     return TQ3_TILES.read_text() + "\n" + SOURCE.read_text() + (
         f'\nextern "C" __global__ void __launch_bounds__({THREADS}, 1) {name}(const {qt}* q, '
@@ -109,19 +111,19 @@ def source(d: int, q_dtype: torch.dtype, tail: bool) -> str:
         "float* part, float* lse, int stride_qh, int stride_qt, int stride_kh, int stride_kr, int stride_vh, "
         "int stride_vr, int T, int kv_end, int heads, int group, float scale_log2, unsigned table_low, "
         "unsigned table_high, int v_lbo, int v_sbo) {\n"
-        f"    tq3_verify<{d}, {'true' if tail else 'false'}>(q, k, v, start, vis, part, lse, stride_qh, stride_qt, "
+        f"    quant_verify<{d}, {'true' if tail else 'false'}, {KINDS[kind]}>(q, k, v, start, vis, part, lse, stride_qh, stride_qt, "
         "stride_kh, stride_kr, stride_vh, stride_vr, T, kv_end, heads, group, scale_log2, table_low, table_high, "
         "v_lbo, v_sbo);\n}\n")
 
 
-def cuda_jobs(device: torch.device, d: int, q_dtype: torch.dtype) -> list[tuple[str, str]]:
-    """(name, CUDA C source) of the instance a model with head dim `d` and `q_dtype` activations launches on
-    `device` over TQ3_0 caches, for the load-time compile; none where it does not run."""
+def cuda_jobs(device: torch.device, d: int, q_dtype: torch.dtype, kind: str) -> list[tuple[str, str]]:
+    """(name, CUDA C source) of the instances a model with head dim `d` and a `q_dtype` query launches on `device` over
+    `kind` caches, for the load-time compile; none where it does not run."""
     if torch.device(device).type != "cuda" or d not in HEAD_DIMS or q_dtype not in Q_TYPES:
         return []
     if not _available(torch.device(device)):
         return []
-    return [(instance(d, q_dtype, tail), source(d, q_dtype, tail)) for tail in (False, True)]
+    return [(instance(d, q_dtype, tail, kind), source(d, q_dtype, tail, kind)) for tail in (False, True)]
 
 
 def slices_for(query_rows: int) -> int:
@@ -138,9 +140,9 @@ def splits_for(kv_end: int, kv_heads: int, sms: int, cap: int, query_rows: int =
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start_t: torch.Tensor,
            visible_bytes: torch.Tensor, kv_end: int, scale_log2: float, tables: tuple[int, int], sms: int,
            max_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The split launch for `takes`' calls over `splits_for` splits -> (part [splits, heads, T, D] float32, each split's
-    normalized rows; lse [splits, heads, T], base 2, scores times `scale_log2`); `tables`: the float16 level bytes
-    (low, high) as int32."""
+    """The split launch for `takes`' calls (their kind of rows told by `kind_of`) over `splits_for` splits -> (part
+    [splits, heads, T, D] float32, each split's normalized rows; lse [splits, heads, T], base 2, scores times
+    `scale_log2`); `tables`: TQ3_0's float16 level bytes (low, high) as int32 (unread over Q8_0 rows)."""
     heads, n, d = q.shape
     kv_heads = k_cache.shape[0]
     rows = heads // kv_heads * n
@@ -148,9 +150,10 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start_
     part = torch.empty(splits, heads, n, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(splits, heads, n, dtype=torch.float32, device=q.device)
     tail = has_tail(rows)
-    name = instance(d, q.dtype, tail)
-    fn = functions(q.device).function(name, lambda: source(d, q.dtype, tail))
-    size = shared_bytes(d, tail)
+    kind = kind_of(k_cache, d)
+    name = instance(d, q.dtype, tail, kind)
+    fn = functions(q.device).function(name, lambda: source(d, q.dtype, tail, kind))
+    size = shared_bytes(d, tail, kind)
     allow_shared(q.device, name, size)
     launch(fn, (kv_heads * slices_for(rows), splits), THREADS,
            [q, k_cache, v_cache, start_t, visible_bytes, part, lse, q.stride(0), q.stride(1), k_cache.stride(0),

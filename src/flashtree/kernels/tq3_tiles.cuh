@@ -1,8 +1,11 @@
-// TQ3_0 rows on tensor cores: the helpers of the CUDA C attention kernels over TQ3_0 caches (attention_decode.cu,
-// attention_verify.cu), which their loaders put before each kernel's text (NVRTC compiles with no headers).
+// TQ3_0 (and Q8_0) rows on tensor cores: the helpers of the CUDA C attention kernels over quantized caches
+// (attention_decode.cu, attention_verify.cu), which their loaders put before each kernel's text (NVRTC compiles with no
+// headers).
 //
 // TQ3_0 block (14 bytes, kv_quant.py): float16 norm, qs[8] (value j's 2 index bits at bits 2 (j % 4) of byte j / 4),
 // signs[4] (value j's sign at bit j % 8 of byte j / 8); value = norm * (sign ? -1 : 1) * LEVEL[index].
+// Q8_0 block (34 bytes): float16 scale d, 32 int8 q; value = q * d, decoded as the float16 product, where
+// tree_attention rounds the float32 product to the operands' type: float16 holds it at least as finely as bf16.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -114,6 +117,46 @@ __device__ __forceinline__ void decode_block_pair(const unsigned char* src, u32 
             decode_fields(w[3] >> 16, w[4], w[5], w[6], out, table_low, table_high);
         store(h, out);
     }
+}
+
+constexpr int KIND_Q8 = 1;  // a Q8_0 cache's block format as tree_attention.KV_KINDS numbers it (TQ3_0: 3)
+template <int KIND>
+constexpr int KIND_BLOCK_BYTES = KIND == KIND_Q8 ? 34 : BLOCK_BYTES;
+
+// Two adjacent Q8_0 blocks at `src` (68 bytes, 4-byte aligned): seventeen 4-byte loads (a warp's lanes taking 8 rows
+// x 4 block pairs of 272-byte rows hit 32 distinct banks: row stride 68 words, pair stride 17), then each block's 16
+// float16 value pairs handed to store(h, out) for block h = 0, 1. Four int8 a word become float16 without a convert:
+// biased to unsigned (XOR 0x80) and permuted under the exponent byte 0x64 (1024 + u, exact), less 1152 gives q;
+// times d rounds once.
+template <typename Store>
+__device__ __forceinline__ void decode_q8_block_pair(const unsigned char* src, Store store) {
+    const u32* words = reinterpret_cast<const u32*>(src);
+    u32 w[17];
+#pragma unroll
+    for (int k = 0; k < 17; ++k) w[k] = words[k];
+    const u32 bias = 0x64806480u;  // 1152, 1152 in float16
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // bytes 0-33 (d, then q at 2-33), 34-67 (d at 34-35, q at 36-67)
+        const u32 d = h == 0 ? w[0] & 0xFFFFu : w[8] >> 16;
+        const u32 d2 = d | (d << 16);
+        u32 out[16];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const u32 q4 = (h == 0 ? __funnelshift_r(w[j], w[j + 1], 16) : w[9 + j]) ^ 0x80808080u;
+            out[2 * j] = hmul2(hsub2(prmt(q4, 0x64646464u, 0x4140u), bias), d2);
+            out[2 * j + 1] = hmul2(hsub2(prmt(q4, 0x64646464u, 0x4342u), bias), d2);
+        }
+        store(h, out);
+    }
+}
+
+// Two adjacent blocks of a KIND_* cache at `src` decoded into float16 pairs, handed to store(h, out) for block h.
+template <int KIND, typename Store>
+__device__ __forceinline__ void decode_pair(const unsigned char* src, u32 table_low, u32 table_high, Store store) {
+    if constexpr (KIND == KIND_Q8)
+        decode_q8_block_pair(src, store);
+    else
+        decode_block_pair(src, table_low, table_high, store);
 }
 
 // Copies (cp.async) of rows [r0, r0 + ROWS) of K and V (rows at or past `hi`: zeros) into `stage`: the K rows, then

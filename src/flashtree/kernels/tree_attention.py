@@ -15,7 +15,7 @@ name), K and V independently.
 
 One normed query token over TQ3_0 or Q8_0 K and V rows (from `attention_decode.MIN_ROWS` rows, at the launch defaults)
 takes `attention_decode`'s CUDA C split launch instead of the Triton kernel below, and the same combine; a tree of up
-to `attention_verify.MAX_ROWS` query rows a KV head over TQ3_0 rows (from `attention_verify.MIN_ROWS` rows)
+to `attention_verify.MAX_ROWS` query rows a KV head over them (from `attention_verify.MIN_ROWS` rows)
 `attention_verify`'s.
 
 Kernel (flash-decoding): grid (kv_heads, query tiles, splits). A program owns one KV head, a tile of
@@ -901,9 +901,9 @@ def _combine(part, lse, out, gate_args, signs, n, heads, kv_heads, group_rows, m
 
 
 def _in_cuda(kernel, q, k_cache, v_cache, start_t, visible, kv_end, scale, gate, unrotating, out_dtype):
-    """`kernel`'s split launch (`attention_decode`: one token over TQ3_0 or Q8_0 rows, `attention_verify`: a tree over
-    TQ3_0 rows), then the combine (values rotated back where `unrotating`, the gate applied where given), as the
-    Triton path's split launches end."""
+    """`kernel`'s split launch (`attention_decode`: one token, `attention_verify`: a tree, over TQ3_0 or Q8_0 rows),
+    then the combine (values rotated back where `unrotating`, the gate applied where given), as the Triton path's split
+    launches end."""
     heads, n, d = q.shape
     kv_heads = k_cache.shape[0]
     part, lse = kernel.attend(q, k_cache, v_cache, start_t, visible.contiguous().view(torch.uint8), kv_end,
