@@ -131,7 +131,7 @@ def slices_for(query_rows: int) -> int:
 
 
 def splits_for(kv_end: int, kv_heads: int, sms: int, cap: int, query_rows: int = MAX_ROWS) -> int:
-    """CTAs along the rows: one an SM (188 or 199 KB of shared memory) over the KV heads' slices, in one wave, each
+    """CTAs along the rows: one an SM (188-207 KB of shared memory) over the KV heads' slices, in one wave, each
     split at least `_MIN_CHUNKS_PER_SPLIT` chunks, at most `cap` (the combine's)."""
     wanted = sms // (kv_heads * slices_for(query_rows))
     return max(1, min(wanted, math.ceil(kv_end / (_MIN_CHUNKS_PER_SPLIT * CHUNK)), cap))
