@@ -13,7 +13,7 @@ from flashtree.nvrtc import compile_cubin
 
 from tests.kernels import tree_attention_cases as cases
 from tests.kernels.tq3_cuda_cases import (caches, error_after_the_start_moved, error_against_triton,
-                                          nvrtc_available, pair_reference)
+                                          errors_against_exact, nvrtc_available, pair_reference)
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -120,6 +120,7 @@ def test_the_decode_replays_in_a_cuda_graph_on_gpu(kind):
 @pytest.mark.gpu
 @gpu
 def test_the_model_call_over_q8_0_rows_as_the_triton_decode_on_gpu():
-    """A float32 query, bf16 operands, the output gate, Q8_0 values (nothing to rotate back): the CUDA decode against
-    the Triton one, whose values are bf16-rounded where the CUDA decode's are float16."""
-    assert error_against_triton(_inputs(70000, kind="q8_0")) <= 1e-2
+    """A float32 query, bf16 operands, the output gate, Q8_0 values (nothing to rotate back): the CUDA decode and the
+    Triton one, each against the exact result (the Triton decode's values bf16-rounded, the CUDA one's float16)."""
+    cuda, triton_path = errors_against_exact(_inputs(70000, kind="q8_0"))
+    assert cuda <= triton_path + 2e-3, (cuda, triton_path)  # no worse than the Triton decode it replaces

@@ -6,6 +6,7 @@ import importlib.util
 
 import torch
 
+from flashtree.kernels.activations import gated_heads_reference
 from flashtree.kernels.kv_quant import kv_type
 from flashtree.kernels.tree_attention import tree_attention, tree_attention_reference
 from flashtree.nvrtc import compile_cubin
@@ -49,6 +50,20 @@ def error_against_triton(args: dict) -> float:
     cuda, triton_path = tree_attention(**call), tree_attention(**call, split=33)
     assert cuda.shape == triton_path.shape == (n, heads * d)
     return relative_error(cuda, triton_path)
+
+
+def errors_against_exact(args: dict) -> tuple[float, float]:
+    """The model's call over Q8_0 rows (a query normed before, bf16 operands, the output gate) as `tree_attention`
+    routes it (the CUDA kernel) and through the Triton path (`split`), each against the float32 reference with the gate: the
+    CUDA kernels decode q * d to float16, Triton's to the bf16 operands, so the two differ by more than either's own
+    error and each is held to the exact result instead."""
+    heads, n, d = args["q"].shape
+    gate = torch.randn(n, heads, d, device=args["q"].device)
+    call = dict(args, gate=gate, unrotate_values=True, operands=torch.bfloat16)
+    cuda, triton_path = tree_attention(**call), tree_attention(**call, split=33)
+    exact = gated_heads_reference(tree_attention_reference(**{**args, "q": args["q"].float()}), gate)
+    assert cuda.shape == triton_path.shape == exact.shape == (n, heads * d)
+    return relative_error(cuda, exact), relative_error(triton_path, exact)
 
 
 def error_after_the_start_moved(args: dict, start: int) -> float:

@@ -34,8 +34,9 @@ CTAS_PER_SM = {"tq3_0": 3, "q8_0": 2}
 CHUNK = 16
 # from this many rows; below, the Triton decode's shorter chains win. H100, thirty-second session (kernel and combine,
 # `sweep_tree_attention.py --compare --cuda-decode-from 0`), 1 token over 1K / 4K / 8K / 16K / 64K / 262K TQ3_0 rows:
-# Triton 9.7 / 21.5 / 47.0 / 55.7 / 121.5 / 360.8 us, this 12.2 / 14.8 / 21.9 / 32.2 / 63.3 / 178.4. Over Q8_0 rows the
-# same, not yet timed.
+# Triton 9.7 / 21.5 / 47.0 / 55.7 / 121.5 / 360.8 us, this 12.2 / 14.8 / 21.9 / 32.2 / 63.3 / 178.4. Over Q8_0 rows
+# (thirty-sixth session, the model's call: the query normed apart first), 4K / 16K / 64K / 262K rows: Triton 19.4 /
+# 50.6 / 149.0 / 523.1 us, this 16.0 / 29.6 / 79.1 / 255.1.
 MIN_ROWS = 4096
 _MIN_CHUNKS_PER_WARP = 2
 Q_TYPES = {torch.float32: "float", torch.bfloat16: "u16"}  # the query's dtype -> its CUDA C type
