@@ -17,10 +17,12 @@ version of kernels/tree_attention.py (e.g. `git show REV:...`), at its defaults:
     python3 benchmarks/sweep_tree_attention.py --compare --cases 1:262144:tq3_0,23:65536:q8_0 --baseline ... --out ...
 
 `--cuda-decode-from ROWS` sets where a decode over TQ3_0 or Q8_0 rows takes the CUDA C kernel
-(kernels/attention_decode.cu; `attention_decode.MIN_ROWS`): with 0 and a baseline from before it, "new default" against the baseline is the CUDA
-decode against the Triton one at every row count (where the two cross: `MIN_ROWS`). `--cuda-verify-from ROWS` does
-the same for a tree over TQ3_0 rows (kernels/attention_verify.cu): "new default" against "tail" / "no tail" (Triton's
-verify with and without its tail tile, its default from / below 16K rows).
+(kernels/attention_decode.cu; `attention_decode.MIN_ROWS`): with 0 and a baseline from before it, "new default" against
+the baseline is the CUDA decode against the Triton one at every row count (where the two cross: `MIN_ROWS`).
+`--cuda-verify-from ROWS` does the same for a tree over TQ3_0 or Q8_0 rows (kernels/attention_verify.cu): "new
+default" against "tail" / "no tail" (Triton's verify with and without its tail tile, its default from / below 16K
+rows). Over Q8_0 rows the CUDA kernels read a query normed before them: "q normed before" is the model's path there,
+"new default" Triton's kernel with the norm fused.
 
 `--float32-query` feeds the raw query and gate in float32, as the 27B engine's float32 activations do (a bf16 query,
 the default, compiles to another, lighter kernel); candidates "q normed before ..." time `qk_norm_rope` into the bf16
@@ -349,7 +351,8 @@ def main() -> None:
                         help="rows from which a decode over TQ3_0 or Q8_0 rows takes the CUDA C kernel "
                              "(attention_decode)")
     parser.add_argument("--cuda-verify-from", type=int, default=attention_verify.MIN_ROWS,
-                        help="rows from which a verify over TQ3_0 rows takes the CUDA C kernel (attention_verify)")
+                        help="rows from which a verify over TQ3_0 or Q8_0 rows takes the CUDA C kernel "
+                             "(attention_verify)")
     args = parser.parse_args()
     attention_decode.MIN_ROWS = args.cuda_decode_from
     attention_verify.MIN_ROWS = args.cuda_verify_from

@@ -14,8 +14,8 @@ the consumers' softmax and descriptors were trimmed): the producer waited on the
 own instructions (about 1050 a warp a 64-row chunk) and instruction fetch.
 
 `tree_attention` launches this where `takes` says so (2 to `MAX_ROWS` query rows a KV head, TQ3_0 or Q8_0 on both
-sides, head dim 256, no window, the query already normed, roped (and rotated), NVRTC and sm_90, at least `MIN_ROWS` rows,
-not FLASHTREE_VERIFY_CUDA=0) and the Triton kernel otherwise.
+sides, head dim 256, no window, the query already normed, roped (and rotated), NVRTC and sm_90, at least `MIN_ROWS`
+rows, not FLASHTREE_VERIFY_CUDA=0) and the Triton kernel otherwise.
 """
 
 from __future__ import annotations
@@ -113,9 +113,9 @@ def source(d: int, q_dtype: torch.dtype, tail: bool, kind: str) -> str:
         "float* part, float* lse, int stride_qh, int stride_qt, int stride_kh, int stride_kr, int stride_vh, "
         "int stride_vr, int T, int kv_end, int heads, int group, float scale_log2, unsigned table_low, "
         "unsigned table_high, int v_lbo, int v_sbo) {\n"
-        f"    quant_verify<{d}, {'true' if tail else 'false'}, {KINDS[kind]}>(q, k, v, start, vis, part, lse, stride_qh, stride_qt, "
-        "stride_kh, stride_kr, stride_vh, stride_vr, T, kv_end, heads, group, scale_log2, table_low, table_high, "
-        "v_lbo, v_sbo);\n}\n")
+        f"    quant_verify<{d}, {'true' if tail else 'false'}, {KINDS[kind]}>(q, k, v, start, vis, part, lse, "
+        "stride_qh, stride_qt, stride_kh, stride_kr, stride_vh, stride_vr, T, kv_end, heads, group, scale_log2, "
+        "table_low, table_high, v_lbo, v_sbo);\n}\n")
 
 
 def cuda_jobs(device: torch.device, d: int, q_dtype: torch.dtype, kind: str) -> list[tuple[str, str]]:
