@@ -46,8 +46,8 @@ def takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kinds: 
           normed: bool, kv_end: int) -> bool:
     """Whether this kernel runs the call: q [heads, 1, D] (float32 or bf16, unit stride along D) already normed,
     roped (and rotated over TQ3_0 keys: `normed`), TQ3_0 or Q8_0 caches, the same on both sides (`kinds`), whose rows
-    start 16-byte aligned, D in
-    `HEAD_DIMS`, at most `MAX_GROUP` query heads a KV head, no window, at least `MIN_ROWS` rows."""
+    start 16-byte aligned, D in `HEAD_DIMS`, at most `MAX_GROUP` query heads a KV head, no window, at least `MIN_ROWS`
+    rows."""
     return (q.is_cuda and kv_end >= MIN_ROWS and fits(q, k_cache, v_cache, kinds, window, normed)
             and _available(q.device))
 
