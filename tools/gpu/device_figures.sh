@@ -249,6 +249,14 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
     capped-256k-budget22) ECHO= bench capped-256k-budget22 "${LIMIT_256K:-300}" --steps -n 128 --repeat 3 \
                               --replay-al 0 --context 262000 --prefill-chunk 512 --verify-budgets 22 \
                               --chunk-lengths none --prefill-lengths none -ctk tq3_0 -ctv tq3_0 --gpu-memory 24GiB ;;
+    # the same configuration under CAP GiB (default 24) with CHUNK-token prefill chunks (default 512), the allocator's
+    # block stacks kept: what is reserved, live and kept free after each phase, the snapshot at the first out-of-memory
+    # or at the end ($OUT/snapshot-*.pickle; python -m flashtree.bench.memory_snapshot FILE prints its tables)
+    capped-256k-snapshot) ECHO= TAIL=60 bench "capped-256k-${CAP:-24}gib-c${CHUNK:-512}" "${LIMIT_256K:-300}" --steps \
+                              -n 128 --repeat 3 --replay-al 0 --context 262000 --prefill-chunk "${CHUNK:-512}" \
+                              --verify-budgets 22 --chunk-lengths none --prefill-lengths none -ctk tq3_0 -ctv tq3_0 \
+                              --gpu-memory "${CAP:-24}GiB" \
+                              --memory-snapshot "$OUT/snapshot-${CAP:-24}gib-c${CHUNK:-512}.pickle" ;;
     # PROFILE=1: and where the 262K step, verify and a 512-token prefill chunk spend their GPU time (`--profile`)
     steps-256k-tq3) ECHO= TAIL=${PROFILE:+150} bench steps-256k-tq3 "${LIMIT_256K:-300}" --steps -n 8 --repeat 3 \
                         --replay-al 0 --context 262000 --prefill-chunk 512 --prefill-lengths 1024 -ctk tq3_0 -ctv tq3_0 \

@@ -98,6 +98,10 @@ def add_parser(sub) -> None:
                    help="--steps: comma-separated short prefill chunks (tokens) timed one by one on the context, "
                         "as a prefix-cache hit or a message runs them, or none (default 1,8,16,23,32,51,64)")
     p.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per prefill forward")
+    p.add_argument("--memory-snapshot", metavar="FILE", default=None,
+                   help="--steps on CUDA: keep the allocator's block stacks, print what is reserved, live and kept "
+                        "free after each phase, and write the snapshot to FILE at the first out-of-memory or at the "
+                        "end (python -m flashtree.bench.memory_snapshot FILE prints its tables)")
     p.set_defaults(handler=run)
 
 
@@ -159,6 +163,8 @@ def run(args: argparse.Namespace) -> int:
         return _fidelity(args)
     if args.synthetic and args.model:
         raise FlashtreeError(f"--synthetic {args.synthetic} builds its own model: drop --model, or drop --synthetic")
+    if args.memory_snapshot and not args.steps:
+        raise FlashtreeError("--memory-snapshot records the --steps run: add --steps")
     # --ctx is also every request's context, e.g. a multi-turn session longer than the model's trained context
     settings = engine_args(args, prefill_chunk=args.prefill_chunk or None)
     if args.synthetic:

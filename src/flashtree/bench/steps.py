@@ -24,12 +24,13 @@ from dataclasses import replace
 
 import torch
 
+from flashtree.bench.memory_snapshot import SnapshotRecorder
 from flashtree.bench.profile import kernels_beyond, print_beyond, print_profile, profile_call
 from flashtree.bench.report import save_report
 from flashtree.parallel.placement import resolve_device
 from flashtree.engine.config import DEFAULT_BUDGET, DEFAULT_DRAFT_TYPE, DENSE_DRAFT
 from flashtree.engine.process_memory import measure_process_memory
-from flashtree.errors import out_of_memory_summary
+from flashtree.errors import FlashtreeError, out_of_memory_summary
 from flashtree.models.dflash import DFlashDraft, DraftConfig, build_target_layer_ids
 from flashtree.models.layers import MATMUL_TYPES
 from flashtree.drafting.proposer import DFlashProposer
@@ -195,6 +196,7 @@ def run_steps(args, engine, device_name: str) -> int:
         report["gpu_memory_cap"] = getattr(args, "gpu_memory", None)
         for i in range(torch.cuda.device_count()):  # peaks from here on: not the build's or the probe's buffers
             torch.cuda.reset_peak_memory_stats(i)
+    snapshots = _snapshot_recorder(args, device)
     roofline_s = report["weights_bytes_per_step"] / bandwidth
     draft_device = resolve_device(args.draft_device) if getattr(args, "draft_device", None) else device
     draft_type = getattr(args, "draft_type", DEFAULT_DRAFT_TYPE)
@@ -242,6 +244,8 @@ def run_steps(args, engine, device_name: str) -> int:
             peaks[phase] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
             outside[phase] = measure_process_memory(device).as_gib()["outside_allocator"]
             footprint[phase] = round(torch.cuda.max_memory_reserved(device) / 2**30 + outside[phase], 2)
+        if snapshots is not None:
+            report.setdefault("memory_snapshot_by_phase", {})[phase] = snapshots.phase(phase)
 
     mark("context prefill")
     token = torch.tensor([prompt[-1]])
@@ -318,11 +322,26 @@ def run_steps(args, engine, device_name: str) -> int:
         _profile_prefill_chunk(engine, cache, args.prefill_chunk, report, device)
     if device.type == "cuda":
         report.update(cuda_memory_report())
+    if snapshots is not None:
+        snapshots.finish()
     report["rows"] = rows
     if _rank_and_world()[0] == 0:  # a tensor-parallel benchmark runs on every rank: rank 0 writes
         save_report(report, args.out)
     _print(report)
     return 0
+
+
+def _snapshot_recorder(args, device: torch.device) -> SnapshotRecorder | None:
+    """`--memory-snapshot FILE`: the allocator's block stacks kept from here on (the draft's build, the cache, the
+    prefill and the steps), so that its snapshots name what holds the memory."""
+    path = getattr(args, "memory_snapshot", None)
+    if path is None:
+        return None
+    if device.type != "cuda":
+        raise FlashtreeError("--memory-snapshot reads CUDA's caching allocator: run it with --device cuda")
+    recorder = SnapshotRecorder(path, device)
+    recorder.start()
+    return recorder
 
 
 def q8_sibling(draft: DFlashDraft) -> DFlashDraft:
