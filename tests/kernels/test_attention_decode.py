@@ -42,7 +42,8 @@ def test_it_takes_q8_0_rows_on_both_sides_and_tells_the_kinds_apart():
     assert not attention_decode.fits(q, k, v, ("q8_0", "q4_0"), 0, True)
     assert not attention_decode.fits(q, k, v, ("q4_0", "q4_0"), 0, True)  # no instance for Q4_0
     assert not attention_decode.fits(q, k, v, ("f16", "f16"), 0, True)
-    assert attention_decode.kind_of(k, 256) == "q8_0" and attention_decode.kind_of(caches()[0], 256) == "tq3_0"
+    tq3_k, tq3_v = caches()
+    assert not attention_decode.fits(q, tq3_k, tq3_v, ("q8_0", "q8_0"), 0, True)  # rows of another block size
 
 
 def test_its_ctas_fit_an_sm_and_the_splits_fill_the_gpu():

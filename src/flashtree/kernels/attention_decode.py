@@ -59,13 +59,21 @@ def fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kinds: t
     kv_heads = k_cache.shape[0]
     return (n == 1 and kinds[0] == kinds[1] in KINDS and d in HEAD_DIMS and window == 0 and normed
             and q.dtype in Q_TYPES and q.stride(-1) == 1 and heads % kv_heads == 0
-            and heads // kv_heads <= MAX_GROUP and all(rows_aligned(c) for c in (k_cache, v_cache)))
+            and heads // kv_heads <= MAX_GROUP and all(rows_aligned(c, kinds[0], d) for c in (k_cache, v_cache)))
 
 
-def rows_aligned(cache: torch.Tensor) -> bool:
-    """A uint8 quantized cache whose rows start 16-byte aligned (cp.async's 16-byte copies)."""
-    return (cache.dtype == torch.uint8 and cache.stride(-1) == 1 and cache.stride(1) % 16 == 0
-            and cache.stride(0) % 16 == 0 and cache.data_ptr() % 16 == 0)
+def rows_aligned(cache: torch.Tensor, kind: str, d: int) -> bool:
+    """A uint8 cache of `kind` blocks, `d` values a row, whose rows start 16-byte aligned (cp.async's 16-byte
+    copies)."""
+    return (cache.dtype == torch.uint8 and cache.shape[-1] * 32 == d * BLOCK_BYTES[kind] and cache.stride(-1) == 1
+            and cache.stride(1) % 16 == 0 and cache.stride(0) % 16 == 0 and cache.data_ptr() % 16 == 0)
+
+
+def compiles_for(device: torch.device, d: int, q_dtype: torch.dtype, head_dims: tuple[int, ...], available) -> bool:
+    """Whether a model with head dim `d` and `q_dtype` queries launches a CUDA attention kernel (head dims
+    `head_dims`, `available(device)` on the device) on `device`: the load-time compile's guard."""
+    device = torch.device(device)
+    return device.type == "cuda" and d in head_dims and q_dtype in Q_TYPES and available(device)
 
 
 @functools.cache
@@ -100,18 +108,9 @@ def source(d: int, q_dtype: torch.dtype, kind: str) -> str:
 def cuda_jobs(device: torch.device, d: int, q_dtype: torch.dtype, kind: str) -> list[tuple[str, str]]:
     """(name, CUDA C source) of the instance a model with head dim `d` and `q_dtype` activations launches on
     `device` over `kind` caches, for the load-time compile; none where it does not run."""
-    if torch.device(device).type != "cuda" or d not in HEAD_DIMS or q_dtype not in Q_TYPES:
-        return []
-    if not _available(torch.device(device)):
+    if not compiles_for(device, d, q_dtype, HEAD_DIMS, _available):
         return []
     return [(instance(d, q_dtype, kind), source(d, q_dtype, kind))]
-
-
-def kind_of(cache: torch.Tensor, d: int) -> str:
-    """The cache type of `cache`'s rows of `d` values, told by their bytes (the types `fits` admits differ in block
-    size)."""
-    block_bytes = cache.shape[-1] * 32 // d
-    return next(kind for kind, size in BLOCK_BYTES.items() if size == block_bytes)
 
 
 def splits_for(kv_end: int, kv_heads: int, sms: int, cap: int, kind: str) -> int:
@@ -121,15 +120,14 @@ def splits_for(kv_end: int, kv_heads: int, sms: int, cap: int, kind: str) -> int
     return max(1, min(wanted, math.ceil(kv_end / (_MIN_CHUNKS_PER_WARP * WARPS * CHUNK)), cap))
 
 
-def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start_t: torch.Tensor,
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kind: str, start_t: torch.Tensor,
            visible_bytes: torch.Tensor, kv_end: int, scale_log2: float, tables: tuple[int, int], sms: int,
            max_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The split launch for `takes`' calls (their kind of rows told by `kind_of`) over `splits_for` splits -> (part
+    """The split launch for `takes`' calls over rows of `kind` (both sides) in `splits_for` splits -> (part
     [splits, heads, 1, D] float32, each split's normalized rows; lse [splits, heads, 1], base 2, scores times
     `scale_log2`); `tables`: TQ3_0's float16 level bytes (low, high) as int32 (unread over Q8_0 rows)."""
     heads, n, d = q.shape
     kv_heads = k_cache.shape[0]
-    kind = kind_of(k_cache, d)
     splits = splits_for(kv_end, kv_heads, sms, max_splits, kind)
     part = torch.empty(splits, heads, n, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(splits, heads, n, dtype=torch.float32, device=q.device)

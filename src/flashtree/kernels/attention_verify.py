@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from flashtree.kernels.attention_decode import BLOCK_BYTES, KINDS, Q_TYPES, TQ3_TILES, kind_of, rows_aligned
+from flashtree.kernels.attention_decode import BLOCK_BYTES, KINDS, Q_TYPES, TQ3_TILES, compiles_for, rows_aligned
 from flashtree.kernels.cuda_functions import allow_shared, functions, launch, nvrtc_loads
 
 SOURCE = Path(__file__).with_name("attention_verify.cu")
@@ -68,7 +68,7 @@ def fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kinds: t
     kv_heads = k_cache.shape[0]
     return (n >= 2 and kinds[0] == kinds[1] in KINDS and d in HEAD_DIMS and window == 0 and normed
             and q.dtype in Q_TYPES and q.stride(-1) == 1 and heads % kv_heads == 0
-            and heads // kv_heads * n <= MAX_ROWS and all(rows_aligned(c) for c in (k_cache, v_cache)))
+            and heads // kv_heads * n <= MAX_ROWS and all(rows_aligned(c, kinds[0], d) for c in (k_cache, v_cache)))
 
 
 @functools.cache
@@ -121,9 +121,7 @@ def source(d: int, q_dtype: torch.dtype, tail: bool, kind: str) -> str:
 def cuda_jobs(device: torch.device, d: int, q_dtype: torch.dtype, kind: str) -> list[tuple[str, str]]:
     """(name, CUDA C source) of the instances a model with head dim `d` and a `q_dtype` query launches on `device` over
     `kind` caches, for the load-time compile; none where it does not run."""
-    if torch.device(device).type != "cuda" or d not in HEAD_DIMS or q_dtype not in Q_TYPES:
-        return []
-    if not _available(torch.device(device)):
+    if not compiles_for(device, d, q_dtype, HEAD_DIMS, _available):
         return []
     return [(instance(d, q_dtype, tail, kind), source(d, q_dtype, tail, kind)) for tail in (False, True)]
 
@@ -139,10 +137,10 @@ def splits_for(kv_end: int, kv_heads: int, sms: int, cap: int, query_rows: int =
     return max(1, min(wanted, math.ceil(kv_end / (_MIN_CHUNKS_PER_SPLIT * CHUNK)), cap))
 
 
-def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start_t: torch.Tensor,
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kind: str, start_t: torch.Tensor,
            visible_bytes: torch.Tensor, kv_end: int, scale_log2: float, tables: tuple[int, int], sms: int,
            max_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The split launch for `takes`' calls (their kind of rows told by `kind_of`) over `splits_for` splits -> (part
+    """The split launch for `takes`' calls over rows of `kind` (both sides) in `splits_for` splits -> (part
     [splits, heads, T, D] float32, each split's normalized rows; lse [splits, heads, T], base 2, scores times
     `scale_log2`); `tables`: TQ3_0's float16 level bytes (low, high) as int32 (unread over Q8_0 rows)."""
     heads, n, d = q.shape
@@ -152,7 +150,6 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start_
     part = torch.empty(splits, heads, n, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(splits, heads, n, dtype=torch.float32, device=q.device)
     tail = has_tail(rows)
-    kind = kind_of(k_cache, d)
     name = instance(d, q.dtype, tail, kind)
     fn = functions(q.device).function(name, lambda: source(d, q.dtype, tail, kind))
     size = shared_bytes(d, tail, kind)

@@ -832,8 +832,8 @@ def tree_attention(q, k_cache, v_cache, kv_type_k, kv_type_v, start_t, visible, 
     if not launch_chosen and (operands or q.dtype) in (torch.bfloat16, torch.float16):  # not a float32 model's
         for kernel in (attention_decode, attention_verify):
             if kernel.takes(q, k_cache, v_cache, (tk.name, tv.name), window, q_norm is None, kv_end):
-                return _in_cuda(kernel, q, k_cache, v_cache, start_t, visible, kv_end, scale, gate, unrotating,
-                                out_dtype or q.dtype)
+                return _in_cuda(kernel, q, k_cache, v_cache, tk.name, start_t, visible, kv_end, scale, gate,
+                                unrotating, out_dtype or q.dtype)
     quantized = KV_KINDS[tk.name] > 0 or KV_KINDS[tv.name] > 0
     interpreter = interpreted()
     operands = operands or q.dtype  # a float32 q (a bf16 model's activations) may feed bf16 operands
@@ -900,13 +900,13 @@ def _combine(part, lse, out, gate_args, signs, n, heads, kv_heads, group_rows, m
                                           GATED=gated, UNROTATE=unrotate, num_warps=4 if d >= 128 else 1)
 
 
-def _in_cuda(kernel, q, k_cache, v_cache, start_t, visible, kv_end, scale, gate, unrotating, out_dtype):
-    """`kernel`'s split launch (`attention_decode`: one token, `attention_verify`: a tree, over TQ3_0 or Q8_0 rows),
-    then the combine (values rotated back where `unrotating`, the gate applied where given), as the Triton path's split
-    launches end."""
+def _in_cuda(kernel, q, k_cache, v_cache, kind, start_t, visible, kv_end, scale, gate, unrotating, out_dtype):
+    """`kernel`'s split launch (`attention_decode`: one token, `attention_verify`: a tree, over rows of `kind`, TQ3_0 or
+    Q8_0), then the combine (values rotated back where `unrotating`, the gate applied where given), as the Triton
+    path's split launches end."""
     heads, n, d = q.shape
     kv_heads = k_cache.shape[0]
-    part, lse = kernel.attend(q, k_cache, v_cache, start_t, visible.contiguous().view(torch.uint8), kv_end,
+    part, lse = kernel.attend(q, k_cache, v_cache, kind, start_t, visible.contiguous().view(torch.uint8), kv_end,
                               float(scale) * _LOG2E, _tq3_f16_byte_tables(), _sm_count(q.device), _MAX_SPLITS)
     gated = gate is not None
     out = torch.empty(*((n, heads * d) if gated else (heads, n, d)), dtype=out_dtype, device=q.device)
