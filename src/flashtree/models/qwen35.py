@@ -32,6 +32,7 @@ from flashtree.models.layers import (GluLinear, Linear, Projections, QuantizedEm
                                     load_weight, x_f16_type)
 from flashtree.models.qwen35_config import Qwen35Config
 from flashtree.models.step import Step, padded_offsets
+from flashtree.models.weight_pool import WeightPool
 
 
 class MLP:
@@ -159,18 +160,26 @@ class Qwen35Model:
         d, vocab = config.hidden_size, config.vocab_size
         embed = QuantizedEmbedding.load(gguf, "token_embd.weight", vocab, d, activation_dtype(dtype), device)
         head_name = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
-        lm_head = Linear.load(gguf, head_name, vocab, d, dtype, device)
-        if shard is not None:
-            lm_head = shard.head(lm_head, vocab, dtype)
+        weights = WeightPool(device)  # each piece's temporaries apart: no holes between the weights
+
+        def head():
+            lm_head = Linear.load(gguf, head_name, vocab, d, dtype, device)
+            return lm_head if shard is None else shard.head(lm_head, vocab, dtype)
+
+        def layer(i: int) -> DecoderLayer:
+            built = DecoderLayer.load(gguf, i, config, dtype, device)
+            if shard is not None:
+                shard.layer(built, config, local, dtype)
+            built.fuse()
+            return built
+
+        lm_head = weights.build(head)
         layers = []
         for i in range(config.num_layers):
-            layer = DecoderLayer.load(gguf, i, config, dtype, device)
-            if shard is not None:
-                shard.layer(layer, config, local, dtype)
-            layer.fuse()
-            layers.append(layer)
+            layers.append(weights.build(lambda: layer(i)))
             if progress is not None:
                 progress(i + 1, config.num_layers)
+        weights.close()
         output_norm = load_weight(gguf, "output_norm.weight", (d,), torch.float32, device)
         return cls(local, embed, layers, output_norm, lm_head, device, dtype)
 
