@@ -105,6 +105,24 @@ def add_parser(sub) -> None:
     p.set_defaults(handler=run)
 
 
+def _memory_snapshots(args: argparse.Namespace, settings: EngineArgs):
+    """`--memory-snapshot FILE`: the allocator's block stacks kept from before the model's load (its weights, the
+    draft, the cache, the prefill and the steps), so that the snapshots name what holds the memory; None without it."""
+    if not args.memory_snapshot:
+        return None
+    if not args.steps:
+        raise FlashtreeError("--memory-snapshot records the --steps run: add --steps")
+    from flashtree.bench.memory_snapshot import SnapshotRecorder  # imports torch: not for --help
+    from flashtree.parallel.placement import resolve_device
+
+    device = resolve_device(settings.device)
+    if device.type != "cuda":
+        raise FlashtreeError("--memory-snapshot reads CUDA's caching allocator: run it with --device cuda")
+    recorder = SnapshotRecorder(args.memory_snapshot, device)
+    recorder.start()
+    return recorder
+
+
 def _fidelity(args: argparse.Namespace) -> int:
     from flashtree.bench.fidelity import DTYPES, run_fidelity
     from flashtree.engine.loader import load_engine
@@ -163,10 +181,9 @@ def run(args: argparse.Namespace) -> int:
         return _fidelity(args)
     if args.synthetic and args.model:
         raise FlashtreeError(f"--synthetic {args.synthetic} builds its own model: drop --model, or drop --synthetic")
-    if args.memory_snapshot and not args.steps:
-        raise FlashtreeError("--memory-snapshot records the --steps run: add --steps")
     # --ctx is also every request's context, e.g. a multi-turn session longer than the model's trained context
     settings = engine_args(args, prefill_chunk=args.prefill_chunk or None)
+    snapshots = _memory_snapshots(args, settings)  # before the load: the weights' blocks get their stacks too
     if args.synthetic:
         engine = _synthetic_engine(args, settings)
         model = engine.target.path
@@ -177,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
     if args.steps:
         from flashtree.bench.steps import run_steps
 
-        return run_steps(args, engine, _device_name(engine))
+        return run_steps(args, engine, _device_name(engine), snapshots)
     if args.multi_turn:
         from flashtree.bench.multi_turn import run_multi_turn
 

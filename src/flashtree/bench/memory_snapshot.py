@@ -145,6 +145,7 @@ class SnapshotRecorder:
         self.oom_written = False
 
     def start(self) -> None:
+        torch.cuda.init()  # the allocator's per-device state exists from here: both calls below set it
         torch.cuda.memory._record_memory_history("state", context="state", stacks="python")
         torch._C._cuda_attach_out_of_memory_observer(self._on_out_of_memory)
 

@@ -30,7 +30,7 @@ from flashtree.bench.report import save_report
 from flashtree.parallel.placement import resolve_device
 from flashtree.engine.config import DEFAULT_BUDGET, DEFAULT_DRAFT_TYPE, DENSE_DRAFT
 from flashtree.engine.process_memory import measure_process_memory
-from flashtree.errors import FlashtreeError, out_of_memory_summary
+from flashtree.errors import out_of_memory_summary
 from flashtree.models.dflash import DFlashDraft, DraftConfig, build_target_layer_ids
 from flashtree.models.layers import MATMUL_TYPES
 from flashtree.drafting.proposer import DFlashProposer
@@ -178,7 +178,9 @@ class ReplayProposer:
 LONG_PREFILL = 32768
 
 
-def run_steps(args, engine, device_name: str) -> int:
+def run_steps(args, engine, device_name: str, snapshots: SnapshotRecorder | None = None) -> int:
+    """The `--steps` tables; `snapshots` (`--memory-snapshot`, started before the load) reports the allocator's
+    memory after each phase and at the end."""
     model = engine.target.model
     device = model.device
     dtype = model.dtype
@@ -196,7 +198,8 @@ def run_steps(args, engine, device_name: str) -> int:
         report["gpu_memory_cap"] = getattr(args, "gpu_memory", None)
         for i in range(torch.cuda.device_count()):  # peaks from here on: not the build's or the probe's buffers
             torch.cuda.reset_peak_memory_stats(i)
-    snapshots = _snapshot_recorder(args, device)
+        if snapshots is not None:  # the weights alone: what their build left reserved around them
+            report["memory_snapshot_by_phase"] = {"load": snapshots.phase("load")}
     roofline_s = report["weights_bytes_per_step"] / bandwidth
     draft_device = resolve_device(args.draft_device) if getattr(args, "draft_device", None) else device
     draft_type = getattr(args, "draft_type", DEFAULT_DRAFT_TYPE)
@@ -329,19 +332,6 @@ def run_steps(args, engine, device_name: str) -> int:
         save_report(report, args.out)
     _print(report)
     return 0
-
-
-def _snapshot_recorder(args, device: torch.device) -> SnapshotRecorder | None:
-    """`--memory-snapshot FILE`: the allocator's block stacks kept from here on (the draft's build, the cache, the
-    prefill and the steps), so that its snapshots name what holds the memory."""
-    path = getattr(args, "memory_snapshot", None)
-    if path is None:
-        return None
-    if device.type != "cuda":
-        raise FlashtreeError("--memory-snapshot reads CUDA's caching allocator: run it with --device cuda")
-    recorder = SnapshotRecorder(path, device)
-    recorder.start()
-    return recorder
 
 
 def q8_sibling(draft: DFlashDraft) -> DFlashDraft:
