@@ -97,8 +97,8 @@ def test_the_decode_matches_the_reference_on_gpu(kv_end, seed, q_dtype, new_row_
     takes = attention_decode.takes(args["q"], args["k_cache"], args["v_cache"], (kind, kind), 0, True,
                                    args["kv_end"])
     assert takes == (args["kv_end"] >= attention_decode.MIN_ROWS)
-    out = _in_cuda(attention_decode, args["q"], args["k_cache"], args["v_cache"], args["start_t"], args["visible"],
-                   args["kv_end"], args["scale"], None, False, q_dtype)
+    out = _in_cuda(attention_decode, args["q"], args["k_cache"], args["v_cache"], args["kv_type_k"],
+                   args["start_t"], args["visible"], args["kv_end"], args["scale"], None, False, q_dtype)
     assert out.dtype == q_dtype and torch.isfinite(out).all()
     assert cases.relative_error(out, pair_reference(args)) <= (1e-2 if q_dtype == torch.bfloat16 else 4e-3)
 

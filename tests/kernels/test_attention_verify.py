@@ -99,8 +99,8 @@ def _inputs(kv_end, n, q_dtype=torch.float32, seed=0, at_end=False, token_major=
 
 
 def _run(args, q_dtype):
-    return _in_cuda(attention_verify, args["q"], args["k_cache"], args["v_cache"], args["start_t"], args["visible"],
-                    args["kv_end"], args["scale"], None, False, q_dtype)
+    return _in_cuda(attention_verify, args["q"], args["k_cache"], args["v_cache"], args["kv_type_k"],
+                    args["start_t"], args["visible"], args["kv_end"], args["scale"], None, False, q_dtype)
 
 
 @pytest.mark.gpu
