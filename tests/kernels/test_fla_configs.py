@@ -58,12 +58,14 @@ def test_fla_reads_the_written_files(tmp_path):
     assert parsed.lookup_fuzzy(cache.AutotuneKey((64, 48, "torch.bfloat16"))) is not None
 
 
-def test_the_shipped_h200_files_parse_and_hold_the_prefill_kernels():
-    """What tools/gpu/extract_fla_configs.py wrote on an H200 (2026-12-01): fla's file format, one file per
-    chunked gated-delta kernel, each with its configuration for the 27B shape's heads."""
-    files = sorted((fla_configs.SHIPPED / "NVIDIA_H200").glob("*.json"))
-    assert {p.stem for p in files} >= {"chunk_fwd_kernel_o", "chunk_gated_delta_rule_fwd_kernel_h_blockdim64",
-                                       "recompute_w_u_fwd_kernel"}
+@pytest.mark.parametrize("gpu", ["NVIDIA_H200", "NVIDIA_H100_80GB_HBM3"])
+def test_the_shipped_files_parse_and_hold_the_prefill_kernels(gpu):
+    """What tools/gpu/extract_fla_configs.py wrote on an H200 (2026-12-01) and an H100 (2026-12-06): fla's file
+    format, one file per chunked gated-delta kernel, each with its configuration for the 27B shape's heads."""
+    files = sorted((fla_configs.SHIPPED / gpu).glob("*.json"))
+    assert {p.stem for p in files} == {"chunk_fwd_kernel_o", "chunk_gated_delta_rule_fwd_kernel_h_blockdim64",
+                                       "chunk_gated_delta_rule_fwd_kkt_solve_kernel",
+                                       "chunk_local_cumsum_scalar_kernel", "recompute_w_u_fwd_kernel"}
     for path in files:
         content = json.loads(path.read_text())
         assert content["kernel_name"] == path.stem and content["autotune_entries"] and content["default_config"]
