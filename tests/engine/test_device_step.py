@@ -14,11 +14,17 @@ from flashtree.engine.generate import Engine
 from flashtree.engine.loader import load_engine
 from flashtree.engine.prefix_cache import PrefixCache
 from flashtree.engine.sampling import SamplingParams
+from flashtree.parallel import placement
 
 
 @pytest.fixture(scope="module")
 def demo():
-    return load_engine(EngineArgs(device="cpu"))
+    """The demo pair with its draft in float32 on any CPU: a bf16 draft's logits (`draft_dtype`, on a CPU with bf16
+    instructions) hold exact ties, which the device's float32 tree scores and the host's float64 ones may order
+    differently, so the trees could differ where the tokens cannot (`test_a_bf16_draft_...` below)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(placement, "cpu_has_bf16_dot", lambda: False)
+        return load_engine(EngineArgs(device="cpu"))
 
 
 def static_engine(demo, **options) -> Engine:
@@ -47,6 +53,19 @@ def test_device_steps_equal_autoregressive_and_the_host_steps(demo, mode, budget
         # the same trees (float32 scores on the device, float64 on the host: only near-ties could differ)
         assert device.stats.accepted == host.stats.accepted, text
     assert device.stats.acceptance_length > 2 and device_steps(engine) >= 1
+
+
+def test_a_bf16_draft_device_steps_equal_autoregressive_and_the_host_steps_tokens(monkeypatch):
+    monkeypatch.setattr(placement, "cpu_has_bf16_dot", lambda: True)
+    bf16 = load_engine(EngineArgs(device="cpu"))
+    assert bf16.draft.fc.weight.dtype == torch.bfloat16
+    config = GenerationConfig(max_new_tokens=48, mode="ddtree", budget=22, ignore_eos=True, adaptive=False)
+    engine = static_engine(bf16)
+    for text in PROMPTS:
+        ids = bf16.encode_prompt(text)
+        ar = bf16.generate(ids, GenerationConfig(max_new_tokens=48, mode="ar", ignore_eos=True)).token_ids
+        assert engine.generate(ids, config).token_ids == bf16.generate(ids, config).token_ids == ar, text
+    assert device_steps(engine) >= 1
 
 
 def test_requests_the_device_step_cannot_serve_take_the_host_step(demo):

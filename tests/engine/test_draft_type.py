@@ -5,12 +5,15 @@ import torch
 
 from flashtree.cli.args import engine_args
 from flashtree.cli.main import build_parser, main
+from flashtree import kernels
 from flashtree.engine.config import DEFAULT_DRAFT_TYPE, EngineArgs, GenerationConfig
+from flashtree.engine.decode import proposer_for
 from flashtree.engine.loader import load_engine
 from flashtree.engine.memory_check import check_memory
 from flashtree.engine.planner import DraftShape, PlanRequest, plan, target_from_gguf, target_from_preset
 from flashtree.errors import FlashtreeError
 from flashtree.kernels.host_rows import gpu_reads_host
+from flashtree.parallel import placement
 from tests.drafting.test_lossless import prompts
 
 GIB = 2**30
@@ -101,3 +104,39 @@ def test_plan_command_takes_the_draft_type(capsys):
     assert main(command + ["--draft-type", "q8_0"]) == 0
     out = capsys.readouterr().out
     assert "DFlash draft (q8_0)" in out and "1.83 GiB" in out and "fits" in out
+
+
+@pytest.mark.parametrize("bf16_dot", [True, False])
+def test_the_dense_draft_is_bf16_on_a_cpu_with_bf16_instructions_and_the_output_stays_the_targets(
+        target, draft_dir, monkeypatch, bf16_dot):
+    """`draft_dtype`: beside the float32 target, a CPU that multiplies bf16 in hardware gets a bf16 draft and a bf16
+    copy of the LM head for its logits (made once per model); one without keeps float32 and the target's head.
+    Either way the greedy output is the target's."""
+    monkeypatch.setattr(placement, "cpu_has_bf16_dot", lambda: bf16_dot)
+    dtype = torch.bfloat16 if bf16_dot else torch.float32
+    assert placement.draft_dtype(torch.float32, torch.device("cpu")) == dtype
+    assert placement.draft_dtype(torch.bfloat16, torch.device("cuda", 0)) == torch.bfloat16  # GPUs: the target's
+    ar = load_engine(EngineArgs(target.path, None, "cpu", spec="ar"))
+    engine = load_engine(EngineArgs(target.path, draft_dir, "cpu", spec="ddtree", adaptive=False))
+    assert {p.dtype for p in engine.draft.parameters()} == {dtype}
+    config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    proposer = proposer_for(engine.runner, config)
+    model = engine.target.model
+    assert proposer.head_dtype == dtype and (proposer.head is model.lm_head) == (not bf16_dot)
+    assert proposer.head.weight.dtype == dtype
+    assert torch.equal(proposer.head.weight, model.lm_head.weight.to(dtype))
+    assert proposer_for(engine.runner, config).head is proposer.head  # one copy however many requests
+    assert proposer.propose(5, 0).dtype == torch.float32
+    for prompt in prompts(target.config.vocab_size)[:4]:
+        assert engine.generate(prompt, config).token_ids == ar.generate(prompt, config).token_ids
+
+
+def test_cpu_has_bf16_dot_reads_torchs_checks_and_says_no_without_them(monkeypatch):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
+    kernels.cpu_has_bf16_dot.cache_clear()
+    assert kernels.cpu_has_bf16_dot()
+    monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported", raising=False)
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
+    kernels.cpu_has_bf16_dot.cache_clear()
+    assert not kernels.cpu_has_bf16_dot()
+    kernels.cpu_has_bf16_dot.cache_clear()  # the machine's own answer again for later tests

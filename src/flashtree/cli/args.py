@@ -76,7 +76,8 @@ def add_draft_type_arg(parser: argparse.ArgumentParser) -> None:
     """`--draft-type`: how the draft's layer matrices are held (shared by the commands that load a model and by
     `flashtree plan`)."""
     parser.add_argument("--draft-type", choices=DRAFT_TYPES, default=DEFAULT_DRAFT_TYPE,
-                        help="the draft's layer matrices: dense (the compute dtype, bf16 on a GPU) or q8_0 (half the "
+                        help="the draft's layer matrices: dense (bf16 on a GPU and on a CPU with bf16 instructions, "
+                             "else float32) or q8_0 (half the "
                              "bytes: 1.83 GiB instead of 3.22 for the 27B draft; output is the target's either way) "
                              f"(default {DEFAULT_DRAFT_TYPE})")
 

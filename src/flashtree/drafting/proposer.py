@@ -43,6 +43,8 @@ class DFlashProposer:
         same_device = self.device == target_model.device == target_model.lm_head.device
         self.steps = CapturedSteps(self.device, capture_graphs) if capture_graphs is not None and same_device else None
         self._prefetched: tuple[tuple[int, int], torch.Tensor] | None = None  # (bonus, position), block hidden
+        # the draft's logits: the target's LM head (a copy in the draft's dtype where it is another, `head_for`)
+        self.head, self.head_dtype = target_model.head_for(draft.fc.weight.dtype)
 
     @property
     def overlaps(self) -> bool:
@@ -76,9 +78,9 @@ class DFlashProposer:
         pending, self._prefetched = self._prefetched, None
         hidden = pending[1] if pending is not None and pending[0] == (bonus, position) else \
             self._block_hidden(bonus, position)
-        head = self.target.lm_head  # on the target's last device: the hidden states go there, the logits come back
+        head = self.head  # on the target's last device: the hidden states go there, the logits come back
         with on_device(head.device):
-            return head(hidden[1:].to(head.device, self.target.act_dtype)).float().to(self.target.device)
+            return head(hidden[1:].to(head.device, self.head_dtype)).float().to(self.target.device)
 
     @torch.inference_mode()
     def prefetch(self, bonus: int, position: int) -> None:
@@ -101,4 +103,4 @@ class DFlashProposer:
         first = torch.arange(self.block_size, device=self.device) == 0
         block = torch.where(first, packed[0], self.draft.config.mask_token_id)
         hidden = self.draft.forward_block(self.cache, self.target.embed_tokens(block), packed[1:2], rows, packed[2:3])
-        return self.target.lm_head(hidden[1:].to(self.target.act_dtype)).float()
+        return self.head(hidden[1:].to(self.head_dtype)).float()

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from flashtree.parallel.placement import default_dtype, place_layers, resolve_device, resolve_placement
+from flashtree.parallel.placement import (default_dtype, draft_dtype, place_layers, resolve_device,
+                                         resolve_placement)
 from flashtree.parallel.tp import RankShard, check_placement, join_group, rank_device, serve_ranks
 from flashtree.engine.config import DEFAULT_DRAFT_TYPE, DENSE_DRAFT, EngineArgs, GenerationConfig
 from flashtree.engine.generate import Engine
@@ -291,11 +292,13 @@ def _default_config(args: EngineArgs, mode: str) -> GenerationConfig:
 
 
 def load_draft(path: str | Path, target: Target, device: str | None = None, draft_type: str = DEFAULT_DRAFT_TYPE):
-    """The DFlash draft at `path` in the target's dtype, on `device` (--draft-device) or the target's, its
-    layer matrices held as `draft_type` says (engine/config.py DRAFT_TYPES)."""
+    """The DFlash draft at `path` on `device` (--draft-device) or the target's, its layer matrices held as
+    `draft_type` says (engine/config.py DRAFT_TYPES): dense in `draft_dtype` (the target's dtype, or bf16 on a CPU
+    that multiplies it in hardware), Q8_0 blocks quantized from the target's dtype."""
     device = resolve_device(device) if device is not None else target.model.device  # --draft-device
     layer_type = None if draft_type == DENSE_DRAFT else draft_type
-    draft = DFlashDraft.load(path, device=device, dtype=target.model.dtype, layer_type=layer_type)
+    dtype = draft_dtype(target.model.dtype, device) if layer_type is None else target.model.dtype
+    draft = DFlashDraft.load(path, device=device, dtype=dtype, layer_type=layer_type)
     c = target.config
     draft.check_target(c.hidden_size, c.vocab_size, c.num_layers)
     return draft

@@ -27,6 +27,16 @@ def triton_runs_on(device: torch.device | str) -> bool:
     return triton_installed() and (torch.device(device).type == "cuda" or interpreted())
 
 
+@functools.cache
+def cpu_has_bf16_dot() -> bool:
+    """This CPU multiplies bf16 in hardware (AVX512-BF16, or AMX tiles): there oneDNN's bf16 matmul at a draft
+    block's 16 rows takes a fifth to a half of MKL's float32 sgemm (the demo pair's shapes, 2 threads, 2026-12-06);
+    elsewhere bf16 is emulated and slower than float32. torch has the check only as private functions of torch.cpu:
+    where one is missing, its answer is no."""
+    checks = (getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    return any(check is not None and check() for check in checks)
+
+
 def gemm_layout(weight: torch.Tensor) -> torch.Tensor:
     """A dense [N, K] weight as `F.linear` reads it fastest where it lives: on the CPU K-major (its transpose
     contiguous, viewed back as [N, K]), so that MKL's sgemm takes B without transposing it into its panels: at 16-23

@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 
 from flashtree.errors import FlashtreeError
-from flashtree.kernels import indexed
+from flashtree.kernels import cpu_has_bf16_dot, indexed
 from flashtree.models.layers import MATMUL_TYPES
 
 
@@ -41,6 +41,16 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def draft_dtype(target_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dense draft's dtype on `device`: the target's, but bf16 beside a float32 target on a CPU that multiplies
+    bf16 in hardware (`cpu_has_bf16_dot`). The draft only proposes, so the output stays the float32 target's; on
+    the demo pair the draft step takes 4.1 ms instead of 7.8 and the speculative step 8 % less, at the same
+    acceptance (2 threads, 2026-12-06, docs/PERFORMANCE.md)."""
+    if target_dtype == torch.float32 and device.type == "cpu" and cpu_has_bf16_dot():
+        return torch.bfloat16
+    return target_dtype
 
 
 def parse_split(text: str) -> list[float]:
