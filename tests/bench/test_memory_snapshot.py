@@ -92,6 +92,7 @@ def test_memory_snapshot_needs_steps_and_cuda(capsys, tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_memory_snapshot_of_a_steps_run_on_the_gpu(tmp_path, capsys):
     out, path = tmp_path / "steps.json", tmp_path / "snapshot.pickle"
+    made_before = torch.cuda.memory_allocated()  # an earlier GPU test's in this process (cuBLAS workspaces, graphs)
     assert main(["bench", "--synthetic", "tiny", "--steps", "--device", "cuda", "-n", "8", "--repeat", "2",
                  "--replay-al", "0", "--prefill-lengths", "none", "--chunk-lengths", "none", "--context", "64",
                  "--out", str(out), "--memory-snapshot", str(path)]) == 0
@@ -99,8 +100,11 @@ def test_memory_snapshot_of_a_steps_run_on_the_gpu(tmp_path, capsys):
     assert list(phases)[:2] == ["load", "context prefill"] and "reserved" in phases["context prefill"]
     summary = summarize(pickle.loads(path.read_bytes()), device=0)
     assert summary.live > 0 and summary.reserved >= summary.live
-    # recorded from before the load: the weights, the draft and the cache are held by flashtree lines, and little
-    # by blocks made before (`<no stack>`: the weights until the recorder started before the load)
-    assert summary.sites.get("<no stack>", [0])[0] < summary.live / 4
+    # recorded from before the load: the weights, the draft and the cache are held by flashtree lines. Blocks made
+    # before the recording have no stack: little of the run's own, and whatever an earlier GPU test in this process
+    # left live (on an H100, after tests/models/test_dflash_cuda.py's captured passes in the same worker: two 32
+    # MiB cuBLAS workspaces, one in the default pool and one in a graph's)
+    assert summary.sites.get("<no stack>", [0])[0] <= max(made_before, summary.live / 4)
+    assert any(site.startswith("models/weight_pool.py") for site in summary.sites)  # the weights' copies
     assert any(site.startswith(("bench/", "models/dflash.py")) for site in summary.sites)
     assert "live memory by site" in capsys.readouterr().err
