@@ -46,7 +46,7 @@ def default_dtype(device: torch.device) -> torch.dtype:
 def draft_dtype(target_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dense draft's dtype on `device`: the target's, but bf16 beside a float32 target on a CPU that multiplies
     bf16 in hardware (`cpu_has_bf16_dot`). The draft only proposes, so the output stays the float32 target's; on
-    the demo pair the draft step takes 4.1 ms instead of 7.8 and the speculative step 8 % less, at the same
+    the demo pair the draft step takes 4.1-4.3 ms instead of 7.8 and the speculative step 5 % less, at the same
     acceptance (2 threads, 2026-12-06, docs/PERFORMANCE.md)."""
     if target_dtype == torch.float32 and device.type == "cpu" and cpu_has_bf16_dot():
         return torch.bfloat16
