@@ -135,4 +135,5 @@ def _print_point(p: dict) -> None:
         print(f"\n{'type':7} {'matrix':24} {'rows':>4} {'us':>8} {'floor':>7} {'% bw':>5} {'bf16 us':>8} "
               f"{'x bf16':>6} {'err':>8} kernel")
     print(f"{p['type']:7} {p['matrix']:24} {p['rows']:4d} {p['us']:8.1f} {p['floor_us']:7.1f} "
-          f"{100 * p['of_bandwidth']:4.0f}% {p['bf16_us']:8.1f} {p['vs_bf16']:6.2f} {p['err']:8.1e} {p['kernel']}", flush=True)
+          f"{100 * p['of_bandwidth']:4.0f}% {p['bf16_us']:8.1f} {p['vs_bf16']:6.2f} {p['err']:8.1e} {p['kernel']}",
+          flush=True)
