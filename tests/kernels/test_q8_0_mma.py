@@ -55,6 +55,10 @@ def test_every_launch_a_model_takes_compiles_for_sm90():
         assert mma._prep_x_instance(QType.Q4_K, dtype) in names
         for name, source in jobs:
             assert mma.compile_cubin(source, "sm_90")[:4] == b"\x7fELF", name
+    # the largest launch shape: its warps' sums meet in shared memory in slices (static shared memory is 48 KB)
+    largest = q8_0_mma.Q8Config(rt=4, warps=16)
+    name = q8_0_mma._instance(largest, 4, torch.float32)
+    assert mma.compile_cubin(q8_0_mma.source() + q8_0_mma._wrapper(name, largest, 4, torch.float32), "sm_90")
 
 
 def _gpu_weight(n: int, k: int, seed: int = 0) -> tuple[QuantWeight, torch.Tensor]:

@@ -60,7 +60,12 @@ template <int TG, int RT, int WARPS, typename OT>
 __device__ __forceinline__ void q8_0_mm(const u16* __restrict__ xh, const float* __restrict__ scale,
                                         const unsigned char* __restrict__ qs, const u16* __restrict__ d,
                                         OT* __restrict__ out, int M, int N, int K) {
-    __shared__ float sums[WARPS > 1 ? WARPS - 1 : 1][RT * TG * 4][32];
+    // each lane's sums: row tile r, token group tg, C fragment value i at (r TG + tg) 4 + i
+    constexpr int VALS = RT * TG * 4;
+    // the warps' sums meet in shared memory SLICE values at a time: at most 40 KB of static shared memory
+    constexpr int LIMIT = 40 * 1024 / ((WARPS > 1 ? WARPS - 1 : 1) * 32 * 4);
+    constexpr int SLICE = VALS <= LIMIT ? VALS : VALS / 2 <= LIMIT ? VALS / 2 : VALS / 4 <= LIMIT ? VALS / 4 : VALS / 8;
+    __shared__ float sums[WARPS > 1 ? WARPS - 1 : 1][SLICE][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int row0 = blockIdx.x * 16 * RT;
     const u32 exponent = q8_opaque(0x64646464u), bias = q8_opaque(0x64806480u);
@@ -79,13 +84,9 @@ __device__ __forceinline__ void q8_0_mm(const u16* __restrict__ xh, const float*
 #pragma unroll
     for (int tg = 0; tg < TG; ++tg) xrow[tg] = xh + (long)min(8 * tg + g, M - 1) * K + 8 * t;
 
-    float acc[RT][TG][4];
+    float acc[VALS];
 #pragma unroll
-    for (int r = 0; r < RT; ++r)
-#pragma unroll
-        for (int tg = 0; tg < TG; ++tg)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[r][tg][i] = 0.0f;
+    for (int v = 0; v < VALS; ++v) acc[v] = 0.0f;
 
     const int chunks = K / Q8_CHUNK;
 #pragma unroll 2
@@ -124,32 +125,30 @@ __device__ __forceinline__ void q8_0_mm(const u16* __restrict__ xh, const float*
                     float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                     q8_mma(part, a[0][0], a[0][1], a[0][2], a[0][3], xv[tg][j].x, xv[tg][j].y);
                     q8_mma(part, a[1][0], a[1][1], a[1][2], a[1][3], xv[tg][j].z, xv[tg][j].w);
-                    acc[r][tg][0] = fmaf(s0, part[0], acc[r][tg][0]);
-                    acc[r][tg][1] = fmaf(s0, part[1], acc[r][tg][1]);
-                    acc[r][tg][2] = fmaf(s1, part[2], acc[r][tg][2]);
-                    acc[r][tg][3] = fmaf(s1, part[3], acc[r][tg][3]);
+                    float* at = acc + (r * TG + tg) * 4;
+                    at[0] = fmaf(s0, part[0], at[0]);
+                    at[1] = fmaf(s0, part[1], at[1]);
+                    at[2] = fmaf(s1, part[2], at[2]);
+                    at[3] = fmaf(s1, part[3], at[3]);
                 }
             }
     }
 
     if (WARPS > 1) {  // warps 1 .. WARPS - 1 hand their sums to warp 0, which adds them in warp order
-        if (warp > 0)
 #pragma unroll
-            for (int r = 0; r < RT; ++r)
+        for (int first = 0; first < VALS; first += SLICE) {
+            if (warp > 0)
 #pragma unroll
-                for (int tg = 0; tg < TG; ++tg)
+                for (int v = 0; v < SLICE; ++v) sums[warp - 1][v][lane] = acc[first + v];
+            __syncthreads();
+            if (warp == 0)
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) sums[warp - 1][(r * TG + tg) * 4 + i][lane] = acc[r][tg][i];
-        __syncthreads();
+                for (int other = 0; other < WARPS - 1; ++other)
+#pragma unroll
+                    for (int v = 0; v < SLICE; ++v) acc[first + v] += sums[other][v][lane];
+            if (first + SLICE < VALS) __syncthreads();
+        }
         if (warp > 0) return;
-#pragma unroll
-        for (int other = 0; other < WARPS - 1; ++other)
-#pragma unroll
-            for (int r = 0; r < RT; ++r)
-#pragma unroll
-                for (int tg = 0; tg < TG; ++tg)
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) acc[r][tg][i] += sums[other][(r * TG + tg) * 4 + i][lane];
     }
 #pragma unroll
     for (int r = 0; r < RT; ++r)
@@ -158,6 +157,6 @@ __device__ __forceinline__ void q8_0_mm(const u16* __restrict__ xh, const float*
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const int row = row0 + 16 * r + g + 8 * (i >> 1), tok = 8 * tg + 2 * t + (i & 1);
-                if (row < N && tok < M) q8_store(out, (long)tok * N + row, acc[r][tg][i] * scale[tok]);
+                if (row < N && tok < M) q8_store(out, (long)tok * N + row, acc[(r * TG + tg) * 4 + i] * scale[tok]);
             }
 }
