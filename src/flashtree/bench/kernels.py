@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType as QType
 
 from flashtree.bench.steps import read_bandwidth
 from flashtree.errors import FlashtreeError
-from flashtree.kernels.quant_matmul import (KERNELS, QuantWeight, mma, q8_0_mma, quant_matmul, quant_matmul_reference,
+from flashtree.kernels.quant_matmul import (KERNELS, QuantWeight, block32_mma, mma, quant_matmul, quant_matmul_reference,
                                             random_quant_weight)
 
 SHAPES = {"attn q+gate 12288x5120": (12288, 5120), "ffn gate/up 17408x5120": (17408, 5120),
@@ -123,11 +123,11 @@ def run_kernel_bench(out: str | None, types=TYPES, shapes=SHAPES, rows=ROWS, dev
 
 
 def _kernel_name(weight: QuantWeight, m: int) -> str:
-    """Which family multiplies M rows of `weight`: the tensor-core CUDA kernels (fragment-ordered Q4_K/Q6_K, Q8_0 from
-    its fields) or Triton."""
+    """Which family multiplies M rows of `weight`: the tensor-core CUDA kernels (fragment-ordered Q4_K/Q6_K: mma;
+    Q8_0, Q5_K, IQ4_XS from their fields: block32) or Triton."""
     if weight.mma_layout:
         return "mma"
-    return "q8_0_mma" if q8_0_mma.takes(weight.qtype, weight.shape, weight.device) and m <= mma.MAX_M else "triton"
+    return "block32" if block32_mma.takes(weight.qtype, weight.shape, weight.device) and m <= mma.MAX_M else "triton"
 
 
 def _print_point(p: dict) -> None:

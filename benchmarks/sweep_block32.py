@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Q8_0 at 1-32 rows on the GPU: the tensor-core kernel (kernels/quant_matmul/q8_0_mma.cu, its x conversion
-included) at several launch shapes against the Triton kernel it replaces and dense bf16 cuBLAS, at the 27B shapes.
+"""Q8_0, Q5_K and IQ4_XS at 1-32 rows on the GPU: the tensor-core kernel (kernels/quant_matmul/block32_mma.cu, its x
+conversion included) at several launch shapes against the Triton kernel it replaces and dense bf16 cuBLAS, at the 27B
+shapes.
 
-    python3 benchmarks/sweep_q8_0.py [--budget-s 150] [--out q8_0.json]
+    python3 benchmarks/sweep_block32.py [--types Q8_0,Q5_K,IQ4_XS] [--budget-s 150] [--out block32.json]
 
 Each point is timed the way `flashtree bench --kernels` times one (CUDA graph, weights rotated past the L2) and
 checked against the float32 dequantization (max |error| / max |reference|). Prints one table: us and % of the
@@ -27,23 +28,23 @@ from gguf import GGMLQuantizationType as QType  # noqa: E402
 from flashtree.bench.kernels import rotation, time_graph  # noqa: E402
 from flashtree.bench.steps import read_bandwidth  # noqa: E402
 from flashtree.kernels import cuda_functions  # noqa: E402
-from flashtree.kernels.quant_matmul import (KERNELS, mma, q8_0_mma, quant_matmul_reference,  # noqa: E402
+from flashtree.kernels.quant_matmul import (KERNELS, block32_mma, mma, quant_matmul_reference,  # noqa: E402
                                             random_quant_weight)
 
 SHAPES = {"q+gate 12288x5120": (12288, 5120), "gate/up 17408x5120": (17408, 5120),
           "down 5120x17408": (5120, 17408), "kv 1024x5120": (1024, 5120), "head 248320x5120": (248320, 5120)}
-ROWS = (1, 8, 16, 23, 32)
-CONFIGS = tuple(q8_0_mma.Q8Config(rt, w) for rt, w in ((1, 4), (1, 8), (1, 16), (2, 4), (2, 8), (2, 16), (4, 4),
-                                                        (4, 8)))
+ROWS = (1, 8, 23, 32)
+CONFIGS = tuple(block32_mma.BlockConfig(rt, w) for rt, w in ((1, 4), (1, 8), (1, 16), (2, 8), (4, 8)))
 
 
-def _precompile(device: torch.device) -> None:
+def _precompile(device: torch.device, types) -> None:
     jobs = {}
-    for c in CONFIGS:
-        for tg in (1, 2, 3, 4):
-            name = q8_0_mma._instance(c, tg, torch.bfloat16)
-            jobs[name] = q8_0_mma.source() + q8_0_mma._wrapper(name, c, tg, torch.bfloat16)
-    jobs.update(q8_0_mma.cuda_jobs([], 132, torch.bfloat16))
+    for qtype in types:
+        for c in CONFIGS:
+            for tg in (1, 2, 3, 4):
+                name = block32_mma._instance(qtype, c, tg, torch.bfloat16)
+                jobs[name] = block32_mma.source() + block32_mma._wrapper(name, qtype, c, tg, torch.bfloat16)
+    jobs.update(block32_mma.cuda_jobs([], 132, torch.bfloat16))
     cuda_functions.precompile(list(jobs.items()), mma.arch_of(device))
 
 
@@ -56,21 +57,25 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=150.0)
     parser.add_argument("--out")
     parser.add_argument("--shapes", help="comma-separated labels (default: all)")
+    parser.add_argument("--types", default="Q8_0,Q5_K,IQ4_XS")
     args = parser.parse_args()
     device = torch.device("cuda")
     started = time.perf_counter()
-    _precompile(device)
+    types = [QType[name] for name in args.types.split(",")]
+    _precompile(device, types)
     read_bps = read_bandwidth(device)
     print(f"{torch.cuda.get_device_name(device)}: read bandwidth {read_bps / 1e12:.2f} TB/s; "
           f"compiled in {time.perf_counter() - started:.0f} s", flush=True)
     labels = args.shapes.split(",") if args.shapes else list(SHAPES)
     points = []
-    print(f"{'matrix':20} {'rows':>4} {'floor':>6} {'cuBLAS':>7} {'Triton':>7} {'default':>8} "
+    print(f"{'type':6} {'matrix':20} {'rows':>4} {'floor':>6} {'cuBLAS':>7} {'Triton':>7} {'default':>8} "
           + " ".join(f"{f'r{c.rt}w{c.warps}':>7}" for c in CONFIGS) + "  err(default)")
-    for label in labels:
+    for qtype, label in [(t, lab) for t in types for lab in labels]:
+        if time.perf_counter() - started > args.budget_s:
+            break
         n, k = SHAPES[label]
-        first = random_quant_weight(QType.Q8_0, n, k, device, seed=0)
-        weights = [first] + [random_quant_weight(QType.Q8_0, n, k, device, seed=i)
+        first = random_quant_weight(qtype, n, k, device, seed=0)
+        weights = [first] + [random_quant_weight(qtype, n, k, device, seed=i)
                              for i in range(1, rotation(first.nbytes))]
         dense = [torch.randn(n, k, dtype=torch.bfloat16, device=device) for _ in range(rotation(n * k * 2))]
         floor = first.nbytes / read_bps
@@ -79,18 +84,20 @@ def main() -> None:
                 print("budget spent", flush=True)
                 break
             x = torch.randn(m, k, dtype=torch.bfloat16, device=device)
-            ours = lambda w, c=None: q8_0_mma.matmul(x, w.fields()["qs"], w.fields()["d"], n, k, config=c)  # noqa: E731
-            triton = lambda w: KERNELS[QType.Q8_0].load().matmul(x, w.fields(), n, k, None)  # noqa: E731
-            point = {"matrix": label, "n": n, "k": k, "rows": m, "floor_us": floor * 1e6,
+            ours = lambda w, c=None: block32_mma.matmul(x, w.fields(), qtype, n, k, config=c)  # noqa: E731
+            triton = lambda w: KERNELS[qtype].load().matmul(x, w.fields(), n, k, None)  # noqa: E731
+            point = {"type": qtype.name, "matrix": label, "n": n, "k": k, "rows": m, "floor_us": floor * 1e6,
                      "cublas_us": time_graph([lambda w=w: F.linear(x, w) for w in dense]) * 1e6,
                      "triton_us": time_graph([lambda w=w: triton(w) for w in weights]) * 1e6,
                      "default_us": time_graph([lambda w=w: ours(w) for w in weights]) * 1e6,
-                     "default": str(q8_0_mma.choose_config(m, n, k, mma.sm_count(device))),
+                     "default": str(block32_mma.choose_config(m, n, k, mma.sm_count(device))),
                      "err": _error(ours(first), quant_matmul_reference(x, first)), "configs": {}}
             for c in CONFIGS:
-                point["configs"][f"r{c.rt}w{c.warps}"] = time_graph([lambda w=w, c=c: ours(w, c) for w in weights]) * 1e6
+                timed = time_graph([lambda w=w, c=c: ours(w, c) for w in weights])
+                point["configs"][f"r{c.rt}w{c.warps}"] = timed * 1e6
             points.append(point)
-            print(f"{label:20} {m:4d} {floor * 1e6:6.1f} {point['cublas_us']:7.1f} {point['triton_us']:7.1f} "
+            print(f"{qtype.name:6} {label:20} {m:4d} {floor * 1e6:6.1f} {point['cublas_us']:7.1f} "
+                  f"{point['triton_us']:7.1f} "
                   f"{point['default_us']:7.1f}{'':1}"
                   + " ".join(f"{us:7.1f}" for us in point["configs"].values())
                   + f"  {point['err']:.1e} ({100 * floor * 1e6 / point['default_us']:.0f} % bw)", flush=True)
