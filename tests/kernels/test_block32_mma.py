@@ -3,6 +3,11 @@ machine, their results against the float32 dequantization on a GPU."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
@@ -67,6 +72,65 @@ def test_every_launch_a_model_takes_compiles_for_sm90():
         name = block32_mma._instance(qtype, largest, 4, torch.float32)
         assert mma.compile_cubin(block32_mma.source() + block32_mma._wrapper(name, qtype, largest, 4, torch.float32),
                                  "sm_90")
+
+
+HOST_HARNESS = Path(__file__).with_name("block32_host.cpp")
+# (M, N, K, token groups, row tiles a CTA, warps): one row; rows past M, a partial last CTA of two tiles, K in chunks
+# the warps share unevenly; four token groups on 4-tile CTAs
+HOST_CASES = [(1, 32, 512, 1, 1, 2), (9, 48, 768, 2, 2, 4), (30, 64, 256, 4, 4, 1)]
+
+
+@pytest.fixture(scope="module")
+def host_build(tmp_path_factory):
+    """block32_mma.cu built for the host around tests/kernels/block32_host.cpp, one binary per type and launch shape."""
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++ (the CUDA C kernel built for the host)")
+    folder = tmp_path_factory.mktemp("block32_host")
+    (folder / "kernel.cu").write_text(Path(block32_mma.__file__).with_name("block32_mma.cu").read_text())
+    built = {}
+
+    def build(qtype: QType, tg: int, rt: int, warps: int) -> Path:
+        key = (qtype, tg, rt, warps)
+        if key not in built:
+            binary = folder / f"{qtype.name}_t{tg}_r{rt}_w{warps}"
+            subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", f"-DHOST_QT={qtype.name}", f"-DHOST_TG={tg}",
+                            f"-DHOST_RT={rt}", f"-DHOST_WARPS={warps}", f"-I{folder}", str(HOST_HARNESS), "-o", str(binary)], check=True,
+                           capture_output=True)
+            built[key] = binary
+        return built[key]
+    return build
+
+
+def _block_sums(xh: torch.Tensor) -> torch.Tensor:
+    """prep_x<Q4_K>'s block sums of float16 x [M, K]: [M, K / 256, 16], per block pair (2p, 2p + 1) hi(2p),
+    hi(2p + 1), lo(2p), lo(2p + 1) at 4p (hi: the float32 sum in float16, lo: the rest)."""
+    m, k = xh.shape
+    sums = xh.float().reshape(m, k // 256, 4, 2, 32).sum(-1)  # [M, SB, pair, block of the pair]
+    hi = sums.half()
+    lo = (sums - hi.float()).half()
+    return torch.stack([hi, lo], dim=3).reshape(m, k // 256, 16)  # [M, SB, pair, (hi, lo), block]
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("case", HOST_CASES, ids=lambda c: f"m{c[0]}_n{c[1]}_k{c[2]}_t{c[3]}r{c[4]}w{c[5]}")
+def test_the_kernel_built_for_the_host_is_the_float32_product(host_build, qtype, case):
+    """The CUDA C kernel's threads as host threads (block32_host.cpp: its indexing, the type's bit work, the block
+    sums, the warps' shared-memory sums) against float16 x times the float32 dequantization of the GGUF bytes."""
+    m, n, k, tg, rt, warps = case
+    weight = QuantWeight.from_gguf_bytes(_random_blocks(qtype, n, k, seed=m).reshape(-1), qtype, (n, k))
+    dense = quants.dequantize(weight.gguf_bytes(), qtype, (n, k), torch.float32)
+    xh = (torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 3).half()
+    fields = weight.fields()
+    stdin = [np.array([m, n, k], dtype=np.int32).tobytes(), xh.view(torch.int16).numpy().tobytes(),
+             _block_sums(xh).view(torch.int16).numpy().tobytes(), np.ones(m, dtype=np.float32).tobytes()]
+    for name in block32_mma._ARGUMENTS[qtype]:
+        raw = fields[name].contiguous().view(torch.uint8).numpy().tobytes() if name else b""
+        stdin += [np.array([len(raw)], dtype=np.int64).tobytes(), raw]
+    run = subprocess.run([str(host_build(qtype, tg, rt, warps))], input=b"".join(stdin), capture_output=True,
+                         check=True)
+    out = torch.from_numpy(np.frombuffer(run.stdout, dtype=np.float32).copy()).reshape(m, n)
+    ref = xh.float() @ dense.T
+    assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-5
 
 
 def _gpu_weight(qtype: QType, n: int, k: int, seed: int = 0) -> tuple[QuantWeight, torch.Tensor]:

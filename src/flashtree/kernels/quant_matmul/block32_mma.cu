@@ -24,6 +24,9 @@
 #define IQ4_XS 23
 #define B32_CHUNK 128  // values a warp takes at once: 4 blocks of 32
 
+// The PTX primitives (tests/kernels/block32_host.cpp defines B32_HOST and host versions of these, to run the kernel's
+// indexing and bit work on a machine without a GPU)
+#ifndef B32_HOST
 __device__ __forceinline__ void b32_mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -45,12 +48,6 @@ __device__ __forceinline__ u32 b32_prmt(u32 a, u32 b, u32 selector) {
     return r;
 }
 
-// Four bytes u (0 .. 255) -> float16 pairs 1024 + u of bytes 0, 1 (lo) and 2, 3 (hi); `exponent` holds 0x64646464
-__device__ __forceinline__ void b32_pairs(u32 u, u32 exponent, u32& lo, u32& hi) {
-    asm("prmt.b32 %0, %1, %2, 0x4140;\n" : "=r"(lo) : "r"(u), "r"(exponent));
-    asm("prmt.b32 %0, %1, %2, 0x4342;\n" : "=r"(hi) : "r"(u), "r"(exponent));
-}
-
 __device__ __forceinline__ u32 b32_sub(u32 a, u32 b) {  // float16 pairs, exact for these integers
     u32 r;
     asm("sub.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
@@ -61,6 +58,14 @@ __device__ __forceinline__ u32 b32_opaque(u32 v) {  // a constant the compiler k
     u32 r;
     asm volatile("mov.b32 %0, %1;\n" : "=r"(r) : "r"(v));
     return r;
+}
+
+#endif
+
+// Four bytes u (0 .. 255) -> float16 pairs 1024 + u of bytes 0, 1 (lo) and 2, 3 (hi); `exponent` holds 0x64646464
+__device__ __forceinline__ void b32_pairs(u32 u, u32 exponent, u32& lo, u32& hi) {
+    lo = b32_prmt(u, exponent, 0x4140);
+    hi = b32_prmt(u, exponent, 0x4342);
 }
 
 __device__ __forceinline__ void b32_store(u16* out, long i, float v) {
