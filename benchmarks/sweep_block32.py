@@ -90,7 +90,7 @@ def main() -> None:
                      "cublas_us": time_graph([lambda w=w: F.linear(x, w) for w in dense]) * 1e6,
                      "triton_us": time_graph([lambda w=w: triton(w) for w in weights]) * 1e6,
                      "default_us": time_graph([lambda w=w: ours(w) for w in weights]) * 1e6,
-                     "default": str(block32_mma.choose_config(m, n, k, mma.sm_count(device))),
+                     "default": str(block32_mma.choose_config(qtype, m, n, k, mma.sm_count(device))),
                      "err": _error(ours(first), quant_matmul_reference(x, first)), "configs": {}}
             for c in CONFIGS:
                 timed = time_graph([lambda w=w, c=c: ours(w, c) for w in weights])

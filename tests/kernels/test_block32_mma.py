@@ -49,9 +49,10 @@ def test_only_the_block_types_decode_and_verify_rows_on_cuda_take_the_kernel():
 
 
 def test_two_tiles_a_cta_where_the_matrix_fills_the_gpu():
-    assert block32_mma.choose_config(1, 5120, 17408, 132) == block32_mma.BlockConfig(rt=1, warps=8)
-    assert block32_mma.choose_config(23, 5120, 17408, 132).rt == 2
-    assert block32_mma.choose_config(23, 1024, 5120, 132).rt == 1  # 32 two-tile CTAs would leave SMs idle
+    assert block32_mma.choose_config(QType.Q8_0, 1, 5120, 17408, 132) == block32_mma.BlockConfig(rt=1, warps=8)
+    assert block32_mma.choose_config(QType.IQ4_XS, 23, 5120, 17408, 132).rt == 2
+    assert block32_mma.choose_config(QType.Q5_K, 23, 5120, 17408, 132).rt == 1  # two tiles spill
+    assert block32_mma.choose_config(QType.Q8_0, 23, 1024, 5120, 132).rt == 1  # 32 two-tile CTAs leave SMs idle
     with pytest.raises(FlashtreeError, match="rt in 1, 2, 4"):
         block32_mma.BlockConfig(rt=3)
 
@@ -62,7 +63,7 @@ def test_every_launch_a_model_takes_compiles_for_sm90():
     for dtype in (torch.bfloat16, torch.float32):
         jobs = block32_mma.cuda_jobs([(qtype, 5120, 17408) for qtype in TYPES] + [(QType.Q8_0, 1024, 5120)], 132, dtype)
         names = [name for name, _ in jobs]
-        assert len(names) == len(set(names)) == 3 * 4 + 3 + 1  # tg 1-4 (rt 2 from 2 groups), the small one's rt 1
+        assert len(names) == len(set(names)) == 3 * 4 + 3 + 1  # tg 1-4 per type, the small matrix's rt 1 at 2-4
         assert mma._prep_x_instance(QType.Q4_K, dtype) in names
         for name, source in jobs:
             assert mma.compile_cubin(source, "sm_90")[:4] == b"\x7fELF", name

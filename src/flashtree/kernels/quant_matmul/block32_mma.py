@@ -52,9 +52,12 @@ def takes(qtype: QType, shape: tuple[int, int], device: torch.device) -> bool:
     return qtype in TYPES and device.type == "cuda" and supports(shape) and mma.available()
 
 
-def choose_config(m: int, n: int, k: int, sms: int = 132) -> BlockConfig:
-    """Two tiles a CTA from two token groups where the matrix still gives every SM a CTA (x read half as often)."""
-    return BlockConfig(rt=2 if mma.token_groups(min(m, mma.MAX_M)) >= 2 and n // 32 >= sms else 1, warps=8)
+def choose_config(qtype: QType, m: int, n: int, k: int, sms: int = 132) -> BlockConfig:
+    """Two tiles a CTA from two token groups where the matrix still gives every SM a CTA (x read half as often), but
+    for Q5_K, whose two tiles at 3-4 token groups spill (255 registers, 32-40 bytes of stack; sm_90, NVRTC 13).
+    Not yet tuned on a GPU (benchmarks/sweep_block32.py)."""
+    two = qtype != QType.Q5_K and mma.token_groups(min(m, mma.MAX_M)) >= 2 and n // 32 >= sms
+    return BlockConfig(rt=2 if two else 1, warps=8)
 
 
 def source() -> str:
@@ -83,7 +86,7 @@ def cuda_jobs(weights, sms: int, dtype: torch.dtype) -> list[tuple[str, str]]:
     jobs = {}
     for qtype, n, k in weights:
         for m in (1, 8, 16, 24, 32):
-            config, tg = choose_config(m, n, k, sms), mma.token_groups(m) or 1
+            config, tg = choose_config(qtype, m, n, k, sms), mma.token_groups(m) or 1
             name = _instance(qtype, config, tg, dtype)
             jobs[name] = source() + _wrapper(name, qtype, config, tg, dtype)
     prep = mma._prep_x_instance(QType.Q4_K, dtype)
@@ -110,7 +113,7 @@ def matmul(x: torch.Tensor, fields: dict[str, torch.Tensor], qtype: QType, n: in
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     for start in range(0, m, mma.MAX_M):
         rows = min(mma.MAX_M, m - start)
-        c = config or choose_config(rows, n, k, mma.sm_count(x.device))
+        c = config or choose_config(qtype, rows, n, k, mma.sm_count(x.device))
         tg = mma.token_groups(rows) or 1  # one row: one token group (no separate one-row kernel)
         name = _instance(qtype, c, tg, out_dtype)
         fn = functions(x.device).function(name, lambda: source() + _wrapper(name, qtype, c, tg, out_dtype))
