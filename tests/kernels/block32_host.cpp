@@ -41,6 +41,7 @@ static inline float half_to_float(u16 h) { _Float16 f; std::memcpy(&f, &h, 2); r
 static inline u16 float_to_half_bits(float v) { _Float16 f = (_Float16)v; u16 h; std::memcpy(&h, &f, 2); return h; }
 
 static inline uint2 b32_stream(const unsigned char* p) { uint2 v; std::memcpy(&v, p, 8); return v; }
+static inline u32 b32_stream4(const unsigned char* p) { u32 v; std::memcpy(&v, p, 4); return v; }
 
 // prmt.b32 (default mode): byte i of the result is byte (selector nibble i & 7) of {b, a}, or that byte's sign
 // replicated where the nibble's top bit is set

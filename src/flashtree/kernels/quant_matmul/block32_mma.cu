@@ -13,7 +13,8 @@
 // Lane (g, t) of a warp (g = lane / 4, t = lane % 4) takes values 8t .. 8t + 7 of each block of its rows g and g + 8,
 // of which 8t + 4h .. + 3 feed MMA step h (h = 0, 1) as its A slots 2t, 2t + 1 (values 0, 1) and 2t + 8, 2t + 9
 // (values 2, 3). K's order inside a block is thereby permuted, the same way for x: lane (g, t) reads x's values
-// 8t .. 8t + 7 of the block in one 16-byte load, step h's B slots from values 8t + 4h .. + 3.
+// 8t .. 8t + 7 of the block in one 16-byte load, step h's B slots from values 8t + 4h .. + 3 (IQ4_XS: another
+// permutation, its nibbles' own, `B32Chunk<IQ4_XS>`).
 //
 // A CTA owns RT row tiles of 16 rows and all of K, its WARPS warps taking chunks of 128 values (4 blocks, half a
 // 256-value super-block) in turn, their sums added in warp order in shared memory: a fixed order for every output, so
@@ -39,6 +40,12 @@ __device__ __forceinline__ void b32_mma(float (&c)[4], const u32 (&a)[4], u32 b0
 __device__ __forceinline__ uint2 b32_stream(const unsigned char* p) {
     uint2 v;
     asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ u32 b32_stream4(const unsigned char* p) {
+    u32 v;
+    asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];\n" : "=r"(v) : "l"(p));
     return v;
 }
 
@@ -167,36 +174,34 @@ template <> struct B32Chunk<Q5_K> {
     }
 };
 
+// IQ4_XS packs value i of a block in the low nibble of byte i and value i + 16 in its high nibble, so lane t takes
+// bytes 4t .. 4t + 3 whole: step h's A slots 2t, 2t + 1 are values 4t + 2h and 4t + 2h + 16 (byte 4t + 2h), slots
+// 2t + 8, 2t + 9 values 4t + 2h + 1 and 4t + 2h + 17, and its x fragments follow (`B32X<IQ4_XS>`). The byte's two
+// nibbles are then the table permute's selectors as they lie.
 template <> struct B32Chunk<IQ4_XS> {
     static constexpr bool SUMS = false;
-    uint2 q[4];  // block j: its 16 bytes' 8t' .. 8t' + 7 (t' = t % 2), values 8t .. 8t + 7 in nibble t / 2
-    u32 sl;      // the super-block's scales_l (4 bits a block)
-    u32 sh;      // scales_h (2 bits a block)
+    u32 q[4];  // block j: its bytes 4t .. 4t + 3
+    u32 sl;    // the super-block's scales_l (4 bits a block)
+    u32 sh;    // scales_h (2 bits a block)
     float d;
-    int half, shift;
+    int half;
     __device__ __forceinline__ void load(const B32Row& row, int k0, int t) {
         const int sb = k0 >> 8;
         half = (k0 >> 7) & 1;
-        shift = 4 * (t >> 1);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) q[j] = b32_stream(row.q + sb * 128 + 64 * half + 16 * j + 8 * (t & 1));
+        for (int j = 0; j < 4; ++j) q[j] = b32_stream4(row.q + sb * 128 + 64 * half + 16 * j + 4 * t);
         sl = __ldg(reinterpret_cast<const u32*>(row.s) + sb);
         sh = __ldg(row.sh + sb);
         d = half_to_float(__ldg(row.d + sb));
     }
-    // the table's values + 128 for four 4-bit indices (one a byte): permutes into the low and the high half-table,
-    // each index's top bit choosing between them
-    __device__ __forceinline__ static u32 lookup(u32 idx, const B32Consts& c) {
-        const u32 low3 = idx & 0x07070707u;
-        const u32 packed = b32_prmt(low3 | (low3 >> 4), 0, 0x0020);  // 4 selector nibbles in the low 16 bits
-        const u32 lo = b32_prmt(c.lo_table, c.lo_table_hi, packed);
-        const u32 hi = b32_prmt(c.hi_table, c.hi_table_hi, packed);
-        const u32 top = ((idx >> 3) & 0x01010101u) * 0xFFu;  // 0xFF where the index is 8 or more
-        return (lo & ~top) | (hi & top);
-    }
+    // step h of block j: the table's values + 128 for the four nibbles of bytes 2h, 2h + 1 (permutes into the low and
+    // the high half-table; each nibble's top bit, as a sign, picks between them), then float16 less 1152
     __device__ __forceinline__ void values(int j, int h, const B32Consts& c, u32& lo, u32& hi) const {
-        const u32 idx = ((h ? q[j].y : q[j].x) >> shift) & 0x0F0F0F0Fu;
-        b32_pairs(lookup(idx, c), c.exponent, lo, hi);
+        const u32 w = q[j], selectors = (w & 0x77777777u) >> (16 * h);
+        const u32 low = b32_prmt(c.lo_table, c.lo_table_hi, selectors);
+        const u32 high = b32_prmt(c.hi_table, c.hi_table_hi, selectors);
+        const u32 top = b32_prmt(w, w << 4, h ? 0xBFAE : 0x9D8C);  // 0xFF where the nibble is 8 or more
+        b32_pairs((low & ~top) | (high & top), c.exponent, lo, hi);
         lo = b32_sub(lo, c.bias);
         hi = b32_sub(hi, c.bias);
     }
@@ -206,6 +211,22 @@ template <> struct B32Chunk<IQ4_XS> {
         return d * (float)(ls - 32);
     }
     __device__ __forceinline__ float offset(int) const { return 0.0f; }
+};
+
+// x's B fragments of one block for lane t, steps 0 (x, y) and 1 (z, w), in the order its type's A slots hold K:
+// values 8t + 4h .. + 3 (one 16-byte load), or IQ4_XS's 4t + 2h, 4t + 2h + 16 | 4t + 2h + 1, 4t + 2h + 17
+template <int QT> struct B32X {
+    __device__ __forceinline__ static uint4 load(const u16* block, int t) {
+        return __ldg(reinterpret_cast<const uint4*>(block + 8 * t));
+    }
+};
+template <> struct B32X<IQ4_XS> {
+    __device__ __forceinline__ static uint4 load(const u16* block, int t) {
+        const uint2 a = __ldg(reinterpret_cast<const uint2*>(block + 4 * t));
+        const uint2 b = __ldg(reinterpret_cast<const uint2*>(block + 16 + 4 * t));
+        return {b32_prmt(a.x, b.x, 0x5410), b32_prmt(a.x, b.x, 0x7632), b32_prmt(a.y, b.y, 0x5410),
+                b32_prmt(a.y, b.y, 0x7632)};
+    }
 };
 
 // The sums of x of the 4 blocks of chunk k0 for token tok (prep_x<Q4_K>'s records: per super-block and block pair
@@ -253,7 +274,7 @@ __device__ __forceinline__ void block32_mm(const u16* __restrict__ xh, const u16
 #pragma unroll
     for (int tg = 0; tg < TG; ++tg) {
         tok[tg] = 8 * tg + 2 * t;  // this lane's output tokens: tok, tok + 1 (C fragment columns)
-        xrow[tg] = xh + (long)min(8 * tg + g, M - 1) * K + 8 * t;
+        xrow[tg] = xh + (long)min(8 * tg + g, M - 1) * K;
     }
 
     float acc[VALS];
@@ -273,7 +294,7 @@ __device__ __forceinline__ void block32_mm(const u16* __restrict__ xh, const u16
 #pragma unroll
         for (int tg = 0; tg < TG; ++tg)
 #pragma unroll
-            for (int j = 0; j < 4; ++j) xv[tg][j] = __ldg(reinterpret_cast<const uint4*>(xrow[tg] + k0 + 32 * j));
+            for (int j = 0; j < 4; ++j) xv[tg][j] = B32X<QT>::load(xrow[tg] + k0 + 32 * j, t);
         float xs[TG][2][4];  // the blocks' sums of x of tokens tok, tok + 1 (Q5_K)
         if constexpr (Chunk::SUMS) {
 #pragma unroll
