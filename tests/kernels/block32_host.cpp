@@ -3,7 +3,7 @@
 // m16n8k16 layout assigns them) and the CTA's at __syncthreads, one CTA after another; the PTX primitives (prmt,
 // sub.f16x2, the streaming load) as the PTX manual defines them. So the kernel's indexing, bit work and sums are
 // tested on a machine without a GPU (test_block32_mma.py compiles this with g++ and -DHOST_QT, HOST_TG, HOST_RT, HOST_WARPS).
-// stdin: int32 M, N, K, then float16 xh [M, K], float16 xsum [M, K / 256, 16], float32 scale [M], then the weight's
+// stdin: int32 M, N, K, then float16 xh [M, K], float32 scale [M], then the weight's
 // fields as bytes: q, qh, s, sh, d, dmin, each preceded by its int64 byte count. stdout: float32 out [M, N].
 #include <barrier>
 #include <cstdint>
@@ -114,7 +114,7 @@ static std::vector<unsigned char> field() {
 int main() {
     const std::vector<int> dims = read<int>(3);
     const int M = dims[0], N = dims[1], K = dims[2];
-    const auto xh = read<u16>((size_t)M * K), xsum = read<u16>((size_t)M * (K / 256) * 16);
+    const auto xh = read<u16>((size_t)M * K);
     const auto scale = read<float>(M);
     const auto q = field(), qh = field(), s = field(), sh = field(), d = field(), dmin = field();
     std::vector<float> out((size_t)M * N, NAN);
@@ -128,7 +128,7 @@ int main() {
         for (int i = 0; i < threads; ++i) {
             pool.emplace_back([&, i] {
                 threadIdx = {(unsigned)i, 0, 0};
-                block32_mm<HOST_QT, HOST_TG, HOST_RT, HOST_WARPS>(xh.data(), xsum.data(), scale.data(), q.data(), qh.data(), s.data(),
+                block32_mm<HOST_QT, HOST_TG, HOST_RT, HOST_WARPS>(xh.data(), scale.data(), q.data(), qh.data(), s.data(),
                                               reinterpret_cast<const u16*>(sh.data()),
                                               reinterpret_cast<const u16*>(d.data()),
                                               reinterpret_cast<const u16*>(dmin.data()), out.data(), M, N, K);

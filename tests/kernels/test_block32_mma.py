@@ -102,28 +102,18 @@ def host_build(tmp_path_factory):
     return build
 
 
-def _block_sums(xh: torch.Tensor) -> torch.Tensor:
-    """prep_x<Q4_K>'s block sums of float16 x [M, K]: [M, K / 256, 16], per block pair (2p, 2p + 1) hi(2p),
-    hi(2p + 1), lo(2p), lo(2p + 1) at 4p (hi: the float32 sum in float16, lo: the rest)."""
-    m, k = xh.shape
-    sums = xh.float().reshape(m, k // 256, 4, 2, 32).sum(-1)  # [M, SB, pair, block of the pair]
-    hi = sums.half()
-    lo = (sums - hi.float()).half()
-    return torch.stack([hi, lo], dim=3).reshape(m, k // 256, 16)  # [M, SB, pair, (hi, lo), block]
-
-
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("case", HOST_CASES, ids=lambda c: f"m{c[0]}_n{c[1]}_k{c[2]}_t{c[3]}r{c[4]}w{c[5]}")
 def test_the_kernel_built_for_the_host_is_the_float32_product(host_build, qtype, case):
-    """The CUDA C kernel's threads as host threads (block32_host.cpp: its indexing, the type's bit work, the block
-    sums, the warps' shared-memory sums) against float16 x times the float32 dequantization of the GGUF bytes."""
+    """The CUDA C kernel's threads as host threads (block32_host.cpp: its indexing, the type's bit work, Q5_K's
+    sums of x, the warps' shared-memory sums) against float16 x times the float32 dequantization of the GGUF bytes."""
     m, n, k, tg, rt, warps = case
     weight = QuantWeight.from_gguf_bytes(_random_blocks(qtype, n, k, seed=m).reshape(-1), qtype, (n, k))
     dense = quants.dequantize(weight.gguf_bytes(), qtype, (n, k), torch.float32)
     xh = (torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 3).half()
     fields = weight.fields()
     stdin = [np.array([m, n, k], dtype=np.int32).tobytes(), xh.view(torch.int16).numpy().tobytes(),
-             _block_sums(xh).view(torch.int16).numpy().tobytes(), np.ones(m, dtype=np.float32).tobytes()]
+             np.ones(m, dtype=np.float32).tobytes()]
     for name in block32_mma._ARGUMENTS[qtype]:
         raw = fields[name].contiguous().view(torch.uint8).numpy().tobytes() if name else b""
         stdin += [np.array([len(raw)], dtype=np.int64).tobytes(), raw]

@@ -2,13 +2,13 @@
 // of x on tensor cores (mma.sync m16n8k16, float16 in, float32 sums), read from GGUF's own bytes split into their
 // fields (QuantWeight's field-major copy), so no re-layout at load. Put after x_f16.cuh (its float16 helpers); x comes
 // as mma.cu's `prep_x<Q4_K>` writes it: each token scaled by a power of two into [256, 512) and rounded to float16,
-// with 2^-e, and each 32-value block's sum of x (as a float16 hi + lo pair).
+// with 2^-e (its block sums are not read).
 //
 // Exact integer weights: a block's integers become float16 by one permute under the exponent byte 0x64 (1024 + u for a
 // byte u), with no int-to-float conversion: Q8_0's q ^ 0x80 = q + 128, IQ4_XS's table value + 128 (the table looked up
 // by permutes), both then less 1152 (one exact float16 subtraction); Q5_K's 5-bit q less 1024. A block's scale
 // multiplies its float32 partial sums (two MMAs into a fresh accumulator), never the weights; Q5_K's min leaves with
-// the block's sum of x: acc += d sc part - dmin m sum(x). Nothing is rounded below the float32 sums but x's float16.
+// the block's sum of x, two more MMAs of x against ones: acc += d sc part - dmin m sum(x). Nothing is rounded below the float32 sums but x's float16.
 //
 // Lane (g, t) of a warp (g = lane / 4, t = lane % 4) takes values 8t .. 8t + 7 of each block of its rows g and g + 8,
 // of which 8t + 4h .. + 3 feed MMA step h (h = 0, 1) as its A slots 2t, 2t + 1 (values 0, 1) and 2t + 8, 2t + 9
@@ -86,11 +86,13 @@ struct B32Consts {
     u32 exponent;  // 0x64646464
     u32 bias;      // 0x64806480: 1152.0 twice
     u32 k1024;     // 0x64006400: 1024.0 twice
+    u32 one;       // 0x3C003C00: 1.0 twice (Q5_K's sums of x on the MMA)
     u32 lo_table, lo_table_hi, hi_table, hi_table_hi;  // IQ4_XS's table values + 128, entries 0-3, 4-7, 8-11, 12-15
     __device__ __forceinline__ void init() {
         exponent = b32_opaque(0x64646464u);
         bias = b32_opaque(0x64806480u);
         k1024 = b32_opaque(0x64006400u);
+        one = b32_opaque(0x3C003C00u);
         // kvalues (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113) + 128
         lo_table = b32_opaque(0x3F2D1801u);
         lo_table_hi = b32_opaque(0x766A5D4Fu);
@@ -229,21 +231,8 @@ template <> struct B32X<IQ4_XS> {
     }
 };
 
-// The sums of x of the 4 blocks of chunk k0 for token tok (prep_x<Q4_K>'s records: per super-block and block pair
-// (2p, 2p + 1) hi(2p), hi(2p + 1), lo(2p), lo(2p + 1)), as floats
-__device__ __forceinline__ void b32_x_sums(const u16* __restrict__ xsum, int tok, int K, int k0, float (&out)[4]) {
-    const u16* rec = xsum + ((long)tok * (K >> 8) + (k0 >> 8)) * 16 + 8 * ((k0 >> 7) & 1);
-#pragma unroll
-    for (int p = 0; p < 2; ++p) {
-        const uint2 v = __ldg(reinterpret_cast<const uint2*>(rec + 4 * p));
-        out[2 * p] = half_to_float((u16)(v.x & 0xFFFF)) + half_to_float((u16)(v.y & 0xFFFF));
-        out[2 * p + 1] = half_to_float((u16)(v.x >> 16)) + half_to_float((u16)(v.y >> 16));
-    }
-}
-
 template <int QT, int TG, int RT, int WARPS, typename OT>
-__device__ __forceinline__ void block32_mm(const u16* __restrict__ xh, const u16* __restrict__ xsum,
-                                           const float* __restrict__ scale, const unsigned char* __restrict__ q,
+__device__ __forceinline__ void block32_mm(const u16* __restrict__ xh, const float* __restrict__ scale, const unsigned char* __restrict__ q,
                                            const unsigned char* __restrict__ qh, const unsigned char* __restrict__ s,
                                            const u16* __restrict__ sh, const u16* __restrict__ d,
                                            const u16* __restrict__ dmin, OT* __restrict__ out, int M, int N, int K) {
@@ -295,12 +284,18 @@ __device__ __forceinline__ void block32_mm(const u16* __restrict__ xh, const u16
         for (int tg = 0; tg < TG; ++tg)
 #pragma unroll
             for (int j = 0; j < 4; ++j) xv[tg][j] = B32X<QT>::load(xrow[tg] + k0 + 32 * j, t);
-        float xs[TG][2][4];  // the blocks' sums of x of tokens tok, tok + 1 (Q5_K)
+        float xs[TG][4][4];  // Q5_K: each block's sum of x of tokens tok, tok + 1 (0, 1): x against ones on the MMA
         if constexpr (Chunk::SUMS) {
+            const u32 ones[4] = {c.one, c.one, c.one, c.one};
 #pragma unroll
             for (int tg = 0; tg < TG; ++tg)
 #pragma unroll
-                for (int e = 0; e < 2; ++e) b32_x_sums(xsum, min(tok[tg] + e, M - 1), K, k0, xs[tg][e]);
+                for (int j = 0; j < 4; ++j) {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) xs[tg][j][i] = 0.0f;
+                    b32_mma(xs[tg][j], ones, xv[tg][j].x, xv[tg][j].y);
+                    b32_mma(xs[tg][j], ones, xv[tg][j].z, xv[tg][j].w);
+                }
         }
 #pragma unroll
         for (int j = 0; j < 4; ++j)
@@ -329,10 +324,10 @@ __device__ __forceinline__ void block32_mm(const u16* __restrict__ xh, const u16
                     at[2] = fmaf(s1, part[2], at[2]);
                     at[3] = fmaf(s1, part[3], at[3]);
                     if constexpr (Chunk::SUMS) {
-                        at[0] = fmaf(-o0, xs[tg][0][j], at[0]);
-                        at[1] = fmaf(-o0, xs[tg][1][j], at[1]);
-                        at[2] = fmaf(-o1, xs[tg][0][j], at[2]);
-                        at[3] = fmaf(-o1, xs[tg][1][j], at[3]);
+                        at[0] = fmaf(-o0, xs[tg][j][0], at[0]);
+                        at[1] = fmaf(-o0, xs[tg][j][1], at[1]);
+                        at[2] = fmaf(-o1, xs[tg][j][0], at[2]);
+                        at[3] = fmaf(-o1, xs[tg][j][1], at[3]);
                     }
                 }
             }

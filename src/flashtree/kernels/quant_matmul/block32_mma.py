@@ -1,8 +1,8 @@
 """Q8_0, Q5_K and IQ4_XS times 1-32 rows of x on tensor cores (block32_mma.cu, CUDA C compiled at run time like
 `mma`), from the weight's GGUF fields as `QuantWeight` keeps them: no load-time re-layout.
 
-x is converted once per call by mma.cu's `prep_x<Q4_K>` (float16 scaled by a power of two per row, and each
-32-value block's sum, which Q5_K's min term reads), the weights' integers enter the MMAs exactly and each block's
+x is converted once per call by mma.cu's `prep_x<Q4_K>` (float16 scaled by a power of two per row; Q5_K's min term
+takes each block's sum of x on the MMA, against ones), the weights' integers enter the MMAs exactly and each block's
 scale multiplies its float32 partial sums: the result differs from the float32 dequantized product by x's float16
 rounding and the sums' order only. A row's bits do not depend on how many rows are multiplied with it (decode and
 verify agree).
@@ -54,7 +54,7 @@ def takes(qtype: QType, shape: tuple[int, int], device: torch.device) -> bool:
 
 def choose_config(qtype: QType, m: int, n: int, k: int, sms: int = 132) -> BlockConfig:
     """Two tiles a CTA from two token groups where the matrix still gives every SM a CTA (x read half as often), but
-    for Q5_K, whose two tiles at 3-4 token groups spill (255 registers, 32-40 bytes of stack; sm_90, NVRTC 13).
+    for Q5_K, whose two tiles take 255 registers at 3 token groups and spill 16 bytes at 4 (sm_90, NVRTC 13).
     Not yet tuned on a GPU (benchmarks/sweep_block32.py)."""
     two = qtype != QType.Q5_K and mma.token_groups(min(m, mma.MAX_M)) >= 2 and n // 32 >= sms
     return BlockConfig(rt=2 if two else 1, warps=8)
@@ -71,10 +71,10 @@ def _instance(qtype: QType, config: BlockConfig, tg: int, out_dtype: torch.dtype
 
 def _wrapper(name: str, qtype: QType, config: BlockConfig, tg: int, out_dtype: torch.dtype) -> str:
     ot = _C_TYPES[out_dtype]
-    return (f'extern "C" __global__ void __launch_bounds__({32 * config.warps}) {name}(const u16* xh, const u16* xs, '
+    return (f'extern "C" __global__ void __launch_bounds__({32 * config.warps}) {name}(const u16* xh, '
             f"const float* scale, const unsigned char* q, const unsigned char* qh, const unsigned char* s, "
             f"const u16* sh, const u16* d, const u16* dmin, {ot}* out, int M, int N, int K) {{ "
-            f"block32_mm<{qtype.name}, {tg}, {config.rt}, {config.warps}>(xh, xs, scale, q, qh, s, sh, d, dmin, out, "
+            f"block32_mm<{qtype.name}, {tg}, {config.rt}, {config.warps}>(xh, scale, q, qh, s, sh, d, dmin, out, "
             f"M, N, K); }}\n")
 
 
@@ -108,7 +108,7 @@ def matmul(x: torch.Tensor, fields: dict[str, torch.Tensor], qtype: QType, n: in
     if m < 1 or not supports((n, k)):
         raise FlashtreeError(f"the block32 MMA kernel needs at least one row and N % 16 == K % 256 == 0, got M {m}, "
                              f"[{n}, {k}]")
-    xh, xs, scale = mma.prepare_x(x, QType.Q4_K)
+    xh, _, scale = mma.prepare_x(x, QType.Q4_K)  # its block sums are not read
     weights = [fields[name] if name else xh for name in _ARGUMENTS[qtype]]  # a field the type lacks: never read
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     for start in range(0, m, mma.MAX_M):
@@ -118,5 +118,5 @@ def matmul(x: torch.Tensor, fields: dict[str, torch.Tensor], qtype: QType, n: in
         name = _instance(qtype, c, tg, out_dtype)
         fn = functions(x.device).function(name, lambda: source() + _wrapper(name, qtype, c, tg, out_dtype))
         launch(fn, (-(-n // (16 * c.rt)), 1), 32 * c.warps,
-               [xh[start:], xs[start:], scale[start:], *weights, out[start:], rows, n, k], x.device)
+               [xh[start:], scale[start:], *weights, out[start:], rows, n, k], x.device)
     return out
