@@ -216,16 +216,16 @@ template <> struct B32Chunk<IQ4_XS> {
 };
 
 // x's B fragments of one block for lane t, steps 0 (x, y) and 1 (z, w), in the order its type's A slots hold K:
-// values 8t + 4h .. + 3 (one 16-byte load), or IQ4_XS's 4t + 2h, 4t + 2h + 16 | 4t + 2h + 1, 4t + 2h + 17
+// values 8t + 4h .. + 3 (one 16-byte load), or IQ4_XS's 4t + 2h, 4t + 2h + 16 | 4t + 2h + 1, 4t + 2h + 17. `lane`:
+// where lane t's values start in a block (added to its row pointer once)
 template <int QT> struct B32X {
-    __device__ __forceinline__ static uint4 load(const u16* block, int t) {
-        return __ldg(reinterpret_cast<const uint4*>(block + 8 * t));
-    }
+    __device__ __forceinline__ static int lane(int t) { return 8 * t; }
+    __device__ __forceinline__ static uint4 load(const u16* at) { return __ldg(reinterpret_cast<const uint4*>(at)); }
 };
 template <> struct B32X<IQ4_XS> {
-    __device__ __forceinline__ static uint4 load(const u16* block, int t) {
-        const uint2 a = __ldg(reinterpret_cast<const uint2*>(block + 4 * t));
-        const uint2 b = __ldg(reinterpret_cast<const uint2*>(block + 16 + 4 * t));
+    __device__ __forceinline__ static int lane(int t) { return 4 * t; }
+    __device__ __forceinline__ static uint4 load(const u16* at) {
+        const uint2 a = __ldg(reinterpret_cast<const uint2*>(at)), b = __ldg(reinterpret_cast<const uint2*>(at + 16));
         return {b32_prmt(a.x, b.x, 0x5410), b32_prmt(a.x, b.x, 0x7632), b32_prmt(a.y, b.y, 0x5410),
                 b32_prmt(a.y, b.y, 0x7632)};
     }
@@ -263,7 +263,7 @@ __device__ __forceinline__ void block32_mm(const u16* __restrict__ xh, const flo
 #pragma unroll
     for (int tg = 0; tg < TG; ++tg) {
         tok[tg] = 8 * tg + 2 * t;  // this lane's output tokens: tok, tok + 1 (C fragment columns)
-        xrow[tg] = xh + (long)min(8 * tg + g, M - 1) * K;
+        xrow[tg] = xh + (long)min(8 * tg + g, M - 1) * K + B32X<QT>::lane(t);
     }
 
     float acc[VALS];
@@ -283,7 +283,7 @@ __device__ __forceinline__ void block32_mm(const u16* __restrict__ xh, const flo
 #pragma unroll
         for (int tg = 0; tg < TG; ++tg)
 #pragma unroll
-            for (int j = 0; j < 4; ++j) xv[tg][j] = B32X<QT>::load(xrow[tg] + k0 + 32 * j, t);
+            for (int j = 0; j < 4; ++j) xv[tg][j] = B32X<QT>::load(xrow[tg] + k0 + 32 * j);
         float xs[TG][4][4];  // Q5_K: each block's sum of x of tokens tok, tok + 1 (0, 1): x against ones on the MMA
         if constexpr (Chunk::SUMS) {
             const u32 ones[4] = {c.one, c.one, c.one, c.one};
