@@ -36,7 +36,12 @@ def _random_blocks(qtype: QType, n: int, k: int, seed: int = 0) -> torch.Tensor:
     return blocks.reshape(n, -1)
 
 
-def test_only_the_block_types_decode_and_verify_rows_on_cuda_take_the_kernel():
+def test_only_the_block_types_decode_and_verify_rows_on_cuda_take_the_kernel(monkeypatch):
+    monkeypatch.setattr(block32_mma.mma, "available", lambda: True)
+    monkeypatch.setenv("FLASHTREE_BLOCK32", "0")
+    assert not block32_mma.takes(QType.Q8_0, (5120, 5120), torch.device("cuda", 0))  # off until timed on a GPU
+    monkeypatch.setenv("FLASHTREE_BLOCK32", "1")
+    assert block32_mma.takes(QType.IQ4_XS, (5120, 5120), torch.device("cuda", 0))
     assert block32_mma.supports((5120, 17408)) and block32_mma.supports((16, 256))
     assert not block32_mma.supports((5120, 17408 + 32)) and not block32_mma.supports((5120 + 8, 256))
     cuda = torch.device("cuda", 0)
@@ -173,12 +178,14 @@ def test_a_rows_bits_do_not_depend_on_the_other_rows_on_gpu(qtype):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_rows_of_any_magnitude_and_the_public_entries_on_gpu(qtype):
+def test_rows_of_any_magnitude_and_the_public_entries_on_gpu(qtype, monkeypatch):
     """Tiny to huge rows in one launch (x's power-of-two scaling), through quant_matmul (bf16 out, within its
-    rounding of the float32 product) and quant_matmul_rounded (float32 out)."""
+    rounding of the float32 product) and quant_matmul_rounded (float32 out), the kernel switched on."""
+    monkeypatch.setenv("FLASHTREE_BLOCK32", "1")
     n, k = 1024, 5120
     weight, dense = _gpu_weight(qtype, n, k)
     x = torch.randn(6, k, device="cuda") * torch.tensor([[1e-8], [1e-3], [1.0], [7.0], [1e5], [1e20]], device="cuda")
+    assert blocks_on_tensor_cores(x, weight)
     out = quant_matmul(x.bfloat16(), weight)
     assert out.dtype == torch.bfloat16
     bf16_ref = round_rows_f16(x.bfloat16().float()) @ dense.T

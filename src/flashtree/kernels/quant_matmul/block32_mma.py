@@ -10,6 +10,7 @@ verify agree).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,9 +48,16 @@ def supports(shape: tuple[int, int]) -> bool:
     return n % mma.TILE_ROWS == 0 and k % mma.SUPER == 0
 
 
+def enabled() -> bool:
+    """FLASHTREE_BLOCK32=1 routes these types' 1-32-row matmuls here (and compiles the kernel at load). Off by default
+    until the kernel has passed its GPU tests and been timed (built and checked on the host in the thirty-ninth session,
+    docs/PERFORMANCE.md; no GPU was lent then): until then the Triton kernels serve, as before."""
+    return os.environ.get("FLASHTREE_BLOCK32", "0") == "1"
+
+
 def takes(qtype: QType, shape: tuple[int, int], device: torch.device) -> bool:
     """Whether a weight of this type and shape on `device` goes through this kernel (1-32 rows of x)."""
-    return qtype in TYPES and device.type == "cuda" and supports(shape) and mma.available()
+    return qtype in TYPES and device.type == "cuda" and supports(shape) and enabled() and mma.available()
 
 
 def choose_config(qtype: QType, m: int, n: int, k: int, sms: int = 132) -> BlockConfig:
