@@ -41,6 +41,23 @@ def test_load_compiles_only_the_missing_fragment_ordered_shapes(monkeypatch):
     assert asked == {"shapes": {(QType.Q4_K, 32, 256), (QType.Q4_K, 64, 512)}, "jobs": ["b"]}
 
 
+def test_load_compiles_the_block_types_tensor_core_launches_of_each_shape(monkeypatch):
+    blocks = [QuantWeight(torch.zeros(1, dtype=torch.uint8), qtype, shape)
+              for qtype, shape in ((QType.Q8_0, (32, 256)), (QType.Q8_0, (64, 512)), (QType.IQ4_XS, (32, 256)))]
+    model = [QuantLinear(w) for w in blocks + [blocks[0]]] + [QuantLinear(_weight(16, 256, False))]
+    asked = {}
+    monkeypatch.setattr(loader.mma, "arch_of", lambda device: "sm_90")
+    monkeypatch.setattr(loader.mma, "sm_count", lambda device: 132)
+    monkeypatch.setattr(loader.block32_mma, "takes", lambda qtype, shape, device: qtype != QType.Q4_K)
+    monkeypatch.setattr(loader.block32_mma, "cuda_jobs",
+                        lambda shapes, sms, dtype: asked.setdefault("shapes", shapes) and [("q8", "src")])
+    monkeypatch.setattr(loader.cuda_functions, "uncompiled", lambda jobs, arch: jobs)
+    monkeypatch.setattr(loader.cuda_functions, "precompile",
+                        lambda jobs, arch, progress: asked.setdefault("jobs", [name for name, _ in jobs]))
+    loader.compile_cuda_kernels(model, torch.bfloat16)
+    assert asked == {"shapes": [(QType.Q8_0, 32, 256), (QType.Q8_0, 64, 512), (QType.IQ4_XS, 32, 256)], "jobs": ["q8"]}
+
+
 def test_load_compiles_the_cluster_norm_where_the_model_launches_it(monkeypatch):
     """A model with no fragment-ordered weights still gets the cluster add + RMSNorm compiled at load when its
     float32 activations take it, and only then."""

@@ -190,7 +190,7 @@ for part in ${PARTS:-steps-1k multi-turn steps-64k}; do
     # issue #16's table: every quantized type at the 27B shapes, rows 1-32, floor and bf16 cuBLAS in the same run
     kernel-table) timeout "${LIMIT_KERNELS:-240}" python3 -m flashtree.cli.main bench --kernels --out "$OUT/kernels.json" \
                   > "$OUT/kernels.txt" 2>&1
-                echo "== kernel-table (rc $?)"; grep -E '^(Q|IQ)[0-9]|TB/s' "$OUT/kernels.txt" | cut -c1-75 ;;
+                echo "== kernel-table (rc $?)"; grep -E '^(Q|IQ)[0-9]|TB/s' "$OUT/kernels.txt" | cut -c1-90 ;;
     # the FAST GPU subset: run it first after any change to code the GPU runs
     fast-tests) LOG="$OUT/gpu_tests.log" FAST=1 timeout "${LIMIT_TESTS:-270}" bash tools/gpu/gpu_tests.sh tests ;;
     steps-1k) bench steps-1k 200 --steps -n 128 --repeat 10 --context 1024 --prefill-chunk 2048 \

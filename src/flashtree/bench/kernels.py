@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType as QType
 
 from flashtree.bench.steps import read_bandwidth
 from flashtree.errors import FlashtreeError
-from flashtree.kernels.quant_matmul import (KERNELS, QuantWeight, quant_matmul, quant_matmul_reference,
+from flashtree.kernels.quant_matmul import (KERNELS, QuantWeight, block32_mma, mma, quant_matmul, quant_matmul_reference,
                                             random_quant_weight)
 
 SHAPES = {"attn q+gate 12288x5120": (12288, 5120), "ffn gate/up 17408x5120": (17408, 5120),
@@ -110,7 +110,7 @@ def run_kernel_bench(out: str | None, types=TYPES, shapes=SHAPES, rows=ROWS, dev
                 points.append({"type": qtype.name, "matrix": name, "n": n, "k": k, "rows": m,
                                "us": seconds * 1e6, "floor_us": floor * 1e6, "of_bandwidth": floor / seconds,
                                "bf16_us": dense[m] * 1e6, "vs_bf16": dense[m] / seconds, "err": err,
-                               "layout": "mma" if first.mma_layout else "fields"})
+                               "layout": "mma" if first.mma_layout else "fields", "kernel": _kernel_name(first, m)})
                 _print_point(points[-1])
             del weights, first
             torch.cuda.empty_cache()
@@ -122,9 +122,18 @@ def run_kernel_bench(out: str | None, types=TYPES, shapes=SHAPES, rows=ROWS, dev
     return report
 
 
+def _kernel_name(weight: QuantWeight, m: int) -> str:
+    """Which family multiplies M rows of `weight`: the tensor-core CUDA kernels (fragment-ordered Q4_K/Q6_K: mma;
+    Q8_0, Q5_K, IQ4_XS from their fields: block32) or Triton."""
+    if weight.mma_layout:
+        return "mma"
+    return "block32" if block32_mma.takes(weight.qtype, weight.shape, weight.device) and m <= mma.MAX_M else "triton"
+
+
 def _print_point(p: dict) -> None:
     if p["rows"] == ROWS[0]:
         print(f"\n{'type':7} {'matrix':24} {'rows':>4} {'us':>8} {'floor':>7} {'% bw':>5} {'bf16 us':>8} "
-              f"{'x bf16':>6} {'err':>8}")
+              f"{'x bf16':>6} {'err':>8} kernel")
     print(f"{p['type']:7} {p['matrix']:24} {p['rows']:4d} {p['us']:8.1f} {p['floor_us']:7.1f} "
-          f"{100 * p['of_bandwidth']:4.0f}% {p['bf16_us']:8.1f} {p['vs_bf16']:6.2f} {p['err']:8.1e}", flush=True)
+          f"{100 * p['of_bandwidth']:4.0f}% {p['bf16_us']:8.1f} {p['vs_bf16']:6.2f} {p['err']:8.1e} {p['kernel']}",
+          flush=True)

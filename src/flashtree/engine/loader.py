@@ -25,7 +25,7 @@ from flashtree.formats.gguf_file import GGUFFile
 from flashtree.formats.tokenizer import Tokenizer, TokenizerSpec
 from flashtree.kernels import (attention_decode, attention_verify, cuda_functions, gated_delta_cuda, rms_norm,
                                triton_ahead)
-from flashtree.kernels.quant_matmul import mma
+from flashtree.kernels.quant_matmul import block32_mma, mma
 from flashtree.models.attention import GatedAttention
 from flashtree.models.deltanet import GatedDeltaNet
 from flashtree.models.dflash import DFlashDraft
@@ -215,24 +215,27 @@ def compile_cuda_kernels(model, activations: torch.dtype, progress: bool = False
                          cache_types: tuple[str, str] = ("f16", "f16")) -> None:
     """Compile, at load and in parallel processes, every CUDA C kernel the model can launch on its `activations` (the
     dtype of x and out) into the on-disk cache: each tensor-core instance its fragment-ordered weights can take
-    (decode, verify, prefill; a fused gate + up weight's with their GLU epilogue), the cluster add + RMSNorm
+    (decode, verify, prefill; a fused gate + up weight's with their GLU epilogue) and the 32-value block types' (`block32_mma`: Q8_0, Q5_K, IQ4_XS), the cluster add + RMSNorm
     (kernels/add_rms_norm.cu) of float32 activations on Hopper, alone and writing the float16 x of those weights'
     types, the DeltaNet tree verify's node tiles (kernels/deltanet_tree.cu), with TQ3_0 or Q8_0 K and V (`cache_types`)
     the decode and the tree verify over them (kernels/attention_decode.cu, attention_verify.cu).
     Otherwise NVRTC compiles them one by one, a second each, inside the first requests. A cached kernel costs nothing,
     so a second start compiles none. Says what it compiled (a bar with `progress`)."""
     weights = [w for w in quant_weights(model) if w.mma_layout]
-    device = weights[0].device if weights else getattr(model, "device", torch.device("cpu"))
+    block_weights = [w for w in quant_weights(model) if block32_mma.takes(w.qtype, w.shape, w.device)]
+    device = next((w.device for w in weights + block_weights), getattr(model, "device", torch.device("cpu")))
     shapes = {(w.qtype, *w.shape) for w in weights}
     glu_shapes = {(glu.quant.qtype, *glu.quant.shape) for glu in reachable(model, GluLinear)}
     instances = mma.instances_for(shapes, mma.sm_count(device), activations, glu_shapes) if weights else []
+    block_shapes = sorted({(w.qtype, *w.shape) for w in block_weights})
+    block_jobs = block32_mma.cuda_jobs(block_shapes, mma.sm_count(device), activations) if block_shapes else []
     tree_dims = {layer.config.gdn_head_dim for layer in reachable(model, GatedDeltaNet)}
     head_dims = sorted({layer.config.head_dim for layer in reachable(model, GatedAttention)})
     kind = cache_types[0] if cache_types[0] == cache_types[1] else None
     # the attention kernels' query: TQ3_0's normed and rotated in the activations' dtype, Q8_0's in the model's
     # (models/attention.py)
     query = activations if kind == "tq3_0" else getattr(model, "dtype", None) or activations
-    jobs = (mma.with_source(instances) + rms_norm.cuda_jobs(device, activations, {w.qtype for w in weights})
+    jobs = (mma.with_source(instances) + block_jobs + rms_norm.cuda_jobs(device, activations, {w.qtype for w in weights})
             + [job for dk in sorted(tree_dims) for job in gated_delta_cuda.cuda_jobs(device, dk)]
             + [job for d in head_dims if kind in attention_decode.KINDS
                for job in attention_decode.cuda_jobs(device, d, query, kind)]

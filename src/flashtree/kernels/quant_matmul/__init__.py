@@ -40,7 +40,7 @@ from flashtree.errors import FlashtreeError
 from flashtree.formats import quants
 from flashtree.kernels import triton_runs_on
 from flashtree.kernels.activations import GLU_GROUP, interleaved_silu_mul
-from flashtree.kernels.quant_matmul import mma
+from flashtree.kernels.quant_matmul import block32_mma, mma
 
 
 @dataclass(frozen=True)
@@ -224,7 +224,16 @@ def quant_matmul(x: torch.Tensor, weight: QuantWeight, config=None) -> torch.Ten
         return _mma_matmul(x, weight)
     if not _triton_runs(x):
         return (x.float() @ weight.dequantize().T).to(x.dtype)
+    if config is None and blocks_on_tensor_cores(x, weight):
+        return block32_mma.matmul(x, weight.fields(), weight.qtype, n, k)
     return KERNELS[weight.qtype].load().matmul(x, weight.fields(), n, k, config)  # in x.dtype
+
+
+def blocks_on_tensor_cores(x: torch.Tensor, weight: QuantWeight) -> bool:
+    """Q8_0, Q5_K and IQ4_XS decode and verify rows (at most mma.MAX_M, bf16 or float32) on CUDA go through
+    `block32_mma` (where NVRTC loads); prefill chunks stay on the Triton kernels."""
+    return (x.shape[0] <= mma.MAX_M and x.dtype in (torch.bfloat16, torch.float32)
+            and block32_mma.takes(weight.qtype, weight.shape, x.device))
 
 
 def _kernel_rows(m: int, n: int, k: int) -> bool:
@@ -299,7 +308,9 @@ def quant_matmul_rounded(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
       float16 (scaled by a power of two per row, `prep_x`), the one-row and small-matrix kernels (qmv, qmm) to
       bf16 at their load. Prefill chunks of DENSE_MIN_M rows and more: `f16_rows` x times the float16 dense
       weight (cuBLAS), unscaled in float32.
-    - The Triton kernels' types take float32 x: float32 weights and products (tf32x3 dots at 2-64 rows).
+    - Q8_0, Q5_K and IQ4_XS at 1-32 rows on CUDA (`block32_mma`): x rounded to float16 as qmh rounds it, the
+      exact integer weights, each block's scale applied to its float32 partial sums.
+    - The Triton kernels' other types take float32 x: float32 weights and products (tf32x3 dots at 2-64 rows).
     - Plain weights and the CPU: `f16_rows`-rounded x times the weight in its own precision."""
     x = _check_x(x, weight)
     n, k = weight.shape
@@ -318,6 +329,8 @@ def quant_matmul_rounded(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
         return round_rows_f16(x) @ w.float().T
     if not _triton_runs(x):
         return round_rows_f16(x) @ weight.dequantize(torch.float32).T
+    if blocks_on_tensor_cores(x, weight):
+        return block32_mma.matmul(x, weight.fields(), weight.qtype, n, k, out_dtype=torch.float32)
     return KERNELS[weight.qtype].load().matmul(x.float(), weight.fields(), n, k, None)
 
 
