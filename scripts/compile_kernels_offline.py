@@ -500,6 +500,33 @@ def deltanet_tree() -> None:
             results[key] = {"error": str(e).splitlines()[-1]}
 
 
+def block32() -> None:
+    """The 32-value block types' tensor-core kernel (kernels/quant_matmul/block32_mma.cu, NVRTC like `mma`) as its
+    defaults launch at the 27B FFN shapes: registers, spills, and the main loop's instructions per weight byte (the
+    loop is unrolled by two 128-value chunks; a warp reads `rt` 16-row tiles of each)."""
+    from flashtree.formats.quants import GGML_QUANT_SIZES
+    from flashtree.kernels.quant_matmul import block32_mma, mma as kernels
+
+    try:
+        kernels.compile_cubin('extern "C" __global__ void probe() {}', "sm_90")
+    except Exception as e:  # noqa: BLE001 - no cuda-python or no libnvrtc here: nothing to compile with
+        print(f"block32: skipped, NVRTC unavailable ({str(e).splitlines()[0]})")
+        return
+    for qtype in block32_mma.TYPES:
+        block, size = GGML_QUANT_SIZES[qtype]
+        for (n, k), m in itertools.product(((17408, 5120), (5120, 17408)), (1, 8, 16, 23, 32)):
+            c, tg = block32_mma.choose_config(qtype, m, n, k, 132), kernels.token_groups(m) or 1
+            name = block32_mma._instance(qtype, c, tg, torch.float32)
+            key = (name, (("rows", m),), (("shape", f"{n}x{k}"),))
+            try:
+                source = block32_mma.source() + block32_mma._wrapper(name, qtype, c, tg, torch.float32)
+                results[key] = _machine_code_facts(kernels.compile_cubin(source, "sm_90"))
+            except Exception as e:  # noqa: BLE001 - report and go on
+                results[key] = {"error": str(e).splitlines()[-1]}
+                continue
+            mma_steps[key] = (qtype.name, f"{n}x{k}", m, 2 * c.rt * 16 * block32_mma.CHUNK * size // block)
+
+
 def topk_logprobs() -> None:
     """The draft's [15, 248320] float32 logits of the 27B (and a bf16 row set), the tree's top 8."""
     from flashtree.kernels.topk_logprobs import topk_logprobs as top
@@ -513,7 +540,7 @@ PARTS = {"quant_matmul": quant_matmul, "decode_issue_bound": decode_issue_bound,
          "kv_dequant": kv_dequant, "kv_write": kv_write,
          "norms_and_conv": norms_and_conv, "fusion": fusion, "draft": draft, "gated_delta": gated_delta,
          "commit_rows": commit_rows, "host_rows": host_rows, "deltanet_tree": deltanet_tree,
-         "topk_logprobs": topk_logprobs}
+         "topk_logprobs": topk_logprobs, "block32": block32}
 
 
 def main() -> None:

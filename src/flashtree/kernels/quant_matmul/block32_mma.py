@@ -23,6 +23,7 @@ from flashtree.kernels.quant_matmul import mma
 
 _SOURCE = Path(__file__).with_name("block32_mma.cu")
 TYPES = (QType.Q8_0, QType.Q5_K, QType.IQ4_XS)
+CHUNK = 128  # K values a warp takes at once (block32_mma.cu B32_CHUNK)
 _C_TYPES = {torch.bfloat16: "u16", torch.float32: "float"}
 # each type's fields in the kernel's argument order (q, qh, s, sh, d, dmin); None: the type has none (a null pointer)
 _ARGUMENTS = {QType.Q8_0: ("qs", None, None, None, "d", None),
