@@ -23,8 +23,8 @@ from gguf import GGMLQuantizationType as QType
 
 from flashtree.bench.steps import read_bandwidth
 from flashtree.errors import FlashtreeError
-from flashtree.kernels.quant_matmul import (KERNELS, QuantWeight, block32_mma, mma, quant_matmul, quant_matmul_reference,
-                                            random_quant_weight)
+from flashtree.kernels.quant_matmul import (KERNELS, QuantWeight, block32_mma, mma, quant_matmul,
+                                            quant_matmul_reference, random_quant_weight)
 
 SHAPES = {"attn q+gate 12288x5120": (12288, 5120), "ffn gate/up 17408x5120": (17408, 5120),
           "ffn down 5120x17408": (5120, 17408), "lm_head 248320x5120": (248320, 5120)}

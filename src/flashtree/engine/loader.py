@@ -215,10 +215,11 @@ def compile_cuda_kernels(model, activations: torch.dtype, progress: bool = False
                          cache_types: tuple[str, str] = ("f16", "f16")) -> None:
     """Compile, at load and in parallel processes, every CUDA C kernel the model can launch on its `activations` (the
     dtype of x and out) into the on-disk cache: each tensor-core instance its fragment-ordered weights can take
-    (decode, verify, prefill; a fused gate + up weight's with their GLU epilogue) and the 32-value block types' (`block32_mma`: Q8_0, Q5_K, IQ4_XS), the cluster add + RMSNorm
-    (kernels/add_rms_norm.cu) of float32 activations on Hopper, alone and writing the float16 x of those weights'
-    types, the DeltaNet tree verify's node tiles (kernels/deltanet_tree.cu), with TQ3_0 or Q8_0 K and V (`cache_types`)
-    the decode and the tree verify over them (kernels/attention_decode.cu, attention_verify.cu).
+    (decode, verify, prefill; a fused gate + up weight's with their GLU epilogue) and, with FLASHTREE_BLOCK32=1, the
+    32-value block types' (`block32_mma`: Q8_0, Q5_K, IQ4_XS), the cluster add + RMSNorm (kernels/add_rms_norm.cu)
+    of float32 activations on Hopper, alone and writing the float16 x of those weights' types, the DeltaNet tree
+    verify's node tiles (kernels/deltanet_tree.cu), with TQ3_0 or Q8_0 K and V (`cache_types`) the decode and the
+    tree verify over them (kernels/attention_decode.cu, attention_verify.cu).
     Otherwise NVRTC compiles them one by one, a second each, inside the first requests. A cached kernel costs nothing,
     so a second start compiles none. Says what it compiled (a bar with `progress`)."""
     weights = [w for w in quant_weights(model) if w.mma_layout]
@@ -235,7 +236,8 @@ def compile_cuda_kernels(model, activations: torch.dtype, progress: bool = False
     # the attention kernels' query: TQ3_0's normed and rotated in the activations' dtype, Q8_0's in the model's
     # (models/attention.py)
     query = activations if kind == "tq3_0" else getattr(model, "dtype", None) or activations
-    jobs = (mma.with_source(instances) + block_jobs + rms_norm.cuda_jobs(device, activations, {w.qtype for w in weights})
+    jobs = (mma.with_source(instances) + block_jobs
+            + rms_norm.cuda_jobs(device, activations, {w.qtype for w in weights})
             + [job for dk in sorted(tree_dims) for job in gated_delta_cuda.cuda_jobs(device, dk)]
             + [job for d in head_dims if kind in attention_decode.KINDS
                for job in attention_decode.cuda_jobs(device, d, query, kind)]

@@ -231,7 +231,7 @@ def quant_matmul(x: torch.Tensor, weight: QuantWeight, config=None) -> torch.Ten
 
 def blocks_on_tensor_cores(x: torch.Tensor, weight: QuantWeight) -> bool:
     """Q8_0, Q5_K and IQ4_XS decode and verify rows (at most mma.MAX_M, bf16 or float32) on CUDA go through
-    `block32_mma` (where NVRTC loads); prefill chunks stay on the Triton kernels."""
+    `block32_mma` where it is switched on (FLASHTREE_BLOCK32=1) and NVRTC loads; prefill chunks stay on Triton."""
     return (x.shape[0] <= mma.MAX_M and x.dtype in (torch.bfloat16, torch.float32)
             and block32_mma.takes(weight.qtype, weight.shape, x.device))
 
@@ -308,8 +308,8 @@ def quant_matmul_rounded(x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
       float16 (scaled by a power of two per row, `prep_x`), the one-row and small-matrix kernels (qmv, qmm) to
       bf16 at their load. Prefill chunks of DENSE_MIN_M rows and more: `f16_rows` x times the float16 dense
       weight (cuBLAS), unscaled in float32.
-    - Q8_0, Q5_K and IQ4_XS at 1-32 rows on CUDA (`block32_mma`): x rounded to float16 as qmh rounds it, the
-      exact integer weights, each block's scale applied to its float32 partial sums.
+    - Q8_0, Q5_K and IQ4_XS at 1-32 rows on CUDA with FLASHTREE_BLOCK32=1 (`block32_mma`): x rounded to float16
+      as qmh rounds it, the exact integer weights, each block's scale applied to its float32 partial sums.
     - The Triton kernels' other types take float32 x: float32 weights and products (tf32x3 dots at 2-64 rows).
     - Plain weights and the CPU: `f16_rows`-rounded x times the weight in its own precision."""
     x = _check_x(x, weight)
