@@ -24,7 +24,6 @@ from flashtree.kernels.quant_matmul import mma
 _SOURCE = Path(__file__).with_name("block32_mma.cu")
 TYPES = (QType.Q8_0, QType.Q5_K, QType.IQ4_XS)
 CHUNK = 128  # K values a warp takes at once (block32_mma.cu B32_CHUNK)
-_C_TYPES = {torch.bfloat16: "u16", torch.float32: "float"}
 # each type's fields in the kernel's argument order (q, qh, s, sh, d, dmin); None: the type has none (a null pointer)
 _ARGUMENTS = {QType.Q8_0: ("qs", None, None, None, "d", None),
               QType.Q5_K: ("qs", "qh", "scales", None, "d", "dmin"),
@@ -79,7 +78,7 @@ def _instance(qtype: QType, config: BlockConfig, tg: int, out_dtype: torch.dtype
 
 
 def _wrapper(name: str, qtype: QType, config: BlockConfig, tg: int, out_dtype: torch.dtype) -> str:
-    ot = _C_TYPES[out_dtype]
+    ot = mma._C_TYPES[out_dtype]
     return (f'extern "C" __global__ void __launch_bounds__({32 * config.warps}) {name}(const u16* xh, '
             f"const float* scale, const unsigned char* q, const unsigned char* qh, const unsigned char* s, "
             f"const u16* sh, const u16* d, const u16* dmin, {ot}* out, int M, int N, int K) {{ "
@@ -90,8 +89,7 @@ def _wrapper(name: str, qtype: QType, config: BlockConfig, tg: int, out_dtype: t
 def cuda_jobs(weights, sms: int, dtype: torch.dtype) -> list[tuple[str, str]]:
     """(name, whole source) of every launch weights of these (qtype, n, k) take in a model whose x and out are `dtype`
     (1-32 rows: each count of token groups), and x's conversion (mma.cu `prep_x<Q4_K>`)."""
-    if dtype not in _C_TYPES:
-        raise FlashtreeError(f"the block32 MMA kernel takes and writes bf16 or float32 rows, not {dtype}")
+    mma._check_dtypes(dtype)
     jobs = {}
     for qtype, n, k in weights:
         for m in (1, 8, 16, 24, 32):
@@ -111,9 +109,7 @@ def matmul(x: torch.Tensor, fields: dict[str, torch.Tensor], qtype: QType, n: in
     out_dtype = out_dtype or x.dtype
     if qtype not in TYPES:
         raise FlashtreeError(f"the block32 MMA kernel takes {', '.join(t.name for t in TYPES)}, not {qtype.name}")
-    if x.dtype not in _C_TYPES or out_dtype not in _C_TYPES:
-        raise FlashtreeError(f"the block32 MMA kernel takes and writes bf16 or float32 rows, not {x.dtype} -> "
-                             f"{out_dtype}")
+    mma._check_dtypes(x.dtype, out_dtype)
     if m < 1 or not supports((n, k)):
         raise FlashtreeError(f"the block32 MMA kernel needs at least one row and N % 16 == K % 256 == 0, got M {m}, "
                              f"[{n}, {k}]")
